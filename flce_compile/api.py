@@ -1,0 +1,174 @@
+"""The public entry points: ``fused_linear_cross_entropy`` and ``FusedLinearCrossEntropyLoss``.
+
+They check the arguments (errors name the argument and the fix), apply autocast, flatten to 2-D and call the
+custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=True)`` sees one op node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .config import FLCEConfig
+from .op import fused_linear_cross_entropy_op
+from .params import REDUCTIONS
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_ACCUM = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
+              reduction: str, label_smoothing: float, softcap: float | None, accum_dtype: torch.dtype) -> None:
+    if not isinstance(input, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
+        raise TypeError("input, weight and target must be tensors")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    if input.dim() < 1:
+        raise ValueError("input must have a hidden dimension: shape (..., hidden)")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"input's hidden size {input.shape[-1]} differs from weight's {weight.shape[1]}: weight must be "
+            "(vocab, hidden) as in nn.Linear(hidden, vocab).weight"
+        )
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal input's leading shape {tuple(input.shape[:-1])}"
+        )
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer class ids, got dtype {target.dtype}; probabilities/soft targets are "
+            "not supported (cast class ids with target.long())"
+        )
+    if input.dtype not in _FLOATS:
+        raise TypeError(f"input dtype {input.dtype} is unsupported; use one of {_FLOATS}")
+    if input.dtype != weight.dtype:
+        raise TypeError(
+            f"input dtype {input.dtype} differs from weight dtype {weight.dtype}; cast one of them, or run "
+            "under torch.autocast"
+        )
+    if input.device != weight.device or target.device != input.device:
+        raise ValueError(
+            f"input ({input.device}), weight ({weight.device}) and target ({target.device}) must be on one device"
+        )
+    if bias is not None:
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) (one per class), got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise TypeError(f"bias must match weight's dtype and device ({weight.dtype}, {weight.device})")
+    if ce_weight is not None:
+        if tuple(ce_weight.shape) != (weight.shape[0],) or not ce_weight.is_floating_point():
+            raise ValueError(
+                f"ce_weight must be a floating tensor of shape ({weight.shape[0]},) (a weight per class), "
+                f"got {tuple(ce_weight.shape)} {ce_weight.dtype}"
+            )
+        if ce_weight.device != weight.device:
+            raise ValueError(f"ce_weight must be on {weight.device}, got {ce_weight.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is unknown; use one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be > 0, or None for no softcap")
+    if accum_dtype not in _ACCUM:
+        raise TypeError(f"accum_dtype={accum_dtype} is unsupported; use torch.float32 (default) or the weight dtype")
+
+
+def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
+    so fp32 parameters receive fp32 gradients)."""
+    device_type = input.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return input, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = (lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t)
+    return cast(input), cast(weight), cast(bias)
+
+
+def fused_linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ce_weight: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    z_loss: float = 0.0,
+    accum_dtype: torch.dtype = torch.float32,
+    config: FLCEConfig | Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materialising the logits.
+
+    Equals ``F.cross_entropy(z.float().view(-1, V), target.view(-1), weight=ce_weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)`` with
+    ``z = softcap * tanh(s / softcap)`` (or ``s`` without softcap) and ``s = logit_scale * (input @ weight.T + bias)``,
+    plus the z-loss ``z_loss * lse**2`` over non-ignored tokens (unweighted; divided by the count of
+    non-ignored tokens for "mean"). The loss is fp32; "none" returns a tensor shaped like ``target``.
+
+    Args:
+        input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
+        accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (default) is as exact as eager,
+            the weight dtype saves V*H*4 bytes at some accuracy cost.
+        config: force an execution config (``FLCEConfig`` or a dict of its fields); None lets the tuning
+            database / heuristic pick one from the real token count at run time.
+    """
+    _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap, accum_dtype)
+    forced = FLCEConfig.coerce(config)
+    input, weight, bias = _autocast(input, weight, bias)
+    grad_on = torch.is_grad_enabled()
+    hidden = weight.shape[1]
+    x2d = input.reshape(-1, hidden)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    t1d = target.reshape(-1)
+    if t1d.dtype != torch.int64:
+        t1d = t1d.long()
+    cw = ce_weight.to(torch.float32).contiguous() if ce_weight is not None else None
+    loss, _lse, _dx, _dw, _db = fused_linear_cross_entropy_op(
+        x2d,
+        weight.contiguous(),
+        t1d.contiguous(),
+        bias.contiguous() if bias is not None else None,
+        cw,
+        int(ignore_index),
+        reduction,
+        float(label_smoothing),
+        float(softcap) if softcap is not None else 0.0,
+        float(logit_scale),
+        float(z_loss),
+        accum_dtype,
+        grad_on and input.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+        forced.to_json() if forced is not None else "",
+    )
+    if reduction == "none":
+        return loss.view(target.shape)
+    return loss
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`: options at construction, tensors at call."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        # Validate option names now rather than on the first batch.
+        allowed = {"ce_weight", "ignore_index", "reduction", "label_smoothing", "softcap", "logit_scale",
+                   "z_loss", "accum_dtype", "config"}
+        unknown = set(options) - allowed
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(allowed)}")
+        ce_weight = options.pop("ce_weight", None)
+        self.register_buffer("ce_weight", ce_weight, persistent=False)
+        self.options = options
+
+    def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
+        return fused_linear_cross_entropy(input, weight, target, bias, ce_weight=self.ce_weight, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

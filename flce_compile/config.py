@@ -1,0 +1,125 @@
+"""Execution configs of the fused op, and the one place that picks a config when the caller gives none.
+
+A config names a strategy and its parameters. ``choose_config`` is called inside the op at run time with the
+real token count, so a varying token count never changes the traced graph; it asks the tuning database first
+and falls back to a heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .log import logger
+
+#: Strategies the op knows. "torch": chunked PyTorch (CPU or GPU, GEMMs and CE in torch ops).
+#: "triton": chunked cuBLAS GEMMs with the cross-entropy part in one Triton kernel per chunk (GPU, or CPU
+#: under TRITON_INTERPRET=1).
+STRATEGIES = ("torch", "triton")
+#: How dW is accumulated over chunks. "addmm": one GEMM per chunk that adds into the accumulator
+#: (fp32 output from bf16/fp16 operands where torch offers it). "mm_add": a GEMM into a temporary, then an add.
+DW_PATHS = ("addmm", "mm_add")
+
+
+@dataclass(frozen=True)
+class FLCEConfig:
+    """How the fused op runs: strategy, tokens per chunk and the CE kernel's launch parameters."""
+
+    strategy: str = "torch"
+    chunk_tokens: int = 1024
+    block_v: int = 4096
+    num_warps: int = 8
+    num_stages: int = 1
+    dw_path: str = "addmm"
+    streams: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"config.strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
+        if self.dw_path not in DW_PATHS:
+            raise ValueError(f"config.dw_path={self.dw_path!r} is unknown; use one of {DW_PATHS}")
+        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.{name}={value!r} must be a positive int")
+        for name in ("block_v", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"config.{name}={value} must be a power of two")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "FLCEConfig":
+        """Build a config from a mapping; unknown keys are an error that lists the valid ones."""
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - valid
+        if unknown:
+            raise ValueError(f"config has unknown keys {sorted(unknown)}; valid keys are {sorted(valid)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def coerce(cls, config: "FLCEConfig | Mapping[str, Any] | str | None") -> "FLCEConfig | None":
+        """Accept a config, a dict, a JSON string or None (None means: let ``choose_config`` pick)."""
+        if config is None or isinstance(config, FLCEConfig):
+            return config
+        if isinstance(config, str):
+            return cls.from_dict(json.loads(config)) if config else None
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        raise TypeError(f"config must be an FLCEConfig, a dict or None, got {type(config).__name__}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> FLCEConfig:
+    """The untuned default.
+
+    The chunk is sized so one chunk of logits stays near 256 MiB (large enough that each chunk's GEMMs run
+    near peak, small enough to stay far below the memory the full logits would take), clamped to [128, 8192]
+    tokens and to the token count.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    budget_bytes = 256 * 2**20
+    chunk = max(128, min(8192, budget_bytes // max(1, vocab * itemsize)))
+    chunk = 1 << (chunk.bit_length() - 1)  # round down to a power of two
+    chunk = max(1, min(chunk, _next_pow2(max(1, num_tokens))))
+    on_gpu = device.type == "cuda"
+    return FLCEConfig(
+        strategy="triton" if on_gpu else "torch",
+        chunk_tokens=chunk,
+        block_v=4096 if on_gpu else 1024,
+        num_warps=16 if on_gpu else 4,
+        num_stages=1,
+        dw_path="addmm",
+        streams=False,
+    )
+
+
+def choose_config(
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+) -> tuple[FLCEConfig, str]:
+    """Pick the config for one call and say where it came from ("tuning_db:<source>" or "heuristic")."""
+    try:
+        from .tuning.db import lookup
+    except ImportError:  # the tuning package is optional at this layer
+        lookup = None
+    if lookup is not None and device.type == "cuda":
+        found = lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens, device=device)
+        if found is not None:
+            config, source = found
+            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
+            return config, source
+    config = heuristic_config(num_tokens, vocab, hidden, dtype, device)
+    logger.debug("config for V=%d H=%d tokens=%d from heuristic", vocab, hidden, num_tokens)
+    return config, "heuristic"

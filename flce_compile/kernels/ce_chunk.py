@@ -1,0 +1,150 @@
+"""Triton kernel: the cross-entropy part of one chunk, one program per token row.
+
+Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse,
+and the weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient
+is wanted, re-reads each block and overwrites it in place with dloss/dlogits. All math is fp32; the true-class
+term is formed in fp32 before the single rounding to the logits dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _transform(raw, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw logit -> z (scaled, then soft-capped), and tanh(s/softcap) for the derivative."""
+    s = raw.to(tl.float32) * logit_scale
+    if HAS_SOFTCAP:
+        u = s / softcap
+        # tanh through exp(-2|u|): no overflow for any u, exact sign.
+        e = tl.exp(-2.0 * tl.abs(u))
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(u < 0, -t, t)
+        return t * softcap, t
+    return s, s
+
+
+@triton.jit
+def _round_bf16_rtne(x):
+    """Pre-round fp32 so that a truncating fp32 -> bf16 cast lands on round-to-nearest-even. Only for the
+    Triton interpreter, whose bf16 cast truncates; the GPU's cast already rounds to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits += 0x7FFF + ((bits >> 16) & 1)
+    bits = bits & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ce_chunk_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    ce_weight_ptr,
+    weight_sum_ptr,
+    ce_scale_ptr,
+    z_scale_ptr,
+    scale_stride,
+    loss_ptr,
+    lse_out_ptr,
+    lse_in_ptr,
+    vocab,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    logit_scale,
+    z_loss,
+    HAS_CE_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_LSE_IN: tl.constexpr,
+    WRITE_LOSS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    EMULATE_BF16_RTNE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target = tl.load(target_ptr + row)
+    ignored = target == ignore_index
+    invalid = (target < 0) | (target >= vocab)
+    invalid = invalid & (ignored == 0)
+    safe_target = tl.where(ignored | invalid, 0, target)
+    cols = tl.arange(0, BLOCK_V)
+
+    if HAS_LSE_IN:
+        lse = tl.load(lse_in_ptr + row)
+        weighted_z = 0.0
+    else:
+        running_max = -float("inf")
+        running_sum = 0.0
+        weighted_z = 0.0
+        for start in range(0, vocab, BLOCK_V):
+            offs = start + cols
+            mask = offs < vocab
+            raw = tl.load(row_ptr + offs, mask=mask, other=0.0)
+            z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)  # finite where masked (raw = 0)
+            z_max = tl.where(mask, z, -float("inf"))
+            new_max = tl.maximum(running_max, tl.max(z_max, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z_max - new_max), axis=0)
+            running_max = new_max
+            if HAS_SMOOTHING:
+                if HAS_CE_WEIGHT:
+                    w = tl.load(ce_weight_ptr + offs, mask=mask, other=0.0)
+                    weighted_z += tl.sum(z * w, axis=0)
+                else:
+                    weighted_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = running_max + tl.log(running_sum)
+
+    if HAS_CE_WEIGHT:
+        w_y = tl.load(ce_weight_ptr + safe_target)
+    else:
+        w_y = 1.0
+    ce_scale = tl.load(ce_scale_ptr + row * scale_stride)
+    z_scale = tl.load(z_scale_ptr + row * scale_stride)
+    weight_sum = tl.load(weight_sum_ptr)
+    smooth_per_class = label_smoothing / vocab
+
+    if WRITE_LOSS:
+        raw_y = tl.load(row_ptr + safe_target)
+        z_y, _t = _transform(raw_y, logit_scale, softcap, HAS_SOFTCAP)
+        ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
+        if HAS_SMOOTHING:
+            ce += smooth_per_class * (weight_sum * lse - weighted_z)
+        loss = ce * ce_scale
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse * z_scale
+        loss = tl.where(ignored, 0.0, loss)
+        loss = tl.where(invalid, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+    if WRITE_LSE:
+        tl.store(lse_out_ptr + row, lse)
+
+    if WRITE_GRAD:
+        coef = ce_scale * ((1.0 - label_smoothing) * w_y + smooth_per_class * weight_sum)
+        if HAS_Z_LOSS:
+            coef += z_scale * 2.0 * z_loss * lse
+        true_class = ce_scale * (1.0 - label_smoothing) * w_y
+        row_factor = tl.where(ignored, 0.0, 1.0)
+        row_factor = tl.where(invalid, float("nan"), row_factor)
+        for start in range(0, vocab, BLOCK_V):
+            offs = start + cols
+            mask = offs < vocab
+            raw = tl.load(row_ptr + offs, mask=mask, other=0.0)
+            z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)
+            g = coef * tl.exp(z - lse) - tl.where(offs == safe_target, true_class, 0.0)
+            if HAS_SMOOTHING:
+                if HAS_CE_WEIGHT:
+                    w = tl.load(ce_weight_ptr + offs, mask=mask, other=0.0)
+                    g -= ce_scale * smooth_per_class * w
+                else:
+                    g -= ce_scale * smooth_per_class
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)
+            g = g * (logit_scale * row_factor)
+            if EMULATE_BF16_RTNE:
+                g = _round_bf16_rtne(g)
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,80 @@
+"""The peak-memory bound of the fused op, as one sympy expression.
+
+"Peak" means bytes allocated above the inputs and the returned loss/gradients. The tuner checks candidate
+configs against a budget with it, the docs quote it, and the tests hold measured peaks to it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import sympy
+import torch
+
+from .config import FLCEConfig
+
+BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
+#: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
+S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
+#: 0/1 switches: dW wanted, bias gradient wanted, dW via a temporary (dw_path "mm_add").
+NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True, nonnegative=True)
+#: fp32 temporaries of one chunk that the pure-PyTorch CE step holds at once (0 for the Triton kernel).
+K32 = sympy.symbols("k32", integer=True, nonnegative=True)
+
+#: Per-token fp32 vectors (loss rows, lse) and int64/bool masks of one chunk, bytes per token.
+PER_TOKEN_BYTES = 8
+PER_CHUNK_ROW_BYTES = 64
+#: Fixed slack for allocator rounding and small scalars.
+SLACK_BYTES = 1 << 20
+
+
+@functools.cache
+def peak_bytes_expr() -> sympy.Expr:
+    """Bytes above inputs and outputs: one chunk of logits (+ CE temporaries), the dW/db accumulators and
+    the per-token vectors. Nothing is of size BT x V."""
+    rows = sympy.Min(CHUNK, BT)
+    logits_chunk = rows * V * S
+    ce_temporaries = K32 * rows * V * 4
+    dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
+    db_accumulator = NEED_DB * V * 4
+    per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
+    return logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + per_token + SLACK_BYTES
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def torch_step_fp32_temporaries(softcap: bool) -> int:
+    """fp32 chunk-sized buffers the PyTorch CE step holds at its peak: z (then p, then g) and, with a
+    softcap, tanh(z) for the derivative; plus one for the weighted-sum or upcast dW operand."""
+    return 3 if softcap else 2
+
+
+def peak_bytes(
+    config: FLCEConfig,
+    num_tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    accum_dtype: torch.dtype = torch.float32,
+    *,
+    need_dw: bool = True,
+    need_db: bool = False,
+    softcap: bool = False,
+) -> int:
+    """Evaluate ``peak_bytes_expr`` for one call of the op with ``config``."""
+    separate_acc = need_dw and accum_dtype != dtype
+    values = {
+        BT: max(num_tokens, 1),
+        V: vocab,
+        H: hidden,
+        CHUNK: config.chunk_tokens,
+        S: _itemsize(dtype),
+        ACC: _itemsize(accum_dtype) if separate_acc else 0,
+        NEED_DW: int(need_dw),
+        NEED_DB: int(need_db),
+        DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
+        K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
+    }
+    return int(peak_bytes_expr().subs(values))

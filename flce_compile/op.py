@@ -1,0 +1,195 @@
+"""The fused op as torch.library custom ops, with fake implementations and an autograd formula.
+
+``flce::fused_linear_cross_entropy`` takes 2-D input and 1-D target and returns (loss, lse, dx, dw, db): for
+mean/sum the gradients are computed in the forward pass (three GEMMs in all) and backward only scales them by
+grad_output; for "none" the forward returns the per-token loss and lse and backward calls
+``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
+A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
+the real token count, so a varying token count never recompiles.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .config import FLCEConfig, choose_config
+from .params import LossParams
+from .strategies import fused_backward_per_token, fused_forward
+
+_EMPTY = (0,)
+
+
+def _params(ignore_index: int, reduction: str, label_smoothing: float, softcap: float, logit_scale: float,
+            z_loss: float) -> LossParams:
+    return LossParams(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
+
+
+def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
+    forced = FLCEConfig.coerce(config)
+    if forced is not None:
+        return forced
+    return choose_config(input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
+
+
+def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range targets raise on the CPU (and under FLCE_DEBUG=1); on the GPU their loss is NaN instead,
+    because checking would cost a host sync."""
+    if target.device.type != "cpu" and os.environ.get("FLCE_DEBUG") != "1":
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        first = int(target[bad][0])
+        raise ValueError(
+            f"target holds class id {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
+            "fix the labels or pass the ignore_index they use"
+        )
+
+
+@torch.library.custom_op("flce::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    ce_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float,
+    logit_scale: float,
+    z_loss: float,
+    accum_dtype: torch.dtype,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
+    _check_targets(target, weight.shape[0], ignore_index)
+    p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
+    with torch.autocast(input.device.type, enabled=False):
+        loss, lse, dx, dw, db = fused_forward(
+            input, weight, target, bias, ce_weight, p, _config(config, input, weight), accum_dtype,
+            compute_dx, compute_dw, compute_db,
+        )
+    empty = input.new_empty(_EMPTY)
+    return (
+        loss,
+        lse if lse is not None else empty.float(),
+        dx if dx is not None else empty,
+        dw if dw is not None else weight.new_empty(_EMPTY),
+        db if db is not None else weight.new_empty(_EMPTY),
+    )
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, ignore_index, reduction,
+                                     label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
+                                     compute_dx, compute_dw, compute_db, config):
+    n = input.shape[0]
+    per_token = reduction == "none"
+    grads = not per_token
+    loss = input.new_empty((n,) if per_token else (), dtype=torch.float32)
+    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=torch.float32)
+    dx = input.new_empty(input.shape if grads and compute_dx else _EMPTY)
+    dw = weight.new_empty(weight.shape if grads and compute_dw else _EMPTY)
+    db = weight.new_empty(bias.shape if grads and compute_db and bias is not None else _EMPTY)
+    return loss, lse, dx, dw, db
+
+
+@torch.library.custom_op("flce::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward_op(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    ce_weight: Optional[Tensor],
+    lse: Tensor,
+    grad_rows: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    logit_scale: float,
+    z_loss: float,
+    accum_dtype: torch.dtype,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum_i grad_rows[i] * loss_i (reduction "none"), recomputing logits chunk by chunk."""
+    p = _params(ignore_index, "none", label_smoothing, softcap, logit_scale, z_loss)
+    with torch.autocast(input.device.type, enabled=False):
+        dx, dw, db = fused_backward_per_token(
+            input, weight, target, bias, ce_weight, lse, grad_rows, p, _config(config, input, weight),
+            accum_dtype, compute_dx, compute_dw, compute_db and bias is not None,
+        )
+    return (
+        dx if dx is not None else input.new_empty(_EMPTY),
+        dw if dw is not None else weight.new_empty(_EMPTY),
+        db if db is not None else weight.new_empty(_EMPTY),
+    )
+
+
+@fused_linear_cross_entropy_backward_op.register_fake
+def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows,
+                                              ignore_index, label_smoothing, softcap, logit_scale, z_loss,
+                                              accum_dtype, compute_dx, compute_dw, compute_db, config):
+    return (
+        input.new_empty(input.shape if compute_dx else _EMPTY),
+        weight.new_empty(weight.shape if compute_dw else _EMPTY),
+        weight.new_empty(bias.shape if compute_db and bias is not None else _EMPTY),
+    )
+
+
+_ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "ignore_index", "reduction", "label_smoothing",
+              "softcap", "logit_scale", "z_loss", "accum_dtype", "compute_dx", "compute_dw", "compute_db",
+              "config")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_ARG_NAMES, inputs))
+    loss, lse, dx, dw, db = output
+    ctx.args = {k: v for k, v in args.items() if not isinstance(v, Tensor) and v is not None}
+    ctx.has_bias = args["bias"] is not None
+    ctx.mark_non_differentiable(lse, dx, dw, db)
+    if args["reduction"] == "none":
+        ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
+    else:
+        ctx.save_for_backward(dx, dw, db)
+
+
+def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
+    a = ctx.args
+    need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    if a["reduction"] == "none":
+        input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+        dx, dw, db = fused_linear_cross_entropy_backward_op(
+            input, weight, target, bias, ce_weight, lse, grad_loss, a["ignore_index"], a["label_smoothing"],
+            a["softcap"], a["logit_scale"], a["z_loss"], a["accum_dtype"], need_x, need_w,
+            bool(need_b and ctx.has_bias), a["config"],
+        )
+    else:
+        dx, dw, db = ctx.saved_tensors
+        # Scaled in place: a copy would hold a second dW-sized buffer at the peak. The saved tensors are
+        # consumed, so a second backward through this node (retain_graph) fails on autograd's version check
+        # instead of returning gradients scaled twice.
+        # Under torch.compile the copy is functional and Inductor may reuse the saved buffer for it.
+        g = grad_loss.to(torch.float32)
+        in_place = not torch.compiler.is_compiling()
+        dx, dw, db = ((t.mul_(g) if in_place else t * g.to(t.dtype)) if t.numel() else t for t in (dx, dw, db))
+    return (
+        dx if need_x else None,
+        dw if need_w else None,
+        None,
+        db if need_b and ctx.has_bias else None,
+    ) + (None,) * (len(_ARG_NAMES) - 4)
+
+
+torch.library.register_autograd(
+    "flce::fused_linear_cross_entropy", _backward, setup_context=_setup_context
+)

@@ -1,0 +1,33 @@
+"""The contract between the chunk loop and a cross-entropy step implementation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CEStepArgs:
+    """One chunk's CE step.
+
+    logits: (rows, V) raw logits x W^T + b in the compute dtype, contiguous; overwritten with dloss/dlogits
+        when ``write_grad``.
+    target: (rows,) int64 class ids.
+    ce_weight: (V,) fp32 class weights or None; weight_sum: 0-dim fp32 sum of the class weights (V if None).
+    ce_scale, z_scale: fp32, 0-dim or (rows,): the factor applied to the cross-entropy and z-loss terms of
+        each row (1/sum of target weights and 1/valid tokens for "mean", 1 for "sum", grad_output for the
+        per-token backward).
+    loss_out, lse_out: (rows,) fp32 outputs or None; lse_in: a known lse (rows,) that skips the first pass.
+    """
+
+    logits: torch.Tensor
+    target: torch.Tensor
+    ce_weight: torch.Tensor | None
+    weight_sum: torch.Tensor
+    ce_scale: torch.Tensor
+    z_scale: torch.Tensor
+    loss_out: torch.Tensor | None
+    lse_out: torch.Tensor | None
+    lse_in: torch.Tensor | None
+    write_grad: bool

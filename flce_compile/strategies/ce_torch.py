@@ -1,0 +1,66 @@
+"""The cross-entropy step of one chunk in plain PyTorch: the CPU path, and the reference for the kernel.
+
+Given one chunk of raw logits (rows x V, in the compute dtype) it writes each row's scaled loss and lse and,
+when asked, overwrites the logits with the gradient of the loss with respect to them. All math is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..params import LossParams
+from .ce_common import CEStepArgs
+
+
+def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
+    """Run the CE step of one chunk with torch ops (see ``CEStepArgs`` for the contract)."""
+    logits, target = args.logits, args.target
+    vocab = logits.shape[1]
+    eps = p.label_smoothing
+    z = logits.to(torch.float32, copy=True)
+    if p.logit_scale != 1.0:
+        z.mul_(p.logit_scale)
+    tanh_z = None
+    if p.softcap:
+        tanh_z = z.div_(p.softcap).tanh_()
+        z = tanh_z * p.softcap
+    ignored = target == p.ignore_index
+    invalid = ~ignored & ((target < 0) | (target >= vocab))
+    safe_target = torch.where(ignored | invalid, torch.zeros_like(target), target)
+    lse = torch.logsumexp(z, dim=1) if args.lse_in is None else args.lse_in
+    w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
+    ce_scale, z_scale = args.ce_scale, args.z_scale
+
+    if args.loss_out is not None:
+        z_y = z.gather(1, safe_target[:, None]).squeeze(1)
+        ce = (1.0 - eps) * w_y * (lse - z_y)
+        if eps:
+            weighted_z = z @ args.ce_weight if args.ce_weight is not None else z.sum(dim=1)
+            ce = ce + (eps / vocab) * (args.weight_sum * lse - weighted_z)
+        row = ce * ce_scale
+        if p.z_loss:
+            row = row + p.z_loss * lse * lse * z_scale
+        row = row.masked_fill(ignored, 0.0).masked_fill(invalid, float("nan"))
+        args.loss_out.copy_(row)
+        if args.lse_out is not None:
+            args.lse_out.copy_(lse)
+
+    if not args.write_grad:
+        return
+    # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
+    g = z.sub_(lse[:, None]).exp_()
+    coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
+    if p.z_loss:
+        coef = coef + z_scale * (2.0 * p.z_loss) * lse
+    g.mul_(coef[:, None])
+    true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
+    g.scatter_add_(1, safe_target[:, None], true_class[:, None].contiguous())
+    if eps:
+        class_w = args.ce_weight if args.ce_weight is not None else torch.ones(vocab, device=g.device)
+        g.addr_(ce_scale.expand_as(lse).contiguous(), class_w, alpha=-eps / vocab)
+    if tanh_z is not None:
+        g.mul_(tanh_z.square_().neg_().add_(1.0))  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
+    if p.logit_scale != 1.0:
+        g.mul_(p.logit_scale)
+    g.masked_fill_(ignored[:, None], 0.0).masked_fill_(invalid[:, None], float("nan"))
+    logits.copy_(g)

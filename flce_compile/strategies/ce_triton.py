@@ -1,0 +1,56 @@
+"""The cross-entropy step of one chunk through the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..config import FLCEConfig
+from ..params import LossParams
+from .ce_common import CEStepArgs
+
+
+def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
+    """Launch ``ce_chunk_kernel`` over the chunk's rows (see ``CEStepArgs`` for the contract)."""
+    from ..kernels.ce_chunk import ce_chunk_kernel
+
+    logits = args.logits
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    block_v = min(config.block_v, triton.next_power_of_2(vocab))
+    per_row = args.ce_scale.dim() == 1
+    dummy = args.weight_sum  # any fp32 tensor stands in for pointers a constexpr flag disables
+    ce_chunk_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        args.target,
+        args.ce_weight if args.ce_weight is not None else dummy,
+        args.weight_sum,
+        args.ce_scale,
+        args.z_scale,
+        1 if per_row else 0,
+        args.loss_out if args.loss_out is not None else dummy,
+        args.lse_out if args.lse_out is not None else dummy,
+        args.lse_in if args.lse_in is not None else dummy,
+        vocab,
+        p.ignore_index,
+        float(p.label_smoothing),
+        float(p.softcap or 1.0),
+        float(p.logit_scale),
+        float(p.z_loss),
+        HAS_CE_WEIGHT=args.ce_weight is not None,
+        HAS_SOFTCAP=bool(p.softcap),
+        HAS_SMOOTHING=p.label_smoothing > 0,
+        HAS_Z_LOSS=p.z_loss != 0,
+        HAS_LSE_IN=args.lse_in is not None,
+        WRITE_LOSS=args.loss_out is not None,
+        WRITE_LSE=args.lse_out is not None,
+        WRITE_GRAD=args.write_grad,
+        EMULATE_BF16_RTNE=logits.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_V=block_v,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

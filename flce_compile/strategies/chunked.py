@@ -1,0 +1,251 @@
+"""The chunk loop shared by every strategy: per chunk of tokens, logits GEMM -> CE step -> dX and dW GEMMs.
+
+Only one chunk of logits exists at a time (two with stream overlap); the CE step overwrites it with the logit
+gradient, so the three GEMMs are all the matrix work a call does. Nothing here reads a device value on the
+host: token counts and normalisers stay on the device, so the loop never stalls the GPU and can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..config import FLCEConfig
+from ..log import logger
+from ..params import LossParams
+from .ce_common import CEStepArgs
+from .ce_torch import ce_step_torch
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
+    if config.strategy == "triton":
+        from .ce_triton import ce_step_triton
+
+        return functools.partial(ce_step_triton, config=config)
+    return ce_step_torch
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device)
+
+
+class _DwAccumulator:
+    """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 or in the weight dtype.
+
+    On CUDA, bf16/fp16 operands can add straight into an fp32 accumulator (cuBLAS with an fp32 C, through
+    ``out_dtype``); where that is missing, or with dw_path="mm_add", each chunk's product goes through a
+    temporary. On the CPU an fp32 accumulator takes upcast operands (no mixed-dtype GEMM there).
+    """
+
+    _mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
+
+    def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str) -> None:
+        self.dtype = weight.dtype
+        self.separate = accum_dtype != weight.dtype
+        self.acc = torch.zeros(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        self.dw_path = dw_path
+        self.on_cuda = weight.device.type == "cuda"
+
+    def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
+        acc = self.acc
+        if not self.separate:
+            acc.addmm_(grad_t, x)
+        elif not self.on_cuda:
+            if self.dw_path == "mm_add":
+                acc.add_(torch.mm(grad_t, x))
+            else:
+                acc.addmm_(grad_t.float(), x.float())
+        elif self.dw_path == "addmm" and _DwAccumulator._mixed_addmm_ok is not False:
+            try:
+                torch.addmm(acc, grad_t, x, out_dtype=acc.dtype, out=acc)
+                _DwAccumulator._mixed_addmm_ok = True
+            except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
+                _DwAccumulator._mixed_addmm_ok = False
+                logger.warning("fp32-output addmm unavailable (%s); dW uses a temporary per chunk", exc)
+                acc.add_(torch.mm(grad_t, x))
+        else:
+            acc.add_(torch.mm(grad_t, x))
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype) if self.separate else self.acc
+
+
+def _reduction_scales(
+    target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row factors of the CE and z-loss terms: 1/sum(w[y]) and 1/valid-count for "mean", else 1.
+
+    Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
+    """
+    one = torch.ones((), dtype=torch.float32, device=target.device)
+    if p.reduction != "mean":
+        return one, one
+    valid = target != p.ignore_index
+    n_valid = valid.sum(dtype=torch.float32)
+    if ce_weight is None:
+        denom = n_valid
+    else:
+        safe = torch.where(valid, target, torch.zeros_like(target)).clamp_(0, vocab - 1)
+        denom = torch.where(valid, ce_weight[safe], torch.zeros((), device=target.device)).sum()
+    return one / denom, one / n_valid
+
+
+def _run_chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    p: LossParams,
+    config: FLCEConfig,
+    accum_dtype: torch.dtype,
+    *,
+    ce_scale: torch.Tensor,
+    z_scale: torch.Tensor,
+    loss_rows: torch.Tensor | None,
+    lse_rows: torch.Tensor | None,
+    lse_in: torch.Tensor | None,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> Grads:
+    n, _hidden = x.shape
+    vocab = weight.shape[0]
+    device = x.device
+    write_grad = need_dx or need_dw or need_db
+    ce_step = _ce_step(config)
+    weight_sum = (
+        ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), device=device)
+    )
+    chunk = max(1, min(config.chunk_tokens, n))
+    overlap = config.streams and device.type == "cuda" and (need_dw or need_db)
+    buffers = [torch.empty(chunk, vocab, dtype=x.dtype, device=device) for _ in range(2 if overlap else 1)]
+    dx = torch.empty_like(x) if need_dx else None
+    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if need_dw else None
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
+    main = torch.cuda.current_stream(device) if overlap else None
+    side = _side_stream(device) if overlap else None
+    buffer_free: list[torch.cuda.Event | None] = [None, None]
+    weight_t = weight.t()
+
+    for index, start in enumerate(range(0, n, chunk)):
+        stop = min(start + chunk, n)
+        slot = index % len(buffers)
+        logits = buffers[slot][: stop - start]
+        x_c = x[start:stop]
+        if overlap and buffer_free[slot] is not None:
+            main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
+        if bias is not None:
+            torch.addmm(bias, x_c, weight_t, out=logits)
+        else:
+            torch.mm(x_c, weight_t, out=logits)
+        rows = slice(start, stop)
+        ce_step(
+            CEStepArgs(
+                logits=logits,
+                target=target[rows],
+                ce_weight=ce_weight,
+                weight_sum=weight_sum,
+                ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
+                z_scale=z_scale[rows] if z_scale.dim() else z_scale,
+                loss_out=loss_rows[rows] if loss_rows is not None else None,
+                lse_out=lse_rows[rows] if lse_rows is not None else None,
+                lse_in=lse_in[rows] if lse_in is not None else None,
+                write_grad=write_grad,
+            ),
+            p,
+        )
+        if dx is not None:
+            torch.mm(logits, weight, out=dx[rows])
+        if overlap:
+            ready = main.record_event()
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
+                buffer_free[slot] = side.record_event()
+        else:
+            _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
+    if overlap:
+        main.wait_stream(side)
+    dw = dw_acc.result() if dw_acc is not None else None
+    db = db_acc.to(bias.dtype) if db_acc is not None and bias is not None else None
+    return dx, dw, db
+
+
+def _accumulate_weight_grads(
+    dw_acc: _DwAccumulator | None, db_acc: torch.Tensor | None, grad: torch.Tensor, x_c: torch.Tensor
+) -> None:
+    if dw_acc is not None:
+        dw_acc.add(grad.t(), x_c)
+    if db_acc is not None:
+        db_acc.add_(grad.sum(dim=0, dtype=torch.float32))
+
+
+def fused_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    p: LossParams,
+    config: FLCEConfig,
+    accum_dtype: torch.dtype,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss of (x (N,H), weight (V,H), target (N,)) and, when asked, its gradients, in one chunked pass.
+
+    Returns (loss, lse, dx, dw, db): loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for
+    "none" (its backward needs it); gradients are unscaled by grad_output and only for mean/sum.
+    """
+    n = x.shape[0]
+    vocab = weight.shape[0]
+    per_token = p.reduction == "none"
+    ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse_rows = torch.empty(n, dtype=torch.float32, device=x.device) if per_token else None
+    want_grads = not per_token
+    dx, dw, db = _run_chunks(
+        x, weight, target, bias, ce_weight, p, config, accum_dtype,
+        ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None,
+        need_dx=need_dx and want_grads, need_dw=need_dw and want_grads, need_db=need_db and want_grads,
+    )
+    if per_token:
+        return loss_rows, lse_rows, None, None, None
+    loss = loss_rows.sum()
+    if p.reduction == "mean":
+        # An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and so is ours.
+        loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
+    return loss, None, dx, dw, db
+
+
+def fused_backward_per_token(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    p: LossParams,
+    config: FLCEConfig,
+    accum_dtype: torch.dtype,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> Grads:
+    """Gradients of sum_i grad_rows[i] * loss_i for reduction="none": recomputes each chunk's logits (a fourth
+    GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM."""
+    scale = grad_rows.to(torch.float32).contiguous()
+    return _run_chunks(
+        x, weight, target, bias, ce_weight, p, config, accum_dtype,
+        ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
+        need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+    )

@@ -1,0 +1,33 @@
+"""Reference losses for the tests: the spec's formula in eager PyTorch, at the inputs' dtype or in fp64."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_loss(x, w, t, b=None, *, ce_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                   softcap=None, logit_scale=1.0, z_loss=0.0, upcast=None):
+    """F.cross_entropy(z.float()) (+ z-loss) with s = logit_scale * (x W^T + b) and z the soft-capped s.
+
+    upcast=torch.float64 computes everything in fp64 (the ground truth); None computes the linear layer and
+    softcap in the inputs' dtype as eager PyTorch code would, then the CE in fp32.
+    """
+    if upcast is not None:
+        x, w = x.to(upcast), w.to(upcast)
+        b = b.to(upcast) if b is not None else None
+    s = F.linear(x, w, b)
+    if logit_scale != 1.0:
+        s = s * logit_scale
+    z = softcap * torch.tanh(s / softcap) if softcap else s
+    z = z.float() if upcast is None else z
+    V = w.shape[0]
+    cw = ce_weight.to(z.dtype) if ce_weight is not None else None
+    loss = F.cross_entropy(z.reshape(-1, V), t.reshape(-1), weight=cw, ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(z.reshape(-1, V), dim=-1)
+        valid = (t.reshape(-1) != ignore_index).to(lse.dtype)
+        zl = z_loss * lse * lse * valid
+        loss = loss + {"mean": lambda: zl.sum() / valid.sum(), "sum": zl.sum, "none": lambda: zl}[reduction]()
+    return loss.view(t.shape) if reduction == "none" else loss
