@@ -76,11 +76,11 @@ def fused_linear_cross_entropy_op(
             input, weight, target, bias, ce_weight, p, _config(config, input, weight), accum_dtype,
             compute_dx, compute_dw, compute_db,
         )
-    empty = input.new_empty(_EMPTY)
+    # Absent results are distinct empty tensors: custom op outputs may not alias each other.
     return (
         loss,
-        lse if lse is not None else empty.float(),
-        dx if dx is not None else empty,
+        lse if lse is not None else input.new_empty(_EMPTY, dtype=torch.float32),
+        dx if dx is not None else input.new_empty(_EMPTY),
         dw if dw is not None else weight.new_empty(_EMPTY),
         db if db is not None else weight.new_empty(_EMPTY),
     )
@@ -160,7 +160,11 @@ def _setup_context(ctx, inputs, output) -> None:
     if args["reduction"] == "none":
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:
-        ctx.save_for_backward(dx, dw, db)
+        # The forward-computed gradients are kept on ctx, not saved: backward takes the only reference and
+        # returns them scaled in place, so autograd can adopt them as .grad without a copy (a saved tensor
+        # would still be referenced, and AccumulateGrad would clone a dW-sized buffer). They are
+        # non-differentiable outputs, so no reference cycle runs through them.
+        ctx.grads = (dx, dw, db)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
@@ -174,11 +178,16 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
             bool(need_b and ctx.has_bias), a["config"],
         )
     else:
-        dx, dw, db = ctx.saved_tensors
-        # Scaled in place: a copy would hold a second dW-sized buffer at the peak. The saved tensors are
-        # consumed, so a second backward through this node (retain_graph) fails on autograd's version check
-        # instead of returning gradients scaled twice.
-        # Under torch.compile the copy is functional and Inductor may reuse the saved buffer for it.
+        if ctx.grads is None:
+            raise RuntimeError(
+                "backward ran twice through flce::fused_linear_cross_entropy; its gradients are computed in "
+                "the forward pass and consumed by the first backward. Recompute the loss instead of "
+                "retain_graph=True, or use reduction='none' (whose backward recomputes)"
+            )
+        dx, dw, db = ctx.grads
+        ctx.grads = None
+        # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
+        # product is functional and Inductor may reuse the buffer for it.
         g = grad_loss.to(torch.float32)
         in_place = not torch.compiler.is_compiling()
         dx, dw, db = ((t.mul_(g) if in_place else t * g.to(t.dtype)) if t.numel() else t for t in (dx, dw, db))

@@ -1,0 +1,153 @@
+"""End-to-end training step of a Llama-3.2-1B-shaped HF model: eager, inductor, Liger (if installed) and
+backend="flce" with each inner compiler (logits dropped). GPU only.
+
+    python benchmarks/bench_e2e.py                      # S = 16384 and 65536, all variants
+    python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce-inductor
+
+Prints a table (peak GB, median step ms after warm-up) and writes JSON + markdown under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("eager", "inductor", "liger", "flce-inductor", "flce-aot_eager", "flce-eager")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_model():
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def prepare(variant: str, model):
+    """A callable (input_ids, labels) -> loss for one variant, or raise RuntimeError('unavailable: ...')."""
+    torch._dynamo.reset()
+    if variant == "eager":
+        fn = model
+    elif variant == "inductor":
+        fn = torch.compile(model, backend="inductor")
+    elif variant == "liger":
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError as exc:
+            raise RuntimeError(f"unavailable: liger_kernel not importable ({exc})") from exc
+        # The patch is in place (main() runs liger last, so the other variants see the unpatched model).
+        if not getattr(model, "_bench_liger_patched", False):
+            _apply_liger_kernel_to_instance(model=model)
+            model._bench_liger_patched = True
+        fn = model
+    elif variant.startswith("flce-"):
+        import flce_compile.compiler  # noqa: F401  (registers backend="flce" when not installed)
+
+        fn = torch.compile(model, backend="flce", options={"flce.inner": variant[5:], "flce.logits": "drop"})
+    else:
+        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    return lambda ids: fn(input_ids=ids, labels=ids).loss
+
+
+def run_one(variant: str, model, seq: int, steps: int, warmup: int) -> dict:
+    row: dict = {"variant": variant, "seq": seq}
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+    try:
+        step_fn = prepare(variant, model)
+        times = []
+        for i in range(warmup + steps):
+            model.zero_grad(set_to_none=True)
+            if i == warmup:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            loss = step_fn(ids)
+            loss.backward()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+        row.update(status="ok", loss=float(loss), step_ms=statistics.median(times),
+                   peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+    except torch.cuda.OutOfMemoryError:
+        row.update(status="OOM")
+    except RuntimeError as exc:
+        if "out of memory" in str(exc).lower():
+            row.update(status="OOM")
+        elif str(exc).startswith("unavailable"):
+            row.update(status=str(exc))
+        else:
+            row.update(status=f"error: {str(exc).splitlines()[0][:200]}")
+    finally:
+        model.zero_grad(set_to_none=True)
+        step_fn = None  # noqa: F841
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py needs a CUDA GPU")
+
+    import transformers
+
+    model = build_model()
+    rows = []
+    variants = [v for v in args.variants if v != "liger"] + [v for v in args.variants if v == "liger"]
+    for variant in variants:
+        for seq in args.seq:
+            row = run_one(variant, model, seq, args.steps, args.warmup)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    env = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+    }
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger_kernel")
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    header = "| seq | variant | status | peak GB | step ms |\n|---|---|---|---|---|\n"
+    table = header + "".join(
+        f"| {r['seq']} | {r['variant']} | {r['status']} | {r.get('peak_gb', float('nan')):.2f} | "
+        f"{r.get('step_ms', float('nan')):.0f} |\n" for r in rows
+    )
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (RESULTS / f"e2e-{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    (RESULTS / f"e2e-{stamp}.md").write_text(
+        f"# e2e training step, Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing\n\n"
+        f"{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{table}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Fused linear + cross-entropy, side by side on one GPU: eager, torch.compile, Liger, CCE, flce, and the
+three-GEMM floor. bf16, forward + backward, mean reduction, ~6% ignored targets.
+
+Prints a table (median ms over CUDA-event timings, peak GB above inputs and gradients, ratio to the floor)
+and the errors of loss, dX and dW against fp64 at one smaller shape; writes both, with the GPU name and
+versions, to benchmarks/results/ (and to $OUT when set).
+
+    python benchmarks/bench_flce.py [--shapes 16384x4096x128256 ...] [--variants flce eager ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flce_compile import FLCEConfig, choose_config, fused_linear_cross_entropy  # noqa: E402
+
+SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
+ERROR_SHAPE = (2048, 4096, 128256)
+GB = 1e9
+
+
+def make_inputs(n: int, h: int, v: int, seed: int = 0, peaky: float = 1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=g) * peaky / h**0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.06] = -100
+    return x, w, t
+
+
+def eager_loss(x, w, t):
+    return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-100)
+
+
+def variants(selected: list[str]) -> dict[str, Callable]:
+    out: dict[str, Callable] = {}
+    if "eager" in selected:
+        out["eager"] = eager_loss
+    if "compile" in selected:
+        out["torch.compile"] = torch.compile(eager_loss, dynamic=False)
+    if "liger" in selected:
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            liger = LigerFusedLinearCrossEntropyLoss()
+            out["Liger"] = lambda x, w, t: liger(w, x, t)
+        except ImportError:
+            print("liger-kernel not installed: skipped")
+    if "cce" in selected:
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+
+            out["CCE"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+        except ImportError:
+            print("cut-cross-entropy not installed: skipped")
+    if "flce" in selected:
+        out["flce"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t)
+    if "flce-bf16acc" in selected:
+        out["flce bf16-acc"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16)
+    if "flce-streams" in selected:
+        def streams(x, w, t):
+            cfg, _ = choose_config(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
+            cfg = FLCEConfig(**{**cfg.to_dict(), "streams": True})
+            return fused_linear_cross_entropy(x, w, t, config=cfg)
+        out["flce streams"] = streams
+    return out
+
+
+def floor_fn(x, w, t):
+    """The three GEMMs an exact FLCE must run, on a logits-sized buffer the caller owns."""
+    logits = x @ w.T
+    dx = logits @ w
+    dw = logits.T @ x
+    return dx, dw
+
+
+def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
+    """(median ms, peak GB above inputs and their gradients) of forward + backward."""
+    xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+
+    def step():
+        xg.grad = wg.grad = None
+        fn(xg, wg, t).backward()
+
+    step()
+    torch.cuda.synchronize()
+    xg.grad = wg.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    grads = xg.grad.numel() * xg.grad.element_size() + wg.grad.numel() * wg.grad.element_size()
+    peak = (torch.cuda.max_memory_allocated() - base - grads) / GB
+    ms = do_bench(step, warmup=200, rep=1000, return_mode="median")
+    return ms, peak
+
+
+def time_floor(x, w) -> float:
+    logits = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype).normal_()
+
+    def gemms():
+        torch.mm(x, w.T, out=logits)
+        torch.mm(logits, w)
+        torch.mm(logits.T, x)
+
+    return do_bench(gemms, warmup=200, rep=1000, return_mode="median")
+
+
+def errors(fns: dict[str, Callable]) -> dict[str, dict[str, float]]:
+    """Relative Frobenius errors of loss, dX, dW against fp64, bf16 inputs with a peaky softmax."""
+    n, h, v = ERROR_SHAPE
+    x, w, t = make_inputs(n, h, v, seed=1, peaky=4.0)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy(x64 @ w64.T, t)
+    ref.backward()
+    out = {}
+    for name, fn in fns.items():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(xg, wg, t)
+        loss.backward()
+        rel = lambda a, r: float((a.double() - r).norm() / r.norm())  # noqa: E731
+        out[name] = {"loss": abs(float(loss) - float(ref)) / abs(float(ref)), "dX": rel(xg.grad, x64.grad),
+                     "dW": rel(wg.grad, w64.grad)}
+        del xg, wg, loss
+    return out
+
+
+def environment() -> dict[str, str]:
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    for mod in ("liger_kernel", "cut_cross_entropy"):
+        try:
+            from importlib.metadata import version
+
+            versions[mod] = version(mod.replace("_", "-"))
+        except Exception:
+            pass
+    return {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), **versions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=SHAPES)
+    parser.add_argument("--variants", nargs="+",
+                        default=["eager", "compile", "liger", "cce", "flce", "flce-bf16acc", "flce-streams"])
+    parser.add_argument("--skip-eager-above", type=int, default=40_000, help="tokens above which eager and "
+                        "torch.compile are skipped (their logits no longer fit)")
+    parser.add_argument("--flce-configs", nargs="*", default=[], metavar="JSON",
+                        help='extra flce variants with forced config fields, e.g. \'{"chunk_tokens": 2048}\'')
+    parser.add_argument("--no-errors", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_flce.py needs a CUDA GPU")
+    fns = variants(args.variants)
+    for text in args.flce_configs:
+        fields = json.loads(text)
+        accum = torch.bfloat16 if fields.pop("accum", "fp32") == "bf16" else torch.float32
+
+        def forced(x, w, t, fields=fields, accum=accum):
+            base, _ = choose_config(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
+            cfg = FLCEConfig(**{**base.to_dict(), **fields})
+            return fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=cfg)
+
+        fns[f"flce {text}"] = forced
+    rows = []
+    for shape in args.shapes:
+        n, h, v = (int(s) for s in shape.split("x"))
+        x, w, t = make_inputs(n, h, v)
+        floor = time_floor(x, w)
+        row = {"shape": shape, "floor_ms": floor, "results": {}}
+        for name, fn in fns.items():
+            if n > args.skip_eager_above and name in ("eager", "torch.compile"):
+                continue
+            try:
+                ms, gb = time_fwd_bwd(fn, x, w, t)
+                row["results"][name] = {"ms": ms, "gb": gb, "x_floor": ms / floor}
+            except torch.OutOfMemoryError:
+                row["results"][name] = {"error": "OOM"}
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del x, w, t
+        torch.cuda.empty_cache()
+    errs = {} if args.no_errors else errors({k: v for k, v in fns.items()})
+    env = environment()
+    lines = [f"# bench_flce: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", "",
+             "bf16 forward + backward, mean, ~6% ignored. ms = median (CUDA events), GB = peak above inputs "
+             "and grads, xF = ratio to the 3-GEMM floor.", "",
+             "| BT x H x V | floor ms | " + " | ".join(fns) + " |",
+             "|---|---|" + "---|" * len(fns)]
+    for row in rows:
+        cells = []
+        for name in fns:
+            r = row["results"].get(name)
+            cells.append("-" if r is None else r.get("error") or f"{r['ms']:.1f} / {r['gb']:.3f} / {r['x_floor']:.2f}x")
+        lines.append(f"| {row['shape']} | {row['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+    if errs:
+        lines += ["", f"Relative error vs fp64 at {'x'.join(map(str, ERROR_SHAPE))} (peaky softmax):", "",
+                  "| variant | loss | dX | dW |", "|---|---|---|---|"]
+        lines += [f"| {k} | {e['loss']:.2e} | {e['dX']:.2e} | {e['dW']:.2e} |" for k, e in errs.items()]
+    table = "\n".join(lines)
+    stem = f"bench_flce_{env['gpu'].replace(' ', '_')}{args.tag}"
+    for folder in filter(None, [Path(__file__).parent / "results", os.environ.get("OUT")]):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{stem}.md").write_text(table + "\n")
+        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, "errors": errs}, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The ``flce`` Dynamo backend: parse options, run the fusion pass, hand the graph to the inner compiler.
+
+``torch.compile(model, backend="flce", options={...})`` reaches :func:`flce_backend` as
+``flce_backend(gm, example_inputs, options=..., mode=...)`` (that is how ``torch._TorchCompileWrapper`` calls
+every non-inductor backend; it forwards ``options``/``mode`` only when they are non-empty/non-default).
+``torch.compile`` refuses ``mode=`` together with ``options=``, so :func:`with_options` builds a backend with
+both bound for that case.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from ..log import logger
+from .options import FLCEOptions, split_options
+
+BACKEND_NAME = "flce"
+
+
+def flce_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """Dynamo backend: fuse ``lm_head -> cross_entropy`` sites of ``gm``, then compile it with the inner compiler.
+
+    ``options``: ``flce.*`` keys are ours (see ``options.VALID_KEYS``); every other key, ``mode`` and any other
+    keyword go to the inner compiler unchanged.
+    """
+    opts, inner_options = split_options(options)
+    inner = _inner_compiler(opts, mode, inner_options, kwargs)
+    if opts.enabled:
+        from .rewrite import run_pass
+
+        try:
+            run_pass(gm, example_inputs, logits=opts.logits, config=opts.config)
+        except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
+            logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
+    return inner(gm, example_inputs)
+
+
+def _inner_compiler(
+    opts: FLCEOptions, mode: str | None, inner_options: dict[str, Any], extra: dict[str, Any]
+) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
+    """The inner compiler, called the way ``torch.compile`` would call it with the same mode/options."""
+    if opts.inner == "inductor":
+        if extra:
+            raise TypeError(f"backend 'flce' with inner inductor got unexpected keyword arguments {sorted(extra)}")
+        # The same wrapper torch.compile builds for backend="inductor" (applies mode and inductor options).
+        return torch._TorchCompileInductorWrapper(mode, inner_options or None, None)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    fn = lookup_backend(opts.inner) if isinstance(opts.inner, str) else opts.inner
+    kw = dict(extra)
+    if mode and mode != "default":
+        kw["mode"] = mode
+    if inner_options:
+        kw["options"] = inner_options
+    return functools.partial(fn, **kw) if kw else fn
+
+
+def with_options(options: Mapping[str, Any] | None = None, mode: str | None = None, **flce: Any) -> Callable[..., Any]:
+    """A backend callable with options bound, for ``torch.compile(model, backend=with_options(...))``.
+
+    Use it when you need ``mode=`` and ``flce.*`` options together (``torch.compile`` rejects mode+options).
+    Keyword arguments are shorthand for ``flce.*`` keys: ``with_options(logits="drop", inner="aot_eager")``.
+    Options are validated here, so mistakes surface before compiling.
+    """
+    merged = dict(options or {})
+    merged.update({f"flce.{k}": v for k, v in flce.items()})
+    split_options(merged)  # validate now
+
+    def flce_with_options(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        opt = {**merged, **(kwargs.pop("options", None) or {})}
+        return flce_backend(gm, example_inputs, options=opt, mode=kwargs.pop("mode", mode), **kwargs)
+
+    return flce_with_options
+
+
+flce_backend.with_options = with_options  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Make ``backend="flce"`` resolvable in this process when the package's entry point is not installed.
+
+    Never registers when the ``torch_dynamo_backends`` entry point exists: torch would then load the entry
+    point and register the same name again, which it rejects as a duplicate.
+    """
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS:
+        return
+    try:
+        from importlib.metadata import entry_points
+
+        if BACKEND_NAME in entry_points(group="torch_dynamo_backends").names:
+            return
+    except Exception:  # noqa: BLE001 - metadata problems: fall back to registering directly
+        pass
+    registry.register_backend(compiler_fn=flce_backend, name=BACKEND_NAME)
+
+
+register()

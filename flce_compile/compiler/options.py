@@ -1,0 +1,96 @@
+"""Parsing and validation of the ``flce.*`` options of the ``flce`` Dynamo backend.
+
+``torch.compile(model, backend="flce", options={...})`` hands the whole options dict to the backend. Keys that
+start with ``flce.`` belong to this package; every other key (and ``mode=``) belongs to the inner compiler and is
+passed through untouched, so the inner compiler sees exactly what it would have seen without us.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..config import FLCEConfig
+
+PREFIX = "flce."
+#: Our option keys and what they mean (used in error messages, so keep the text short).
+VALID_KEYS: dict[str, str] = {
+    "flce.inner": 'inner compiler: "inductor" (default), "aot_eager", "eager", any registered backend name, or a callable',
+    "flce.logits": '"keep" (default: logits outputs stay exact) or "drop" (logits outputs become None)',
+    "flce.config": "force one FLCEConfig for every fused site (dict, JSON string or FLCEConfig)",
+    "flce.enabled": "False runs the inner compiler alone",
+}
+LOGITS_MODES = ("keep", "drop")
+
+
+@dataclass(frozen=True)
+class FLCEOptions:
+    """Validated ``flce.*`` options."""
+
+    inner: str | Callable[..., Any] = "inductor"
+    logits: str = "keep"
+    config: FLCEConfig | None = None
+    enabled: bool = True
+
+    @property
+    def inner_name(self) -> str:
+        if isinstance(self.inner, str):
+            return self.inner
+        return getattr(self.inner, "__name__", type(self.inner).__name__)
+
+
+def split_options(options: Mapping[str, Any] | None) -> tuple[FLCEOptions, dict[str, Any]]:
+    """Split a ``torch.compile`` options dict into (our validated options, the inner compiler's options).
+
+    Raises ValueError/TypeError naming the offending key and the accepted values.
+    """
+    if options is None:
+        return FLCEOptions(), {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict, got {type(options).__name__}")
+    ours: dict[str, Any] = {}
+    inner: dict[str, Any] = {}
+    for key, value in options.items():
+        if isinstance(key, str) and key.startswith(PREFIX):
+            if key not in VALID_KEYS:
+                valid = "; ".join(f"{k}: {v}" for k, v in VALID_KEYS.items())
+                raise ValueError(f"unknown option {key!r} for backend 'flce'; valid flce options are: {valid}")
+            ours[key[len(PREFIX):]] = value
+        else:
+            inner[key] = value
+    return _validate(ours), inner
+
+
+def _validate(raw: dict[str, Any]) -> FLCEOptions:
+    inner = raw.get("inner", "inductor")
+    if isinstance(inner, str):
+        if inner == "flce":
+            raise ValueError("options['flce.inner']='flce' would recurse; use 'inductor', 'aot_eager' or 'eager'")
+        _check_backend_name(inner)
+    elif not callable(inner):
+        raise TypeError(f"options['flce.inner'] must be a backend name or a callable, got {type(inner).__name__}")
+
+    logits = raw.get("logits", "keep")
+    if logits not in LOGITS_MODES:
+        raise ValueError(f"options['flce.logits']={logits!r} is not valid; use one of {LOGITS_MODES}")
+
+    try:
+        config = FLCEConfig.coerce(raw.get("config"))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"options['flce.config'] is not a valid FLCEConfig: {exc}") from exc
+
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"options['flce.enabled'] must be True or False, got {enabled!r}")
+    return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled)
+
+
+def _check_backend_name(name: str) -> None:
+    from torch._dynamo.backends.registry import list_backends
+
+    known = list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(
+            f"options['flce.inner']={name!r} is not a registered torch.compile backend; "
+            f"use one of {sorted(b for b in known if b != 'flce')}"
+        )

@@ -1,0 +1,546 @@
+"""Finding ``linear -> cross_entropy`` sites in a Dynamo FX graph (torch-level ops, before AOT autograd).
+
+A site is found from its loss node backwards: the loss's input is followed through ops that keep every logits
+row intact (dtype casts, contiguous, view/reshape/flatten that keep the vocab dim last, a transpose into the
+(N, C, d) layout, slicing of token dims, a constant scale, a Gemma2-style softcap, log_softmax) until the
+LM-head linear is reached. Every step is recorded so the rewrite can replay what matters (slices, scale,
+softcap) and drop the rest. Nothing here mutates the graph; each site carries the reason it cannot be fused.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+# ---------------------------------------------------------------------------------------------------------------
+# op tables (functions, methods and modules that Dynamo may leave in the graph)
+
+_LINEAR_FNS = {F.linear, torch._C._nn.linear}
+_MATMUL_FNS = {torch.matmul, operator.matmul, torch.mm, torch.Tensor.matmul}
+_CE_FNS = {F.cross_entropy}
+_NLL_FNS = {F.nll_loss}
+_LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+_TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
+_MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul, operator.imul}
+_DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div, operator.itruediv}
+_RESHAPE_FNS = {torch.reshape, torch.flatten, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten}
+_TRANSPOSE_FNS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute}
+_IDENTITY_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "clone", "to", "type_as", "type"}
+_RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+_TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims", "permute"}
+
+
+def _is_fn(node: fx.Node, fns: set) -> bool:
+    return node.op == "call_function" and node.target in fns
+
+
+def _is_method(node: fx.Node, names: Iterable[str]) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    if node.op != "call_module":
+        return None
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument ``name`` (position ``index``) of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def meta_value(node: Any) -> Any:
+    """The fake tensor (or other value) Dynamo recorded for a node, or None."""
+    if not isinstance(node, fx.Node):
+        return node
+    for key in ("example_value", "val"):
+        if key in node.meta:
+            return node.meta[key]
+    tm = node.meta.get("tensor_meta")  # from fx.passes.shape_prop (symbolic_trace graphs in tests / tools)
+    if tm is not None:
+        return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
+    return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _static_int(x: Any) -> int | None:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    if isinstance(x, torch.SymInt):
+        try:
+            return int(x.node.maybe_as_int()) if x.node.maybe_as_int() is not None else None
+        except Exception:  # noqa: BLE001 - a symbol without a constant value
+            return None
+    return None
+
+
+def hint_int(x: Any) -> int | None:
+    """A concrete size for reporting (the example's value for a symbolic size), without adding guards."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        hint = getattr(node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        try:
+            return int(node.shape_env.size_hint(node.expr))
+        except Exception:  # noqa: BLE001 - reporting only
+            return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# matched pieces
+
+
+@dataclass
+class LinearMatch:
+    """The LM-head GEMM: logits = input @ weight.T (+ bias)."""
+
+    node: fx.Node
+    input: fx.Node
+    weight: fx.Node | None  # (V, H) node; None when it must be read from a call_module (module_target)
+    weight_is_transposed: bool = False  # the node holds (H, V): the rewrite passes weight.t()
+    bias: fx.Node | None = None
+    module_target: str | None = None  # nn.Linear submodule name for call_module forms
+    form: str = ""
+
+
+@dataclass
+class LossMatch:
+    """The loss call and its (constant) arguments."""
+
+    node: fx.Node
+    kind: str  # "cross_entropy" | "nll_loss"
+    input: fx.Node
+    target: fx.Node
+    ce_weight: Any = None  # fx.Node, or a get_attr target string for module forms
+    ce_weight_attr: str | None = None
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    form: str = ""
+
+
+@dataclass
+class Step:
+    """One op between the linear output and the loss input."""
+
+    kind: str  # identity | reshape | slice | scale | tanh | log_softmax | transpose
+    node: fx.Node
+    index: Any = None  # slice: the getitem index; transpose: the dim permutation; log_softmax: dim
+    factor: float = 1.0  # scale factor (x * factor)
+
+
+@dataclass
+class Site:
+    """A loss node with everything known about its logits chain; ``reason`` is None when it can be fused."""
+
+    loss: LossMatch | None
+    loss_node: fx.Node
+    linear: LinearMatch | None = None
+    steps: list[Step] = field(default_factory=list)
+    reason: str | None = None
+    vocab: int | None = None
+    hidden: int | None = None
+    from_outside_graph: bool = False  # the logits chain starts at a graph input (graph break before the loss?)
+
+    @property
+    def chain(self) -> list[fx.Node]:
+        """The linear output followed by every step node, in forward order (the loss node not included)."""
+        return ([self.linear.node] if self.linear else []) + [s.node for s in self.steps]
+
+    def escapes(self, ignore_output: bool = False) -> dict[fx.Node, list[fx.Node]]:
+        """Chain nodes used outside the chain (e.g. logits returned by the graph) -> those users."""
+        chain = self.chain
+        inside = set(chain) | {self.loss_node}
+        out: dict[fx.Node, list[fx.Node]] = {}
+        for n in chain:
+            users = [u for u in n.users if u not in inside and not (ignore_output and u.op == "output")]
+            if users:
+                out[n] = users
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss matching
+
+
+def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
+    """A loss call (F.cross_entropy, nn.CrossEntropyLoss, F.nll_loss, nn.NLLLoss) or None; a str says why a
+    loss was seen but its arguments can't be used."""
+    mod = _module(gm, node)
+    if _is_fn(node, _CE_FNS) or isinstance(mod, nn.CrossEntropyLoss):
+        kind = "cross_entropy"
+    elif _is_fn(node, _NLL_FNS) or isinstance(mod, nn.NLLLoss):
+        kind = "nll_loss"
+    else:
+        return None
+    if mod is not None:  # module call: options live on the module
+        inp, target = _arg(node, 0, "input"), _arg(node, 1, "target")
+        weight = getattr(mod, "weight", None)
+        lm = LossMatch(
+            node=node, kind=kind, input=inp, target=target,
+            ce_weight_attr=(f"{node.target}.weight" if weight is not None else None),
+            ignore_index=mod.ignore_index, reduction=mod.reduction,
+            label_smoothing=float(getattr(mod, "label_smoothing", 0.0)), form=f"call_module {type(mod).__name__}",
+        )
+    else:
+        inp, target = _arg(node, 0, "input"), _arg(node, 1, "target")
+        size_average, reduce = _arg(node, 3, "size_average"), _arg(node, 5, "reduce")
+        reduction = _arg(node, 6, "reduction", "mean")
+        if size_average is not None or reduce is not None:
+            if any(isinstance(x, fx.Node) for x in (size_average, reduce)):
+                return "legacy size_average/reduce arguments are graph values"
+            reduction = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+        lm = LossMatch(
+            node=node, kind=kind, input=inp, target=target, ce_weight=_arg(node, 2, "weight"),
+            ignore_index=_arg(node, 4, "ignore_index", -100), reduction=reduction,
+            label_smoothing=_arg(node, 7, "label_smoothing", 0.0) if kind == "cross_entropy" else 0.0,
+            form=f"call_function {getattr(node.target, '__name__', node.target)}",
+        )
+    if not isinstance(lm.input, fx.Node) or not isinstance(lm.target, fx.Node):
+        return "loss input or target is not a graph tensor"
+    if not isinstance(lm.ignore_index, int) or isinstance(lm.ignore_index, bool):
+        return f"ignore_index={lm.ignore_index!r} is not a constant int"
+    if lm.reduction not in ("mean", "sum", "none"):
+        return f"reduction={lm.reduction!r} is not a constant 'mean'/'sum'/'none'"
+    if not _is_number(lm.label_smoothing):
+        return f"label_smoothing={lm.label_smoothing!r} is not a constant number"
+    lm.label_smoothing = float(lm.label_smoothing)
+    if lm.ce_weight is not None and not isinstance(lm.ce_weight, fx.Node):
+        return "class weight is not a graph tensor"
+    target_val = meta_value(lm.target)
+    if isinstance(target_val, torch.Tensor) and target_val.is_floating_point():
+        return "target holds class probabilities (floating dtype), not class indices"
+    return lm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# linear matching
+
+
+def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
+    """The node as an LM-head GEMM (F.linear, nn.Linear, x @ W.T / matmul with a 2-D right operand)."""
+    if _is_fn(node, _LINEAR_FNS):
+        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if isinstance(x, fx.Node) and isinstance(w, fx.Node) and (b is None or isinstance(b, fx.Node)):
+            return LinearMatch(node=node, input=x, weight=w, bias=b, form="F.linear")
+        return None
+    mod = _module(gm, node)
+    if isinstance(mod, nn.Linear):
+        x = _arg(node, 0, "input")
+        if isinstance(x, fx.Node):
+            return LinearMatch(node=node, input=x, weight=None, module_target=str(node.target), form="nn.Linear")
+        return None
+    if _is_fn(node, _MATMUL_FNS) or _is_method(node, ("matmul", "__matmul__", "mm")):
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        x, wt = node.args
+        if not (isinstance(x, fx.Node) and isinstance(wt, fx.Node)):
+            return None
+        wt_val = meta_value(wt)
+        if not isinstance(wt_val, torch.Tensor) or wt_val.dim() != 2:
+            return None
+        # x @ w.t(): hand the fused op the untransposed weight when it is right there.
+        if (_is_method(wt, ("t",)) or _is_fn(wt, {torch.t})) and isinstance(wt.args[0], fx.Node):
+            return LinearMatch(node=node, input=x, weight=wt.args[0], form="matmul(x, W.t())")
+        if (_is_method(wt, ("transpose",)) or _is_fn(wt, {torch.transpose})) and sorted(
+            d % 2 for d in wt.args[1:3] if isinstance(d, int)
+        ) == [0, 1]:
+            return LinearMatch(node=node, input=x, weight=wt.args[0], form="matmul(x, W.transpose(0, 1))")
+        if wt.op == "call_function" and wt.target is getattr and wt.args[1:] in (("T",), ("mT",)):
+            return LinearMatch(node=node, input=x, weight=wt.args[0], form="x @ W.T")
+        return LinearMatch(node=node, input=x, weight=wt, weight_is_transposed=True, form="x @ W (W is (H, V))")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chain steps
+
+
+def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
+    """Classify one op on the logits path: (step, its logits-side input) or the reason it stops the search."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+    first = node.args[0] if node.args else node.kwargs.get("input")
+    if not isinstance(first, fx.Node):
+        return f"{node.op} {name} does not take the logits as first argument"
+
+    if node.op == "call_method" and node.target in _IDENTITY_METHODS:
+        val = meta_value(node)
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            return f".{node.target}() to a non-floating dtype"
+        return Step("identity", node), first
+    if _is_fn(node, _RESHAPE_FNS) or _is_method(node, _RESHAPE_METHODS):
+        return Step("reshape", node), first
+    if _is_fn(node, _TRANSPOSE_FNS) or _is_method(node, _TRANSPOSE_METHODS):
+        val, src = meta_value(node), meta_value(first)
+        if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)):
+            return "transpose without shape information"
+        if node.target in ("permute",) or node.target is torch.permute:
+            dims = node.args[1:] if node.op == "call_method" else node.args[1:2]
+            if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+                dims = dims[0]
+            dims = node.kwargs.get("dims", dims)
+            perm = [int(d) % src.dim() for d in dims]
+        else:
+            a = _arg(node, 1, "dim0")
+            b = _arg(node, 2, "dim1")
+            if not (isinstance(a, int) and isinstance(b, int)):
+                return "transpose dims are not constants"
+            perm = list(range(src.dim()))
+            a, b = a % src.dim(), b % src.dim()
+            perm[a], perm[b] = perm[b], perm[a]
+        return Step("transpose", node, index=perm), first
+    if node.op == "call_function" and node.target is operator.getitem:
+        idx = node.args[1]
+        return Step("slice", node, index=idx), first
+    if _is_fn(node, _MUL_FNS) or _is_method(node, ("mul", "__mul__", "mul_")):
+        a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+        if isinstance(a, fx.Node) and _is_number(b):
+            return Step("scale", node, factor=float(b)), a
+        if isinstance(b, fx.Node) and _is_number(a):
+            return Step("scale", node, factor=float(a)), b
+        return "multiplication by a tensor (only constant scales can be folded)"
+    if _is_fn(node, _DIV_FNS) or _is_method(node, ("div", "__truediv__", "true_divide")):
+        a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+        if node.kwargs.get("rounding_mode") is not None:
+            return "division with a rounding_mode"
+        if isinstance(a, fx.Node) and _is_number(b) and b != 0:
+            return Step("scale", node, factor=1.0 / float(b)), a
+        return "division by a tensor (only constant divisors can be folded)"
+    if _is_fn(node, _TANH_FNS) or _is_method(node, ("tanh",)):
+        return Step("tanh", node), first
+    if _is_fn(node, _LOG_SOFTMAX_FNS) or _is_method(node, ("log_softmax",)):
+        dim = _arg(node, 1, "dim")
+        if not isinstance(dim, int):
+            return "log_softmax without a constant dim"
+        return Step("log_softmax", node, index=dim), first
+    return f"{node.op} {name}"
+
+
+def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
+    """Follow the loss input back to the linear; returns a Site (with ``reason`` set if none was found)."""
+    site = Site(loss=loss, loss_node=loss.node)
+    steps: list[Step] = []
+    node = loss.input
+    for _ in range(64):  # chains are short; the bound only protects against pathological graphs
+        lin = match_linear(gm, node)
+        if lin is not None:
+            site.linear = lin
+            break
+        if node.op == "placeholder":
+            site.from_outside_graph = True
+            site.reason = (
+                f"the loss input comes from graph input {node.target!r}: the lm_head is not in this graph "
+                "(a graph break between lm_head and the loss leaves nothing to fuse)"
+            )
+            return site
+        got = _classify(node)
+        if isinstance(got, str):
+            site.reason = f"unsupported op between lm_head and the loss: {got}"
+            return site
+        step, node = got
+        steps.append(step)
+    else:
+        site.reason = "logits path too long"
+        return site
+    steps.reverse()
+    site.steps = steps
+    return site
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation: does every step keep logits rows intact, and what must be replayed?
+
+
+@dataclass
+class Plan:
+    """What a rewrite needs from the steps after its base tensor."""
+
+    indices: list[Any] = field(default_factory=list)  # getitem indices to apply to the base, in order
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+
+def fold_steps(site: Site, start: int) -> Plan | str:
+    """Fold ``site.steps[start:]`` into a Plan, checking the logits rows are only selected, never mixed.
+
+    ``start`` = 0 folds everything after the linear output (fused path; slices then apply to the linear's
+    input, which has the same leading dims); ``start`` = k folds what follows step k-1 (kept-logits path).
+    """
+    base = site.linear.node if start == 0 else site.steps[start - 1].node
+    base_val = meta_value(base)
+    if not isinstance(base_val, torch.Tensor):
+        return "no shape information for the logits"
+    vocab = site.vocab
+    ndim = base_val.dim()
+    if _static_int(base_val.shape[-1]) != vocab:
+        return "the logits' last dim is not the vocab"
+    class_dim = ndim - 1  # where the vocab dim currently is
+    order = list(range(ndim))  # original positions of the current dims (checks row order after transposes)
+    reshaped = False  # leading dims changed: later slices no longer line up with the base's dims
+    plan = Plan()
+    scale = 1.0
+    pending_tanh: Step | None = None
+    log_softmax_seen = False
+    for step in site.steps[start:]:
+        val = meta_value(step.node)
+        if not isinstance(val, torch.Tensor):
+            return f"no shape information at {step.node.name}"
+        if pending_tanh is not None and step.kind not in ("identity", "scale"):
+            return "tanh is not followed by a constant multiply (not a softcap)"
+        if step.kind == "identity":
+            if val.dim() != len(order):
+                return f"{step.node.name} changes the rank"
+        elif step.kind == "reshape":
+            if class_dim != len(order) - 1 or _static_int(val.shape[-1]) != vocab:
+                return f"{step.node.name} reshapes the vocab dim"
+            if val.dim() != len(order) or any(
+                _static_int(a) is None or _static_int(a) != _static_int(b)
+                for a, b in zip(val.shape[:-1], meta_value(step.node.args[0]).shape[:-1])
+            ):
+                reshaped = True
+            order = list(range(val.dim()))
+            class_dim = val.dim() - 1
+        elif step.kind == "transpose":
+            perm = step.index
+            order = [order[p] for p in perm]
+            class_dim = perm.index(class_dim)
+            rows = [o for i, o in enumerate(order) if i != class_dim]
+            if rows != sorted(rows):
+                return f"{step.node.name} reorders the token dims"
+        elif step.kind == "slice":
+            if class_dim != len(order) - 1:
+                return f"{step.node.name} slices a transposed tensor"
+            if reshaped:
+                return f"{step.node.name} slices after a reshape of the token dims"
+            if _static_int(val.shape[-1]) != vocab:
+                return f"{step.node.name} slices the vocab dim"
+            if not _index_ok(step.index, len(order)):
+                return f"{step.node.name} uses an index other than slices/ints on the token dims"
+            plan.indices.append(step.index)
+            order = list(range(val.dim()))
+            class_dim = val.dim() - 1
+        elif step.kind == "scale":
+            if log_softmax_seen:
+                return "a scale after log_softmax"
+            if pending_tanh is not None:  # tanh(f*s) * c  ==  softcap c with logit_scale f*c
+                plan.softcap = step.factor
+                plan.logit_scale = scale * step.factor
+                pending_tanh = None
+                continue
+            if plan.softcap is not None:
+                return "a scale after the softcap"
+            scale *= step.factor
+        elif step.kind == "tanh":
+            if plan.softcap is not None or log_softmax_seen:
+                return "a second tanh"
+            pending_tanh = step
+        elif step.kind == "log_softmax":
+            if step.index % val.dim() != class_dim:
+                return "log_softmax over a dim other than the vocab"
+            log_softmax_seen = True
+        if val.dim() != len(order):
+            return f"{step.node.name}: rank bookkeeping mismatch"
+    if pending_tanh is not None:
+        return "tanh is not followed by a constant multiply (not a softcap)"
+    if plan.softcap is None:
+        plan.logit_scale = scale
+    if site.loss.kind == "nll_loss" and not log_softmax_seen:
+        return "nll_loss on logits that are not log_softmax'ed"
+    ndim_in = len(order)
+    if ndim_in >= 2 and class_dim != 1:
+        return "the loss sees the vocab in a dim other than 1"
+    if ndim_in == 1 and class_dim != 0:
+        return "the loss sees the vocab in a dim other than 0"
+    return plan
+
+
+def _index_ok(idx: Any, ndim: int) -> bool:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if any(i is None or isinstance(i, (fx.Node, torch.Tensor, list, bool)) for i in items):
+        return False  # new axes, tensor/bool indexing: not a plain selection of rows
+    if sum(1 for i in items if i is Ellipsis) > 1:
+        return False
+    n_real = sum(1 for i in items if i is not Ellipsis)
+    if Ellipsis in items:
+        pos = items.index(Ellipsis)
+        items = items[:pos] + (slice(None),) * (ndim - n_real) + items[pos + 1:]
+    if len(items) > ndim:
+        return False
+    if len(items) == ndim and items[-1] != slice(None):
+        return False  # touches the vocab dim
+    return all(isinstance(i, slice) or isinstance(i, int) for i in items)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whole-graph search
+
+
+def find_sites(gm: fx.GraphModule) -> list[Site]:
+    """Every loss node in the graph as a Site; ``site.reason`` says why one can't be fused (None = fusable)."""
+    sites: list[Site] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        loss = match_loss(gm, node)
+        if loss is None:
+            continue
+        if isinstance(loss, str):
+            sites.append(Site(loss=None, loss_node=node, reason=loss))
+            continue
+        site = _walk(gm, loss)
+        if site.linear is not None:
+            _check_linear(gm, site)
+        sites.append(site)
+    return sites
+
+
+def _check_linear(gm: fx.GraphModule, site: Site) -> None:
+    lin = site.linear
+    out = meta_value(lin.node)
+    x = meta_value(lin.input)
+    if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)):
+        site.reason = "no shape information for the lm_head"
+        return
+    site.vocab = _static_int(out.shape[-1])
+    site.hidden = _static_int(x.shape[-1])
+    if site.vocab is None or site.hidden is None:
+        site.reason = "vocab or hidden size is dynamic"
+        return
+    if lin.module_target is not None:
+        mod = gm.get_submodule(lin.module_target)
+        w_shape = tuple(mod.weight.shape)
+    else:
+        w = meta_value(lin.weight)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            site.reason = "lm_head weight is not a 2-D tensor"
+            return
+        w_shape = tuple(_static_int(s) for s in w.shape)
+        if lin.weight_is_transposed:
+            w_shape = w_shape[::-1]
+        if lin.bias is not None:
+            bv = meta_value(lin.bias)
+            if not isinstance(bv, torch.Tensor) or bv.dim() != 1:
+                site.reason = "lm_head bias is not 1-D"
+                return
+    if w_shape != (site.vocab, site.hidden):
+        site.reason = f"lm_head weight shape {w_shape} does not match (vocab, hidden)=({site.vocab}, {site.hidden})"
+        return
+    if not out.is_floating_point():
+        site.reason = "lm_head output is not floating point"

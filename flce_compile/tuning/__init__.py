@@ -1,0 +1,10 @@
+"""Autotuning of the fused op: a search space, an Optuna search, GPU measurement, a JSON tuning database and
+the ``flce-tune`` CLI.
+
+Only the database is imported here: ``flce_compile.config.choose_config`` reads it on the op's hot path, and it
+needs neither Optuna nor a GPU. Import ``flce_compile.tuning.search`` / ``.measure`` / ``.space`` explicitly.
+"""
+
+from .db import Entry, device_key, invalidate_cache, lookup, normalize_device_name, token_bucket, user_db_path
+
+__all__ = ["Entry", "device_key", "invalidate_cache", "lookup", "normalize_device_name", "token_bucket", "user_db_path"]

@@ -1,0 +1,445 @@
+"""``flce-tune``: tune the fused op for given shapes on this GPU and store the results in the tuning database.
+
+Why a CLI: tuning needs minutes of GPU time per shape, so it is done once per GPU kind (the results ship in
+``tuning_db/``) or by a user for their own shapes (the user DB). Each finished study is written at once, so an
+interrupted or time-limited run still leaves valid entries behind. This module may print; the library does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+#: The (V, H) pairs shipped in tuning_db/, most important first (a time-limited run covers the head).
+SHIPPED_SHAPES: tuple[tuple[int, int, str], ...] = (
+    (256000, 2304, "Gemma-2 2B"),
+    (128256, 4096, "Llama-3 8B"),
+    (151936, 4096, "Qwen3 8B"),
+    (128256, 2048, "Llama-3.2 1B"),
+    (128256, 3072, "Llama-3.2 3B"),
+    (128256, 8192, "Llama-3 70B"),
+    (151936, 1024, "Qwen3 0.6B"),
+    (151936, 2560, "Qwen3 4B"),
+    (151936, 5120, "Qwen3 14B/32B"),
+    (256000, 3584, "Gemma-2 9B"),
+    (262144, 2560, "Gemma-3 4B"),
+    (32768, 4096, "Mistral 7B"),
+    (131072, 5120, "Mistral-Nemo 12B"),
+    (50257, 768, "GPT-2"),
+    (129280, 7168, "DeepSeek-V3"),
+    (32064, 3072, "Phi-3 mini"),
+)
+#: With --time-budget-s, a study is not started with less time than this left (setup + the default's trial).
+MIN_STUDY_S = 5.0
+#: Token buckets the shipped files cover.
+SHIPPED_TOKENS: tuple[int, ...] = (4096, 8192, 16384, 32768, 65536)
+
+EXAMPLES = """\
+examples:
+  # tune one shape at two token counts (bf16), 40 measured trials each, into the user DB
+  flce-tune --vocab 151936 --hidden 4096 --tokens 8192 16384
+
+  # at most 20 GB of extra GPU memory for the op, 10 minutes per study
+  flce-tune --vocab 128256 --hidden 4096 --budget-gb 20 --timeout 600
+
+  # tune the shipped shape list at 8192 tokens, 8 trials each, 400 s in total, into tuning_db/<gpu>.json;
+  # run it again with --skip-existing to finish what a time-limited run left out
+  flce-tune --shipped-set --tokens 8192 --trials 8 --time-budget-s 400 --out tuning_db/
+  flce-tune --shipped-set --tokens 8192 16384 --trials 8 --time-budget-s 400 --out tuning_db/ --skip-existing
+
+  # what is in the databases, and copy the user DB into shipped-format files
+  flce-tune --list
+  flce-tune --show --vocab 151936
+  flce-tune --export tuning_db/
+
+environment:
+  FLCE_TUNING_DB          the user DB file (default ~/.cache/flce_compile/tuning_db.json)
+  FLCE_TUNING_DB_SHIPPED  a directory used instead of the shipped tuning_db/ (development)
+"""
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            v, h = part.split("x")
+            shapes.append((int(v), int(h)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes item {part!r} must look like VOCABxHIDDEN, e.g. 151936x4096") from None
+    if not shapes:
+        raise argparse.ArgumentTypeError("--shapes needs at least one VOCABxHIDDEN item")
+    return shapes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flce-tune",
+        description="Autotune flce_compile's fused linear + cross-entropy op on this GPU and record the best "
+                    "configs in the tuning database.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = p.add_argument_group("what to tune")
+    what.add_argument("--vocab", type=int, help="vocabulary size V (rows of the weight)")
+    what.add_argument("--hidden", type=int, help="hidden size H")
+    what.add_argument("--shapes", type=_parse_shapes, help="several shapes: VxH,VxH,... (instead of --vocab/--hidden)")
+    what.add_argument("--shipped-set", action="store_true",
+                      help=f"tune the {len(SHIPPED_SHAPES)} shipped (V, H) shapes, most important first")
+    what.add_argument("--tokens", type=int, nargs="+",
+                      help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set")
+    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="input dtype (default bf16; also a filter for --list/--show)")
+    what.add_argument("--strategies", nargs="+", choices=("torch", "triton"), help="strategies to search (default all)")
+    how = p.add_argument_group("how long / how much")
+    how.add_argument("--trials", type=int, help="measured trials per study (default 40, 8 with --shipped-set)")
+    how.add_argument("--budget-gb", type=float, help="memory budget for the op (GiB, predicted and measured peak)")
+    how.add_argument("--timeout", type=float, help="seconds per study (search stops starting trials after it)")
+    how.add_argument("--time-budget-s", type=float,
+                     help="seconds for the whole run (from the start of the command, after Python imports), "
+                          "shared out evenly among the remaining studies; studies that do not fit are skipped and "
+                          "everything finished so far is written. The last trial and the confirmation may run "
+                          "over by a few seconds: leave a margin to any hard limit")
+    how.add_argument("--skip-existing", action="store_true",
+                     help="skip studies whose (GPU, V, H, dtype, token bucket) is already in the output file "
+                          "(resume a partial run)")
+    how.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    how.add_argument("--warmup", type=int, default=3, help="untimed runs per trial (default 3)")
+    how.add_argument("--reps", type=int, default=10, help="minimum timed runs per trial, >= 10 (default 10)")
+    how.add_argument("--no-confirm", action="store_true", help="skip re-measuring the winner against the default")
+    how.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
+    where = p.add_argument_group("where results go")
+    where.add_argument("--db", type=Path, help="user DB file to write/list (default $FLCE_TUNING_DB or "
+                                               "~/.cache/flce_compile/tuning_db.json)")
+    where.add_argument("--out", type=Path, help="write results in shipped format instead: a directory "
+                                                "(<dir>/<gpu>.json) or a .json file")
+    db = p.add_argument_group("database")
+    db.add_argument("--list", action="store_true", help="list DB entries (one line each)")
+    db.add_argument("--show", action="store_true", help="show DB entries with configs and timings")
+    db.add_argument("--export", type=Path, metavar="PATH", help="write the user DB's entries in shipped format "
+                                                                 "(a directory: one <gpu>.json per GPU kind)")
+    db.add_argument("--device-kind", help="filter --list/--show/--export by GPU kind, e.g. h200")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --list / --show / --export
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
+    """(entry, source) for every entry in the user file and the shipped files, user first, filtered."""
+    from . import db  # noqa: PLC0415
+
+    user_path = args.db.expanduser() if args.db else db.user_db_path()
+    user = db.read_file(user_path)
+    user_keys = {e.key for e in user}
+    rows: list[tuple[Any, str]] = [(e, f"user:{user_path}") for e in user]
+    for path in db.shipped_files():
+        for e in db.read_file(path):
+            rows.append((e, f"shipped:{path.name}" + (" (overridden)" if e.key in user_keys else "")))
+    dtype = args.dtype
+
+    def keep(e: Any) -> bool:
+        return ((args.vocab is None or e.vocab == args.vocab) and (args.hidden is None or e.hidden == args.hidden)
+                and (args.device_kind is None or e.device == db.normalize_device_name(args.device_kind))
+                and (dtype is None or e.dtype == dtype))
+
+    return sorted((r for r in rows if keep(r[0])), key=lambda r: (r[0].key, r[1]))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
+    from . import db  # noqa: PLC0415
+
+    rows = _db_rows(args)
+    if not rows:
+        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind)) else ""))
+        print(f"user DB: {args.db or db.user_db_path()}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
+        return 0
+    if not detailed:
+        _print_table(("device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"),
+                     [(e.device, e.vocab, e.hidden, e.dtype, e.tokens, _fmt(e.ms, ".3f"), _fmt(e.speedup, ".2f") + "x",
+                       src) for e, src in rows])
+        return 0
+    for e, src in rows:
+        print(f"{e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}  [{src}]")
+        print(f"  config:  {e.config.to_json()}")
+        print(f"  tuned:   {_fmt(e.ms, '.3f')} ms, peak {_fmt(e.peak_gb, '.2f')} GB")
+        print(f"  default: {_fmt(e.default_ms, '.3f')} ms, peak {_fmt(e.default_peak_gb, '.2f')} GB"
+              f"  (speedup {_fmt(e.speedup, '.2f')}x)")
+        print(f"  trials {e.trials}, torch {e.torch}, triton {e.triton}, {e.date}"
+              + (f", {e.extra.get('device_name')}" if e.extra.get("device_name") else ""))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import db  # noqa: PLC0415
+
+    user_path = args.db.expanduser() if args.db else db.user_db_path()
+    entries = db.read_file(user_path)
+    if args.device_kind:
+        kind = db.normalize_device_name(args.device_kind)
+        entries = [e for e in entries if e.device == kind]
+    if not entries:
+        print(f"flce-tune: nothing to export: {user_path} has no entries" + (" for that --device-kind" if args.device_kind else ""),
+              file=sys.stderr)
+        return 1
+    for path in db.export_shipped(args.export, entries):
+        print(f"wrote {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tuning
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A progress bar per study: tqdm when installed, else one line per measured trial on stderr."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done = total, desc, 0
+        try:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar: Any = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+        except ImportError:
+            self.bar = None
+
+    def update(self, record: Any, result: Any) -> None:
+        if not record.measured:
+            return
+        self.done += 1
+        best = f"{result.best_ms:.3f} ms" if result.best_ms is not None else "-"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"best {best}, last {record.status}", refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"  {self.desc} [{self.done}/{self.total}] {record.status:<8} best {best}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _studies(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    if args.shipped_set:
+        shapes = [(v, h) for v, h, _ in SHIPPED_SHAPES]
+    elif args.shapes:
+        shapes = args.shapes
+    else:
+        shapes = [(args.vocab, args.hidden)]
+    tokens = args.tokens or ([8192] if args.shipped_set else [16384])
+    # token-major: every shape gets its first bucket before any shape gets a second one
+    return [(v, h, t) for t in tokens for v, h in shapes]
+
+
+def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    chosen = sum(bool(x) for x in (args.shipped_set, args.shapes, args.vocab is not None or args.hidden is not None))
+    if chosen != 1:
+        p.error("give exactly one of: --vocab V --hidden H, --shapes VxH,..., --shipped-set (or --list/--show/--export)")
+    if (args.vocab is None) != (args.hidden is None):
+        p.error("--vocab and --hidden go together; e.g. --vocab 151936 --hidden 4096")
+    for name in ("vocab", "hidden"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name} must be a positive integer, got {value}")
+    if args.tokens and min(args.tokens) < 1:
+        p.error(f"--tokens must be positive integers, got {args.tokens}")
+    if args.trials is not None and args.trials < 1:
+        p.error(f"--trials must be >= 1, got {args.trials}")
+    if args.reps < 10:
+        p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        p.error(f"--budget-gb must be positive, got {args.budget_gb}")
+    for name in ("timeout", "time_budget_s"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive seconds, got {value}")
+
+
+def cmd_tune(args: argparse.Namespace, started: float) -> int:
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        print("flce-tune: no CUDA GPU is available (torch.cuda.is_available() is False). Tuning measures the op "
+              "on the GPU it will run on; run flce-tune on a machine with an NVIDIA GPU and a CUDA build of torch. "
+              "(--list, --show and --export work without a GPU.)", file=sys.stderr)
+        return 2
+
+    from ..config import heuristic_config  # noqa: PLC0415
+    from . import db  # noqa: PLC0415
+    from .measure import Problem, make_objective  # noqa: PLC0415
+    from .search import run_search  # noqa: PLC0415
+    from .space import SearchSpace  # noqa: PLC0415
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(device)
+    device_name = torch.cuda.get_device_name(device)
+    kind = db.normalize_device_name(device_name)
+    args.dtype = args.dtype or "bf16"
+    dtype = db.torch_dtype(args.dtype)
+    trials = args.trials or (8 if args.shipped_set else 40)
+    budget_bytes = int(args.budget_gb * 2**30) if args.budget_gb else None
+    studies = _studies(args)
+    deadline = started + args.time_budget_s if args.time_budget_s else None
+    target = args.out if args.out is not None else (args.db.expanduser() if args.db else db.user_db_path())
+    if args.out is not None and args.out.suffix != ".json":
+        target = args.out / f"{kind}.json"
+    print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
+          f"writing to {target}", file=sys.stderr)
+
+    summary: list[tuple[str, ...]] = []
+    written = 0
+    status = 0
+    for index, (vocab, hidden, tokens) in enumerate(studies):
+        label = f"V={vocab} H={hidden} T={tokens}"
+        remaining_studies = len(studies) - index
+        if args.skip_existing and (kind, vocab, hidden, args.dtype, db.token_bucket(tokens)) in {
+                e.key for e in db.read_file(target)}:
+            summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", "skipped (exists)"))
+            continue
+        study_timeout = args.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < MIN_STUDY_S:
+                for v, h, t in studies[index:]:
+                    summary.append((str(v), str(h), str(t), "-", "-", "-", "-", "-", "0", "skipped (time budget)"))
+                print(f"flce-tune: time budget spent; skipping {remaining_studies} studies", file=sys.stderr)
+                break
+            share = left / remaining_studies
+            study_timeout = share if study_timeout is None else min(study_timeout, share)
+        study_start = time.monotonic()
+        progress = _Progress(trials, label)
+        try:
+            problem = Problem(tokens=tokens, vocab=vocab, hidden=hidden, dtype=dtype, device=device, seed=args.seed)
+            objective = make_objective(problem, warmup=args.warmup, min_reps=args.reps, max_reps=max(50, args.reps))
+            default = heuristic_config(tokens, vocab, hidden, dtype, device)
+            found = db.lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device_name)
+            space_kwargs: dict[str, Any] = {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": dtype,
+                                            "base": default}
+            if args.strategies:
+                space_kwargs["strategies"] = tuple(args.strategies)
+            space = SearchSpace(**space_kwargs)
+            timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
+            result = run_search(objective, space, default=default, db_config=found[0] if found else None,
+                                n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=budget_bytes,
+                                confirm=not args.no_confirm, on_trial=progress.update)
+            del objective
+        except KeyboardInterrupt:
+            progress.close()
+            print(f"flce-tune: interrupted during {label}; results written so far are kept", file=sys.stderr)
+            summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "-", "interrupted"))
+            status = 130
+            break
+        except Exception as exc:  # noqa: BLE001 - one study's setup failure (e.g. OOM on inputs) must not end the run
+            progress.close()
+            print(f"flce-tune: {label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", f"failed: {type(exc).__name__}"))
+            status = 1
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        progress.close()
+        note = result.stopped
+        if result.failures():
+            note += " (" + ", ".join(f"{k} {v}" for k, v in sorted(result.failures().items())) + ")"
+        if result.best is not None and result.best_ms is not None:
+            versions = db.versions()
+            entry = db.Entry(
+                device=kind, vocab=vocab, hidden=hidden, dtype=args.dtype, tokens=db.token_bucket(tokens),
+                config=result.best, ms=round(result.best_ms, 5),
+                peak_gb=None if result.best_peak_bytes is None else round(result.best_peak_bytes / 1e9, 4),
+                default_ms=None if result.default_ms is None else round(result.default_ms, 5),
+                default_peak_gb=None if result.default_peak_bytes is None else round(result.default_peak_bytes / 1e9, 4),
+                trials=result.n_measured, torch=versions["torch"], triton=versions["triton"], date=db.now_iso(),
+                extra={"device_name": device_name, "default_config": result.default.to_dict(),
+                       "budget_gb": args.budget_gb, "measured_tokens": tokens, "stopped": result.stopped},
+            )
+            try:
+                db.write_entries(target, [entry])
+                written += 1
+            except Exception as exc:  # noqa: BLE001 - report and go on; the next study may still be written
+                print(f"flce-tune: could not write {label} to {target}: {exc}", file=sys.stderr)
+                note += " (NOT WRITTEN)"
+                status = 1
+        else:
+            note = "no valid config; " + note
+        summary.append((
+            str(vocab), str(hidden), str(tokens), _fmt(result.default_ms, ".3f"), _fmt(result.best_ms, ".3f"),
+            _fmt(result.speedup, ".2f") + "x" if result.speedup else "-",
+            _fmt(None if result.default_peak_bytes is None else result.default_peak_bytes / 1e9, ".2f"),
+            _fmt(None if result.best_peak_bytes is None else result.best_peak_bytes / 1e9, ".2f"),
+            str(result.n_measured), note,
+        ))
+        if result.stopped == "device_error":
+            print("flce-tune: the GPU context broke; stopping. Re-run the remaining shapes in a new process.",
+                  file=sys.stderr)
+            status = 1
+            break
+        if result.stopped == "interrupted":
+            status = 130
+            break
+
+    print()
+    _print_table(("V", "H", "tokens", "default ms", "best ms", "speedup", "default GB", "best GB", "trials", "status"), summary)
+    print(f"\n{written} entries written to {target} ({time.monotonic() - started:.0f} s)")
+    return status
+
+
+def _install_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into KeyboardInterrupt so the current study's best is still written."""
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("flce_compile").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    if args.db is not None and args.out is None:
+        os.environ["FLCE_TUNING_DB"] = str(args.db.expanduser())  # lookups (DB seeds) read the same file
+    modes = sum(bool(x) for x in (args.list, args.show, args.export is not None))
+    if modes > 1:
+        parser.error("--list, --show and --export are separate modes; give one")
+    if args.list or args.show:
+        return cmd_list(args, detailed=args.show)
+    if args.export is not None:
+        return cmd_export(args)
+    _validate_tune_args(parser, args)
+    _install_sigterm()
+    return cmd_tune(args, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

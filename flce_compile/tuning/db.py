@@ -1,0 +1,618 @@
+"""The tuning database: measured best configs per (GPU kind, V, H, dtype, token bucket), stored as JSON.
+
+Why a database: the best chunk size and CE-kernel launch parameters depend on the GPU and on the problem
+shape, and measuring them costs minutes, so they are measured once (``flce-tune``) and looked up at run time.
+
+Files. Every file has the same format (``FORMAT``, ``SCHEMA_VERSION``, a list of entries)::
+
+    {"format": "flce_compile.tuning_db", "schema_version": 1,
+     "entries": [{"device": "h200", "vocab": 151936, "hidden": 4096, "dtype": "bf16", "tokens": 16384,
+                  "config": {...FLCEConfig...}, "ms": 12.3, "peak_gb": 3.1, "default_ms": 15.0, ...}, ...]}
+
+* Shipped files: ``tuning_db/<gpu kind>.json`` at the repository top level (one file per GPU kind); in a built
+  wheel they are package data under ``flce_compile/tuning_db/``.
+* The user file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json`` (any number of GPU kinds);
+  its entries override shipped ones.
+
+Lookup (``lookup``) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
+dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic). It sits on the op's hot
+path, so the files are parsed once into dicts and every answer is memoised; ``invalidate_cache`` drops both
+(tests, and automatically after ``write_entries``).
+
+Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored; ``lookup``
+never raises. Writes take a file lock and replace the file atomically, so several tuners can write at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ..config import FLCEConfig
+from ..log import logger
+
+#: The value of the "format" key; a JSON file without it is foreign and ignored.
+FORMAT = "flce_compile.tuning_db"
+#: Bump when an existing reader could misread new files. Files with a larger version are ignored (with a
+#: warning) and never overwritten.
+SCHEMA_VERSION = 1
+#: Environment variable naming the user database file.
+ENV_USER_DB = "FLCE_TUNING_DB"
+#: Environment variable naming a directory of shipped-format files used *instead of* the packaged ones
+#: (development and tests).
+ENV_SHIPPED_DIR = "FLCE_TUNING_DB_SHIPPED"
+#: Entries whose (V, H) are further than this from the query (sum of |ln ratio| of V and H, plus dtype and
+#: token terms) are not borrowed by the nearest-shape fallback; the heuristic is safer than a far-off config.
+MAX_SHAPE_DISTANCE = 1.5
+
+_DTYPE_NAMES: dict[str, str] = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+}
+_DTYPE_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# ----------------------------------------------------------------------------------------------------------
+# Normalisation helpers
+# ----------------------------------------------------------------------------------------------------------
+
+#: Words in a GPU name that say nothing about its speed class (vendor, form factor, memory size).
+_NOISE_TOKENS = re.compile(
+    r"^(nvidia|geforce|tesla|quadro|amd|instinct|radeon|graphics|sxm\d*|pcie|nvl|oam|hbm\d*e?|\d+(gb|g)|"
+    r"accelerator|gpu|pro|max-?q|cuda|device|generation|gen)$"
+)
+
+
+def normalize_device_name(name: str) -> str:
+    """Map a GPU name to its kind key: every H200 variant to "h200", every H100 to "h100", and so on.
+
+    "NVIDIA H200", "NVIDIA H200 NVL" and "H200 SXM 141GB" are one kind for tuning purposes; the vendor,
+    form factor and memory size are dropped. A MIG slice keeps a "_mig" suffix because it is much smaller than
+    the whole GPU. Unknown names keep their remaining words joined by "_" (e.g. "rtx_4090").
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"device name {name!r} must be a non-empty string such as 'NVIDIA H200'")
+    words = re.split(r"[^a-z0-9]+", name.lower())
+    words = [w for w in words if w]
+    mig = False
+    if "mig" in words:  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb": the slice is what runs
+        words = words[: words.index("mig")]
+        mig = True
+    kept = [w for w in words if not _NOISE_TOKENS.match(w)]
+    if not kept:
+        kept = words or ["unknown"]
+    # A model token such as h200, a100, a10g, l40s, mi300x, gh200, b200 names the kind on its own.
+    model = next((w for w in kept if re.fullmatch(r"[a-z]{1,3}\d{1,4}[a-z]?", w)), None)
+    key = model if model is not None else "_".join(kept)
+    return key + "_mig" if mig else key
+
+
+def normalize_dtype(dtype: torch.dtype | str) -> str:
+    """Map torch.bfloat16 / "bfloat16" / "bf16" to the DB's short name ("bf16", "fp16" or "fp32")."""
+    name = _DTYPE_NAMES.get(str(dtype).lower())
+    if name is None:
+        raise ValueError(f"dtype={dtype!r} is not tunable; use one of bf16, fp16, fp32")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a DB dtype name ("bf16" -> torch.bfloat16)."""
+    return _TORCH_DTYPES[normalize_dtype(name)]
+
+
+def token_bucket(tokens: int) -> int:
+    """The power of two nearest to ``tokens`` in log scale (ties go up); entries are stored per bucket."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens={tokens!r} must be a positive int")
+    low = 1 << (tokens.bit_length() - 1)
+    if low == tokens:
+        return tokens
+    high = low * 2
+    return high if math.log2(tokens) - math.log2(low) >= 0.5 else low
+
+
+_device_key_cache: dict[Any, str] = {}
+
+
+def device_key(device: torch.device | str | int | None) -> str:
+    """The GPU kind key for a torch device, a CUDA index, or a GPU name (memoised; cheap after the first call)."""
+    cached = _device_key_cache.get(device)
+    if cached is not None:
+        return cached
+    if isinstance(device, str) and not re.fullmatch(r"(cuda|cpu)(:\d+)?", device):
+        key = normalize_device_name(device)  # already a name such as "NVIDIA H200" or "h200"
+    else:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        if dev.type != "cuda":
+            key = "cpu"
+        else:
+            key = normalize_device_name(torch.cuda.get_device_name(dev))
+    _device_key_cache[device] = key
+    return key
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entries and files
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One measured result: the best config for (device, V, H, dtype, token bucket) and what it was worth."""
+
+    device: str
+    vocab: int
+    hidden: int
+    dtype: str
+    tokens: int
+    config: FLCEConfig
+    ms: float
+    peak_gb: float | None = None
+    default_ms: float | None = None
+    default_peak_gb: float | None = None
+    trials: int = 0
+    torch: str | None = None
+    triton: str | None = None
+    date: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int, int, str, int]:
+        return (self.device, self.vocab, self.hidden, self.dtype, self.tokens)
+
+    @property
+    def speedup(self) -> float | None:
+        """default_ms / ms, or None when the default was not measured."""
+        if self.default_ms is None or not self.ms:
+            return None
+        return self.default_ms / self.ms
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "device": self.device, "vocab": self.vocab, "hidden": self.hidden, "dtype": self.dtype,
+            "tokens": self.tokens, "config": self.config.to_dict(), "ms": self.ms, "peak_gb": self.peak_gb,
+            "default_ms": self.default_ms, "default_peak_gb": self.default_peak_gb, "trials": self.trials,
+            "torch": self.torch, "triton": self.triton, "date": self.date,
+        }
+        data.update({k: v for k, v in self.extra.items() if k not in data})
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Entry":
+        """Parse one entry; raises ValueError/KeyError/TypeError on a malformed one (callers skip it)."""
+        known = {"device", "vocab", "hidden", "dtype", "tokens", "config", "ms", "peak_gb", "default_ms",
+                 "default_peak_gb", "trials", "torch", "triton", "date"}
+        ms = float(data["ms"])
+        if not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"ms={data['ms']!r} must be a positive number")
+        vocab, hidden, tokens = int(data["vocab"]), int(data["hidden"]), int(data["tokens"])
+        if min(vocab, hidden, tokens) < 1:
+            raise ValueError("vocab, hidden and tokens must be positive")
+        return cls(
+            device=normalize_device_name(str(data["device"])),
+            vocab=vocab,
+            hidden=hidden,
+            dtype=normalize_dtype(data["dtype"]),
+            tokens=token_bucket(tokens),
+            config=FLCEConfig.from_dict(data["config"]),
+            ms=ms,
+            peak_gb=_opt_float(data.get("peak_gb")),
+            default_ms=_opt_float(data.get("default_ms")),
+            default_peak_gb=_opt_float(data.get("default_peak_gb")),
+            trials=int(data.get("trials") or 0),
+            torch=data.get("torch"),
+            triton=data.get("triton"),
+            date=data.get("date"),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def versions() -> dict[str, str | None]:
+    """torch and triton versions, stored with every entry (a result may not carry over to other versions)."""
+    try:
+        import triton  # noqa: PLC0415
+
+        triton_version: str | None = triton.__version__
+    except Exception:  # noqa: BLE001 - triton is optional (CPU installs)
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version}
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+class DBFileError(ValueError):
+    """A database file that cannot be used: unreadable, corrupt, foreign or of a newer schema."""
+
+
+def _parse_file(path: Path) -> tuple[list[Entry], list[str]]:
+    """Read one file; returns its valid entries and a list of per-entry problems. Raises DBFileError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DBFileError(f"cannot read tuning DB file {path}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise DBFileError(f"tuning DB file {path} is not valid JSON ({exc}); delete or fix it") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DBFileError(f"{path} is not an flce_compile tuning DB (no \"format\": \"{FORMAT}\"); ignored")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise DBFileError(f"tuning DB file {path} has an invalid schema_version={version!r}")
+    if version > SCHEMA_VERSION:
+        raise DBFileError(
+            f"tuning DB file {path} has schema_version={version}, newer than this flce_compile understands "
+            f"({SCHEMA_VERSION}); upgrade flce_compile or point {ENV_USER_DB} elsewhere"
+        )
+    raw_entries = data.get("entries")
+    if not isinstance(raw_entries, list):
+        raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
+    entries: list[Entry] = []
+    problems: list[str] = []
+    for i, raw in enumerate(raw_entries):
+        try:
+            if not isinstance(raw, Mapping):
+                raise TypeError("entry is not an object")
+            entries.append(Entry.from_dict(raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
+    return entries, problems
+
+
+def read_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[Entry]:
+    """Entries of one file. A missing file is empty. A bad file raises DBFileError if ``strict``, else it is
+    reported once through the logger and read as empty."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    try:
+        entries, problems = _parse_file(p)
+    except DBFileError as exc:
+        if strict:
+            raise
+        _warn_once(str(p), str(exc))
+        return []
+    if problems:
+        _warn_once(str(p), f"tuning DB file {p}: skipped {len(problems)} malformed entries ({problems[0]})")
+    return entries
+
+
+def _dump(entries: Iterable[Entry]) -> str:
+    ordered = sorted(entries, key=lambda e: e.key)
+    payload = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "entries": [e.to_dict() for e in ordered]}
+    return json.dumps(payload, indent=1, sort_keys=False) + "\n"
+
+
+_warned: set[tuple[str, str]] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(path: str, message: str) -> None:
+    with _warn_lock:
+        if (path, message) in _warned:
+            return
+        _warned.add((path, message))
+    logger.warning("%s", message)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Locations
+# ----------------------------------------------------------------------------------------------------------
+
+
+def user_db_path() -> Path:
+    """The user database file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json``."""
+    env = os.environ.get(ENV_USER_DB)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "flce_compile" / "tuning_db.json"
+
+
+def shipped_dirs(package_dir: Path | None = None) -> list[Path]:
+    """Directories holding the shipped ``<gpu kind>.json`` files.
+
+    ``$FLCE_TUNING_DB_SHIPPED`` if set; else ``flce_compile/tuning_db/`` when it exists (an installed wheel,
+    where it is package data); else the repository's top-level ``tuning_db/`` (a source checkout or an
+    editable install, where that directory is the source of truth). ``package_dir`` (the ``flce_compile``
+    directory; default: this installation's) is for tests of an installed layout.
+    """
+    env = os.environ.get(ENV_SHIPPED_DIR)
+    if env and package_dir is None:
+        return [Path(env).expanduser()]
+    package_dir = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
+    packaged = package_dir / "tuning_db"
+    if packaged.is_dir():
+        return [packaged]
+    repo = package_dir.parent
+    top = repo / "tuning_db"
+    if top.is_dir() and ((repo / "pyproject.toml").exists() or (repo / ".git").exists()):
+        return [top]
+    return []
+
+
+def shipped_files() -> list[Path]:
+    """The shipped JSON files, sorted by name."""
+    files: list[Path] = []
+    for d in shipped_dirs():
+        files.extend(sorted(p for p in d.glob("*.json") if p.is_file()))
+    return files
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loaded, indexed database and lookup
+# ----------------------------------------------------------------------------------------------------------
+
+_Key = tuple[str, int, int, str, int]
+
+
+class _Index:
+    """Both layers (user, shipped) indexed for dict lookups, plus per-(device, dtype) lists for the fallbacks."""
+
+    def __init__(self, user: list[Entry], shipped: list[Entry]) -> None:
+        self.user: dict[_Key, Entry] = {e.key: e for e in user}
+        self.shipped: dict[_Key, Entry] = {e.key: e for e in shipped}
+        merged = dict(self.shipped)
+        merged.update(self.user)  # user overrides shipped
+        self.merged = merged
+        self.by_device: dict[str, list[tuple[Entry, str]]] = {}
+        for key, entry in merged.items():
+            layer = "user" if key in self.user else "shipped"
+            self.by_device.setdefault(entry.device, []).append((entry, layer))
+
+
+_state_lock = threading.Lock()
+_index: _Index | None = None
+_index_sig: tuple[str | None, str | None] | None = None
+_memo: dict[tuple[Any, ...], tuple[FLCEConfig, str] | None] = {}
+_MISS = object()
+
+
+def invalidate_cache() -> None:
+    """Forget the loaded files and memoised answers; the next lookup re-reads the files.
+
+    Called by ``write_entries``; call it in tests or after editing a DB file by hand in a running process.
+    """
+    global _index, _index_sig
+    with _state_lock:
+        _index = None
+        _index_sig = None
+        _memo.clear()
+        _device_key_cache.clear()
+
+
+def _signature() -> tuple[str | None, str | None]:
+    # The environment variables decide which files are read; a change of either reloads (cheap dict reads).
+    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR))
+
+
+def _get_index() -> _Index:
+    global _index, _index_sig
+    sig = _signature()
+    index = _index
+    if index is not None and _index_sig == sig:
+        return index
+    with _state_lock:
+        if _index is not None and _index_sig == sig:
+            return _index
+        shipped: list[Entry] = []
+        for path in shipped_files():
+            shipped.extend(read_file(path))
+        user = read_file(user_db_path())
+        _index = _Index(user, shipped)
+        _index_sig = sig
+        _memo.clear()
+        logger.debug("tuning DB loaded: %d user entries, %d shipped entries", len(user), len(shipped))
+        return _index
+
+
+def load_entries(*, layer: str = "merged") -> list[Entry]:
+    """All loaded entries of one layer: "user", "shipped" or "merged" (user overriding shipped)."""
+    index = _get_index()
+    table = {"user": index.user, "shipped": index.shipped, "merged": index.merged}.get(layer)
+    if table is None:
+        raise ValueError(f"layer={layer!r} is unknown; use 'user', 'shipped' or 'merged'")
+    return sorted(table.values(), key=lambda e: e.key)
+
+
+def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCEConfig:
+    """Keep a borrowed config's logits chunk (chunk_tokens x V) about the same size at another vocab."""
+    if from_vocab == to_vocab:
+        return config
+    chunk = max(1, int(config.chunk_tokens * from_vocab / to_vocab))
+    chunk = 1 << (chunk.bit_length() - 1)  # round down: never more logits memory than measured
+    return config if chunk == config.chunk_tokens else FLCEConfig.from_dict({**config.to_dict(), "chunk_tokens": chunk})
+
+
+def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> tuple[FLCEConfig, str] | None:
+    key = (dev, vocab, hidden, dtype, bucket)
+    entry = index.user.get(key)
+    if entry is not None:
+        return entry.config, "tuning_db:user_exact"
+    entry = index.shipped.get(key)
+    if entry is not None:
+        return entry.config, "tuning_db:shipped_exact"
+    candidates = index.by_device.get(dev, [])
+    log_bucket = math.log2(bucket)
+    # Nearest token bucket, same (V, H, dtype); the user layer wins ties.
+    same_shape = [(e, layer) for e, layer in candidates if (e.vocab, e.hidden, e.dtype) == (vocab, hidden, dtype)]
+    if same_shape:
+        e, layer = min(same_shape, key=lambda el: (abs(math.log2(el[0].tokens) - log_bucket), el[1] != "user", el[0].tokens))
+        return e.config, f"tuning_db:nearest_tokens({layer} tokens={e.tokens})"
+    # Nearest (V, H) on the same GPU: log-ratio distance, a dtype penalty (same itemsize only), a small token term.
+    best: tuple[float, Entry, str] | None = None
+    for e, layer in candidates:
+        if _DTYPE_ITEMSIZE[e.dtype] != _DTYPE_ITEMSIZE[dtype]:
+            continue
+        dist = (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden))
+                + (0.0 if e.dtype == dtype else 0.5) + 0.05 * abs(math.log2(e.tokens) - log_bucket)
+                + (0.0 if layer == "user" else 1e-9))
+        if best is None or dist < best[0]:
+            best = (dist, e, layer)
+    if best is not None and best[0] <= MAX_SHAPE_DISTANCE:
+        _, e, layer = best
+        config = _rescale_chunk(e.config, e.vocab, vocab)
+        return config, f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
+    return None
+
+
+def lookup(
+    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
+) -> tuple[FLCEConfig, str] | None:
+    """The tuned config for this problem, and where it came from; ``None`` means "use the heuristic".
+
+    ``device`` is a torch device, a CUDA index, or a GPU name ("NVIDIA H200", "h200"). Order: user exact ->
+    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> None. The source string
+    ("tuning_db:user_exact", ...) is also logged at debug level. Never raises: a problem is logged once and
+    answered with None, so a bad DB can never break a training run.
+    """
+    try:
+        bucket = token_bucket(int(tokens))
+        memo_key = (device, vocab, hidden, dtype, bucket, _signature())
+        hit = _memo.get(memo_key, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
+        index = _get_index()
+        dev = device_key(device)
+        result = _lookup_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket)
+        if result is None:
+            logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
+        else:
+            logger.debug("tuning DB: %s V=%d H=%d %s tokens=%d -> %s %s", dev, vocab, hidden, dtype, tokens,
+                         result[1], result[0].to_json())
+        with _state_lock:
+            _memo[memo_key] = result
+        return result
+    except Exception as exc:  # noqa: BLE001 - the DB must never break the op
+        _warn_once("lookup", f"tuning DB lookup failed ({type(exc).__name__}: {exc}); using the heuristic")
+        return None
+
+
+def find_entry(
+    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
+) -> tuple[Entry, str] | None:
+    """The exact entry (user, else shipped) for this key with its layer, or None. For tools, not the hot path."""
+    index = _get_index()
+    key = (device_key(device), int(vocab), int(hidden), normalize_dtype(dtype), token_bucket(int(tokens)))
+    if key in index.user:
+        return index.user[key], "user"
+    if key in index.shipped:
+        return index.shipped[key], "shipped"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float) -> Iterator[None]:
+    """An inter-process lock next to ``path`` (``filelock`` if installed, else ``fcntl.flock``)."""
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        import filelock  # noqa: PLC0415
+    except ImportError:
+        filelock = None  # type: ignore[assignment]
+    if filelock is not None:
+        try:
+            with filelock.FileLock(str(lock_path), timeout=timeout):
+                yield
+        except filelock.Timeout as exc:
+            raise TimeoutError(
+                f"could not lock {lock_path} within {timeout}s; another flce-tune may hang on it - delete the "
+                f"lock file if no tuner is running"
+            ) from exc
+        return
+    import fcntl  # noqa: PLC0415
+
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def write_entries(
+    path: str | os.PathLike[str], entries: Sequence[Entry], *, replace: bool = False, lock_timeout: float = 60.0
+) -> Path:
+    """Merge ``entries`` into the file at ``path`` (new entries replace old ones with the same key) and return
+    the path. With ``replace=True`` the file holds exactly ``entries``.
+
+    Safe with several writers: the read-merge-write happens under a file lock and the new content is written
+    to a temporary file in the same directory, fsynced, then renamed over the old one, so readers see either
+    the old or the new file, never a partial one. A corrupt existing file is moved aside to ``<path>.corrupt``
+    (with a warning) rather than merged; a foreign or newer-schema file is never overwritten (DBFileError).
+    """
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(p, lock_timeout):
+        merged: dict[_Key, Entry] = {}
+        if not replace and p.exists():
+            try:
+                old, problems = _parse_file(p)
+            except DBFileError as exc:
+                text = str(exc)
+                if "not valid JSON" in text:
+                    aside = p.with_name(p.name + ".corrupt")
+                    os.replace(p, aside)
+                    logger.warning("%s; moved it to %s and started a new file", text, aside)
+                    old = []
+                else:
+                    raise DBFileError(f"refusing to overwrite {p}: {text}") from exc
+            else:
+                if problems:
+                    logger.warning("tuning DB file %s: dropping %d malformed entries on rewrite (%s)",
+                                   p, len(problems), problems[0])
+            merged = {e.key: e for e in old}
+        for e in entries:
+            merged[e.key] = e
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(_dump(merged.values()))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    invalidate_cache()
+    logger.debug("tuning DB: wrote %d entries to %s", len(entries), p)
+    return p
+
+
+def export_shipped(path: str | os.PathLike[str], entries: Sequence[Entry]) -> list[Path]:
+    """Write entries in the shipped layout. ``path`` is a directory (one ``<gpu kind>.json`` per GPU kind,
+    merged into existing files) or a ``.json`` file (then the entries must be of one GPU kind)."""
+    p = Path(path).expanduser()
+    by_device: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_device.setdefault(e.device, []).append(e)
+    if p.suffix == ".json":
+        if len(by_device) > 1:
+            raise ValueError(
+                f"export path {p} is one file but the entries span GPU kinds {sorted(by_device)}; pass a "
+                f"directory to get one <gpu kind>.json per kind"
+            )
+        return [write_entries(p, entries)]
+    return [write_entries(p / f"{dev}.json", items) for dev, items in sorted(by_device.items())]

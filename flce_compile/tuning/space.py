@@ -1,0 +1,227 @@
+"""The search space of the fused op's execution configs, and the rules that prune illegal ones before they run.
+
+Why its own module: the space decides which parameters each strategy actually reads (a "torch" config has no
+CE kernel, so sampling block_v or num_warps for it would only waste trials), which values are legal for a
+problem (a chunk larger than the token count is pruned; a kernel block larger than the vocab is pruned), and
+which configs would exceed the memory budget according to the op's own memory bound. Nothing here touches a
+GPU or Optuna's study; ``search`` drives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..config import STRATEGIES, FLCEConfig
+from ..log import logger
+
+#: The FLCEConfig fields each strategy reads. Fields a strategy does not read are not sampled for it and are
+#: set to the base config's values, so two configs that run identically compare equal.
+STRATEGY_PARAMS: dict[str, tuple[str, ...]] = {
+    "torch": ("chunk_tokens", "dw_path", "streams"),
+    "triton": ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams"),
+}
+#: The CE kernel holds block_v / (32 * num_warps) values per thread; more than this spills registers.
+MAX_ELEMENTS_PER_THREAD = 128
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _pow2_range(low: int, high: int) -> tuple[int, ...]:
+    out, v = [], low
+    while v <= high:
+        out.append(v)
+        v *= 2
+    return tuple(out)
+
+
+_warned_memory_model = False
+
+
+def predicted_peak_bytes(
+    config: FLCEConfig, tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
+    accum_dtype: torch.dtype = torch.float32,
+) -> int | None:
+    """The op's memory bound (``flce_compile.memory.peak_bytes``, sympy-derived: bytes above the inputs and the
+    returned loss/gradients) for fwd+bwd with dX and dW, or None when the memory model is not available (then
+    only the measured peak is checked)."""
+    global _warned_memory_model
+    try:
+        from ..memory import peak_bytes  # noqa: PLC0415 - optional layer, imported lazily
+    except ImportError:
+        if not _warned_memory_model:
+            logger.info("flce_compile.memory is not available; the memory budget is checked on measured peaks only")
+            _warned_memory_model = True
+        return None
+    try:
+        return int(peak_bytes(config, tokens, vocab, hidden, dtype, accum_dtype, need_dw=True))
+    except Exception as exc:  # noqa: BLE001 - a bug in the model must not stop tuning
+        if not _warned_memory_model:
+            logger.warning("flce_compile.memory.peak_bytes failed (%s: %s); checking measured peaks only",
+                           type(exc).__name__, exc)
+            _warned_memory_model = True
+        return None
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Candidate values per parameter for one problem (tokens, V, H, dtype), plus pruning.
+
+    ``base`` supplies the fields a strategy does not read. ``budget_bytes`` (if set) prunes configs whose
+    predicted peak exceeds it. Value tuples can be narrowed for quick searches or tests.
+    """
+
+    tokens: int
+    vocab: int
+    hidden: int
+    dtype: torch.dtype = torch.bfloat16
+    accum_dtype: torch.dtype = torch.float32
+    strategies: tuple[str, ...] = STRATEGIES
+    # Powers of two and the steps half-way between them: 1536-token chunks can fit a budget 2048 misses.
+    chunk_tokens: tuple[int, ...] = tuple(sorted(set(_pow2_range(128, 32768)) | {3 * p // 2 for p in _pow2_range(256, 16384)}))
+    block_v: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+    num_warps: tuple[int, ...] = (4, 8, 16, 32)
+    num_stages: tuple[int, ...] = (1, 2, 3)
+    dw_path: tuple[str, ...] = ("addmm", "mm_add")
+    streams: tuple[bool, ...] = (False, True)
+    base: FLCEConfig = FLCEConfig()
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "vocab", "hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SearchSpace.{name}={value!r} must be a positive int")
+        unknown = set(self.strategies) - set(STRATEGIES)
+        if unknown or not self.strategies:
+            raise ValueError(f"SearchSpace.strategies={self.strategies!r}: use a non-empty subset of {STRATEGIES}")
+        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams"):
+            if not getattr(self, name):
+                raise ValueError(f"SearchSpace.{name} is empty; give at least one candidate value")
+        if not self.legal_chunks():
+            raise ValueError(
+                f"SearchSpace.chunk_tokens={self.chunk_tokens} has no value <= {_next_pow2(self.tokens)} "
+                f"(tokens={self.tokens}); add smaller chunk sizes"
+            )
+
+    # -- candidate values ------------------------------------------------------------------------------
+    def legal_chunks(self) -> tuple[int, ...]:
+        """Chunk sizes not larger than the token count rounded up to a power of two."""
+        limit = _next_pow2(self.tokens)
+        return tuple(sorted({c for c in self.chunk_tokens if c <= limit}))
+
+    def choices(self, name: str) -> tuple[Any, ...]:
+        """The candidate values Optuna samples for ``name`` (deduplicated, in a stable order)."""
+        if name == "strategy":
+            return tuple(dict.fromkeys(self.strategies))
+        if name == "chunk_tokens":
+            return self.legal_chunks()
+        values = getattr(self, name)
+        return tuple(dict.fromkeys(values)) if name in ("dw_path", "streams") else tuple(sorted(set(values)))
+
+    def including(self, configs: Iterable[FLCEConfig | None]) -> "SearchSpace":
+        """This space widened so each given config is expressible (Optuna needs enqueued values among the
+        choices). Configs of a strategy outside the space are left out; illegal values stay prunable."""
+        changes: dict[str, tuple[Any, ...]] = {}
+        for config in configs:
+            if config is None or config.strategy not in self.strategies:
+                continue
+            for name in STRATEGY_PARAMS[config.strategy]:
+                current = changes.get(name, getattr(self, name))
+                value = getattr(config, name)
+                if value not in current:
+                    changes[name] = tuple(current) + (value,)
+        return dataclasses.replace(self, **changes) if changes else self
+
+    # -- configs <-> Optuna params ---------------------------------------------------------------------
+    def canonical(self, config: FLCEConfig) -> FLCEConfig:
+        """The config with the fields its strategy ignores set to the base config's values."""
+        used = STRATEGY_PARAMS[config.strategy]
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(FLCEConfig)}
+        for name in STRATEGY_PARAMS["triton"]:
+            if name not in used:
+                values[name] = getattr(self.base, name)
+        return FLCEConfig(**values)
+
+    def to_params(self, config: FLCEConfig) -> dict[str, Any]:
+        """Optuna parameters that reproduce ``config`` (for ``study.enqueue_trial``)."""
+        params: dict[str, Any] = {"strategy": config.strategy}
+        for name in STRATEGY_PARAMS[config.strategy]:
+            params[f"{config.strategy}.{name}"] = getattr(config, name)
+        return params
+
+    def suggest(self, trial: Any) -> FLCEConfig:
+        """Sample a config from an Optuna trial. Parameters are named per strategy ("triton.block_v"), so a
+        strategy's parameters are only sampled when that strategy is (a conditional space for TPE)."""
+        strategy = trial.suggest_categorical("strategy", self.choices("strategy"))
+        values = self.base.to_dict()
+        values["strategy"] = strategy
+        for name in STRATEGY_PARAMS[strategy]:
+            values[name] = trial.suggest_categorical(f"{strategy}.{name}", self.choices(name))
+        return self.canonical(FLCEConfig(**values))
+
+    def size(self) -> int:
+        """How many distinct configs the space holds (before pruning)."""
+        total = 0
+        for strategy in self.strategies:
+            n = 1
+            for name in STRATEGY_PARAMS[strategy]:
+                n *= len(self.choices(name))
+            total += n
+        return total
+
+    # -- pruning ---------------------------------------------------------------------------------------
+    def check(self, config: FLCEConfig) -> str | None:
+        """Why ``config`` must not run for this problem, or None if it may. Memory is not checked here (see
+        ``predicted_bytes``) because the memory model may be slow or missing."""
+        if config.strategy not in self.strategies:
+            return f"strategy {config.strategy!r} is not in this search ({self.strategies})"
+        if config.chunk_tokens > _next_pow2(self.tokens):
+            return f"chunk_tokens={config.chunk_tokens} > tokens={self.tokens}"
+        if config.strategy == "triton":
+            if config.block_v > _next_pow2(self.vocab):
+                return f"block_v={config.block_v} > vocab={self.vocab}"
+            threads = 32 * config.num_warps
+            if config.block_v < threads:
+                return f"block_v={config.block_v} < {threads} threads (num_warps={config.num_warps})"
+            if config.block_v // threads > MAX_ELEMENTS_PER_THREAD:
+                return (f"block_v={config.block_v} with num_warps={config.num_warps} holds "
+                        f"{config.block_v // threads} values per thread (> {MAX_ELEMENTS_PER_THREAD}, spills)")
+        return None
+
+    def predicted_bytes(self, config: FLCEConfig) -> int | None:
+        """The op's memory bound for this config, or None if unknown."""
+        return predicted_peak_bytes(config, self.tokens, self.vocab, self.hidden, self.dtype, self.accum_dtype)
+
+    def over_budget(self, config: FLCEConfig) -> str | None:
+        """A reason if the predicted peak exceeds ``budget_bytes``, else None."""
+        if self.budget_bytes is None:
+            return None
+        predicted = self.predicted_bytes(config)
+        if predicted is not None and predicted > self.budget_bytes:
+            return f"memory bound {predicted / 2**30:.2f} GiB > budget {self.budget_bytes / 2**30:.2f} GiB"
+        return None
+
+    def neighbours(self, config: FLCEConfig) -> list[FLCEConfig]:
+        """A few configs next to ``config`` worth measuring early when the trial budget is small, most promising
+        first: larger chunks (fewer, larger GEMMs are the usual win over the memory-conservative default), the
+        streams switch, a larger then a smaller CE block."""
+        legal = self.legal_chunks()
+        out: list[FLCEConfig] = [dataclasses.replace(config, chunk_tokens=config.chunk_tokens * f) for f in (2, 4)]
+        if len(self.choices("streams")) > 1:
+            out.append(dataclasses.replace(config, streams=not config.streams))
+        if config.strategy == "triton" and config.block_v * 2 in self.choices("block_v"):
+            out.append(dataclasses.replace(config, block_v=config.block_v * 2))
+        out.append(dataclasses.replace(config, chunk_tokens=config.chunk_tokens * 8))
+        if config.strategy == "triton" and config.block_v // 2 in self.choices("block_v"):
+            out.append(dataclasses.replace(config, block_v=config.block_v // 2))
+        return [c for c in out if c.chunk_tokens in legal and self.check(c) is None]
+
+    def describe(self) -> Mapping[str, Any]:
+        """The candidate values, for logs and reports."""
+        return {name: self.choices(name) for name in ("strategy",) + STRATEGY_PARAMS["triton"]}

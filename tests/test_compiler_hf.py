@@ -1,0 +1,240 @@
+"""backend="flce" on tiny random Hugging Face causal LMs: parity with the inner compiler alone, the graph the
+inner compiler receives, dropped/kept logits, and recompiles under varying sequence length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flce_compile.compiler import flce_backend  # noqa: E402  (registers backend="flce" in dev checkouts)
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_kept_logits_loss  # noqa: E402
+
+V, H = 160, 32
+COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _families() -> dict:
+    t = transformers
+    return {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**COMMON)),
+        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON)),
+        "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=8)),
+        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**COMMON)),
+        "gemma2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**COMMON, head_dim=8, final_logit_softcapping=5.0,
+                                                                attn_logit_softcapping=None)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=V, n_embd=H, n_layer=1, n_head=4, n_positions=64)),
+        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**COMMON, pad_token_id=0)),
+    }
+
+
+FAMILIES = list(_families())
+
+
+def _make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = _families()[name]().float()
+    model.config.use_cache = False
+    # GPT2LMHeadModel's class name maps to no loss type, and transformers then logs a warning_once that is a
+    # graph break between lm_head and the loss; naming the loss type avoids it (see test_explain_graph_break).
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+    model.eval()  # dropout off (GPT-2 has some) so runs compare exactly; gradients still flow
+    return model
+
+
+def _batch(seq: int = 8, batch: int = 2):
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, V, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ids, labels
+
+
+class Capture:
+    """An inner compiler that records the graph it receives and then runs aot_eager."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+
+
+def _step(model, fn, ids, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = fn(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _assert_same(ref, got, ref_grads, got_grads):
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert ref_grads.keys() == got_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(got_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _logits_gemms(gm) -> int:
+    """GEMMs in the graph whose output has the vocab as last dim (logits-sized)."""
+    count = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (torch._C._nn.linear, torch.nn.functional.linear, torch.matmul):
+            val = n.meta.get("example_value")
+            if isinstance(val, torch.Tensor) and val.shape[-1] == V:
+                count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each family's loss and grads under the inner compiler "eager" alone (= the model run as is), once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = _make(name)
+            ids, labels = _batch()
+            ref, grads = _step(model, model, ids, labels)
+            cache[name] = (model, ids, labels, ref, grads)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_drop_logits_parity_and_graph(name, reference):
+    model, ids, labels, ref, ref_grads = reference(name)
+    cap = Capture("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": "drop"})
+    got, grads = _step(model, compiled, ids, labels)
+    assert got.logits is None
+    _assert_same(ref, got, ref_grads, grads)
+    gm = cap.graphs[0]
+    assert _targets(gm).count(flce_fused_loss) == 1
+    assert torch.nn.functional.cross_entropy not in _targets(gm)
+    assert _logits_gemms(gm) == 0, gm.code
+    if name == "gemma2":  # the final-logit softcap was absorbed into the op
+        node = next(n for n in gm.graph.nodes if n.target is flce_fused_loss)
+        assert node.args[8] == pytest.approx(5.0) and node.args[9] == pytest.approx(1.0)
+        assert torch.tanh not in _targets(gm)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+def test_family_keep_logits_exact(name, reference):
+    model, ids, labels, ref, ref_grads = reference(name)
+    cap = Capture("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap})
+    got, grads = _step(model, compiled, ids, labels)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+    _assert_same(ref, got, ref_grads, grads)
+    gm = cap.graphs[0]
+    assert _targets(gm).count(flce_kept_logits_loss) == 1
+    assert _logits_gemms(gm) == 1  # the kept logits, computed once
+    assert not any(n.op == "call_method" and n.target == "float" and n.meta["example_value"].shape[-1] == V
+                   for n in gm.graph.nodes), "no fp32 copy of the logits"
+
+
+@pytest.mark.parametrize("logits", ["drop", "keep"])
+def test_aot_eager_inner_llama(logits, reference):
+    """Through AOT autograd (the fused op's fake impl and autograd traced), vs aot_eager without the pass."""
+    model, ids, labels, _, _ = reference("llama")
+    torch._dynamo.reset()
+    ref, ref_grads = _step(model, torch.compile(model, backend="aot_eager"), ids, labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager", "flce.logits": logits})
+    got, grads = _step(model, compiled, ids, labels)
+    _assert_same(ref, got, ref_grads, grads)
+    assert (got.logits is None) == (logits == "drop")
+
+
+def test_num_items_in_batch_sum_reduction(reference):
+    model, ids, labels, _, _ = reference("llama")
+    n = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    ref, ref_grads = _step(model, model, ids, labels, num_items_in_batch=n)
+    cap = Capture("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": "drop"})
+    got, grads = _step(model, compiled, ids, labels, num_items_in_batch=n)
+    _assert_same(ref, got, ref_grads, grads)
+    node = next(n for n in cap.graphs[0].graph.nodes if n.target is flce_fused_loss)
+    assert node.args[6] == "sum"
+
+
+def _count_compiles(model, seqs, backend, options=None, mark=False):
+    torch._dynamo.reset()
+    calls = []
+
+    def counting(gm, example_inputs, **kw):
+        calls.append(gm)
+        return gm.forward
+
+    opts = {"flce.inner": counting, "flce.logits": "drop"} if backend == "flce" else None
+    compiled = torch.compile(model, backend=backend if backend == "flce" else counting, options=opts)
+    losses = []
+    for s in seqs:
+        ids, labels = _batch(s)
+        if mark:
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(labels, 1)
+        losses.append(compiled(input_ids=ids, labels=labels).loss)
+    return len(calls), losses
+
+
+def test_recompiles_under_varying_seq_len(reference):
+    model = reference("llama")[0]
+    seqs = [8, 12, 16, 9]
+    n_flce, losses = _count_compiles(model, seqs, "flce")
+    n_plain, _ = _count_compiles(model, seqs, "plain")
+    assert n_flce == n_plain <= 2  # static first graph, then one automatic-dynamic graph
+    n_marked, _ = _count_compiles(model, seqs, "flce", mark=True)
+    assert n_marked == 1
+    with torch.no_grad():
+        for s, loss in zip(seqs, losses):
+            ids, labels = _batch(s)
+            torch.testing.assert_close(loss, model(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> MLP -> lm_head -> HF-style loss: few kernels, so inductor compiles it quickly on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.mlp = torch.nn.Linear(H, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.lm_head(torch.tanh(self.mlp(self.emb(ids))))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, V), labels[:, 1:].reshape(-1))
+
+
+def test_inductor_inner():
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, labels = _batch(16)
+    results = []
+    for backend, options in (("inductor", None), ("flce", {"flce.logits": "drop"})):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, options=options)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(ids, labels)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (ref, ref_g), (got, got_g) = results
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,104 @@
+"""Options of backend="flce": validation, pass-through to the inner compiler, registration."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flce_compile.compiler as fc
+from flce_compile.compiler.options import split_options
+from flce_compile.compiler.rewrite import flce_fused_loss
+
+V, H = 64, 8
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.lm_head(x).view(-1, V), t.view(-1))
+
+
+def _inputs():
+    return torch.randn(2, 3, H), torch.randint(0, V, (2, 3))
+
+
+def test_split_options_routes_keys():
+    ours, inner = split_options({"flce.logits": "drop", "flce.inner": "eager", "max_autotune": True})
+    assert ours.logits == "drop" and ours.inner == "eager" and inner == {"max_autotune": True}
+    assert split_options({"flce.config": {"chunk_tokens": 64}})[0].config.chunk_tokens == 64
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"flce.bogus": 1}, r"unknown option 'flce.bogus'.*flce.inner.*flce.logits.*flce.config.*flce.enabled"),
+    ({"flce.logits": "discard"}, r"flce.logits.*'keep', 'drop'"),
+    ({"flce.inner": "no_such_backend"}, r"flce.inner.*not a registered"),
+    ({"flce.inner": "flce"}, r"recurse"),
+    ({"flce.enabled": "yes"}, r"flce.enabled"),
+    ({"flce.config": {"chunk_size": 3}}, r"flce.config.*unknown keys"),
+])
+def test_invalid_options_name_the_key(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        split_options(options)
+    with pytest.raises(Exception, match=match):  # and through torch.compile (wrapped by Dynamo)
+        torch._dynamo.reset()
+        torch.compile(Tiny(), backend="flce", options=dict(options))(*_inputs())
+
+
+def _captured(options=None, mode=None, backend="flce"):
+    seen = {}
+
+    def inner(gm, example_inputs, **kwargs):
+        seen["gm"], seen["kwargs"] = gm, kwargs
+        return gm.forward
+
+    torch._dynamo.reset()
+    opts = {"flce.inner": inner, **(options or {})}
+    compiled = torch.compile(Tiny(), backend=backend, options=opts) if mode is None else \
+        torch.compile(Tiny(), backend=fc.with_options(opts, mode=mode))
+    compiled(*_inputs())
+    return seen
+
+
+def test_other_options_and_mode_reach_the_inner_compiler():
+    seen = _captured({"some.inner.option": 3})
+    assert seen["kwargs"] == {"options": {"some.inner.option": 3}}
+    seen = _captured(mode="max-autotune")
+    assert seen["kwargs"] == {"mode": "max-autotune"}
+    assert [n.target for n in seen["gm"].graph.nodes].count(flce_fused_loss) == 1
+
+
+def test_enabled_false_is_the_inner_compiler_alone():
+    seen = _captured({"flce.enabled": False})
+    assert flce_fused_loss not in [n.target for n in seen["gm"].graph.nodes]
+    assert F.cross_entropy in [n.target for n in seen["gm"].graph.nodes]
+
+
+def test_forced_config_reaches_the_op():
+    seen = _captured({"flce.config": {"chunk_tokens": 2}})
+    node = next(n for n in seen["gm"].graph.nodes if n.target is flce_fused_loss)
+    assert node.args[10]["chunk_tokens"] == 2
+
+
+def test_backend_object_and_name_and_entry_point():
+    x, t = _inputs()
+    m = Tiny()
+    ref = m(x, t)
+    for backend in ("flce", fc.flce_backend, fc.with_options(inner="eager", logits="drop")):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(m, backend=backend, options=None)(x, t), ref)
+    ep = importlib.metadata.EntryPoint(name="flce", value="flce_compile.compiler.backend:flce_backend",
+                                       group="torch_dynamo_backends")
+    assert ep.load() is fc.flce_backend
+    assert "flce" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_with_options_validates_eagerly():
+    with pytest.raises(ValueError, match="flce.logits"):
+        fc.with_options(logits="nope")

@@ -1,0 +1,236 @@
+"""Site matching on small hand-written modules (nanoGPT style and the other supported forms), compiled with
+backend="flce" and inner "eager" (so the reference is the module run as is), plus sites that must be left alone
+and explain() reports."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flce_compile.compiler as fc
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_kept_logits_loss, run_pass
+
+V, H = 96, 16
+
+
+class Head(nn.Module):
+    """A tiny trunk plus lm_head; ``loss_fn(self, x, logits_fn, targets)`` supplies the form under test."""
+
+    def __init__(self, form, bias=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.proj = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=bias)
+        self.register_buffer("cw", torch.rand(V) + 0.5)
+        self.ce = nn.CrossEntropyLoss(weight=torch.rand(V) + 0.5, label_smoothing=0.1, ignore_index=-1)
+        self.form = form
+
+    def forward(self, idx, targets):
+        x = torch.tanh(self.proj(self.emb(idx)))
+        return self.form(self, x, targets)
+
+
+def nanogpt(m, x, t):
+    logits = m.lm_head(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1), ignore_index=-1)
+
+
+FORMS = {
+    "nanogpt": nanogpt,
+    "ce_module": lambda m, x, t: m.ce(m.lm_head(x).view(-1, V), t.view(-1)),
+    "ncd_transpose": lambda m, x, t: F.cross_entropy(m.lm_head(x).transpose(1, 2), t, reduction="none"),
+    "logits_shift": lambda m, x, t: F.cross_entropy(m.lm_head(x)[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1)),
+    "ellipsis_shift": lambda m, x, t: F.cross_entropy(
+        m.lm_head(x)[..., :-1, :].contiguous().view(-1, V), t[..., 1:].contiguous().view(-1)),
+    "to_flatten_contig": lambda m, x, t: F.cross_entropy(
+        m.lm_head(x).to(torch.float32).flatten(0, 1).contiguous(), t.flatten(), reduction="sum"),
+    "tied_embedding": lambda m, x, t: F.cross_entropy(F.linear(x, m.emb.weight).view(-1, V), t.view(-1)),
+    "matmul_T": lambda m, x, t: F.cross_entropy((x @ m.emb.weight.T).view(-1, V), t.view(-1)),
+    "log_softmax_nll": lambda m, x, t: F.nll_loss(F.log_softmax(m.lm_head(x), dim=-1).view(-1, V), t.view(-1)),
+    "scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * 0.5).view(-1, V), t.view(-1)),
+    "divisor": lambda m, x, t: F.cross_entropy((m.lm_head(x) / 3.0).view(-1, V), t.view(-1)),
+    "softcap": lambda m, x, t: F.cross_entropy((torch.tanh(m.lm_head(x) / 4.0) * 4.0).float().view(-1, V),
+                                               t.view(-1)),
+    "smoothing_weights": lambda m, x, t: F.cross_entropy(
+        m.lm_head(x).view(-1, V), t.view(-1), weight=m.cw, label_smoothing=0.2, ignore_index=-1),
+    "positional_args": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V), t.view(-1), m.cw, None, -1,
+                                                       None, "sum"),
+    "method_forms": lambda m, x, t: F.cross_entropy(
+        m.lm_head(x).float().mul(2.0).reshape(-1, V), t.reshape(-1)),
+}
+
+
+def _data(seq=6):
+    g = torch.Generator().manual_seed(seq)
+    idx = torch.randint(0, V, (2, seq), generator=g)
+    t = torch.randint(0, V, (2, seq), generator=g)
+    t[0, 0] = -1
+    return idx, t
+
+
+def _run(model, fn, idx, t):
+    model.zero_grad(set_to_none=True)
+    loss = fn(idx, t)
+    loss.sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compile(model, **flce):
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    options = {"flce.inner": capture, **{f"flce.{k}": v for k, v in flce.items()}}
+    return torch.compile(model, backend="flce", options=options), graphs
+
+
+CASES = [(f, False) for f in FORMS] + [(f, True) for f in ("nanogpt", "softcap", "logits_shift")]
+
+
+@pytest.mark.parametrize("form,bias", CASES, ids=[f"{f}{'-bias' if b else ''}" for f, b in CASES])
+def test_form_is_fused_and_exact(form, bias):
+    torch.manual_seed(0)
+    model = Head(FORMS[form], bias=bias)
+    idx, t = _data()
+    if form not in ("smoothing_weights", "positional_args", "ce_module", "nanogpt"):
+        t = t.clamp_min(0)  # forms with the default ignore_index=-100 get no -1 targets
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    got, got_g = _run(model, compiled, idx, t)
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert targets.count(flce_fused_loss) == 1, graphs[0].code
+    assert not any(n.op == "call_function" and n.target in (torch._C._nn.linear, torch.matmul, operator.matmul)
+                   and n.meta["example_value"].shape[-1] == V for n in graphs[0].graph.nodes), graphs[0].code
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert ref_g.keys() == got_g.keys()
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-6, msg=name)
+    if form == "softcap":
+        node = next(n for n in graphs[0].graph.nodes if n.target is flce_fused_loss)
+        assert node.args[8] == 4.0 and node.args[9] == 1.0
+
+
+class Escaping(nn.Module):
+    """nanoGPT that returns its logits too (the kept-logits path), and one whose logits feed argmax."""
+
+    def __init__(self, extra_use=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.extra_use = extra_use
+
+    def forward(self, idx, t):
+        logits = self.lm_head(self.emb(idx))
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), t[:, 1:].reshape(-1), label_smoothing=0.1)
+        if self.extra_use:
+            return loss, (logits.argmax(-1) == t).float().mean()
+        return loss, logits
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+@pytest.mark.parametrize("extra_use", [False, True], ids=["returned", "argmax"])
+def test_escaping_logits(mode, extra_use):
+    torch.manual_seed(0)
+    model = Escaping(extra_use)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    model.zero_grad()
+    ref = model(idx, t)
+    ref[0].backward()
+    ref_g = [p.grad.clone() for p in model.parameters()]
+    compiled, graphs = _compile(model, logits=mode)
+    model.zero_grad()
+    got = compiled(idx, t)
+    got[0].backward()
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip((p.grad for p in model.parameters()), ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    targets = [n.target for n in graphs[0].graph.nodes]
+    if mode == "drop" and not extra_use:
+        assert got[1] is None and targets.count(flce_fused_loss) == 1
+    else:
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+        assert targets.count(flce_kept_logits_loss) == 1
+
+
+UNSAFE = {
+    "tensor_scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * m.cw).view(-1, V), t.view(-1)),
+    "bias_add_tensor": lambda m, x, t: F.cross_entropy((m.lm_head(x) + m.cw).view(-1, V), t.view(-1)),
+    "vocab_slice": lambda m, x, t: F.cross_entropy(m.lm_head(x)[..., : V // 2].reshape(-1, V // 2),
+                                                   t.view(-1) % (V // 2)),
+    "token_mixing": lambda m, x, t: F.cross_entropy(m.lm_head(x).transpose(0, 1).reshape(-1, V), t.view(-1)),
+    "nll_without_log_softmax": lambda m, x, t: F.nll_loss(m.lm_head(x).view(-1, V), t.view(-1)),
+    "soft_targets": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V),
+                                                    F.one_hot(t.view(-1), V).float()),
+}
+
+
+@pytest.mark.parametrize("form", list(UNSAFE))
+def test_unsafe_sites_left_alone(form, caplog):
+    torch.manual_seed(0)
+    model = Head(UNSAFE[form])
+    idx, t = _data()
+    t = t.clamp_min(0)
+    ref, _ = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got, _ = _run(model, compiled, idx, t)
+    assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
+    assert "not fused" in caplog.text
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_call_module_forms_symbolic_trace():
+    """nn.Linear / nn.CrossEntropyLoss as call_module nodes (graphs not produced by Dynamo's inlining)."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=True)
+            self.loss = nn.CrossEntropyLoss(weight=torch.rand(V) + 0.5, label_smoothing=0.1)
+
+        def forward(self, x, t):
+            return self.loss(self.lm_head(x).view(-1, V), t.view(-1))
+
+    torch.manual_seed(0)
+    m = M()
+    gm = torch.fx.symbolic_trace(m)
+    x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+    ShapeProp(gm).propagate(x, t)
+    results = run_pass(gm, [x, t])
+    assert [r.path for r in results] == ["fused"]
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x, t), m(x, t), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_reports_sites_and_graph_breaks():
+    torch.manual_seed(0)
+    idx, t = _data()
+    report = fc.explain(Escaping(), idx, t.clamp_min(0))
+    assert len(report) == 1 and report[0].fused and report[0].path == "kept_logits"
+    assert report[0].vocab == V and report[0].hidden == H and report[0].est_saved_bytes > 0
+    assert "flce.logits" in str(report)
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+        def forward(self, x, t):
+            logits = self.lm_head(x)
+            torch._dynamo.graph_break()
+            return F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+    report = fc.explain(Broken(), torch.randn(2, 5, H), torch.randint(0, V, (2, 5)))
+    assert not any(r.fused for r in report)
+    text = str(report)
+    assert "graph break" in text and "nothing to fuse" in text
+    assert report.graph_breaks

@@ -1,0 +1,274 @@
+"""Behaviour of the public op: argument errors, edge cases, gradient switches, autocast, compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flce_compile
+from flce_compile import FLCEConfig, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from flce_reference import reference_loss
+
+CFG = {"strategy": "torch", "chunk_tokens": 8}
+
+
+def _inputs(n=20, h=16, v=40, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    return x, w, t
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda x, w, t: (x[:, :-1], w, t, {}), ValueError, "hidden size"),
+        (lambda x, w, t: (x, w, t[:-1], {}), ValueError, "target shape"),
+        (lambda x, w, t: (x, w, t.float(), {}), TypeError, "integer class ids"),
+        (lambda x, w, t: (x, w.double(), t, {}), TypeError, "weight dtype"),
+        (lambda x, w, t: (x.bfloat16(), w, t, {}), TypeError, "differs from weight dtype"),
+        (lambda x, w, t: (x, w, t, {"bias": torch.zeros(3)}), ValueError, "bias must have shape"),
+        (lambda x, w, t: (x, w, t, {"reduction": "avg"}), ValueError, "reduction"),
+        (lambda x, w, t: (x, w, t, {"label_smoothing": 1.5}), ValueError, "label_smoothing"),
+        (lambda x, w, t: (x, w, t, {"softcap": 0.0}), ValueError, "softcap"),
+        (lambda x, w, t: (x, w, t, {"softcap": -1.0}), ValueError, "softcap"),
+        (lambda x, w, t: (x, w, t, {"ce_weight": torch.ones(3)}), ValueError, "ce_weight"),
+        (lambda x, w, t: (x, w, t, {"accum_dtype": torch.int32}), TypeError, "accum_dtype"),
+        (lambda x, w, t: (x, w[0], t, {}), ValueError, "weight must be 2-D"),
+    ],
+)
+def test_bad_arguments_name_the_argument(mutate, exc, words):
+    x, w, t, kwargs = mutate(*_inputs())
+    with pytest.raises(exc, match=words):
+        fused_linear_cross_entropy(x, w, t, **kwargs)
+
+
+def test_device_mismatch_is_reported():
+    x, w, t = _inputs()
+    with pytest.raises(ValueError, match="one device"):
+        fused_linear_cross_entropy(x, w, t.to("meta"))
+
+
+def test_out_of_range_target_raises_on_cpu():
+    x, w, t = _inputs()
+    t[4] = 40
+    with pytest.raises(ValueError, match="outside"):
+        fused_linear_cross_entropy(x, w, t)
+    t[4] = -7
+    with pytest.raises(ValueError, match="outside"):
+        fused_linear_cross_entropy(x, w, t)
+
+
+def test_bad_config_is_reported():
+    x, w, t = _inputs()
+    with pytest.raises(ValueError, match="valid keys"):
+        fused_linear_cross_entropy(x, w, t, config={"chunk": 4})
+    with pytest.raises(ValueError, match="strategy"):
+        fused_linear_cross_entropy(x, w, t, config={"strategy": "magic"})
+    with pytest.raises(ValueError, match="power of two"):
+        FLCEConfig(block_v=100)
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0)])
+def test_empty_input_behaves_like_torch(reduction, expected):
+    x, w, _ = _inputs(n=0)
+    x.requires_grad_()
+    t = torch.empty(0, dtype=torch.long)
+    loss = fused_linear_cross_entropy(x, w, t, reduction=reduction)
+    ref = F.cross_entropy(x @ w.T, t, reduction=reduction)
+    assert (math.isnan(loss.item()) and math.isnan(ref.item())) or loss.item() == ref.item() == expected
+    loss.backward()
+    assert x.grad.shape == x.shape
+    none = fused_linear_cross_entropy(x, w, t, reduction="none")
+    assert none.shape == (0,)
+
+
+def test_all_ignored_mean_is_nan_and_grads_zero():
+    x, w, t = _inputs()
+    t.fill_(-100)
+    x.requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t, config=CFG)
+    assert math.isnan(loss.item()) and math.isnan(F.cross_entropy(x @ w.T, t).item())
+    assert fused_linear_cross_entropy(x, w, t, reduction="sum").item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_input_propagates(bad):
+    x, w, t = _inputs()
+    x[3, 2] = bad
+    per_token = fused_linear_cross_entropy(x, w, t, reduction="none", config=CFG)
+    assert not torch.isfinite(per_token[3])
+    assert torch.isfinite(per_token[torch.arange(20) != 3]).all()
+    assert not math.isfinite(fused_linear_cross_entropy(x, w, t).item())
+
+
+def test_no_grad_and_nothing_requiring_grad_give_the_loss_only():
+    x, w, t = _inputs()
+    ref = reference_loss(x, w, t)
+    with torch.no_grad():
+        xg = x.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xg, w, t)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref)
+    plain = fused_linear_cross_entropy(x, w, t)
+    assert not plain.requires_grad
+    torch.testing.assert_close(plain, ref)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+def test_frozen_weight_or_input(frozen):
+    x, w, t = _inputs()
+    x.requires_grad_(frozen != "input")
+    w.requires_grad_(frozen != "weight")
+    loss = fused_linear_cross_entropy(x, w, t, config=CFG)
+    loss.backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    reference_loss(xr, wr, t).backward()
+    if frozen == "weight":
+        assert w.grad is None
+        torch.testing.assert_close(x.grad, xr.grad)
+    else:
+        assert x.grad is None
+        torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_grad_output_scales_the_gradients():
+    x, w, t = _inputs()
+    x.requires_grad_()
+    (fused_linear_cross_entropy(x, w, t) * 0.37).backward()
+    xr = x.detach().clone().requires_grad_()
+    (reference_loss(xr, w, t) * 0.37).backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+def test_second_backward_fails_loudly_instead_of_double_scaling():
+    x, w, t = _inputs()
+    x.requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
+def test_bias_gradient():
+    x, w, t = _inputs()
+    b = torch.randn(40, requires_grad=True)
+    fused_linear_cross_entropy(x, w, t, b, config=CFG).backward()
+    br = b.detach().clone().requires_grad_()
+    reference_loss(x, w, t, br).backward()
+    torch.testing.assert_close(b.grad, br.grad)
+
+
+def test_autocast_bf16_matches_eager_autocast():
+    x, w, t = _inputs(n=64, h=32, v=96)
+    x.requires_grad_()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, t, config=CFG)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(xr, wr).float(), t)
+    ref.backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.cross_entropy(x64 @ w64.T, t).backward()
+    for ours, eager, exact in ((x.grad, xr.grad, x64.grad), (w.grad, wr.grad, w64.grad)):
+        assert (ours.double() - exact).norm() <= (eager.double() - exact).norm() * 1.05 + 1e-6
+
+
+def test_accum_dtype_bf16_runs_and_is_close():
+    x, w, t = _inputs(dtype=torch.bfloat16)
+    w.requires_grad_()
+    fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16, config=CFG).backward()
+    wr = w.detach().clone().requires_grad_()
+    reference_loss(x, wr, t).backward()
+    assert (w.grad.float() - wr.grad.float()).norm() <= 2e-2 * wr.grad.float().norm()
+
+
+def test_module_form_and_option_check():
+    x, w, t = _inputs()
+    loss_fn = FusedLinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(loss_fn(x, w, t), reference_loss(x, w, t, label_smoothing=0.1, reduction="sum"))
+    assert "label_smoothing=0.1" in repr(loss_fn)
+    with pytest.raises(TypeError, match="valid options"):
+        FusedLinearCrossEntropyLoss(smoothing=0.1)
+
+
+def test_custom_op_is_registered():
+    assert hasattr(torch.ops.flce, "fused_linear_cross_entropy")
+    assert hasattr(torch.ops.flce, "fused_linear_cross_entropy_backward")
+    x, w, t = _inputs()
+    torch.library.opcheck(
+        torch.ops.flce.fused_linear_cross_entropy.default,
+        (x, w.requires_grad_(), t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0, torch.float32,
+         False, True, False, ""),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_fullgraph_compile_is_one_node_and_dynamic_in_tokens():
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x, w, t):
+        return fused_linear_cross_entropy(x, w, t, label_smoothing=0.1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=capture, fullgraph=True, dynamic=True)
+    for n in (17, 33, 50):
+        x, w, t = _inputs(n=n)
+        x.requires_grad_()
+        loss = compiled(x, w, t)
+        loss.backward()
+        xr = x.detach().clone().requires_grad_()
+        reference_loss(xr, w, t, label_smoothing=0.1).backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+    assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs for 3 token counts"
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("flce" in str(op) for op in ops) == 1, ops
+
+
+def test_aot_compile_runs_the_op_with_gradients():
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w, t: fused_linear_cross_entropy(x, w, t, reduction="none").sum(),
+        backend="aot_eager", fullgraph=True, dynamic=True)
+    x, w, t = _inputs()
+    x.requires_grad_()
+    w.requires_grad_()
+    compiled(x, w, t).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    reference_loss(xr, wr, t, reduction="none").sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+    assert flce_compile.__version__
+
+
+def test_gradients_are_adopted_without_a_copy(monkeypatch):
+    """The forward-computed dX/dW become .grad as they are: a copy would hold a second dW-sized buffer."""
+    import flce_compile.op as op_module
+
+    produced = {}
+    original = op_module.fused_forward
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        produced["dx"], produced["dw"] = out[2].data_ptr(), out[3].data_ptr()
+        return out
+
+    monkeypatch.setattr(op_module, "fused_forward", spy)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, t = (a.to(device) for a in _inputs(dtype=torch.bfloat16))
+    x.requires_grad_()
+    w.requires_grad_()
+    fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16).backward()
+    assert x.grad.data_ptr() == produced["dx"]
+    assert w.grad.data_ptr() == produced["dw"]

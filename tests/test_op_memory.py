@@ -1,0 +1,92 @@
+"""The sympy memory bound against measured peaks (CPU: allocation events of the profiler; GPU: the CUDA
+allocator's peak), and that the bound stays far below materialised logits."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
+
+
+def cpu_peak_bytes(fn) -> int:
+    """Peak of live CPU allocations made while ``fn`` runs, from the profiler's allocation/free events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = []
+    for e in prof.events():
+        delta = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if delta:
+            deltas.append((e.time_range.start, delta))
+    live = peak = 0
+    for _, delta in sorted(deltas, key=lambda d: d[0]):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def test_expression_names_its_symbols():
+    names = {s.name for s in peak_bytes_expr().free_symbols}
+    assert {"BT", "V", "H", "chunk", "s", "acc"} <= names
+    assert isinstance(peak_bytes_expr(), sympy.Expr)
+
+
+@pytest.mark.parametrize("dtype, accum, softcap", [
+    (torch.float32, torch.float32, None),
+    (torch.bfloat16, torch.float32, None),
+    (torch.bfloat16, torch.bfloat16, 5.0),
+])
+def test_cpu_peak_within_bound(dtype, accum, softcap):
+    n, h, v, chunk = 1024, 64, 4096, 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    config = FLCEConfig(strategy="torch", chunk_tokens=chunk)
+
+    def step():
+        loss = fused_linear_cross_entropy(x, w, t, softcap=softcap, accum_dtype=accum, config=config)
+        loss.backward()
+
+    step()  # warm-up: one-time allocations (autograd, profiler) stay out of the measurement
+    x.grad = w.grad = None
+    measured = cpu_peak_bytes(step)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    grads = (n * h + v * h) * itemsize  # the returned gradients are outputs, not overhead
+    bound = peak_bytes(config, n, v, h, dtype, accum, need_dw=True, softcap=softcap is not None)
+    assert measured - grads <= bound, f"measured {measured - grads} B above outputs > bound {bound} B"
+    # The bound must also mean something: the logits a plain implementation holds are several times larger.
+    full_logits = n * v * (itemsize + 4)
+    assert bound < full_logits / 3
+
+
+def test_bound_at_the_benchmark_shape():
+    config = FLCEConfig(strategy="triton", chunk_tokens=1024)
+    fp32 = peak_bytes(config, 16384, 128256, 4096, torch.bfloat16, torch.float32)
+    bf16 = peak_bytes(config, 16384, 128256, 4096, torch.bfloat16, torch.bfloat16)
+    assert fp32 < 2.5e9 and bf16 < 0.3e9
+    assert fp32 - bf16 == 128256 * 4096 * 4  # the fp32 dW accumulator
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum", [torch.float32, torch.bfloat16])
+def test_gpu_peak_within_bound(accum):
+    n, h, v = 8192, 2048, 65536
+    dev = "cuda"
+    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev)
+    config = FLCEConfig(strategy="triton", chunk_tokens=1024)
+    fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=config).backward()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=config).backward()
+    torch.cuda.synchronize()
+    grads = (n * h + v * h) * 2
+    measured = torch.cuda.max_memory_allocated() - base - grads
+    bound = peak_bytes(config, n, v, h, torch.bfloat16, accum)
+    assert measured <= bound, (measured, bound)

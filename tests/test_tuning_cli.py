@@ -1,0 +1,209 @@
+"""``flce-tune`` through a subprocess (help, the no-GPU exit status, --list/--show/--export), the shipped
+tuning_db/ directory, and the built wheel carrying it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from flce_compile.config import FLCEConfig
+from flce_compile.tuning import db
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.update(extra or {})
+    return env
+
+
+def make_entry(**kw) -> db.Entry:
+    base = dict(device="h200", vocab=256000, hidden=2304, dtype="bf16", tokens=8192,
+                config=FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=8),
+                ms=20.0, peak_gb=2.5, default_ms=31.0, default_peak_gb=1.1, trials=8, torch="2.x", triton="3.x",
+                date="2025-01-01T00:00:00+00:00")
+    base.update(kw)
+    return db.Entry(**base)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """The subprocess runs, started together (each pays the torch import; in parallel they cost one)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    user = tmp / "user.json"
+    db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
+    runs = {
+        "help": (["--help"], {}),
+        "nogpu": (["--vocab", "151936", "--hidden", "4096", "--tokens", "4096", "--trials", "2"],
+                  {"CUDA_VISIBLE_DEVICES": "", "FLCE_TUNING_DB": str(tmp / "nogpu.json")}),
+        # the real shipped directory (whatever it holds) plus a user DB this test wrote
+        "list": (["--list", "--db", str(user)], {}),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "flce_compile.tuning.cli", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=_cli_env(env), cwd=str(REPO))
+             for name, (args, env) in runs.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    out["tmp"] = tmp
+    return out
+
+
+def test_help_has_examples(cli_runs):
+    proc = cli_runs["help"]
+    assert proc.returncode == 0
+    for text in ("examples:", "--shipped-set", "--time-budget-s", "--budget-gb", "--export", "FLCE_TUNING_DB"):
+        assert text in proc.stdout
+
+
+def test_no_gpu_exits_2(cli_runs):
+    proc = cli_runs["nogpu"]
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA GPU" in proc.stderr
+    assert not (cli_runs["tmp"] / "nogpu.json").exists()
+
+
+def test_list_subprocess(cli_runs):
+    proc = cli_runs["list"]
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"]
+    assert any(l.split()[:5] == ["h200", "256000", "2304", "bf16", "8192"] and "user:" in l for l in lines)
+    for path in sorted((REPO / "tuning_db").glob("*.json")):  # shipped entries are listed too
+        for e in db.read_file(path, strict=True):
+            assert any(l.split()[:5] == [e.device, str(e.vocab), str(e.hidden), e.dtype, str(e.tokens)] for l in lines)
+
+
+def test_arguments_and_modes_in_process(tmp_path, monkeypatch, capsys):
+    from flce_compile.tuning import cli
+
+    user = tmp_path / "user.json"
+    shipped = tmp_path / "shipped"
+    db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
+    db.write_entries(shipped / "h100.json", [make_entry(device="h100", vocab=32768, hidden=4096)])
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--vocab", "151936"])
+    assert exc.value.code == 2 and "--vocab and --hidden go together" in capsys.readouterr().err
+    assert cli.main(["--list", "--db", str(user)]) == 0
+    listing = capsys.readouterr().out
+    assert any(l.startswith("h100") and "shipped:h100.json" in l for l in listing.splitlines())
+    assert cli.main(["--show", "--db", str(user), "--vocab", "256000", "--device-kind", "NVIDIA H200 NVL"]) == 0
+    shown = capsys.readouterr().out
+    assert "chunk_tokens" in shown and "speedup 1.55x" in shown and "h100" not in shown
+    out = tmp_path / "export"
+    assert cli.main(["--export", str(out), "--db", str(user)]) == 0
+    assert len(db.read_file(out / "h200.json", strict=True)) == 2
+    assert cli.main(["--export", str(out), "--db", str(tmp_path / "missing.json")]) == 1
+    assert "nothing to export" in capsys.readouterr().err
+    assert [s[:3] for s in cli._studies(cli.build_parser().parse_args(["--shipped-set", "--tokens", "4096", "8192"]))][:2] \
+        == [(256000, 2304, 4096), (128256, 4096, 4096)]  # token-major, most important shape first
+
+
+def test_shipped_dir_is_readable():
+    """Whatever is committed in tuning_db/ parses strictly, holds one GPU kind per file named after it, and only
+    measured entries (a default measurement and a positive trial count)."""
+    shipped = REPO / "tuning_db"
+    assert shipped.is_dir()
+    for path in sorted(shipped.glob("*.json")):
+        entries = db.read_file(path, strict=True)
+        assert {e.device for e in entries} <= {path.stem}, f"{path.name} holds another GPU kind"
+        for e in entries:
+            assert e.trials >= 1 and e.ms > 0 and e.date and e.torch
+            assert e.default_ms is None or e.ms <= e.default_ms * 1.05, f"{path.name}: {e.key} slower than default"
+
+
+def test_wheel_ships_tuning_db(tmp_path):
+    """Build the wheel from a copy of the project with one DB file added, check the JSON is inside, install it
+    into a target directory and read the DB from there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "setup.py", "MANIFEST.in"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    if not (src / "pyproject.toml").exists():
+        pytest.skip("no pyproject.toml yet")
+    if not (src / "README.md").exists():
+        (src / "README.md").write_text("flce-compile\n")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    shutil.copytree(REPO / "flce_compile", src / "flce_compile", ignore=ignore)
+    shutil.copytree(REPO / "tuning_db", src / "tuning_db", ignore=ignore)
+    db.write_entries(src / "tuning_db" / "testgpu.json", [make_entry(device="testgpu")])
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped_names = {f"flce_compile/tuning_db/{p.name}" for p in (src / "tuning_db").glob("*.json")}
+    assert shipped_names <= set(names), (
+        "the wheel lacks tuning_db/*.json: pyproject.toml must map the top-level tuning_db/ to the package "
+        "flce_compile.tuning_db ([tool.setuptools] packages list with \"flce_compile.tuning_db\", "
+        "[tool.setuptools.package-dir] \"flce_compile.tuning_db\" = \"tuning_db\", "
+        "[tool.setuptools.package-data] \"flce_compile.tuning_db\" = [\"*.json\"])")
+    # every subpackage of flce_compile made it (guards an explicit packages list that forgot one)
+    for init in (REPO / "flce_compile").rglob("__init__.py"):
+        rel = init.relative_to(REPO).as_posix()
+        assert rel in names, f"{rel} missing from the wheel: add its package to pyproject.toml"
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # read it the way an installed flce_compile does (in-process: a subprocess would pay another torch import)
+    installed = target / "flce_compile"
+    dirs = db.shipped_dirs(package_dir=installed)
+    assert dirs == [installed / "tuning_db"]
+    entries = [e for d in dirs for p in sorted(d.glob("*.json")) for e in db.read_file(p, strict=True)]
+    assert make_entry(device="testgpu") in entries
+
+
+def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """The tuning path of the CLI end to end on CPU: the GPU probe and the measurement are faked; entries are
+    written per study (so a time-limited run leaves valid entries), the time budget skips what does not fit."""
+    import time as _time
+
+    from flce_compile.tuning import cli, measure
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200 NVL")
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    monkeypatch.setenv(db.ENV_USER_DB, str(tmp_path / "user.json"))
+    db.invalidate_cache()
+
+    def fake_make_objective(problem, **kw):
+        def objective(c):
+            _time.sleep(0.01)
+            if c.strategy == "triton" and c.num_warps == 32:
+                raise RuntimeError("out of resource: shared memory")
+            return 100.0 / c.chunk_tokens ** 0.5 + (1.0 if c.strategy == "torch" else 0.0), c.chunk_tokens * 1000
+        return objective
+
+    monkeypatch.setattr(measure, "make_objective", fake_make_objective)
+    out = tmp_path / "out"
+    code = cli.main(["--shapes", "256000x2304,32768x4096", "--tokens", "8192", "--trials", "6", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    entries = db.read_file(out / "h200.json", strict=True)
+    assert {(e.vocab, e.hidden, e.tokens) for e in entries} == {(256000, 2304, 8192), (32768, 4096, 8192)}
+    for e in entries:
+        assert e.ms <= e.default_ms and e.trials >= 6 and e.extra["device_name"] == "NVIDIA H200 NVL"
+    assert "speedup" in captured.out and "2 entries written" in captured.out
+    # a time budget too small for all studies: the first is written, the rest are reported as skipped
+    code = cli.main(["--shipped-set", "--tokens", "4096", "--trials", "3", "--time-budget-s", "5.5"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    written = db.read_file(tmp_path / "user.json", strict=True)
+    assert 1 <= len(written) < len(cli.SHIPPED_SHAPES)
+    assert (written[0].vocab, written[0].hidden) in {(v, h) for v, h, _ in cli.SHIPPED_SHAPES}
+    assert "skipped (time budget)" in captured.out

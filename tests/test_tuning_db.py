@@ -1,0 +1,211 @@
+"""The tuning database: files, merging, bad files, concurrent writers, every lookup fallback, the hot-path cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from flce_compile.config import FLCEConfig, choose_config
+from flce_compile.tuning import db
+
+
+def entry(device="h200", vocab=151936, hidden=4096, dtype="bf16", tokens=16384, chunk=2048, ms=10.0, **kw) -> db.Entry:
+    return db.Entry(device=device, vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens,
+                    config=FLCEConfig(strategy="triton", chunk_tokens=chunk, block_v=8192, num_warps=8),
+                    ms=ms, peak_gb=1.5, default_ms=ms * 1.5, default_peak_gb=1.0, trials=12,
+                    torch="2.x", triton="3.x", date="2025-01-01T00:00:00+00:00", **kw)
+
+
+@pytest.fixture
+def dbs(tmp_path, monkeypatch):
+    """An empty user DB file and an empty shipped directory, both private to the test."""
+    user = tmp_path / "user" / "tuning_db.json"
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv(db.ENV_USER_DB, str(user))
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped))
+    db.invalidate_cache()
+    yield user, shipped
+    db.invalidate_cache()
+
+
+def find(tokens=16384, vocab=151936, hidden=4096, dtype=torch.bfloat16, device="NVIDIA H200"):
+    return db.lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device)
+
+
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200"), ("H200 SXM 141GB", "h200"), ("h200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"), ("NVIDIA H100 NVL", "h100"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-PCIE-40GB", "a100"), ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA H20", "h20"), ("NVIDIA L40S", "l40s"), ("NVIDIA A10G", "a10g"), ("Tesla V100-SXM2-16GB", "v100"),
+    ("NVIDIA B200", "b200"), ("AMD Instinct MI300X", "mi300x"), ("NVIDIA GeForce RTX 4090", "rtx_4090"),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "h100_mig"),
+])
+def test_device_names(name, key):
+    assert db.normalize_device_name(name) == key
+
+
+def test_helpers():
+    assert [db.token_bucket(t) for t in (1, 3, 4096, 5000, 6000, 16384, 23000)] == [1, 4, 4096, 4096, 8192, 16384, 16384]
+    assert db.normalize_dtype(torch.bfloat16) == "bf16" and db.normalize_dtype("float16") == "fp16"
+    with pytest.raises(ValueError, match="dtype"):
+        db.normalize_dtype(torch.int8)
+    with pytest.raises(ValueError, match="tokens"):
+        db.token_bucket(0)
+    assert db.device_key(torch.device("cpu")) == "cpu"
+
+
+def test_round_trip_merge_and_replace(dbs):
+    user, _ = dbs
+    e1 = entry(tokens=8192)
+    db.write_entries(user, [e1, entry(tokens=16384)])
+    data = json.loads(user.read_text())
+    assert data["format"] == db.FORMAT and data["schema_version"] == db.SCHEMA_VERSION
+    assert db.read_file(user, strict=True)[0] == e1
+    # merge: same key replaced, new key added, others kept
+    db.write_entries(user, [entry(tokens=8192, ms=5.0), entry(vocab=32000, hidden=1024)])
+    got = {e.key: e for e in db.read_file(user, strict=True)}
+    assert len(got) == 3 and got[e1.key].ms == 5.0
+    db.write_entries(user, [e1], replace=True)
+    assert db.read_file(user, strict=True) == [e1]
+    # unknown extra fields survive a round trip (forward-compatible within a schema version)
+    e_extra = entry(tokens=4096, extra={"device_name": "NVIDIA H200", "note": "x"})
+    db.write_entries(user, [e_extra])
+    assert {e.key: e for e in db.read_file(user)}[e_extra.key].extra["note"] == "x"
+    assert not list(user.parent.glob("*.tmp"))  # no temporaries left behind
+
+
+def test_bad_files_are_reported_once_and_ignored(dbs, caplog):
+    user, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry()])
+    caplog.set_level(logging.WARNING, logger="flce_compile")
+    for content in ("{not json", json.dumps({"something": "else"}),
+                    json.dumps({"format": db.FORMAT, "schema_version": db.SCHEMA_VERSION + 1, "entries": []})):
+        user.parent.mkdir(parents=True, exist_ok=True)
+        user.write_text(content)
+        db.invalidate_cache()
+        caplog.clear()
+        for _ in range(3):
+            assert find() == (entry().config, "tuning_db:shipped_exact")  # shipped still answers
+            db.invalidate_cache()
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        with pytest.raises(db.DBFileError):
+            db.read_file(user, strict=True)
+    # a newer-schema or foreign file is never overwritten ...
+    with pytest.raises(db.DBFileError, match="refusing"):
+        db.write_entries(user, [entry()])
+    # ... a corrupt one is moved aside
+    user.write_text("{not json")
+    db.write_entries(user, [entry()])
+    assert user.with_name(user.name + ".corrupt").read_text() == "{not json"
+    assert db.read_file(user, strict=True) == [entry()]
+    # a malformed entry is skipped, the others are used
+    good = entry(tokens=4096).to_dict()
+    user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1,
+                                "entries": [{"vocab": "x"}, {**good, "config": {"bogus": 1}}, good]}))
+    assert db.read_file(user) == [entry(tokens=4096)]
+
+
+def _writer(args):
+    path, worker = args
+    import flce_compile.tuning.db as dbm
+
+    for i in range(8):
+        dbm.write_entries(path, [entry(vocab=1000 + worker, tokens=2 ** (8 + i), ms=1.0 + i)])
+    return worker
+
+
+def test_concurrent_writers(tmp_path):
+    path = tmp_path / "concurrent.json"
+    ctx = mp.get_context("fork")
+    with ctx.Pool(6) as pool:
+        assert sorted(pool.map(_writer, [(str(path), w) for w in range(6)])) == list(range(6))
+    entries = db.read_file(path, strict=True)
+    assert len(entries) == 6 * 8
+    assert {(e.vocab, e.tokens) for e in entries} == {(1000 + w, 2 ** (8 + i)) for w in range(6) for i in range(8)}
+
+
+def test_lookup_fallbacks(dbs, caplog):
+    user, shipped = dbs
+    caplog.set_level(logging.DEBUG, logger="flce_compile")
+    assert find() is None  # empty: heuristic
+    db.write_entries(shipped / "h200.json", [entry(chunk=1024), entry(tokens=4096, chunk=256),
+                                             entry(vocab=128256, hidden=4096, chunk=4096, tokens=8192)])
+    assert find() == (entry(chunk=1024).config, "tuning_db:shipped_exact")
+    assert "tuning_db:shipped_exact" in caplog.text  # the source shows in the debug log
+    for name in ("NVIDIA H200 NVL", "H200 SXM 141GB", torch.device("cpu")):
+        if isinstance(name, str):
+            assert find(device=name)[1] == "tuning_db:shipped_exact"
+    # user exact overrides shipped exact
+    db.write_entries(user, [entry(chunk=512)])
+    assert find() == (entry(chunk=512).config, "tuning_db:user_exact")
+    # 20000 tokens -> bucket 16384 (exact); 2000 -> bucket 2048: nearest bucket (4096), same shape
+    assert find(tokens=20000)[1] == "tuning_db:user_exact"
+    cfg, src = find(tokens=2000)
+    assert src == "tuning_db:nearest_tokens(shipped tokens=4096)" and cfg.chunk_tokens == 256
+    # 8192 is as far from 4096 as from 16384: the user entry wins the tie
+    assert find(tokens=8192)[1] == "tuning_db:nearest_tokens(user tokens=16384)"
+    cfg, src = find(tokens=65536)
+    assert src == "tuning_db:nearest_tokens(user tokens=16384)"
+    # nearest (V, H) on the same GPU: V=131072 H=4096 borrows V=128256's config, chunk kept (similar V)
+    cfg, src = find(vocab=131072, tokens=8192)
+    assert src.startswith("tuning_db:nearest_shape(") and "V=128256" in src and cfg.chunk_tokens == 2048
+    # a much larger vocab borrows with a smaller chunk (never more logits memory than measured)
+    cfg, src = find(vocab=262144, hidden=4096, tokens=8192)
+    assert src.startswith("tuning_db:nearest_shape(") and cfg.chunk_tokens < 4096
+    # too far away, another GPU, or another itemsize: heuristic
+    assert find(vocab=2000, hidden=128) is None
+    assert find(device="NVIDIA H100 80GB HBM3") is None
+    assert find(dtype=torch.float32) is None
+    # fp16 borrows from bf16 (same itemsize) as a nearest-shape answer
+    assert find(dtype=torch.float16)[1].startswith("tuning_db:nearest_shape(")
+
+
+def test_lookup_cache_and_invalidation(dbs):
+    user, _ = dbs
+    db.write_entries(user, [entry(chunk=512)])
+    assert find()[0].chunk_tokens == 512
+    # an edit behind the DB's back is not seen until the cache is invalidated ...
+    user.write_text(db._dump([entry(chunk=4096)]))
+    assert find()[0].chunk_tokens == 512
+    db.invalidate_cache()
+    assert find()[0].chunk_tokens == 4096
+    # ... while write_entries invalidates by itself
+    db.write_entries(user, [entry(chunk=1024)])
+    assert find()[0].chunk_tokens == 1024
+    # hot path: memoised dict lookups
+    start = time.perf_counter()
+    for t in range(20000):
+        find(tokens=16384 + (t % 64))
+    assert (time.perf_counter() - start) / 20000 < 50e-6
+
+
+def test_lookup_never_raises(dbs, monkeypatch):
+    monkeypatch.setattr(db, "_get_index", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert find() is None
+    assert find(dtype="int4") is None
+
+
+def test_choose_config_uses_the_db(dbs, monkeypatch):
+    user, _ = dbs
+    db.write_entries(user, [entry(chunk=512)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    config, source = choose_config(16384, 151936, 4096, torch.bfloat16, torch.device("cuda"))
+    assert (config, source) == (entry(chunk=512).config, "tuning_db:user_exact")
+    config, source = choose_config(16384, 999, 64, torch.bfloat16, torch.device("cuda"))
+    assert source == "heuristic"
+
+
+def test_export_layout(tmp_path):
+    entries = [entry(), entry(device="h100"), entry(device="h100", tokens=4096)]
+    paths = db.export_shipped(tmp_path / "out", entries)
+    assert sorted(p.name for p in paths) == ["h100.json", "h200.json"]
+    assert len(db.read_file(tmp_path / "out" / "h100.json", strict=True)) == 2
+    with pytest.raises(ValueError, match="directory"):
+        db.export_shipped(tmp_path / "one.json", entries)
