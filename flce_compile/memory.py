@@ -20,25 +20,31 @@ S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
 NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True, nonnegative=True)
 #: fp32 temporaries of one chunk that the pure-PyTorch CE step holds at once (0 for the Triton kernel).
 K32 = sympy.symbols("k32", integer=True, nonnegative=True)
+#: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
+BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
 
 #: Per-token fp32 vectors (loss rows, lse) and int64/bool masks of one chunk, bytes per token.
 PER_TOKEN_BYTES = 8
 PER_CHUNK_ROW_BYTES = 64
 #: Fixed slack for allocator rounding and small scalars.
 SLACK_BYTES = 1 << 20
+#: With stream overlap, cuBLAS allocates a workspace for the side stream on its first GEMM there (32 MiB on
+#: Hopper by default; bounded generously). It stays cached by the allocator afterwards.
+SIDE_STREAM_WORKSPACE_BYTES = 64 << 20
 
 
 @functools.cache
 def peak_bytes_expr() -> sympy.Expr:
-    """Bytes above inputs and outputs: one chunk of logits (+ CE temporaries), the dW/db accumulators and
-    the per-token vectors. Nothing is of size BT x V."""
+    """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries), the
+    dW/db accumulators and the per-token vectors. Nothing is of size BT x V."""
     rows = sympy.Min(CHUNK, BT)
-    logits_chunk = rows * V * S
+    logits_chunk = BUFFERS * rows * V * S
     ce_temporaries = K32 * rows * V * 4
     dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
     db_accumulator = NEED_DB * V * 4
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
-    return logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + per_token + SLACK_BYTES
+    side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
+    return logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + per_token + side_stream + SLACK_BYTES
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -76,5 +82,6 @@ def peak_bytes(
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
         K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
+        BUFFERS: 2 if config.streams else 1,
     }
     return int(peak_bytes_expr().subs(values))

@@ -157,6 +157,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.args = {k: v for k, v in args.items() if not isinstance(v, Tensor) and v is not None}
     ctx.has_bias = args["bias"] is not None
     ctx.mark_non_differentiable(lse, dx, dw, db)
+    # Backward ignores the gradients of those outputs: without this, autograd would materialise them as
+    # zero tensors of their size (a dX- and a dW-sized allocation in every backward).
+    ctx.set_materialize_grads(False)
     if args["reduction"] == "none":
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:

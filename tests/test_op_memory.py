@@ -71,14 +71,14 @@ def test_bound_at_the_benchmark_shape():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("accum", [torch.float32, torch.bfloat16])
-def test_gpu_peak_within_bound(accum):
+@pytest.mark.parametrize("accum, streams", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_gpu_peak_within_bound(accum, streams):
     n, h, v = 8192, 2048, 65536
     dev = "cuda"
     x = torch.randn(n, h, device=dev, dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, v, (n,), device=dev)
-    config = FLCEConfig(strategy="triton", chunk_tokens=1024)
+    config = FLCEConfig(strategy="triton", chunk_tokens=1024, streams=streams)
     fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=config).backward()
     x.grad = w.grad = None
     torch.cuda.synchronize()

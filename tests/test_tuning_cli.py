@@ -174,6 +174,7 @@ def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200 NVL")
     monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     how = p.add_argument_group("how long / how much")
     how.add_argument("--trials", type=int, help="measured trials per study (default 40, 8 with --shipped-set)")
     how.add_argument("--budget-gb", type=float, help="memory budget for the op (GiB, predicted and measured peak)")
+    how.add_argument("--budget-over-default-gb", type=float, metavar="GB",
+                     help="per-study memory budget: the default config's predicted peak plus GB (GiB), so a "
+                          "tuned entry never costs much more memory than the default (combines with --budget-gb)")
     how.add_argument("--timeout", type=float, help="seconds per study (search stops starting trials after it)")
     how.add_argument("--time-budget-s", type=float,
                      help="seconds for the whole run (from the start of the command, after Python imports), "
@@ -272,6 +275,8 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
     if args.budget_gb is not None and args.budget_gb <= 0:
         p.error(f"--budget-gb must be positive, got {args.budget_gb}")
+    if args.budget_over_default_gb is not None and args.budget_over_default_gb < 0:
+        p.error(f"--budget-over-default-gb must be >= 0, got {args.budget_over_default_gb}")
     for name in ("timeout", "time_budget_s"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -297,6 +302,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     if device.type != "cuda":
         print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
         return 2
+    if device.index is None:  # set_device needs an index on torch 2.11
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     device_name = torch.cuda.get_device_name(device)
     kind = db.normalize_device_name(device_name)
@@ -344,9 +351,13 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             if args.strategies:
                 space_kwargs["strategies"] = tuple(args.strategies)
             space = SearchSpace(**space_kwargs)
+            study_budget = budget_bytes
+            if args.budget_over_default_gb is not None:
+                relative = (space.predicted_bytes(default) or 0) + int(args.budget_over_default_gb * 2**30)
+                study_budget = relative if study_budget is None else min(study_budget, relative)
             timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
             result = run_search(objective, space, default=default, db_config=found[0] if found else None,
-                                n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=budget_bytes,
+                                n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,
                                 confirm=not args.no_confirm, on_trial=progress.update)
             del objective
         except KeyboardInterrupt:
@@ -377,7 +388,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                 default_peak_gb=None if result.default_peak_bytes is None else round(result.default_peak_bytes / 1e9, 4),
                 trials=result.n_measured, torch=versions["torch"], triton=versions["triton"], date=db.now_iso(),
                 extra={"device_name": device_name, "default_config": result.default.to_dict(),
-                       "budget_gb": args.budget_gb, "measured_tokens": tokens, "stopped": result.stopped},
+                       "budget_gb": args.budget_gb, "budget_over_default_gb": args.budget_over_default_gb, "measured_tokens": tokens, "stopped": result.stopped},
             )
             try:
                 db.write_entries(target, [entry])
