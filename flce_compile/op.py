@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .config import FLCEConfig, choose_config
 from .params import LossParams
-from .strategies import fused_backward_per_token, fused_forward
+from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
 _EMPTY = (0,)
 
@@ -73,8 +73,8 @@ def fused_linear_cross_entropy_op(
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
     with torch.autocast(input.device.type, enabled=False):
         loss, lse, dx, dw, db = fused_forward(
-            input, weight, target, bias, ce_weight, p, _config(config, input, weight), accum_dtype,
-            compute_dx, compute_dw, compute_db,
+            Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
+            GradRequest(compute_dx, compute_dw, compute_db),
         )
     # Absent results are distinct empty tensors: custom op outputs may not alias each other.
     return (
@@ -125,8 +125,8 @@ def fused_linear_cross_entropy_backward_op(
     p = _params(ignore_index, "none", label_smoothing, softcap, logit_scale, z_loss)
     with torch.autocast(input.device.type, enabled=False):
         dx, dw, db = fused_backward_per_token(
-            input, weight, target, bias, ce_weight, lse, grad_rows, p, _config(config, input, weight),
-            accum_dtype, compute_dx, compute_dw, compute_db and bias is not None,
+            Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
+            accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),
         )
     return (
         dx if dx is not None else input.new_empty(_EMPTY),

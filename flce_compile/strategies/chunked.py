@@ -9,6 +9,7 @@ in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,6 +21,31 @@ from .ce_common import CEStepArgs
 from .ce_torch import ce_step_torch
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Operands:
+    """The tensors of one call: x (N, H), weight (V, H), target (N,) int64, bias (V,) and class weights (V,)
+    fp32, both optional."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    target: torch.Tensor
+    bias: torch.Tensor | None = None
+    ce_weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GradRequest:
+    """Which gradients a pass computes."""
+
+    dx: bool = False
+    dw: bool = False
+    db: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.dx or self.dw or self.db
 
 
 def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
@@ -97,38 +123,32 @@ def _reduction_scales(
 
 
 def _run_chunks(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    ce_weight: torch.Tensor | None,
+    ops: Operands,
     p: LossParams,
     config: FLCEConfig,
     accum_dtype: torch.dtype,
+    grads: GradRequest,
     *,
     ce_scale: torch.Tensor,
     z_scale: torch.Tensor,
     loss_rows: torch.Tensor | None,
     lse_rows: torch.Tensor | None,
     lse_in: torch.Tensor | None,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
 ) -> Grads:
+    x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
     n, _hidden = x.shape
     vocab = weight.shape[0]
     device = x.device
-    write_grad = need_dx or need_dw or need_db
     ce_step = _ce_step(config)
     weight_sum = (
         ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), device=device)
     )
     chunk = max(1, min(config.chunk_tokens, n))
-    overlap = config.streams and device.type == "cuda" and (need_dw or need_db)
+    overlap = config.streams and device.type == "cuda" and (grads.dw or grads.db)
     buffers = [torch.empty(chunk, vocab, dtype=x.dtype, device=device) for _ in range(2 if overlap else 1)]
-    dx = torch.empty_like(x) if need_dx else None
-    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if need_dw else None
-    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if need_db else None
+    dx = torch.empty_like(x) if grads.dx else None
+    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if grads.db and bias is not None else None
     main = torch.cuda.current_stream(device) if overlap else None
     side = _side_stream(device) if overlap else None
     buffer_free: list[torch.cuda.Event | None] = [None, None]
@@ -157,7 +177,7 @@ def _run_chunks(
                 loss_out=loss_rows[rows] if loss_rows is not None else None,
                 lse_out=lse_rows[rows] if lse_rows is not None else None,
                 lse_in=lse_in[rows] if lse_in is not None else None,
-                write_grad=write_grad,
+                write_grad=grads.any,
             ),
             p,
         )
@@ -174,7 +194,7 @@ def _run_chunks(
     if overlap:
         main.wait_stream(side)
     dw = dw_acc.result() if dw_acc is not None else None
-    db = db_acc.to(bias.dtype) if db_acc is not None and bias is not None else None
+    db = db_acc.to(bias.dtype) if db_acc is not None else None
     return dx, dw, db
 
 
@@ -188,34 +208,21 @@ def _accumulate_weight_grads(
 
 
 def fused_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    ce_weight: torch.Tensor | None,
-    p: LossParams,
-    config: FLCEConfig,
-    accum_dtype: torch.dtype,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
+    ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Loss of (x (N,H), weight (V,H), target (N,)) and, when asked, its gradients, in one chunked pass.
+    """Loss of ``ops`` and, when asked, its gradients, in one chunked pass.
 
     Returns (loss, lse, dx, dw, db): loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for
     "none" (its backward needs it); gradients are unscaled by grad_output and only for mean/sum.
     """
-    n = x.shape[0]
-    vocab = weight.shape[0]
+    n = ops.x.shape[0]
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab)
-    loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
-    lse_rows = torch.empty(n, dtype=torch.float32, device=x.device) if per_token else None
-    want_grads = not per_token
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, ops.weight.shape[0])
+    loss_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device)
+    lse_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device) if per_token else None
     dx, dw, db = _run_chunks(
-        x, weight, target, bias, ce_weight, p, config, accum_dtype,
+        ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None,
-        need_dx=need_dx and want_grads, need_dw=need_dw and want_grads, need_db=need_db and want_grads,
     )
     if per_token:
         return loss_rows, lse_rows, None, None, None
@@ -227,25 +234,18 @@ def fused_forward(
 
 
 def fused_backward_per_token(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    ce_weight: torch.Tensor | None,
+    ops: Operands,
     lse: torch.Tensor,
     grad_rows: torch.Tensor,
     p: LossParams,
     config: FLCEConfig,
     accum_dtype: torch.dtype,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
+    grads: GradRequest,
 ) -> Grads:
     """Gradients of sum_i grad_rows[i] * loss_i for reduction="none": recomputes each chunk's logits (a fourth
     GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM."""
     scale = grad_rows.to(torch.float32).contiguous()
     return _run_chunks(
-        x, weight, target, bias, ce_weight, p, config, accum_dtype,
+        ops, p, config, accum_dtype, grads,
         ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
-        need_dx=need_dx, need_dw=need_dw, need_db=need_db,
     )
