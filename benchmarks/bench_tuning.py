@@ -1,25 +1,34 @@
 """Benchmark: tuned config vs the heuristic default vs Liger, for every shape the tuning DB holds for this GPU.
 
 bf16, forward + backward (dX and dW), median ms from ``triton.testing.do_bench`` with at least 10 timed runs.
-Prints a table and writes ``bench_tuning_<gpu>_<time>.json`` and ``.md`` (GPU name, torch/triton versions)
-under ``benchmarks/results/`` (or ``--out-dir``).
+Peak GB: ``torch.cuda.max_memory_allocated`` over one warm fwd+bwd, above the inputs and the returned dX and dW
+(the definition of the DB's ``peak_gb`` and of ``flce_compile.memory.peak_bytes``), in 1e9 bytes.
+
+Writes ``bench_tuning_<gpu>_<time>.json`` and ``.md`` (GPU name, torch/triton versions) under
+``benchmarks/results/`` (or ``--out-dir``) after every shape, so a run stopped by a time limit still leaves
+the shapes it finished; ``"complete": false`` and a note in the markdown say that it is partial.
+``--time-budget-s`` stops before a shape that would not fit (estimated from the slowest shape so far).
 
 Targets reported: at tokens=8192, H=2304, V=256000 the tuned config is >= 1.5x faster than the default; the
 tuned config is never slower than the default (2% measurement tolerance).
 
     python benchmarks/bench_tuning.py                    # every DB shape of this GPU (shipped + user)
-    python benchmarks/bench_tuning.py --shipped-only --out-dir $OUT
+    python benchmarks/bench_tuning.py --shipped-only --out-dir $OUT --time-budget-s 120
+    python benchmarks/bench_tuning.py --shapes 256000x2304,151936x4096x16384 --max-shapes 1
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import platform
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,80 +77,92 @@ def _bench(fn: Callable[[], Any], grads: list[torch.Tensor], rep_ms: float) -> f
 
 
 def _peak_gb(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
+    """Peak of one fwd+bwd above the inputs and the returned gradients (run after ``_bench``: warm)."""
     for g in grads:
         g.grad = None
+    gc.collect()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fn().backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    torch.cuda.reset_peak_memory_stats()
+    gc.disable()  # a collection during the run could free unrelated memory and hide the run's own
+    try:
+        fn().backward()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    returned = sum(g.grad.numel() * g.grad.element_size() for g in grads if g.grad is not None)
+    peak = torch.cuda.max_memory_allocated() - before - returned
     for g in grads:
         g.grad = None
     return peak / 1e9
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shipped-only", action="store_true", help="only shipped entries (ignore the user DB)")
-    p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench rep time per measurement (ms)")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--no-liger", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_tuning: needs a CUDA GPU", file=sys.stderr)
-        return 2
+# ----------------------------------------------------------------------------------------------------------
+# Selection, the time-limited loop and the results files (no GPU needed: tested on CPU)
+# ----------------------------------------------------------------------------------------------------------
 
-    import triton  # noqa: PLC0415
 
-    from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
-    from flce_compile.config import heuristic_config  # noqa: PLC0415
-    from flce_compile.tuning import db  # noqa: PLC0415
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``VxH`` or ``VxHxTOKENS`` items, comma separated."""
+    shapes: list[tuple[int, ...]] = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        try:
+            values = tuple(int(v) for v in part.split("x"))
+        except ValueError:
+            values = ()
+        if len(values) not in (2, 3):
+            raise argparse.ArgumentTypeError(f"--shapes item {part!r} must look like VxH or VxHxTOKENS, e.g. 256000x2304")
+        shapes.append(values)
+    if not shapes:
+        raise argparse.ArgumentTypeError("--shapes needs at least one VxH item")
+    return shapes
 
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    kind = db.normalize_device_name(gpu)
-    entries = [e for e in db.load_entries(layer="shipped" if args.shipped_only else "merged")
-               if e.device == kind and e.dtype == "bf16"]
-    liger = None if args.no_liger else _liger()
-    print(f"{gpu} ({kind}); torch {torch.__version__}, triton {triton.__version__}; {len(entries)} DB shapes; "
-          f"liger {'yes' if liger else 'not available'}")
+
+def select_entries(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]] | None = None,
+                   max_shapes: int | None = None) -> list[Any]:
+    """The DB entries to benchmark: those matching ``shapes`` (in the order given; all, in DB order, if None),
+    at most ``max_shapes`` of them."""
+    if shapes:
+        picked = [i for s in shapes for i, e in enumerate(entries)
+                  if (e.vocab, e.hidden) == tuple(s[:2]) and (len(s) == 2 or e.tokens == s[2])]
+        chosen = [entries[i] for i in dict.fromkeys(picked)]  # each entry once, first request first
+    else:
+        chosen = list(entries)
+    return chosen[:max_shapes] if max_shapes is not None else chosen
+
+
+def run_shapes(entries: Sequence[Any], measure: Callable[[Any], dict[str, Any]],
+               write: Callable[[list[dict[str, Any]], list[Any], bool], None], *,
+               time_budget_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+    """Measure ``entries`` one by one and call ``write(rows, not_measured, complete)`` after each, so a run that
+    is stopped (a time limit, Ctrl-C) still leaves its results. With ``time_budget_s``, a shape is not started
+    when the slowest shape so far would not fit in what is left. Returns the exit status (130: interrupted)."""
+    started = clock()
     rows: list[dict[str, Any]] = []
-    for e in entries:
-        vocab, hidden, tokens = e.vocab, e.hidden, e.tokens
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
-        w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device, torch.bfloat16).requires_grad_(True)
-        t = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
-        default_cfg = heuristic_config(tokens, vocab, hidden, torch.bfloat16, device)
-        fns: dict[str, Callable[[], Any]] = {
-            "default": lambda c=default_cfg: fused_linear_cross_entropy(x, w, t, config=c),
-            "tuned": lambda c=e.config: fused_linear_cross_entropy(x, w, t, config=c),
-        }
-        if liger is not None:
-            fns["liger"] = lambda: liger(x, w, t)
-        row: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "tokens": tokens, "tuned_config": e.config.to_dict(),
-                               "default_config": default_cfg.to_dict(), "db_ms": e.ms, "db_default_ms": e.default_ms}
-        with torch.no_grad():
-            losses = {name: float(fn()) for name, fn in fns.items()}
-        row["loss"] = losses
-        for name, fn in fns.items():
-            try:
-                row[f"{name}_ms"] = _bench(fn, [x, w], args.rep_ms)
-                row[f"{name}_peak_gb"] = _peak_gb(fn, [x, w])
-            except Exception as exc:  # noqa: BLE001 - report, go on
-                row[f"{name}_ms"] = None
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                torch.cuda.empty_cache()
-        if row.get("tuned_ms") and row.get("default_ms"):
-            row["speedup"] = row["default_ms"] / row["tuned_ms"]
-        if row.get("tuned_ms") and row.get("liger_ms"):
-            row["vs_liger"] = row["liger_ms"] / row["tuned_ms"]
+    slowest = 0.0
+    for index, e in enumerate(entries):
+        if time_budget_s is not None and clock() - started + slowest > time_budget_s:
+            rest = list(entries[index:])
+            print(f"time budget ({time_budget_s:.0f} s) spent: {len(rest)} shapes not measured", flush=True)
+            write(rows, rest, False)
+            return 0
+        shape_start = clock()
+        try:
+            row = measure(e)
+        except KeyboardInterrupt:
+            print("interrupted: writing the shapes measured so far", flush=True)
+            write(rows, list(entries[index:]), False)
+            return 130
+        slowest = max(slowest, clock() - shape_start)
         rows.append(row)
-        print(f"V={vocab} H={hidden} T={tokens}: default {row.get('default_ms')}, tuned {row.get('tuned_ms')}, "
-              f"liger {row.get('liger_ms')}", flush=True)
-        del x, w, t
-        torch.cuda.empty_cache()
+        write(rows, list(entries[index + 1:]), index + 1 == len(entries))
+    if not entries:
+        write(rows, [], True)
+    return 0
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], str, str]:
+    """(markdown table lines, target status, never-slower status)."""
 
     def f(v: Any, spec: str = ".3f") -> str:
         return "-" if v is None else format(v, spec)
@@ -154,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows]
     target_row = next((r for r in rows if (r["vocab"], r["hidden"], r["tokens"]) == TARGET), None)
     if target_row is None or target_row.get("speedup") is None:
-        target_status = "NOT MEASURED (no DB entry for V=256000 H=2304 tokens=8192 on this GPU)"
+        target_status = "NOT MEASURED (no measured row for V=256000 H=2304 tokens=8192 on this GPU)"
     else:
         ok = target_row["speedup"] >= TARGET_SPEEDUP
         target_status = f"{'PASS' if ok else 'FAIL'} ({target_row['speedup']:.2f}x, target >= {TARGET_SPEEDUP}x)"
@@ -162,31 +183,144 @@ def main(argv: list[str] | None = None) -> int:
     never_slower = ("PASS" if not slower else
                     "FAIL: " + ", ".join(f"V={r['vocab']} H={r['hidden']} T={r['tokens']} ({r['speedup']:.2f}x)" for r in slower))
     if not rows:
-        never_slower = "NOT MEASURED (no DB entries)"
-
+        never_slower = "NOT MEASURED (no rows)"
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "| " + " | ".join("-" * w for w in widths) + " |"]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in table]
-    print("\n".join(lines))
-    print(f"target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x default: {target_status}")
-    print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
+    return lines, target_status, never_slower
 
+
+def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any]], not_measured: Sequence[Any],
+                  complete: bool) -> None:
+    """(Re)write ``<base>.json`` and ``<base>.md`` with the rows so far; each file is replaced atomically."""
+    lines, target_status, never_slower = summarize(rows)
+    missing = [f"{e.vocab}x{e.hidden}x{e.tokens}" for e in not_measured]
+    payload = {"meta": meta, "complete": complete, "rows": list(rows), "not_measured": missing,
+               "target": target_status, "never_slower": never_slower}
+    md = [f"# flce_compile tuning benchmark ({meta['gpu']})", "",
+          f"torch {meta['torch']}, triton {meta['triton']}, bf16 fwd+bwd, median ms (do_bench), {meta['date']} UTC. "
+          "Peak GB: above the inputs and the returned dX/dW (1e9 bytes).", ""]
+    if not complete:
+        md += [f"**Partial**: {len(rows)} shapes measured, {len(missing)} not measured "
+               f"({', '.join(missing) or 'none'}).", ""]
+    md += [*lines, "", f"- target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x default: {target_status}",
+           f"- tuned never slower than default: {never_slower}", ""]
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(payload, indent=1) + "\n"), (".md", "\n".join(md))):
+        path = base.with_suffix(suffix)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float) -> dict[str, Any]:
+    from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
+    from flce_compile.config import heuristic_config  # noqa: PLC0415
+
+    device = torch.device("cuda")
+    vocab, hidden, tokens = e.vocab, e.hidden, e.tokens
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device, torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    default_cfg = heuristic_config(tokens, vocab, hidden, torch.bfloat16, device)
+    fns: dict[str, Callable[[], Any]] = {
+        "default": lambda c=default_cfg: fused_linear_cross_entropy(x, w, t, config=c),
+        "tuned": lambda c=e.config: fused_linear_cross_entropy(x, w, t, config=c),
+    }
+    if liger is not None:
+        fns["liger"] = lambda: liger(x, w, t)
+    row: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "tokens": tokens, "tuned_config": e.config.to_dict(),
+                           "default_config": default_cfg.to_dict(), "db_ms": e.ms, "db_default_ms": e.default_ms}
+    try:
+        with torch.no_grad():
+            row["loss"] = {name: float(fn()) for name, fn in fns.items()}
+        for name, fn in fns.items():
+            try:
+                row[f"{name}_ms"] = _bench(fn, [x, w], rep_ms)
+                row[f"{name}_peak_gb"] = _peak_gb(fn, [x, w])
+            except Exception as exc:  # noqa: BLE001 - report, go on
+                row[f"{name}_ms"] = None
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.empty_cache()
+    finally:
+        del x, w, t, fns
+        torch.cuda.empty_cache()
+    if row.get("tuned_ms") and row.get("default_ms"):
+        row["speedup"] = row["default_ms"] / row["tuned_ms"]
+    if row.get("tuned_ms") and row.get("liger_ms"):
+        row["vs_liger"] = row["liger_ms"] / row["tuned_ms"]
+    print(f"V={vocab} H={hidden} T={tokens}: default {row.get('default_ms')}, tuned {row.get('tuned_ms')}, "
+          f"liger {row.get('liger_ms')}", flush=True)
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shipped-only", action="store_true", help="only shipped entries (ignore the user DB)")
+    p.add_argument("--shapes", type=parse_shapes, help="only these DB shapes, in this order: VxH or VxHxTOKENS, comma separated")
+    p.add_argument("--max-shapes", type=int, help="at most this many shapes (after --shapes)")
+    p.add_argument("--time-budget-s", type=float,
+                   help="seconds for the whole run: a shape is not started if the slowest one so far would not fit; "
+                        "results are written after every shape either way")
+    p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench rep time per measurement (ms)")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--no-liger", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.max_shapes is not None and args.max_shapes < 1:
+        p.error(f"--max-shapes must be >= 1, got {args.max_shapes}")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        p.error(f"--time-budget-s must be positive, got {args.time_budget_s}")
+    if not torch.cuda.is_available():
+        print("bench_tuning: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    import triton  # noqa: PLC0415
+
+    from flce_compile.tuning import db  # noqa: PLC0415
+
+    def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001 - `timeout` sends SIGTERM
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    gpu = torch.cuda.get_device_name()
+    kind = db.normalize_device_name(gpu)
+    entries = [e for e in db.load_entries(layer="shipped" if args.shipped_only else "merged")
+               if e.device == kind and e.dtype == "bf16"]
+    entries = select_entries(entries, args.shapes, args.max_shapes)
+    liger = None if args.no_liger else _liger()
+    print(f"{gpu} ({kind}); torch {torch.__version__}, triton {triton.__version__}; {len(entries)} DB shapes; "
+          f"liger {'yes' if liger else 'not available'}", flush=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     meta = {"gpu": gpu, "gpu_kind": kind, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "date": stamp, "dtype": "bf16", "pass": "fwd+bwd",
-            "timing": "triton.testing.do_bench median, >= 10 timed runs", "liger": bool(liger)}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+            "timing": "triton.testing.do_bench median, >= 10 timed runs", "rep_ms": args.rep_ms,
+            "peak": "max_memory_allocated above inputs and returned dX/dW, 1e9 bytes", "liger": bool(liger)}
     base = args.out_dir / f"bench_tuning_{kind}_{stamp}"
-    base.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "target": target_status,
-                                                     "never_slower": never_slower}, indent=1) + "\n")
-    md = [f"# flce_compile tuning benchmark ({gpu})", "",
-          f"torch {torch.__version__}, triton {triton.__version__}, bf16 fwd+bwd, median ms (do_bench), {stamp} UTC", "",
-          *lines, "", f"- target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x default: {target_status}",
-          f"- tuned never slower than default: {never_slower}", ""]
-    base.with_suffix(".md").write_text("\n".join(md))
-    print(f"wrote {base}.json and {base}.md")
-    return 0
+    final: dict[str, Any] = {}
+
+    def write(rows: list[dict[str, Any]], not_measured: list[Any], complete: bool) -> None:
+        write_results(base, meta, rows, not_measured, complete)
+        final.update(rows=rows, complete=complete)
+
+    budget = None if args.time_budget_s is None else args.time_budget_s - (time.monotonic() - started)
+    status = run_shapes(entries, lambda e: _measure_entry(e, liger, args.rep_ms), write, time_budget_s=budget)
+    lines, target_status, never_slower = summarize(final.get("rows", []))
+    print("\n".join(lines))
+    print(f"target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x default: {target_status}")
+    print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
+    print(f"wrote {base}.json and {base}.md" + ("" if final.get("complete") else " (partial)"))
+    return status
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""``flce-tune`` through a subprocess (help, the no-GPU exit status, --list/--show/--export), the shipped
-tuning_db/ directory, and the built wheel carrying it."""
+"""``flce-tune``: the entry point through a subprocess (the real no-GPU exit status), help, --list/--show/--export
+and the tuning flow (fake GPU) in process, the shipped tuning_db/ directory, and the built wheel carrying it."""
 
 from __future__ import annotations
 
@@ -34,48 +34,48 @@ def make_entry(**kw) -> db.Entry:
     return db.Entry(**base)
 
 
-@pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory):
-    """The subprocess runs, started together (each pays the torch import; in parallel they cost one)."""
-    tmp = tmp_path_factory.mktemp("cli")
-    user = tmp / "user.json"
-    db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
-    runs = {
-        "help": (["--help"], {}),
-        "nogpu": (["--vocab", "151936", "--hidden", "4096", "--tokens", "4096", "--trials", "2"],
-                  {"CUDA_VISIBLE_DEVICES": "", "FLCE_TUNING_DB": str(tmp / "nogpu.json")}),
-        # the real shipped directory (whatever it holds) plus a user DB this test wrote
-        "list": (["--list", "--db", str(user)], {}),
-    }
-    procs = {name: subprocess.Popen([sys.executable, "-m", "flce_compile.tuning.cli", *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=_cli_env(env), cwd=str(REPO))
-             for name, (args, env) in runs.items()}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=180)
-        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    out["tmp"] = tmp
-    return out
+@pytest.fixture(autouse=True)
+def _private_env(monkeypatch):
+    """cli.main sets $FLCE_TUNING_DB for --db; keep that (and the DB caches) from leaking into other tests."""
+    monkeypatch.setenv(db.ENV_USER_DB, os.environ.get(db.ENV_USER_DB, "/nonexistent/flce_user_db.json"))
+    db.invalidate_cache()
+    yield
+    db.invalidate_cache()
 
 
-def test_help_has_examples(cli_runs):
-    proc = cli_runs["help"]
-    assert proc.returncode == 0
-    for text in ("examples:", "--shipped-set", "--time-budget-s", "--budget-gb", "--export", "FLCE_TUNING_DB"):
-        assert text in proc.stdout
-
-
-def test_no_gpu_exits_2(cli_runs):
-    proc = cli_runs["nogpu"]
+def test_no_gpu_exits_2(tmp_path):
+    """The real entry point (``python -m``) and the real CUDA probe: the only subprocess here (each one pays the
+    package import, which takes seconds)."""
+    proc = subprocess.run([sys.executable, "-m", "flce_compile.tuning.cli", "--vocab", "151936", "--hidden", "4096",
+                           "--tokens", "4096", "--trials", "2"], capture_output=True, text=True, timeout=180,
+                          env=_cli_env({"CUDA_VISIBLE_DEVICES": "", "FLCE_TUNING_DB": str(tmp_path / "nogpu.json")}),
+                          cwd=str(REPO))
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA GPU" in proc.stderr
-    assert not (cli_runs["tmp"] / "nogpu.json").exists()
+    assert not (tmp_path / "nogpu.json").exists()
 
 
-def test_list_subprocess(cli_runs):
-    proc = cli_runs["list"]
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_help_has_examples(capsys):
+    from flce_compile.tuning import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("examples:", "--shipped-set", "--time-budget-s", "--budget-gb", "--budget-over-default-gb",
+                 "--export", "FLCE_TUNING_DB"):
+        assert text in out
+
+
+def test_list_with_the_real_shipped_dir(tmp_path, monkeypatch, capsys):
+    """--list shows the user DB and every entry of the committed tuning_db/ (whatever it holds)."""
+    from flce_compile.tuning import cli
+
+    monkeypatch.delenv(db.ENV_SHIPPED_DIR, raising=False)
+    user = tmp_path / "user.json"
+    db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
+    assert cli.main(["--list", "--db", str(user)]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"]
     assert any(l.split()[:5] == ["h200", "256000", "2304", "bf16", "8192"] and "user:" in l for l in lines)
     for path in sorted((REPO / "tuning_db").glob("*.json")):  # shipped entries are listed too
@@ -86,6 +86,11 @@ def test_list_subprocess(cli_runs):
 def test_arguments_and_modes_in_process(tmp_path, monkeypatch, capsys):
     from flce_compile.tuning import cli
 
+    for bad, message in ((["--warmup", "-1"], "--warmup must be >= 0"),
+                         (["--budget-over-default-gb", "-0.5"], "--budget-over-default-gb must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--vocab", "151936", "--hidden", "4096", *bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
     user = tmp_path / "user.json"
     shipped = tmp_path / "shipped"
     db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
@@ -165,6 +170,23 @@ def test_wheel_ships_tuning_db(tmp_path):
     assert make_entry(device="testgpu") in entries
 
 
+def _fake_gpu(monkeypatch) -> None:
+    """torch.cuda as far as cmd_tune uses it, as strict as torch 2.11: set_device rejects a device without an
+    index (``torch.cuda.set_device(torch.device("cuda"))`` crashed flce-tune on an H200)."""
+
+    def set_device(device):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is None:
+            raise ValueError(f"Expected a cuda device with a specified index or an integer, but got: {device}")
+        assert index == 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200 NVL")
+
+
 def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     """The tuning path of the CLI end to end on CPU: the GPU probe and the measurement are faked; entries are
     written per study (so a time-limited run leaves valid entries), the time budget skips what does not fit."""
@@ -172,17 +194,14 @@ def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
 
     from flce_compile.tuning import cli, measure
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200 NVL")
+    _fake_gpu(monkeypatch)
     monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
     monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
     monkeypatch.setenv(db.ENV_USER_DB, str(tmp_path / "user.json"))
     db.invalidate_cache()
 
     def fake_make_objective(problem, **kw):
+        assert problem.device.index is not None  # the GPU the study measures on is named
         def objective(c):
             _time.sleep(0.01)
             if c.strategy == "triton" and c.num_warps == 32:
@@ -208,3 +227,44 @@ def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert 1 <= len(written) < len(cli.SHIPPED_SHAPES)
     assert (written[0].vocab, written[0].hidden) in {(v, h) for v, h, _ in cli.SHIPPED_SHAPES}
     assert "skipped (time budget)" in captured.out
+
+
+def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """--budget-over-default-gb: each study's budget is the default config's predicted peak plus GB (GiB), the
+    smaller one wins with --budget-gb, and without a memory model it is not applied (with a warning)."""
+    from flce_compile.tuning import cli, measure
+
+    _fake_gpu(monkeypatch)
+    predicted = lambda config, *a, **k: config.chunk_tokens * 10**6  # noqa: E731 - the fake memory model
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", predicted)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    db.invalidate_cache()
+    measured: list[int] = []
+
+    def fake_make_objective(problem, **kw):
+        def objective(c):
+            measured.append(c.chunk_tokens)
+            return 100.0 / c.chunk_tokens ** 0.5, c.chunk_tokens * 10**6  # larger chunks: faster, more memory
+        return objective
+
+    monkeypatch.setattr(measure, "make_objective", fake_make_objective)
+    # V=256000 bf16: the default chunk is 1024 tokens -> predicted 1.024e9 bytes; + 0.5 GiB = 1.56e9 bytes, so
+    # the 1.5x step 1536 fits and 2048 does not
+    out = tmp_path / "relative.json"
+    base = ["--vocab", "256000", "--hidden", "2304", "--tokens", "8192", "--trials", "8", "--strategies", "torch"]
+    assert cli.main([*base, "--budget-over-default-gb", "0.5", "--out", str(out)]) == 0, capsys.readouterr().err
+    (e,) = db.read_file(out, strict=True)
+    assert e.extra["default_config"]["chunk_tokens"] == 1024
+    assert e.config.chunk_tokens == 1536 and e.peak_gb == pytest.approx(1.536)
+    assert e.extra["budget_over_default_gb"] == 0.5 and e.extra["budget_gb"] is None
+    assert max(measured) <= 1536  # over-budget chunks were pruned before running
+    # with --budget-gb as well, the smaller budget wins (1.2 GiB = 1.29e9 bytes: 1024 fits, 1536 does not)
+    out = tmp_path / "both.json"
+    assert cli.main([*base, "--budget-over-default-gb", "0.5", "--budget-gb", "1.2", "--out", str(out)]) == 0
+    assert db.read_file(out, strict=True)[0].config.chunk_tokens == 1024
+    # no memory model: the relative budget is not applied, and the run says so
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
+    out = tmp_path / "nomodel.json"
+    assert cli.main([*base, "--budget-over-default-gb", "0.5", "--out", str(out)]) == 0
+    assert "--budget-over-default-gb is not applied" in capsys.readouterr().err
+    assert db.read_file(out, strict=True)[0].config.chunk_tokens > 1536

@@ -153,12 +153,13 @@ def test_lookup_fallbacks(dbs, caplog):
     assert find(tokens=8192)[1] == "tuning_db:nearest_tokens(user tokens=16384)"
     cfg, src = find(tokens=65536)
     assert src == "tuning_db:nearest_tokens(user tokens=16384)"
-    # nearest (V, H) on the same GPU: V=131072 H=4096 borrows V=128256's config, chunk kept (similar V)
+    # nearest (V, H) on the same GPU: V=131072 H=4096 borrows V=128256's config, chunk kept (a 2% larger V
+    # once halved it: the chunk was rounded down to a power of two)
     cfg, src = find(vocab=131072, tokens=8192)
-    assert src.startswith("tuning_db:nearest_shape(") and "V=128256" in src and cfg.chunk_tokens == 2048
-    # a much larger vocab borrows with a smaller chunk (never more logits memory than measured)
+    assert src.startswith("tuning_db:nearest_shape(") and "V=128256" in src and cfg.chunk_tokens == 4096
+    # a much larger vocab borrows with a smaller chunk (about the measured logits memory)
     cfg, src = find(vocab=262144, hidden=4096, tokens=8192)
-    assert src.startswith("tuning_db:nearest_shape(") and cfg.chunk_tokens < 4096
+    assert src.startswith("tuning_db:nearest_shape(user V=151936") and cfg.chunk_tokens == 256  # from 512
     # too far away, another GPU, or another itemsize: heuristic
     assert find(vocab=2000, hidden=128) is None
     assert find(device="NVIDIA H100 80GB HBM3") is None
@@ -200,6 +201,22 @@ def test_choose_config_uses_the_db(dbs, monkeypatch):
     assert (config, source) == (entry(chunk=512).config, "tuning_db:user_exact")
     config, source = choose_config(16384, 999, 64, torch.bfloat16, torch.device("cuda"))
     assert source == "heuristic"
+
+
+def test_rescaled_chunk_stays_on_the_tuning_grid():
+    """A borrowed chunk is rescaled to the grid the tuner searches (powers of two and 1.5x steps), keeping the
+    logits chunk (chunk x V) at most RESCALE_TOLERANCE larger than the measured one."""
+    cfg = FLCEConfig(strategy="triton", chunk_tokens=3072)
+    assert db._rescale_chunk(cfg, 151936, 151936) is cfg
+    assert db._rescale_chunk(cfg, 151936, 152064).chunk_tokens == 3072  # 0.1% larger V: kept
+    assert db._rescale_chunk(cfg, 151936, 262144).chunk_tokens == 1536  # 1781 tokens of logits -> grid 1536
+    assert db._rescale_chunk(cfg, 151936, 75968).chunk_tokens == 6144  # half the V: twice the chunk
+    for from_v, to_v in ((128256, 131072), (151936, 262144), (32000, 50257), (256000, 128256)):
+        for chunk in (1024, 1536, 2048, 3072, 8192):
+            got = db._rescale_chunk(FLCEConfig(chunk_tokens=chunk), from_v, to_v).chunk_tokens
+            assert got * to_v <= chunk * from_v * (1 + db.RESCALE_TOLERANCE)
+            low = 1 << (got.bit_length() - 1)
+            assert got in (low, 3 * low // 2)
 
 
 def test_export_layout(tmp_path):

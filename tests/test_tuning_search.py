@@ -239,8 +239,71 @@ def test_space_rules():
     assert 384 in wide.choices("chunk_tokens")
     with pytest.raises(ValueError, match="strategies"):
         SearchSpace(tokens=1, vocab=1, hidden=1, strategies=("cuda",))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        SearchSpace(tokens=100, vocab=1000, hidden=64, chunk_tokens=(512, 1024))  # nothing <= 128
     with pytest.raises(ValueError, match="n_trials"):
         run_search(cost, small_space(), default=DEFAULT, n_trials=0)
+
+
+def test_default_grid_has_half_steps_and_prunes_them(monkeypatch):
+    """The default chunk grid holds the powers of two and the 1.5x steps between them; pruning treats both alike:
+    nothing above the token count rounded up to a power of two, and a memory budget can admit a 1.5x step that
+    the next power of two misses."""
+    sp = SearchSpace(tokens=8192, vocab=V, hidden=H)
+    assert sp.choices("chunk_tokens") == (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    assert sp.check(FLCEConfig(strategy="torch", chunk_tokens=12288)).startswith("chunk_tokens")
+    assert sp.check(FLCEConfig(strategy="torch", chunk_tokens=6144)) is None
+    assert max(SearchSpace(tokens=3000, vocab=V, hidden=H).choices("chunk_tokens")) == 4096
+    assert 3072 in SearchSpace(tokens=3000, vocab=V, hidden=H).choices("chunk_tokens")
+    # 1.5x neighbours of a 1.5x default are on the grid
+    default = FLCEConfig(strategy="triton", chunk_tokens=1536, block_v=4096, num_warps=16)
+    assert [c.chunk_tokens for c in sp.neighbours(default)][:2] == [3072, 6144]
+    # predicted-memory pruning with the half steps: a 1.6e9 budget keeps 1536 and prunes 2048
+    budgeted = SearchSpace(tokens=8192, vocab=V, hidden=H, budget_bytes=int(1.6e9))
+    monkeypatch.setattr(space_mod, "predicted_peak_bytes", lambda c, *a, **k: c.chunk_tokens * 10**6)
+    assert budgeted.over_budget(FLCEConfig(chunk_tokens=1536)) is None
+    assert budgeted.over_budget(FLCEConfig(chunk_tokens=2048)).startswith("memory bound")
+    result = run_search(cost, SearchSpace(tokens=8192, vocab=V, hidden=H, strategies=("torch",), base=DEFAULT),
+                        default=FLCEConfig(strategy="torch", chunk_tokens=512), n_trials=12, seed=0,
+                        budget_bytes=int(1.6e9))
+    assert result.best.chunk_tokens == 1536  # cost() is fastest at 2048; 1536 is the best that fits
+    assert all(r.status != "ok" or r.config.chunk_tokens <= 1536 for r in result.records)
+
+
+def test_chunks_at_least_the_token_count_are_measured_once():
+    """With 1.5x steps, tokens=3000 admits 3072 and 4096, which both run as one chunk of 3000 tokens: only one
+    of them costs device time, the other is answered from the cache as a duplicate."""
+    sp = SearchSpace(tokens=3000, vocab=V, hidden=H, strategies=("torch",), chunk_tokens=(1024, 2048, 3072, 4096),
+                     dw_path=("addmm",), streams=(False,))
+    assert sp.run_key(FLCEConfig(chunk_tokens=3072)) == sp.run_key(FLCEConfig(chunk_tokens=4096))
+    assert sp.run_key(FLCEConfig(chunk_tokens=2048)) == FLCEConfig(chunk_tokens=2048)
+    measured: list[int] = []
+
+    def objective(c):
+        measured.append(c.chunk_tokens)
+        return 10.0 / min(c.chunk_tokens, 3000), 1
+
+    result = run_search(objective, sp, default=FLCEConfig(strategy="torch", chunk_tokens=1024), n_trials=10, seed=0,
+                        max_idle=15, confirm=False)
+    assert result.stopped == "exhausted" and result.n_measured == 3
+    assert sorted(measured) in ([1024, 2048, 3072], [1024, 2048, 4096])
+    assert any(r.status == "duplicate" for r in result.records)
+
+
+def test_confirmation_reports_the_larger_peak():
+    """After the confirmation run the default's and the winner's peaks are the larger of their two measurements
+    (a first-trial peak that came out too low, or negative, does not survive)."""
+    runs = {"n": 0}
+    default = small_space().canonical(DEFAULT)
+
+    def objective(c):
+        runs["n"] += 1
+        if c == default:
+            return 10.0, (-5 if runs["n"] == 1 else 7)  # the first trial of a study under-reported its peak
+        return cost(c)[0] * 0.1, 3
+
+    result = run_search(objective, small_space(), default=DEFAULT, n_trials=4, seed=0)
+    assert result.best != default and result.default_peak_bytes == 7 and result.best_peak_bytes == 3
 
 
 # ---- the real objective's correctness check, on CPU with a tiny problem --------------------------------------
@@ -280,3 +343,76 @@ def test_measure_objective_on_cpu():
         make_objective(problem, op=_skip_vocab_rows_op, warmup=1)(FLCEConfig())
     with pytest.raises(ValueError, match="min_reps"):
         make_objective(problem, op=_good_op, min_reps=3)
+
+
+class _FakeMemory:
+    """Allocator statistics in the shape of measure._CudaMemory, driven by the fake op below."""
+
+    def __init__(self, garbage: int = 0) -> None:
+        self.current = self.peak = garbage
+
+    def allocated(self) -> int:
+        return self.current
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def max_allocated(self) -> int:
+        return self.peak
+
+    def alloc(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+def test_measured_peak_excludes_warm_up_and_survives_a_collection(monkeypatch, caplog):
+    """The peak run comes after a warm-up run (a one-time workspace allocation is not charged to the trial), with
+    the garbage collector off, and the returned gradients are subtracted by their real size. A run during which
+    unrelated memory is freed cannot report a negative peak."""
+    import gc
+    import logging
+
+    from flce_compile.tuning import measure
+
+    problem = measure.Problem(tokens=96, vocab=700, hidden=48, dtype=torch.float32, device=torch.device("cpu"))
+    grads = (96 * 48 + 700 * 48) * 4
+    mem = _FakeMemory()
+    monkeypatch.setattr(measure, "_memory_stats", lambda device: mem)
+    state = {"workspace": False, "gc": [], "free_garbage": 0}
+
+    def op(x, w, target, *, config):
+        state["gc"].append(gc.isenabled())
+        if not state["workspace"]:  # e.g. cuBLAS's workspace, made by the first GEMM and kept
+            mem.alloc(10_000)
+            state["workspace"] = True
+        mem.current -= state["free_garbage"]  # an earlier study's tensors freed now (a collection mid-run)
+        state["free_garbage"] = 0
+        mem.alloc(3000)  # the op's own temporaries
+        mem.alloc(grads)  # dX and dW, alive at the peak
+        mem.current -= 3000 + grads  # bookkeeping only: the next run starts where this one did
+        return F.cross_entropy(x @ w.T, target, ignore_index=-100)
+
+    objective = measure.make_objective(problem, op=op, warmup=2, target_ms=1)
+    ms, peak = objective(FLCEConfig())
+    assert ms > 0 and peak == 3000
+    assert state["gc"][:3] == [True, False, True]  # warm-up, peak run (collector off), the second warm-up
+    assert gc.isenabled()
+    caplog.set_level(logging.WARNING, logger="flce_compile")
+    mem.current += 50_000  # garbage alive when `before` is read, freed inside the measured run
+    state["free_garbage"] = 50_000
+    state["gc"].clear()
+    # the warm-up run frees it here, so the peak run is clean ...
+    assert objective(FLCEConfig())[1] == 3000
+    # ... and if it is freed inside the peak run itself, the peak is reported as 0, never negative
+    mem.current += 50_000
+    calls = {"n": 0}
+    original_op = op
+
+    def late_free_op(x, w, target, *, config):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            state["free_garbage"] = 50_000
+        return original_op(x, w, target, config=config)
+
+    ms, peak = measure.make_objective(problem, op=late_free_op, warmup=1, target_ms=1)(FLCEConfig())
+    assert peak == 0 and "negative" in caplog.text

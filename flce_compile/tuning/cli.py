@@ -176,7 +176,7 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 
     rows = _db_rows(args)
     if not rows:
-        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind)) else ""))
+        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind, args.dtype)) else ""))
         print(f"user DB: {args.db or db.user_db_path()}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
     if not detailed:
@@ -271,6 +271,8 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--tokens must be positive integers, got {args.tokens}")
     if args.trials is not None and args.trials < 1:
         p.error(f"--trials must be >= 1, got {args.trials}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.reps < 10:
         p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
     if args.budget_gb is not None and args.budget_gb <= 0:
@@ -281,6 +283,22 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive seconds, got {value}")
+
+
+def _study_budget(budget_bytes: int | None, over_default_gib: float | None, default_predicted: int | None,
+                  label: str) -> int | None:
+    """The memory budget of one study: ``--budget-gb``, and with ``--budget-over-default-gb`` at most the default
+    config's predicted peak plus that many GiB (the smaller of the two when both are given). Without a memory
+    model there is no predicted default peak: the relative budget is then left out (with a warning) rather
+    than read as an absolute one."""
+    if over_default_gib is None:
+        return budget_bytes
+    if default_predicted is None:
+        print(f"flce-tune: {label}: no memory model to predict the default's peak; --budget-over-default-gb is "
+              f"not applied" + (" (--budget-gb still is)" if budget_bytes is not None else ""), file=sys.stderr)
+        return budget_bytes
+    relative = default_predicted + int(over_default_gib * 2**30)
+    return relative if budget_bytes is None else min(budget_bytes, relative)
 
 
 def cmd_tune(args: argparse.Namespace, started: float) -> int:
@@ -302,7 +320,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     if device.type != "cuda":
         print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
         return 2
-    if device.index is None:  # set_device needs an index on torch 2.11
+    if device.index is None:  # torch 2.11's set_device rejects a device without an index
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     device_name = torch.cuda.get_device_name(device)
@@ -351,10 +369,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             if args.strategies:
                 space_kwargs["strategies"] = tuple(args.strategies)
             space = SearchSpace(**space_kwargs)
-            study_budget = budget_bytes
-            if args.budget_over_default_gb is not None:
-                relative = (space.predicted_bytes(default) or 0) + int(args.budget_over_default_gb * 2**30)
-                study_budget = relative if study_budget is None else min(study_budget, relative)
+            study_budget = _study_budget(budget_bytes, args.budget_over_default_gb, space.predicted_bytes(default), label)
             timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
             result = run_search(objective, space, default=default, db_config=found[0] if found else None,
                                 n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,
@@ -388,7 +403,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                 default_peak_gb=None if result.default_peak_bytes is None else round(result.default_peak_bytes / 1e9, 4),
                 trials=result.n_measured, torch=versions["torch"], triton=versions["triton"], date=db.now_iso(),
                 extra={"device_name": device_name, "default_config": result.default.to_dict(),
-                       "budget_gb": args.budget_gb, "budget_over_default_gb": args.budget_over_default_gb, "measured_tokens": tokens, "stopped": result.stopped},
+                       "budget_gb": args.budget_gb, "budget_over_default_gb": args.budget_over_default_gb,
+                       "measured_tokens": tokens, "stopped": result.stopped},
             )
             try:
                 db.write_entries(target, [entry])

@@ -6,8 +6,10 @@ shape, and measuring them costs minutes, so they are measured once (``flce-tune`
 Files. Every file has the same format (``FORMAT``, ``SCHEMA_VERSION``, a list of entries)::
 
     {"format": "flce_compile.tuning_db", "schema_version": 1,
-     "entries": [{"device": "h200", "vocab": 151936, "hidden": 4096, "dtype": "bf16", "tokens": 16384,
-                  "config": {...FLCEConfig...}, "ms": 12.3, "peak_gb": 3.1, "default_ms": 15.0, ...}, ...]}
+     "entries": [{"device": ..., "vocab": ..., "hidden": ..., "dtype": ..., "tokens": ...,
+                  "config": {...FLCEConfig...}, "ms": ..., "peak_gb": ..., "default_ms": ..., ...}, ...]}
+
+  (the fields are those of ``Entry``; ``tuning_db/README.md`` describes each one).
 
 * Shipped files: ``tuning_db/<gpu kind>.json`` at the repository top level (one file per GPU kind); in a built
   wheel they are package data under ``flce_compile/tuning_db/``.
@@ -26,6 +28,7 @@ never raises. Writes take a file lock and replace the file atomically, so severa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -52,6 +55,9 @@ ENV_USER_DB = "FLCE_TUNING_DB"
 #: Environment variable naming a directory of shipped-format files used *instead of* the packaged ones
 #: (development and tests).
 ENV_SHIPPED_DIR = "FLCE_TUNING_DB_SHIPPED"
+#: A borrowed config's chunk may hold this much more logits memory (relative) than the measured one, so a
+#: vocab a few percent larger does not drop the chunk a whole grid step.
+RESCALE_TOLERANCE = 0.05
 #: Entries whose (V, H) are further than this from the query (sum of |ln ratio| of V and H, plus dtype and
 #: token terms) are not borrowed by the nearest-shape fallback; the heuristic is safer than a far-off config.
 MAX_SHAPE_DISTANCE = 1.5
@@ -432,13 +438,19 @@ def load_entries(*, layer: str = "merged") -> list[Entry]:
     return sorted(table.values(), key=lambda e: e.key)
 
 
+def _chunk_grid_floor(limit: float) -> int:
+    """The largest chunk of the tuner's grid (powers of two and the 1.5x steps between them) not above ``limit``."""
+    low = 1 << (max(1, int(limit)).bit_length() - 1)
+    return 3 * low // 2 if low >= 2 and 3 * low // 2 <= limit else low
+
+
 def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCEConfig:
-    """Keep a borrowed config's logits chunk (chunk_tokens x V) about the same size at another vocab."""
+    """Keep a borrowed config's logits chunk (chunk_tokens x V) about the same size at another vocab: the
+    largest grid chunk whose logits are at most ``RESCALE_TOLERANCE`` larger than the measured ones."""
     if from_vocab == to_vocab:
         return config
-    chunk = max(1, int(config.chunk_tokens * from_vocab / to_vocab))
-    chunk = 1 << (chunk.bit_length() - 1)  # round down: never more logits memory than measured
-    return config if chunk == config.chunk_tokens else FLCEConfig.from_dict({**config.to_dict(), "chunk_tokens": chunk})
+    chunk = _chunk_grid_floor(config.chunk_tokens * from_vocab / to_vocab * (1 + RESCALE_TOLERANCE))
+    return config if chunk == config.chunk_tokens else dataclasses.replace(config, chunk_tokens=chunk)
 
 
 def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> tuple[FLCEConfig, str] | None:
@@ -503,19 +515,6 @@ def lookup(
     except Exception as exc:  # noqa: BLE001 - the DB must never break the op
         _warn_once("lookup", f"tuning DB lookup failed ({type(exc).__name__}: {exc}); using the heuristic")
         return None
-
-
-def find_entry(
-    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
-) -> tuple[Entry, str] | None:
-    """The exact entry (user, else shipped) for this key with its layer, or None. For tools, not the hot path."""
-    index = _get_index()
-    key = (device_key(device), int(vocab), int(hidden), normalize_dtype(dtype), token_bucket(int(tokens)))
-    if key in index.user:
-        return index.user[key], "user"
-    if key in index.shipped:
-        return index.shipped[key], "shipped"
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,11 +4,14 @@ Why each step:
 * Correctness first: a config that is fast but wrong (a kernel block that skips vocab entries, a stream race)
   must never reach the database, so every trial's loss and gradients are compared with an independent fp32
   reference before it is timed; a mismatch raises ``TrialRejected``.
-* Timing: fwd+bwd, a fixed number of warm-up runs, then at least ``min_reps`` timed runs with CUDA events
+* Timing: fwd+bwd, a fixed number of untimed runs, then at least ``min_reps`` timed runs with CUDA events
   (one pair per run), median. Gradients are reset outside the timed region.
 * Peak memory: ``torch.cuda.max_memory_allocated`` over one fwd+bwd, minus what was allocated before it
   (inputs, reference results) and minus the returned dX and dW: the same quantity the op's sympy bound
-  (``flce_compile.memory.peak_bytes``) describes, so the two can be compared.
+  (``flce_compile.memory.peak_bytes``) describes, so the two can be compared. That run comes after one
+  warm-up run, so one-time allocations (cuBLAS workspaces, a side stream's workspace, Triton compilation)
+  are not charged to the config that happens to run first; garbage is collected before it and the collector
+  is off during it, so memory freed by an unrelated collection cannot hide the run's allocations.
 
 On CPU the same code runs with ``time.perf_counter`` and a peak of 0 (used by tests with a small op).
 """
@@ -16,7 +19,6 @@ On CPU the same code runs with ``time.perf_counter`` and a peak of 0 (used by te
 from __future__ import annotations
 
 import gc
-
 import statistics
 import time
 from dataclasses import dataclass
@@ -139,6 +141,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _CudaMemory:
+    """The allocator statistics the peak measurement reads (an object, so tests can substitute a fake)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def max_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _memory_stats(device: torch.device) -> _CudaMemory | None:
+    """The allocator statistics for ``device``, or None where there are none (CPU: the peak is reported as 0)."""
+    return _CudaMemory(device) if device.type == "cuda" else None
+
+
+def _grad_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the gradients the op returned (whatever their dtype): they are outputs, not the op's overhead."""
+    return sum(t.grad.numel() * t.grad.element_size() for t in tensors if t.grad is not None)
+
+
 def make_objective(
     problem: Problem,
     *,
@@ -151,8 +179,10 @@ def make_objective(
 ) -> Objective:
     """Build ``config -> (median ms, peak bytes)`` for one problem; raises ``TrialRejected`` for a wrong result.
 
-    The inputs and the reference are made once here (not per trial). Timed reps: ``min_reps`` at least, more
-    (up to ``max_reps``) for fast configs so each trial spends about ``target_ms`` timing.
+    The inputs and the reference are made once here (not per trial). Per trial: one warm-up run, one run that
+    measures the peak and checks the result, ``warmup - 1`` more untimed runs (at least one untimed run always
+    precedes the peak run), then ``min_reps`` timed runs at least, more (up to ``max_reps``) for fast configs
+    so each trial spends about ``target_ms`` timing.
     """
     if warmup < 0 or min_reps < 10 or max_reps < min_reps:
         raise ValueError(f"warmup={warmup}, min_reps={min_reps}, max_reps={max_reps}: need warmup >= 0, "
@@ -163,7 +193,6 @@ def make_objective(
     ref = reference(x, w, target) if check else None
     loss_tol, grad_tol, row_tol = TOLERANCES.get(problem.dtype, TOLERANCES[torch.float32])
     on_cuda = device.type == "cuda"
-    output_bytes = x.numel() * x.element_size() + w.numel() * w.element_size()  # dX and dW, returned to the caller
 
     def clear() -> None:
         x.grad = None
@@ -174,21 +203,45 @@ def make_objective(
         loss.backward()
         return loss
 
-    def objective(config: FLCEConfig) -> tuple[float, int]:
-        clear()
-        # Free what earlier studies left in reference cycles now, not in the middle of the measured step
-        # (that once made a measured peak come out negative).
+    def measure_peak(config: FLCEConfig) -> tuple[torch.Tensor, int, float]:
+        """One fwd+bwd: (loss, bytes above the inputs and the returned gradients, wall ms)."""
+        memory = _memory_stats(device)
+        # Free what earlier trials and studies left in reference cycles now, and keep the collector off during
+        # the run: a collection in the middle of it once freed an earlier study's tensors, and the run's own
+        # allocations refilled that room without raising the peak (a negative peak was reported).
         gc.collect()
+        _sync(device)
+        before = memory.allocated() if memory is not None else 0
+        if memory is not None:
+            memory.reset_peak()  # after reading `before`: the peak starts from the same state
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
-            # 1. one run: peak memory and the correctness check
-            _sync(device)
-            if on_cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
             loss = step(config)
             _sync(device)
-            # Same definition as flce_compile.memory.peak_bytes: above the inputs and the returned gradients.
-            peak = int(torch.cuda.max_memory_allocated(device) - before - output_bytes) if on_cuda else 0
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if memory is None:
+            return loss, 0, elapsed_ms
+        # Same definition as flce_compile.memory.peak_bytes: above the inputs and the returned gradients.
+        peak = memory.max_allocated() - before - _grad_bytes(x, w)
+        if peak < 0:
+            logger.warning("measured peak %.3f GiB is negative for %s (memory was freed during the run); "
+                           "reporting 0", peak / 2**30, config.to_json())
+            peak = 0
+        return loss, peak, elapsed_ms
+
+    def objective(config: FLCEConfig) -> tuple[float, int]:
+        clear()
+        try:
+            # 1. a warm-up run, so one-time allocations and compilation are outside the measured peak
+            step(config)
+            clear()
+            # 2. one run: peak memory and the correctness check
+            loss, peak, run_ms = measure_peak(config)
             if ref is not None:
                 ref_loss, ref_dx, ref_dw = ref
                 loss_err = abs(float(loss.detach().float()) - float(ref_loss)) / max(1.0, abs(float(ref_loss)))
@@ -203,14 +256,15 @@ def make_objective(
                     raise TrialRejected("; ".join(problems))
             del loss
             clear()
-            # 2. warm-up, then timed runs
+            # 3. the remaining warm-up runs, then timed runs
+            extra_warmup = max(0, warmup - 1)
             t_warm = time.perf_counter()
-            for _ in range(warmup):
+            for _ in range(extra_warmup):
                 step(config)
                 clear()
             _sync(device)
-            estimate_ms = (time.perf_counter() - t_warm) * 1e3 / max(1, warmup)
-            reps = min_reps if warmup == 0 else int(min(max_reps, max(min_reps, target_ms / max(estimate_ms, 1e-3))))
+            estimate_ms = (time.perf_counter() - t_warm) * 1e3 / extra_warmup if extra_warmup else run_ms
+            reps = int(min(max_reps, max(min_reps, target_ms / max(estimate_ms, 1e-3))))
             times: list[float] = []
             if on_cuda:
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

@@ -6,14 +6,14 @@ is plain Python and is tested on CPU with a deterministic objective.
 
 The objective is ``config -> (ms, peak_bytes)``. It raises ``TrialRejected`` for wrong results, and any other
 exception for a config that cannot run (out of resources, compile error, OOM); each is recorded as a failed
-trial and the study goes on. Only ``KeyboardInterrupt``/``SystemExit`` end the study early (the best result so
-far is still returned).
+trial and the study goes on. Freeing what a failed trial left behind (e.g. tensors held by an OOM's traceback)
+is the objective's job: ``measure.make_objective`` collects garbage before it measures. Only
+``KeyboardInterrupt``/``SystemExit`` end the study early (the best result so far is still returned).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 import warnings
@@ -147,7 +147,8 @@ def run_search(
     * TPE, seeded. The heuristic ``default`` and ``db_config`` (the current DB answer) are enqueued first, then
       (``seed_neighbours``) a few larger-chunk neighbours of the default; so the default is always measured and
       the result is never worse than it.
-    * ``n_trials`` counts configs actually measured; pruned and duplicate proposals are free. The study also
+    * ``n_trials`` counts configs actually measured; pruned and duplicate proposals are free (a duplicate is a
+      config that runs like one already tried: ``SearchSpace.run_key``). The study also
       stops after ``timeout_s`` seconds, or after ``max_idle`` proposals in a row that measured nothing (the
       legal space is exhausted).
     * ``budget_bytes``: configs whose predicted bound exceeds it are pruned before running; measured ones
@@ -205,8 +206,9 @@ def run_search(
         nonlocal idle
         config = space.suggest(trial)
         trial.set_user_attr("config", config.to_json())
-        seen = cache.get(config)
-        if seen is not None:  # TPE proposed a measured config again: answer from the cache, no device time
+        run_key = space.run_key(config)
+        seen = cache.get(run_key) or cache.get(config)
+        if seen is not None:  # a config that runs like a measured one: answer from the cache, no device time
             idle += 1
             finish(TrialRecord(trial.number, config, "duplicate", seen.ms, seen.peak_bytes, seen.predicted_bytes,
                                f"same as trial {seen.number} ({seen.status})"))
@@ -221,7 +223,7 @@ def run_search(
         if reason is not None:
             idle += 1
             record = TrialRecord(trial.number, config, "pruned", message=reason)
-            cache[config] = record
+            cache[config] = record  # a pruning reason may be the config's own (its chunk), not its run's
             trial.set_user_attr("pruned", reason)
             if reason.startswith("memory bound"):
                 constrain(trial, excess_gib(None, space.predicted_bytes(config)))
@@ -244,7 +246,7 @@ def run_search(
             failure = f"{type(exc).__name__}: {str(exc)[:300]}"
             record = TrialRecord(trial.number, config, kind, predicted_bytes=predicted, message=failure,
                                  seconds=time.monotonic() - t0)
-            cache[config] = record
+            cache[run_key] = record
             trial.set_user_attr("failure", kind)
             trial.set_user_attr("message", failure)
             finish(record)
@@ -254,9 +256,8 @@ def run_search(
                 result.stopped = "device_error"
                 trial.study.stop()
         if failure is not None:
-            # Raised outside the except block, and after a collection, so the failed run's traceback (and the
-            # GPU tensors its frames hold, e.g. after an OOM) is freed before the next trial.
-            gc.collect()
+            # Raised outside the except block, so the failed run's traceback (and the GPU tensors its frames
+            # hold, e.g. after an OOM) is not chained to this exception as its __context__.
             raise _TrialFailed(failure)
         if predicted is not None and peak > predicted * 1.05 + 64 * 2**20:
             log = logger.debug if underestimates else logger.warning  # once per search, details at debug level
@@ -270,7 +271,7 @@ def run_search(
         record = TrialRecord(trial.number, config, status, ms, peak, predicted, seconds=time.monotonic() - t0)
         if status == "infeasible":
             record.message = f"peak {max(peak, predicted or 0) / 2**30:.2f} GiB over the budget"
-        cache[config] = record
+        cache[run_key] = record
         finish(record)
         logger.debug("trial %d %s: %.4f ms, %.3f GiB (%s)", trial.number, status, ms, peak / 2**30, config.to_json())
         return ms
@@ -337,13 +338,16 @@ def _confirm(objective: Objective, result: SearchResult, budget_bytes: int | Non
         else:
             result.best = result.best_ms = result.best_peak_bytes = None
         return
-    # The decision and the reported numbers use the fresh, interleaved pair only: taking the minimum with the
-    # search's measurement would let one lucky run survive.
+    # The decision and the reported times use the fresh, interleaved pair only: taking the minimum with the
+    # search's measurement would let one lucky run survive. Peaks are the larger of the two measurements, for
+    # the default and the winner alike.
     result.default_ms = default_ms
-    default_fits = budget_bytes is None or max(default_peak, space.predicted_bytes(result.default) or 0) <= budget_bytes
+    result.default_peak_bytes = max(default_peak, result.default_peak_bytes or 0)
+    default_fits = (budget_bytes is None
+                    or max(result.default_peak_bytes, space.predicted_bytes(result.default) or 0) <= budget_bytes)
     if best_ms >= default_ms and default_fits:
         logger.info("confirmation: the winner (%.4f ms) is not faster than the default (%.4f ms); keeping the default",
                     best_ms, default_ms)
-        result.best, result.best_ms, result.best_peak_bytes = result.default, default_ms, default_peak
+        result.best, result.best_ms, result.best_peak_bytes = result.default, default_ms, result.default_peak_bytes
     else:
         result.best_ms, result.best_peak_bytes = best_ms, max(best_peak, result.best_peak_bytes or 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import torch
 
@@ -165,15 +165,13 @@ class SearchSpace:
             values[name] = trial.suggest_categorical(f"{strategy}.{name}", self.choices(name))
         return self.canonical(FLCEConfig(**values))
 
-    def size(self) -> int:
-        """How many distinct configs the space holds (before pruning)."""
-        total = 0
-        for strategy in self.strategies:
-            n = 1
-            for name in STRATEGY_PARAMS[strategy]:
-                n *= len(self.choices(name))
-            total += n
-        return total
+    def run_key(self, config: FLCEConfig) -> FLCEConfig:
+        """A key shared by configs that run identically for this problem: every chunk of at least ``tokens``
+        runs as one chunk of all tokens (with 1.5x steps, tokens=3000 admits both 3072 and 4096), so the search
+        measures only one of them and answers the other from its cache."""
+        if config.chunk_tokens <= self.tokens:
+            return config
+        return dataclasses.replace(config, chunk_tokens=self.tokens)
 
     # -- pruning ---------------------------------------------------------------------------------------
     def check(self, config: FLCEConfig) -> str | None:
@@ -221,7 +219,3 @@ class SearchSpace:
         if config.strategy == "triton" and config.block_v // 2 in self.choices("block_v"):
             out.append(dataclasses.replace(config, block_v=config.block_v // 2))
         return [c for c in out if c.chunk_tokens in legal and self.check(c) is None]
-
-    def describe(self) -> Mapping[str, Any]:
-        """The candidate values, for logs and reports."""
-        return {name: self.choices(name) for name in ("strategy",) + STRATEGY_PARAMS["triton"]}

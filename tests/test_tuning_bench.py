@@ -1,0 +1,105 @@
+"""benchmarks/bench_tuning.py without a GPU: shape selection, the time budget, and results written after every
+shape (a run stopped by a time limit still leaves a results file)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from flce_compile.config import FLCEConfig
+from flce_compile.tuning import db
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_tuning", REPO / "benchmarks" / "bench_tuning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def entry(vocab: int, hidden: int, tokens: int = 8192) -> db.Entry:
+    return db.Entry(device="h200", vocab=vocab, hidden=hidden, dtype="bf16", tokens=tokens,
+                    config=FLCEConfig(strategy="triton", chunk_tokens=2048), ms=2.0, default_ms=3.0, trials=5)
+
+
+ENTRIES = [entry(32064, 3072), entry(256000, 2304), entry(256000, 2304, 16384), entry(151936, 4096)]
+META = {"gpu": "NVIDIA H200", "torch": "t", "triton": "tr", "date": "20250101-000000"}
+
+
+def fake_row(e: db.Entry, default_ms: float = 3.0, tuned_ms: float = 2.0) -> dict:
+    return {"vocab": e.vocab, "hidden": e.hidden, "tokens": e.tokens, "default_ms": default_ms, "tuned_ms": tuned_ms,
+            "speedup": default_ms / tuned_ms}
+
+
+def test_shape_selection(bench):
+    assert bench.parse_shapes("256000x2304, 151936x4096x16384") == [(256000, 2304), (151936, 4096, 16384)]
+    for bad in ("256000", "ax2", "1x2x3x4", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_shapes(bad)
+    assert bench.select_entries(ENTRIES) == ENTRIES
+    assert bench.select_entries(ENTRIES, max_shapes=2) == ENTRIES[:2]
+    # in the order asked for; VxH takes every token count, VxHxT one
+    assert bench.select_entries(ENTRIES, [(151936, 4096), (256000, 2304)]) == [ENTRIES[3], ENTRIES[1], ENTRIES[2]]
+    assert bench.select_entries(ENTRIES, [(256000, 2304, 16384)]) == [ENTRIES[2]]
+    assert bench.select_entries(ENTRIES, [(256000, 2304), (256000, 2304, 8192)], max_shapes=1) == [ENTRIES[1]]
+    args = bench.build_parser().parse_args(["--shapes", "256000x2304", "--max-shapes", "1", "--time-budget-s", "60"])
+    assert args.shapes == [(256000, 2304)] and args.max_shapes == 1 and args.time_budget_s == 60
+
+
+def test_results_are_written_after_every_shape(bench, tmp_path):
+    base = tmp_path / "bench_tuning_h200_x"
+    seen: list[int] = []
+
+    def measure(e):
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # a time limit's SIGTERM during the third shape
+        seen.append(e.vocab)
+        # the file already holds every earlier shape while this one runs
+        if seen[:-1]:
+            assert len(json.loads(base.with_suffix(".json").read_text())["rows"]) == len(seen) - 1
+        return fake_row(e)
+
+    def write(rows, not_measured, complete):
+        bench.write_results(base, META, rows, not_measured, complete)
+
+    assert bench.run_shapes(ENTRIES, measure, write) == 130
+    data = json.loads(base.with_suffix(".json").read_text())
+    assert data["complete"] is False and len(data["rows"]) == 2
+    assert data["not_measured"] == ["256000x2304x16384", "151936x4096x8192"]
+    assert data["target"].startswith("PASS (1.50x")  # 256000x2304x8192 was measured: 3.0 / 2.0
+    md = base.with_suffix(".md").read_text()
+    assert "**Partial**: 2 shapes measured, 2 not measured" in md and "| 256000" in md
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_time_budget_stops_before_a_shape_that_does_not_fit(bench, tmp_path):
+    now = {"t": 0.0}
+    durations = iter([30.0, 40.0, 10.0, 10.0])
+
+    def measure(e):
+        now["t"] += next(durations)
+        return fake_row(e, tuned_ms=1.0)
+
+    writes: list[tuple[int, int, bool]] = []
+
+    def write(rows, not_measured, complete):
+        writes.append((len(rows), len(not_measured), complete))
+        bench.write_results(tmp_path / "b", META, rows, not_measured, complete)
+
+    # after 30 + 40 s, 30 s are left and the slowest shape took 40 s: stop before the third
+    assert bench.run_shapes(ENTRIES, measure, write, time_budget_s=100, clock=lambda: now["t"]) == 0
+    assert writes == [(1, 3, False), (2, 2, False), (2, 2, False)]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["complete"] is False and data["target"].startswith("PASS (3.00x")
+    # enough time: every shape, the last write is complete
+    now["t"], durations, writes[:] = 0.0, iter([1.0] * 4), []
+    assert bench.run_shapes(ENTRIES, measure, write, time_budget_s=100, clock=lambda: now["t"]) == 0
+    assert writes[-1] == (4, 0, True)
+    assert json.loads((tmp_path / "b.json").read_text())["never_slower"] == "PASS"
