@@ -1,9 +1,9 @@
 """flce-compile: fused linear + cross-entropy that never materialises the logits, found automatically by
 ``torch.compile(model, backend="flce")``."""
 
+from typing import Any
+
 from .api import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from .compiler import explain, with_options
-from .compiler import flce_backend as backend
 from .config import FLCEConfig, choose_config
 from .memory import peak_bytes, peak_bytes_expr
 
@@ -19,3 +19,15 @@ __all__ = [
     "peak_bytes_expr",
 ]
 __version__ = "0.1.0"
+
+# The compiler pass imports torch._dynamo (seconds); users of the op alone, and flce-tune, need not pay that.
+# backend="flce" itself resolves through the torch_dynamo_backends entry point.
+_COMPILER_EXPORTS = {"backend": "flce_backend", "explain": "explain", "with_options": "with_options"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMPILER_EXPORTS:
+        from . import compiler
+
+        return getattr(compiler, _COMPILER_EXPORTS[name])
+    raise AttributeError(f"module 'flce_compile' has no attribute {name!r}")
