@@ -55,6 +55,9 @@ FORMS = {
     "divisor": lambda m, x, t: F.cross_entropy((m.lm_head(x) / 3.0).view(-1, V), t.view(-1)),
     "softcap": lambda m, x, t: F.cross_entropy((torch.tanh(m.lm_head(x) / 4.0) * 4.0).float().view(-1, V),
                                                t.view(-1)),
+    # c * tanh(s / c) with c < 0 is |c| * tanh(s / |c|) (tanh is odd); the op only takes softcap > 0
+    "negative_softcap": lambda m, x, t: F.cross_entropy((torch.tanh(m.lm_head(x) / -4.0) * -4.0).view(-1, V),
+                                                        t.view(-1)),
     "smoothing_weights": lambda m, x, t: F.cross_entropy(
         m.lm_head(x).view(-1, V), t.view(-1), weight=m.cw, label_smoothing=0.2, ignore_index=-1),
     "positional_args": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V), t.view(-1), m.cw, None, -1,
@@ -169,6 +172,9 @@ UNSAFE = {
     "nll_without_log_softmax": lambda m, x, t: F.nll_loss(m.lm_head(x).view(-1, V), t.view(-1)),
     "soft_targets": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V),
                                                     F.one_hot(t.view(-1), V).float()),
+    "inplace_scale": lambda m, x, t: F.cross_entropy(m.lm_head(x).mul_(2.0).view(-1, V), t.view(-1)),
+    "float64_head": lambda m, x, t: F.cross_entropy(F.linear(x.double(), m.lm_head.weight.double()).view(-1, V),
+                                                    t.view(-1)),
 }
 
 
@@ -183,8 +189,133 @@ def test_unsafe_sites_left_alone(form, caplog):
     with caplog.at_level("INFO", logger="flce_compile"):
         got, _ = _run(model, compiled, idx, t)
     assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
-    assert "not fused" in caplog.text
+    assert "not fused" in caplog.text and "rewriting loss" not in caplog.text  # rejected by the analysis
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+class Mutating(nn.Module):
+    """A fusable site next to the user's own in-place ops, whose results nothing in the graph uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.ones(H))
+
+    def forward(self, x, t):
+        self.steps.add_(1)
+        self.ema.mul_(0.5)
+        return F.cross_entropy(self.lm_head(x).view(-1, V), t.view(-1))
+
+
+def test_user_inplace_ops_survive_the_pass():
+    """The pass removes the logits path it made dead, not the user's side effects (FX's dead-code elimination
+    treats unused method calls such as ``buf.add_(1)`` as pure)."""
+    model = Mutating()
+    compiled, graphs = _compile(model)
+    x, t = torch.randn(2, 3, H), torch.randint(0, V, (2, 3))
+    for _ in range(2):
+        loss = compiled(x, t)
+    assert int(model.steps) == 2 and torch.equal(model.ema, torch.full((H,), 0.25))
+    torch.testing.assert_close(loss, F.cross_entropy(model.lm_head(x).view(-1, V), t.view(-1)))
+    nodes = graphs[0].graph.nodes
+    assert [n.target for n in nodes].count(flce_fused_loss) == 1
+    assert {"add_", "mul_"} <= {n.target for n in nodes if n.op == "call_method"}
+    assert not any(n.op == "call_function" and n.target is torch._C._nn.linear for n in nodes), graphs[0].code
+
+
+def test_inplace_ops_near_the_logits_keep_semantics():
+    """In-place ops on the logits, or on the hidden states between lm_head and loss: never a wrong result."""
+    torch.manual_seed(0)
+    lm_head = nn.Linear(H, V, bias=False)
+
+    def scaled_in_place(x, t):  # the loss and the returned logits both see the mutation
+        logits = lm_head(x)
+        logits.mul_(2.0)  # a statement: no graph node uses its result
+        return F.cross_entropy(logits.view(-1, V), t.view(-1)), logits
+
+    def scaled_in_place_loss_only(x, t):
+        logits = lm_head(x)
+        logits.mul_(2.0)
+        return F.cross_entropy(logits.view(-1, V), t.view(-1)), t
+
+    def hidden_mutated_after_head(x, t):  # a fused op at the loss would read the mutated hidden states
+        logits = lm_head(x)
+        x.add_(1.0)
+        return F.cross_entropy(logits.view(-1, V), t.view(-1)), x
+
+    for fn in (scaled_in_place, scaled_in_place_loss_only, hidden_mutated_after_head):
+        x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+        ref = fn(x.clone(), t)  # forward only: backward through a mutated saved input would raise
+        graphs = []
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="flce", options={"flce.inner": lambda gm, ex, **kw: (
+            graphs.append(gm), gm.forward)[1]})(x.clone(), t)
+        torch.testing.assert_close(got[0], ref[0], msg=fn.__name__)
+        torch.testing.assert_close(got[1], ref[1], msg=fn.__name__)
+        assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes], fn.__name__
+        assert sum(n.target in ("mul_", "add_") for n in graphs[0].graph.nodes) == 1, graphs[0].code
+
+
+def test_autocast_region_ending_before_the_loss():
+    """lm_head under autocast, loss outside it: the op computes in the lm_head's dtype, as autocast did."""
+    torch.manual_seed(0)
+    lm_head = nn.Linear(H, V, bias=False)
+
+    def fn(x, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = lm_head(x)
+        return F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+    x, t = torch.randn(4, 8, H), torch.randint(0, V, (4, 8))
+    ref = fn(x, t)
+    ref.backward()
+    ref_grad, lm_head.weight.grad = lm_head.weight.grad, None
+    graphs = []
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flce", options={"flce.inner": lambda gm, ex, **kw: (
+        graphs.append(gm), gm.forward)[1]})(x, t)
+    got.backward()
+    node = next(n for n in graphs[0].graph.nodes if n.target is flce_fused_loss)
+    assert node.args[12] == torch.bfloat16
+    # fp32 logits would differ from the bf16 reference by ~1e-4
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert lm_head.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lm_head.weight.grad, ref_grad, rtol=2e-2, atol=1e-3)
+
+
+def test_analysis_error_leaves_only_that_site_alone(monkeypatch):
+    """A bug in the analysis of one site costs that site, not the others (nor explain())."""
+    import flce_compile.compiler.patterns as patterns
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(H, V, bias=False)
+            self.b = nn.Linear(H, V, bias=False)
+
+        def forward(self, x, t):
+            return (F.cross_entropy(self.a(x).view(-1, V), t.view(-1))
+                    + F.cross_entropy(self.b(x).view(-1, V), t.view(-1)))
+
+    real = patterns._check_linear
+    calls = []
+
+    def flaky(gm, site):
+        calls.append(site)
+        if len(calls) % 2 == 1:
+            raise IndexError("boom")
+        real(gm, site)
+
+    monkeypatch.setattr(patterns, "_check_linear", flaky)
+    model = TwoHeads()
+    x, t = torch.randn(2, 3, H), torch.randint(0, V, (2, 3))
+    compiled, graphs = _compile(model)
+    torch.testing.assert_close(compiled(x, t), model(x, t))
+    assert [n.target for n in graphs[0].graph.nodes].count(flce_fused_loss) == 1
+    calls.clear()
+    report = fc.explain(model, x, t)
+    assert [r.fused for r in report] == [False, True] and "analysis failed" in report[0].reason
 
 
 def test_call_module_forms_symbolic_trace():

@@ -125,10 +125,10 @@ def report_graph(gm: fx.GraphModule, index: int = 0, logits: str = "keep") -> li
         lin = match_linear(gm, node)
         if lin is None or not any(u.op == "output" for u in node.users):
             continue
-        out = meta_value(node)
+        out, x = meta_value(node), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
             continue
-        if out.shape[-1] < 2 * (meta_value(lin.input).shape[-1] if isinstance(meta_value(lin.input), torch.Tensor) else 0):
+        if out.shape[-1] < 2 * (x.shape[-1] if isinstance(x, torch.Tensor) else 0):
             continue  # not vocab-sized
         reports.append(SiteReport(
             graph=index, loss=f"{node.name} (lm_head-like {lin.form}, output returned by the graph)", fused=False,

@@ -26,13 +26,20 @@ _CE_FNS = {F.cross_entropy}
 _NLL_FNS = {F.nll_loss}
 _LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
-_MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul, operator.imul}
-_DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div, operator.itruediv}
+_MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul}
+_DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
+#: Python's augmented-assignment operators (``logits *= 2`` reaches the graph as ``operator.imul``).
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 _RESHAPE_FNS = {torch.reshape, torch.flatten, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten}
 _TRANSPOSE_FNS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute}
 _IDENTITY_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "clone", "to", "type_as", "type"}
 _RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 _TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims", "permute"}
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # logits dtypes the fused op accepts
 
 
 def _is_fn(node: fx.Node, fns: set) -> bool:
@@ -41,6 +48,19 @@ def _is_fn(node: fx.Node, fns: set) -> bool:
 
 def _is_method(node: fx.Node, names: Iterable[str]) -> bool:
     return node.op == "call_method" and node.target in names
+
+
+def is_inplace(node: fx.Node) -> bool:
+    """Whether the node mutates one of its inputs (``x.mul_(2)``, ``x *= 2``, ``torch.Tensor.add_``)."""
+    if node.op == "call_method":
+        name = node.target if isinstance(node.target, str) else ""
+    elif node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
@@ -142,6 +162,7 @@ class Step:
 
     kind: str  # identity | reshape | slice | scale | tanh | log_softmax | transpose
     node: fx.Node
+    input: fx.Node  # the logits-side input of ``node``
     index: Any = None  # slice: the getitem index; transpose: the dim permutation; log_softmax: dim
     factor: float = 1.0  # scale factor (x * factor)
 
@@ -279,14 +300,17 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
     first = node.args[0] if node.args else node.kwargs.get("input")
     if not isinstance(first, fx.Node):
         return f"{node.op} {name} does not take the logits as first argument"
+    if is_inplace(node):
+        # The mutation is visible through every alias of the logits; dropping or replaying it is not safe.
+        return f"in-place {node.op} {name} on the logits"
 
     if node.op == "call_method" and node.target in _IDENTITY_METHODS:
         val = meta_value(node)
         if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
             return f".{node.target}() to a non-floating dtype"
-        return Step("identity", node), first
+        return Step("identity", node, first), first
     if _is_fn(node, _RESHAPE_FNS) or _is_method(node, _RESHAPE_METHODS):
-        return Step("reshape", node), first
+        return Step("reshape", node, first), first
     if _is_fn(node, _TRANSPOSE_FNS) or _is_method(node, _TRANSPOSE_METHODS):
         val, src = meta_value(node), meta_value(first)
         if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)):
@@ -305,31 +329,31 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             perm = list(range(src.dim()))
             a, b = a % src.dim(), b % src.dim()
             perm[a], perm[b] = perm[b], perm[a]
-        return Step("transpose", node, index=perm), first
+        return Step("transpose", node, first, index=perm), first
     if node.op == "call_function" and node.target is operator.getitem:
         idx = node.args[1]
-        return Step("slice", node, index=idx), first
-    if _is_fn(node, _MUL_FNS) or _is_method(node, ("mul", "__mul__", "mul_")):
+        return Step("slice", node, first, index=idx), first
+    if _is_fn(node, _MUL_FNS) or _is_method(node, ("mul", "__mul__")):
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
         if isinstance(a, fx.Node) and _is_number(b):
-            return Step("scale", node, factor=float(b)), a
+            return Step("scale", node, a, factor=float(b)), a
         if isinstance(b, fx.Node) and _is_number(a):
-            return Step("scale", node, factor=float(a)), b
+            return Step("scale", node, b, factor=float(a)), b
         return "multiplication by a tensor (only constant scales can be folded)"
     if _is_fn(node, _DIV_FNS) or _is_method(node, ("div", "__truediv__", "true_divide")):
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
         if node.kwargs.get("rounding_mode") is not None:
             return "division with a rounding_mode"
         if isinstance(a, fx.Node) and _is_number(b) and b != 0:
-            return Step("scale", node, factor=1.0 / float(b)), a
+            return Step("scale", node, a, factor=1.0 / float(b)), a
         return "division by a tensor (only constant divisors can be folded)"
     if _is_fn(node, _TANH_FNS) or _is_method(node, ("tanh",)):
-        return Step("tanh", node), first
+        return Step("tanh", node, first), first
     if _is_fn(node, _LOG_SOFTMAX_FNS) or _is_method(node, ("log_softmax",)):
         dim = _arg(node, 1, "dim")
         if not isinstance(dim, int):
             return "log_softmax without a constant dim"
-        return Step("log_softmax", node, index=dim), first
+        return Step("log_softmax", node, first, index=dim), first
     return f"{node.op} {name}"
 
 
@@ -412,7 +436,7 @@ def fold_steps(site: Site, start: int) -> Plan | str:
                 return f"{step.node.name} reshapes the vocab dim"
             if val.dim() != len(order) or any(
                 _static_int(a) is None or _static_int(a) != _static_int(b)
-                for a, b in zip(val.shape[:-1], meta_value(step.node.args[0]).shape[:-1])
+                for a, b in zip(val.shape[:-1], meta_value(step.input).shape[:-1])
             ):
                 reshaped = True
             order = list(range(val.dim()))
@@ -439,8 +463,10 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         elif step.kind == "scale":
             if log_softmax_seen:
                 return "a scale after log_softmax"
-            if pending_tanh is not None:  # tanh(f*s) * c  ==  softcap c with logit_scale f*c
-                plan.softcap = step.factor
+            if pending_tanh is not None:  # c * tanh(f*s)  ==  softcap |c| with logit_scale f*c (tanh is odd)
+                if step.factor == 0.0:
+                    return "tanh multiplied by 0 (not a softcap)"
+                plan.softcap = abs(step.factor)
                 plan.logit_scale = scale * step.factor
                 pending_tanh = None
                 continue
@@ -498,20 +524,24 @@ def find_sites(gm: fx.GraphModule) -> list[Site]:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_module"):
             continue
-        loss = match_loss(gm, node)
-        if loss is None:
-            continue
-        if isinstance(loss, str):
-            sites.append(Site(loss=None, loss_node=node, reason=loss))
-            continue
-        site = _walk(gm, loss)
-        if site.linear is not None:
-            _check_linear(gm, site)
+        try:
+            loss = match_loss(gm, node)
+            if loss is None:
+                continue
+            if isinstance(loss, str):
+                sites.append(Site(loss=None, loss_node=node, reason=loss))
+                continue
+            site = _walk(gm, loss)
+            if site.linear is not None:
+                _check_linear(gm, site)
+        except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
+            site = Site(loss=None, loss_node=node, reason=f"analysis failed: {exc!r}")
         sites.append(site)
     return sites
 
 
 def _check_linear(gm: fx.GraphModule, site: Site) -> None:
+    """Fill ``site.vocab``/``site.hidden`` from the lm_head, or set ``site.reason`` when its shapes don't fit."""
     lin = site.linear
     out = meta_value(lin.node)
     x = meta_value(lin.input)
@@ -542,5 +572,5 @@ def _check_linear(gm: fx.GraphModule, site: Site) -> None:
     if w_shape != (site.vocab, site.hidden):
         site.reason = f"lm_head weight shape {w_shape} does not match (vocab, hidden)=({site.vocab}, {site.hidden})"
         return
-    if not out.is_floating_point():
-        site.reason = "lm_head output is not floating point"
+    if out.dtype not in _OP_DTYPES:
+        site.reason = f"lm_head output dtype {out.dtype} is not one the fused op supports ({_OP_DTYPES})"

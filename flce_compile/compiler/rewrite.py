@@ -18,7 +18,7 @@ from torch import fx
 
 from ..log import logger
 from .kept_logits import kept_logits_cross_entropy
-from .patterns import Plan, Site, find_sites, fold_steps, hint_int, meta_value
+from .patterns import Plan, Site, find_sites, fold_steps, hint_int, is_inplace, meta_value
 
 
 def flce_fused_loss(
@@ -34,18 +34,25 @@ def flce_fused_loss(
     logit_scale: float,
     config: Optional[dict],
     out_dtype: torch.dtype,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """The graph-side call of the fused op (a stable node target for the inner compiler and for tests).
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
-    travels as a plain dict so the generated graph code stays printable.
+    travels as a plain dict so the generated graph code stays printable. ``compute_dtype`` is the dtype the
+    lm_head computed its logits in when that differs from its input's (an autocast region that ended before
+    the loss): input, weight and bias are cast to it, as autocast did for the lm_head.
     """
     from ..api import fused_linear_cross_entropy
 
+    if compute_dtype is not None and input.dtype != compute_dtype:
+        input, weight = input.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
     # Rows line up after flattening both sides (the pattern check guarantees it), whatever view the loss saw.
     loss = fused_linear_cross_entropy(
-        input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
+        input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
+        logit_scale=logit_scale, config=config,
     )
     if reduction == "none":
         loss = loss.view(target.shape)
@@ -98,7 +105,24 @@ _warned_keep = False
 
 def analyze(gm: fx.GraphModule, logits: str = "keep") -> list[SiteResult]:
     """Decide, without touching the graph, what the pass would do with each loss site."""
-    return [_decide(site, logits) for site in find_sites(gm)]
+    results = []
+    for site in find_sites(gm):
+        try:
+            results.append(_decide(site, logits))
+        except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
+            results.append(SiteResult(site, "unchanged", f"analysis failed: {exc!r}"))
+    return results
+
+
+def _mutation_between(site: Site) -> fx.Node | None:
+    """An in-place op between the lm_head and the loss (it could change the hidden states or weight that the
+    fused op, which runs where the loss ran, reads), or None."""
+    node = site.linear.node.next
+    while node is not site.loss_node and node.op != "output":
+        if is_inplace(node):
+            return node
+        node = node.next
+    return None
 
 
 def _decide(site: Site, logits_mode: str) -> SiteResult:
@@ -117,6 +141,10 @@ def _decide(site: Site, logits_mode: str) -> SiteResult:
         plan = fold_steps(site, 0)
         if isinstance(plan, str):
             res.reason = plan
+            return res
+        mutation = _mutation_between(site)
+        if mutation is not None:
+            res.reason = f"in-place op {mutation.name} runs between the lm_head and the loss"
             return res
         res.path, res.plan = "fused", plan
         return res
@@ -156,14 +184,13 @@ def run_pass(
     global _warned_keep
     results = analyze(gm, logits)
     fake_mode = _fake_mode(gm, example_inputs)
-    changed = False
+    dead: list[fx.Node] = []  # nodes our rewrites may have left without users
     for res in results:
         if not res.fused:
             logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
             continue
         try:
-            _rewrite(gm, res, config, fake_mode)
-            changed = True
+            dead += _rewrite(gm, res, config, fake_mode)
         except Exception as exc:  # noqa: BLE001 - the pass must never break a compile
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
@@ -181,11 +208,33 @@ def run_pass(
                 "logits=None and save that memory.",
                 res.kept_logits_bytes / 1e9,
             )
-    if changed:
-        gm.graph.eliminate_dead_code()
+    if any(r.new_node is not None for r in results):
+        _erase_dead(gm.graph, dead)
         gm.graph.lint()
         gm.recompile()
     return results
+
+
+def _erase_dead(graph: fx.Graph, candidates: list[fx.Node]) -> None:
+    """Erase the candidates left without users, then their inputs left without users, and so on.
+
+    Not ``graph.eliminate_dead_code()``: that also removes the user's own unused in-place ops (a buffer's
+    ``add_``, an input's ``clamp_``), which FX considers pure.
+    """
+    work, erased = list(candidates), set()
+    while work:
+        node = work.pop()
+        if node in erased or node.users or not _removable(node):
+            continue
+        work.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+
+
+def _removable(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
+        return False
+    return not is_inplace(node) and not node.is_impure()
 
 
 def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
@@ -199,7 +248,8 @@ def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
     return detect_fake_mode(example_inputs) if example_inputs is not None else None
 
 
-def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -> None:
+def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -> list[fx.Node]:
+    """Replace one site's loss node; returns the nodes that may have lost their last user."""
     site, plan = res.site, res.plan
     loss, lin = site.loss, site.linear
     graph = gm.graph
@@ -231,9 +281,11 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -
                 else:
                     weight = lin.weight
                 cfg = config.to_dict() if config is not None else None
+                x_val, logits_val = meta_value(lin.input), meta_value(lin.node)
+                compute_dtype = logits_val.dtype if x_val.dtype != logits_val.dtype else None  # autocast
                 new = add("call_function", flce_fused_loss, (
                     x, weight, loss.target, bias, ce_weight, loss.ignore_index, loss.reduction,
-                    loss.label_smoothing, plan.softcap, plan.logit_scale, cfg, out_dtype,
+                    loss.label_smoothing, plan.softcap, plan.logit_scale, cfg, out_dtype, compute_dtype,
                 ))
             else:
                 chain = site.chain
@@ -251,13 +303,16 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -
         raise
     # Commit: nothing below can fail halfway in a way that leaves a broken graph.
     new.meta.update({k: v for k, v in loss.node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes)
     loss.node.replace_all_uses_with(new)
     graph.erase_node(loss.node)
     if res.dropped_outputs:
         dropped = set(res.dropped)
         out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
         out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in dropped else n)
+        maybe_dead += res.dropped
     res.new_node = new
+    return maybe_dead
 
 
 def _propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any) -> None:
