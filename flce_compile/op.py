@@ -35,7 +35,7 @@ def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     return choose_config(input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
 
 
-def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     """Out-of-range targets raise on the CPU (and under FLCE_DEBUG=1); on the GPU their loss is NaN instead,
     because checking would cost a host sync."""
     if target.device.type != "cpu" and os.environ.get("FLCE_DEBUG") != "1":
@@ -69,7 +69,7 @@ def fused_linear_cross_entropy_op(
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
-    _check_targets(target, weight.shape[0], ignore_index)
+    check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
     with torch.autocast(input.device.type, enabled=False):
         loss, lse, dx, dw, db = fused_forward(

@@ -365,3 +365,19 @@ def test_explain_reports_sites_and_graph_breaks():
     text = str(report)
     assert "graph break" in text and "nothing to fuse" in text
     assert report.graph_breaks
+
+
+def test_kept_logits_loss_rejects_out_of_range_targets(monkeypatch):
+    """The kept-logits loss never turns a bad class id into a finite loss: it raises on the CPU (like the fused
+    op) and, where the check is skipped to avoid a host sync (GPU), the token's loss is NaN."""
+    from flce_compile.compiler import kept_logits
+
+    logits = torch.randn(2, 5, 11)
+    target = torch.randint(0, 11, (2, 5))
+    target[1, 2] = 11
+    with pytest.raises(ValueError, match="outside"):
+        kept_logits.kept_logits_cross_entropy(logits, target)
+    monkeypatch.setattr(kept_logits, "check_targets", lambda *a: None)
+    per_token = kept_logits.kept_logits_cross_entropy(logits, target, reduction="none")
+    assert torch.isnan(per_token[1, 2]) and torch.isfinite(per_token[0]).all()
+    assert torch.isnan(kept_logits.kept_logits_cross_entropy(logits, target))

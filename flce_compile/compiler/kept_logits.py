@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from ..op import check_targets
+
 _CHUNK_BYTES = 64 * 2**20  # fp32 working set per chunk
 
 
@@ -74,6 +76,7 @@ def kept_logits_ce_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row (lse, z[target], sum_c w_c z_c) in fp32 over rows of ``logits`` (flattened leading dims)."""
     vocab = logits.shape[-1]
+    check_targets(target, vocab, ignore_index)
     n = logits.numel() // max(1, vocab)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     zt = torch.empty_like(lse)
@@ -177,6 +180,8 @@ def kept_logits_cross_entropy(
     valid = t != ignore_index
     safe_t = torch.where(valid, t, 0)
     nll = torch.where(valid, lse - zt, 0.0)
+    # An out-of-range class id never gives a finite wrong loss (the op raised on the CPU already).
+    nll = torch.where(valid & ((t < 0) | (t >= vocab)), float("nan"), nll)
     if ce_weight is not None:
         w_t = torch.where(valid, ce_weight.float()[safe_t], 0.0)
         nll = nll * w_t
