@@ -193,7 +193,9 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
         # product is functional and Inductor may reuse the buffer for it.
         g = grad_loss.to(torch.float32)
         in_place = not torch.compiler.is_compiling()
-        dx, dw, db = ((t.mul_(g) if in_place else t * g.to(t.dtype)) if t.numel() else t for t in (dx, dw, db))
+        # g stays fp32 (a 0-dim tensor does not promote the bf16/fp16 result): each element is scaled in fp32
+        # and rounded once.
+        dx, dw, db = ((t.mul_(g) if in_place else t * g) if t.numel() else t for t in (dx, dw, db))
     return (
         dx if need_x else None,
         dw if need_w else None,

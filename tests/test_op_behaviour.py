@@ -272,3 +272,19 @@ def test_gradients_are_adopted_without_a_copy(monkeypatch):
     fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16).backward()
     assert x.grad.data_ptr() == produced["dx"]
     assert w.grad.data_ptr() == produced["dw"]
+
+
+def test_grad_output_scaling_is_the_same_compiled_and_eager():
+    """bf16 gradients scaled by a grad_output that bf16 cannot represent: eager (in place) and compiled
+    (functional) backward scale in fp32 and round once, so they agree bit for bit."""
+    x, w, t = _inputs(n=64, h=32, v=96, dtype=torch.bfloat16)
+    grads = []
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: fused_linear_cross_entropy(x, w, t) / 3.0, backend="aot_eager",
+                             fullgraph=True)
+    for fn in (lambda x, w, t: fused_linear_cross_entropy(x, w, t) / 3.0, compiled):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn(xg, wg, t).backward()
+        grads.append((xg.grad, wg.grad))
+    for eager, comp in zip(*grads):
+        assert torch.equal(eager, comp)
