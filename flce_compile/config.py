@@ -89,14 +89,15 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     [256, 8192], and no more than the token count needs. Measured on an H200 (benchmarks/results): each
     chunk's dW GEMM re-reads and re-writes the V x H accumulator, so 2048-token chunks at V=128K run 4-8%
     faster than 1024-token ones; the extra 256 MiB is small next to the fp32 accumulator. Memory-bound users
-    pass a smaller chunk_tokens, or let flce-tune search under --budget-gb.
+    pass a smaller chunk_tokens, or let flce-tune search under --budget-gb. On the CPU the budget is 64 MiB:
+    the PyTorch CE step holds two or three fp32 copies of the chunk besides it.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    budget_bytes = 512 * 2**20
+    on_gpu = device.type == "cuda"
+    budget_bytes = (512 if on_gpu else 64) * 2**20
     chunk = budget_bytes // max(1, vocab * itemsize)
     chunk = max(256, min(8192, chunk // 256 * 256))
     chunk = max(1, min(chunk, _round_up(max(1, num_tokens), 256)))
-    on_gpu = device.type == "cuda"
     return FLCEConfig(
         strategy="triton" if on_gpu else "torch",
         chunk_tokens=chunk,

@@ -288,3 +288,18 @@ def test_grad_output_scaling_is_the_same_compiled_and_eager():
         grads.append((xg.grad, wg.grad))
     for eager, comp in zip(*grads):
         assert torch.equal(eager, comp)
+
+
+def test_heuristic_chunks_fit_their_logits_budget():
+    from flce_compile.config import heuristic_config
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for vocab in (32000, 50257, 128256, 151936, 256000):
+        for device, budget in ((gpu, 512 * 2**20), (cpu, 64 * 2**20)):
+            cfg = heuristic_config(16384, vocab, 4096, torch.bfloat16, device)
+            assert cfg.chunk_tokens % 256 == 0 and 256 <= cfg.chunk_tokens <= 8192
+            assert cfg.chunk_tokens * vocab * 2 <= budget or cfg.chunk_tokens == 256
+    assert heuristic_config(16384, 128256, 4096, torch.bfloat16, gpu).chunk_tokens == 2048
+    assert heuristic_config(16384, 128256, 4096, torch.bfloat16, gpu).strategy == "triton"
+    assert heuristic_config(16384, 128256, 4096, torch.bfloat16, cpu).strategy == "torch"
+    assert heuristic_config(100, 128256, 4096, torch.bfloat16, gpu).chunk_tokens == 256  # not above the tokens' need
