@@ -190,21 +190,15 @@ def kept_logits_cross_entropy(
     else:
         denom = valid.sum()
         w_sum = float(vocab)
-    if reduction == "none":
-        loss = nll
-    elif reduction == "sum":
-        loss = nll.sum()
-    else:
-        loss = nll.sum() / denom
+    per_row = nll
     if label_smoothing > 0.0:
+        # torch's label smoothing: (1 - eps) * nll + eps / V * sum_c w_c (lse - z_c), with the same normaliser.
         smooth = torch.where(valid, lse * w_sum - swz, 0.0)
-        if reduction == "none":
-            s = smooth
-        elif reduction == "sum":
-            s = smooth.sum()
-        else:
-            s = smooth.sum() / denom
-        loss = (1.0 - label_smoothing) * loss + s * (label_smoothing / vocab)
+        per_row = (1.0 - label_smoothing) * nll + (label_smoothing / vocab) * smooth
     if reduction == "none":
-        loss = loss.view(target.shape)
+        loss = per_row.view(target.shape)
+    elif reduction == "sum":
+        loss = per_row.sum()
+    else:
+        loss = per_row.sum() / denom
     return loss
