@@ -381,3 +381,5 @@ def test_kept_logits_loss_rejects_out_of_range_targets(monkeypatch):
     per_token = kept_logits.kept_logits_cross_entropy(logits, target, reduction="none")
     assert torch.isnan(per_token[1, 2]) and torch.isfinite(per_token[0]).all()
     assert torch.isnan(kept_logits.kept_logits_cross_entropy(logits, target))
+    weighted = kept_logits.kept_logits_cross_entropy(logits, target, ce_weight=torch.rand(11), reduction="none")
+    assert torch.isnan(weighted[1, 2]) and torch.isfinite(weighted[0]).all()

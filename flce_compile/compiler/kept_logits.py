@@ -178,7 +178,9 @@ def kept_logits_cross_entropy(
     lse, zt, swz = lse.reshape(-1), zt.reshape(-1), swz.reshape(-1)
     t = target.reshape(-1)
     valid = t != ignore_index
-    safe_t = torch.where(valid, t, 0)
+    # Clamped so a bad class id indexes nothing out of range (on the GPU that would be a device assert); its
+    # loss is made NaN below.
+    safe_t = torch.where(valid, t, 0).clamp(0, vocab - 1)
     nll = torch.where(valid, lse - zt, 0.0)
     # An out-of-range class id never gives a finite wrong loss (the op raised on the CPU already).
     nll = torch.where(valid & ((t < 0) | (t >= vocab)), float("nan"), nll)
