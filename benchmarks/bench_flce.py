@@ -26,6 +26,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flce_compile import FLCEConfig, choose_config, fused_linear_cross_entropy  # noqa: E402
+from flce_compile.strategies.chunked import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 ERROR_SHAPE = (2048, 4096, 128256)
@@ -109,7 +110,11 @@ def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
 
 
 def time_floor(x, w) -> float:
-    logits = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype).normal_()
+    """The three GEMMs on a logits buffer whose rows are padded like the op's (an odd V otherwise gives cuBLAS
+    misaligned operands and a floor 3-4x too slow)."""
+    v = w.shape[0]
+    stride = padded_row_elements(v, x.element_size())
+    logits = torch.empty(x.shape[0], stride, device="cuda", dtype=x.dtype).normal_()[:, :v]
 
     def gemms():
         torch.mm(x, w.T, out=logits)
@@ -175,7 +180,9 @@ def main() -> None:
             return fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=cfg)
 
         fns[f"flce {text}"] = forced
-    rows = []
+    env = environment()
+    stem = f"bench_flce_{env['gpu'].replace(' ', '_')}{args.tag}"
+    rows: list[dict] = []
     for shape in args.shapes:
         n, h, v = (int(s) for s in shape.split("x"))
         x, w, t = make_inputs(n, h, v)
@@ -192,18 +199,23 @@ def main() -> None:
             torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write_results(stem, env, list(fns), rows, {})  # after every shape: a cut-short run keeps its rows
         del x, w, t
         torch.cuda.empty_cache()
     errs = {} if args.no_errors else errors({k: v for k, v in fns.items()})
-    env = environment()
+    print(write_results(stem, env, list(fns), rows, errs))
+
+
+def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs: dict) -> str:
+    """Write the markdown table and the JSON under benchmarks/results/ (and $OUT when set); return the table."""
     lines = [f"# bench_flce: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", "",
              "bf16 forward + backward, mean, ~6% ignored. ms = median (CUDA events), GB = peak above inputs "
              "and grads, xF = ratio to the 3-GEMM floor.", "",
-             "| BT x H x V | floor ms | " + " | ".join(fns) + " |",
-             "|---|---|" + "---|" * len(fns)]
+             "| BT x H x V | floor ms | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
     for row in rows:
         cells = []
-        for name in fns:
+        for name in names:
             r = row["results"].get(name)
             cells.append("-" if r is None else r.get("error") or f"{r['ms']:.1f} / {r['gb']:.3f} / {r['x_floor']:.2f}x")
         lines.append(f"| {row['shape']} | {row['floor_ms']:.1f} | " + " | ".join(cells) + " |")
@@ -212,12 +224,11 @@ def main() -> None:
                   "| variant | loss | dX | dW |", "|---|---|---|---|"]
         lines += [f"| {k} | {e['loss']:.2e} | {e['dX']:.2e} | {e['dW']:.2e} |" for k, e in errs.items()]
     table = "\n".join(lines)
-    stem = f"bench_flce_{env['gpu'].replace(' ', '_')}{args.tag}"
     for folder in filter(None, [Path(__file__).parent / "results", os.environ.get("OUT")]):
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{stem}.md").write_text(table + "\n")
         (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, "errors": errs}, indent=1))
-    print(table)
+    return table
 
 
 if __name__ == "__main__":

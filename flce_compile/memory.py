@@ -12,6 +12,7 @@ import sympy
 import torch
 
 from .config import FLCEConfig
+from .strategies.chunked import ROW_ALIGN_BYTES
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
@@ -38,7 +39,8 @@ def peak_bytes_expr() -> sympy.Expr:
     """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries), the
     dW/db accumulators and the per-token vectors. Nothing is of size BT x V."""
     rows = sympy.Min(CHUNK, BT)
-    logits_chunk = BUFFERS * rows * V * S
+    row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES  # rows padded for aligned GEMMs
+    logits_chunk = BUFFERS * rows * row_bytes
     ce_temporaries = K32 * rows * V * 4
     dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
     db_accumulator = NEED_DB * V * 4

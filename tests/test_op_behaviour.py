@@ -303,3 +303,26 @@ def test_heuristic_chunks_fit_their_logits_budget():
     assert heuristic_config(16384, 128256, 4096, torch.bfloat16, gpu).strategy == "triton"
     assert heuristic_config(16384, 128256, 4096, torch.bfloat16, cpu).strategy == "torch"
     assert heuristic_config(100, 128256, 4096, torch.bfloat16, gpu).chunk_tokens == 256  # not above the tokens' need
+
+
+def test_chunk_gemms_reduce_in_full_precision_and_restore_the_flags():
+    """On CUDA a multi-chunk loop forbids bf16/fp16 split-K reductions (they cost exactness on the H200) and
+    puts the user's flags back afterwards, also after an error. The flags are host state, so this runs without a GPU."""
+    from flce_compile.strategies.chunked import full_precision_gemm_reductions
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = True
+        with pytest.raises(RuntimeError, match="inside"):
+            with full_precision_gemm_reductions(torch.device("cuda")):
+                assert not matmul.allow_bf16_reduced_precision_reduction
+                assert not matmul.allow_fp16_reduced_precision_reduction
+                raise RuntimeError("inside")
+        assert matmul.allow_bf16_reduced_precision_reduction and matmul.allow_fp16_reduced_precision_reduction
+        with full_precision_gemm_reductions(torch.device("cpu")):
+            assert matmul.allow_bf16_reduced_precision_reduction  # the CPU path leaves them alone
+        with full_precision_gemm_reductions(torch.device("cuda"), chunked=False):
+            assert matmul.allow_bf16_reduced_precision_reduction  # one chunk: eager's own GEMMs and flags
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved

@@ -9,6 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
+from flce_compile.strategies.chunked import padded_row_elements
 
 
 def cpu_peak_bytes(fn) -> int:
@@ -33,13 +34,14 @@ def test_expression_names_its_symbols():
     assert isinstance(peak_bytes_expr(), sympy.Expr)
 
 
-@pytest.mark.parametrize("dtype, accum, softcap", [
-    (torch.float32, torch.float32, None),
-    (torch.bfloat16, torch.float32, None),
-    (torch.bfloat16, torch.bfloat16, 5.0),
+@pytest.mark.parametrize("dtype, accum, softcap, v", [
+    (torch.float32, torch.float32, None, 4096),
+    (torch.bfloat16, torch.float32, None, 4096),
+    (torch.bfloat16, torch.bfloat16, 5.0, 4096),
+    (torch.bfloat16, torch.float32, None, 4097),  # odd V: padded chunk rows
 ])
-def test_cpu_peak_within_bound(dtype, accum, softcap):
-    n, h, v, chunk = 1024, 64, 4096, 64
+def test_cpu_peak_within_bound(dtype, accum, softcap, v):
+    n, h, chunk = 1024, 64, 64
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
@@ -62,6 +64,20 @@ def test_cpu_peak_within_bound(dtype, accum, softcap):
     assert bound < full_logits / 3
 
 
+@pytest.mark.parametrize("vocab, itemsize, padded", [
+    (128256, 2, 128256), (50257, 2, 50304), (50257, 4, 50272), (1, 2, 64), (64, 2, 64),
+])
+def test_logits_rows_padded_to_128_bytes(vocab, itemsize, padded):
+    assert padded_row_elements(vocab, itemsize) == padded
+
+
+def test_bound_counts_the_row_padding():
+    config = FLCEConfig(strategy="triton", chunk_tokens=256)
+    odd = peak_bytes(config, 4096, 50257, 768, torch.bfloat16, need_dw=False)
+    aligned = peak_bytes(config, 4096, 50304, 768, torch.bfloat16, need_dw=False)
+    assert odd == aligned
+
+
 def test_bound_at_the_benchmark_shape():
     config = FLCEConfig(strategy="triton", chunk_tokens=1024)
     fp32 = peak_bytes(config, 16384, 128256, 4096, torch.bfloat16, torch.float32)
@@ -71,9 +87,12 @@ def test_bound_at_the_benchmark_shape():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("accum, streams", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_gpu_peak_within_bound(accum, streams):
-    n, h, v = 8192, 2048, 65536
+@pytest.mark.parametrize("accum, streams, v", [
+    (torch.float32, False, 65536), (torch.bfloat16, False, 65536), (torch.float32, True, 65536),
+    (torch.bfloat16, False, 50257),
+])
+def test_gpu_peak_within_bound(accum, streams, v):
+    n, h = 8192, 2048
     dev = "cuda"
     x = torch.randn(n, h, device=dev, dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16).requires_grad_()

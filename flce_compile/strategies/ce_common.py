@@ -11,8 +11,8 @@ import torch
 class CEStepArgs:
     """One chunk's CE step.
 
-    logits: (rows, V) raw logits x W^T + b in the compute dtype, contiguous; overwritten with dloss/dlogits
-        when ``write_grad``.
+    logits: (rows, V) raw logits x W^T + b in the compute dtype, unit column stride and any row stride (rows
+        are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad``.
     target: (rows,) int64 class ids.
     ce_weight: (V,) fp32 class weights or None; weight_sum: 0-dim fp32 sum of the class weights (V if None).
     ce_scale, z_scale: fp32, 0-dim or (rows,): the factor applied to the cross-entropy and z-loss terms of
