@@ -6,12 +6,13 @@ custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from .config import FLCEConfig
+from .config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op
 from .params import REDUCTIONS
 
@@ -114,11 +115,12 @@ def fused_linear_cross_entropy(
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (default) is as exact as eager,
             the weight dtype saves V*H*4 bytes at some accuracy cost.
-        config: force an execution config (``FLCEConfig`` or a dict of its fields); None lets the tuning
-            database / heuristic pick one from the real token count at run time.
+        config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
+            only its keys, e.g. ``{"chunk_tokens": 1024}``, and the tuning database / heuristic picks the rest
+            from the real token count at run time, as it does for everything when None.
     """
     _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap, accum_dtype)
-    forced = FLCEConfig.coerce(config)
+    forced = config_overrides(config)
     input, weight, bias = _autocast(input, weight, bias)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]
@@ -145,7 +147,7 @@ def fused_linear_cross_entropy(
         grad_on and input.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
-        forced.to_json() if forced is not None else "",
+        json.dumps(forced, sort_keys=True) if forced else "",
     )
     if reduction == "none":
         return loss.view(target.shape)

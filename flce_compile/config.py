@@ -78,6 +78,41 @@ class FLCEConfig:
         raise TypeError(f"config must be an FLCEConfig, a dict or None, got {type(config).__name__}")
 
 
+def config_overrides(config: "FLCEConfig | Mapping[str, Any] | str | None") -> dict[str, Any] | None:
+    """The config fields a caller forces, validated now: every field of an ``FLCEConfig``, or just the keys of a
+    dict / JSON object. Fields left out come from the tuning DB or the heuristic at run time (see
+    ``resolve_config``), so ``{"chunk_tokens": 1024}`` keeps the GPU's Triton strategy and tuned tiles.
+    None or "" force nothing."""
+    if config is None or isinstance(config, FLCEConfig):
+        return config.to_dict() if config is not None else None
+    if isinstance(config, str):
+        if not config:
+            return None
+        config = json.loads(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be an FLCEConfig, a dict, a JSON object or None, got {type(config).__name__}")
+    fields = dict(config)
+    FLCEConfig.from_dict({**FLCEConfig().to_dict(), **fields})  # unknown keys and bad values raise here
+    return fields or None
+
+
+def resolve_config(
+    overrides: Mapping[str, Any] | None,
+    num_tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[FLCEConfig, str]:
+    """The config of one call: ``choose_config``'s pick with ``overrides`` laid over it, and its source."""
+    if overrides and set(overrides) >= {f.name for f in dataclasses.fields(FLCEConfig)}:
+        return FLCEConfig.from_dict(overrides), "forced"
+    chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
+    if not overrides:
+        return chosen, source
+    return dataclasses.replace(chosen, **overrides), f"{source}, forced {', '.join(sorted(overrides))}"
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -10,13 +10,14 @@ the real token count, so a varying token count never recompiles.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .config import FLCEConfig, choose_config
+from .config import FLCEConfig, resolve_config
 from .params import LossParams
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
@@ -29,10 +30,9 @@ def _params(ignore_index: int, reduction: str, label_smoothing: float, softcap: 
 
 
 def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
-    forced = FLCEConfig.coerce(config)
-    if forced is not None:
-        return forced
-    return choose_config(input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
+    """``config`` is the JSON of the forced fields ("" for none); the rest is chosen from the real shapes."""
+    overrides = json.loads(config) if config else None
+    return resolve_config(overrides, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:

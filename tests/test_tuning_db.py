@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -10,7 +11,7 @@ import time
 import pytest
 import torch
 
-from flce_compile.config import FLCEConfig, choose_config
+from flce_compile.config import FLCEConfig, choose_config, config_overrides, resolve_config
 from flce_compile.tuning import db
 
 
@@ -201,6 +202,25 @@ def test_choose_config_uses_the_db(dbs, monkeypatch):
     assert (config, source) == (entry(chunk=512).config, "tuning_db:user_exact")
     config, source = choose_config(16384, 999, 64, torch.bfloat16, torch.device("cuda"))
     assert source == "heuristic"
+
+
+def test_partial_config_overrides_the_chosen_one(dbs, monkeypatch):
+    """A dict of some fields forces only those: the rest still comes from the DB (here: a Triton config)."""
+    user, _ = dbs
+    db.write_entries(user, [entry(chunk=512)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    overrides = config_overrides({"chunk_tokens": 1024})
+    config, source = resolve_config(overrides, 16384, 151936, 4096, torch.bfloat16, torch.device("cuda"))
+    assert config == dataclasses.replace(entry(chunk=512).config, chunk_tokens=1024)
+    assert source == "tuning_db:user_exact, forced chunk_tokens"
+    full = FLCEConfig(strategy="torch", chunk_tokens=64)
+    assert resolve_config(config_overrides(full), 16384, 151936, 4096, torch.bfloat16, torch.device("cuda")) == (
+        full, "forced")
+    assert config_overrides("") is None and config_overrides({}) is None
+    with pytest.raises(ValueError, match="power of two"):
+        config_overrides({"num_warps": 3})
+    with pytest.raises(TypeError, match="config must be"):
+        config_overrides(7)
 
 
 def test_rescaled_chunk_stays_on_the_tuning_grid():

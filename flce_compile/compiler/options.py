@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..config import FLCEConfig
+from ..config import config_overrides
 
 PREFIX = "flce."
 #: Our option keys and what they mean (used in error messages, so keep the text short).
 VALID_KEYS: dict[str, str] = {
     "flce.inner": 'inner compiler: "inductor" (default), "aot_eager", "eager", any registered backend name, or a callable',
     "flce.logits": '"keep" (default: logits outputs stay exact) or "drop" (logits outputs become None)',
-    "flce.config": "force one FLCEConfig for every fused site (dict, JSON string or FLCEConfig)",
+    "flce.config": "force config fields for every fused site (FLCEConfig, or a dict / JSON string of some fields)",
     "flce.enabled": "False runs the inner compiler alone",
 }
 LOGITS_MODES = ("keep", "drop")
@@ -29,7 +29,7 @@ class FLCEOptions:
 
     inner: str | Callable[..., Any] = "inductor"
     logits: str = "keep"
-    config: FLCEConfig | None = None
+    config: dict[str, Any] | None = None  # forced FLCEConfig fields; the rest is chosen at run time
     enabled: bool = True
 
     @property
@@ -75,7 +75,7 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
         raise ValueError(f"options['flce.logits']={logits!r} is not valid; use one of {LOGITS_MODES}")
 
     try:
-        config = FLCEConfig.coerce(raw.get("config"))
+        config = config_overrides(raw.get("config"))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"options['flce.config'] is not a valid FLCEConfig: {exc}") from exc
 

@@ -174,9 +174,12 @@ def run_pass(
     example_inputs: Any = None,
     *,
     logits: str = "keep",
-    config: Any = None,
+    config: Optional[dict] = None,
 ) -> list[SiteResult]:
     """Rewrite every fusable site of ``gm`` in place and return one result per loss site.
+
+    ``config`` holds forced FLCEConfig fields (see ``config_overrides``); each fused node carries them and the
+    op chooses the rest at run time.
 
     Sites that can't be proven safe are left alone with their reason logged; an error while rewriting one
     site leaves that site untouched and is logged, never raised.
@@ -248,7 +251,7 @@ def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
     return detect_fake_mode(example_inputs) if example_inputs is not None else None
 
 
-def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -> list[fx.Node]:
+def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_mode: Any) -> list[fx.Node]:
     """Replace one site's loss node; returns the nodes that may have lost their last user."""
     site, plan = res.site, res.plan
     loss, lin = site.loss, site.linear
@@ -280,7 +283,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Any, fake_mode: Any) -
                     weight = add("call_method", "t", (lin.weight,))
                 else:
                     weight = lin.weight
-                cfg = config.to_dict() if config is not None else None
+                cfg = dict(config) if config else None
                 x_val, logits_val = meta_value(lin.input), meta_value(lin.node)
                 compute_dtype = logits_val.dtype if x_val.dtype != logits_val.dtype else None  # autocast
                 new = add("call_function", flce_fused_loss, (
