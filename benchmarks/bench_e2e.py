@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,9 +27,12 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("eager", "dynamo-eager", "aot_eager", "inductor", "liger", "flce-inductor", "flce-aot_eager",
-            "flce-eager")
+            "flce-eager", "flce-inductor-chunk1024")
 #: Each flce variant and the same inner compiler without the pass.
-BASELINES = {"flce-inductor": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager"}
+BASELINES = {"flce-inductor": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
+             "flce-inductor-chunk1024": "inductor"}
+#: Extra ``flce.config`` of a variant: "-chunk1024" forces 1024-token chunks (the memory-lean setting).
+FORCED_CONFIGS = {"flce-inductor-chunk1024": {"chunk_tokens": 1024}}  # other fields: DB or heuristic
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -68,7 +72,10 @@ def prepare(variant: str, model):
     elif variant.startswith("flce-"):
         import flce_compile.compiler  # noqa: F401  (registers backend="flce" when not installed)
 
-        fn = torch.compile(model, backend="flce", options={"flce.inner": variant[5:], "flce.logits": "drop"})
+        options = {"flce.inner": variant[5:].removesuffix("-chunk1024"), "flce.logits": "drop"}
+        if variant in FORCED_CONFIGS:
+            options["flce.config"] = FORCED_CONFIGS[variant]
+        fn = torch.compile(model, backend="flce", options=options)
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     return lambda ids: fn(input_ids=ids, labels=ids).loss
@@ -117,12 +124,24 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
 
     import transformers
 
+    env = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+    }
+    try:
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger_kernel")
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    stem = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}{args.tag}"
     model = build_model()
     rows = []
     variants = [v for v in args.variants if v != "liger"] + [v for v in args.variants if v == "liger"]
@@ -131,27 +150,18 @@ def main() -> None:
             row = run_one(variant, model, seq, args.steps, args.warmup)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            _write(stem, env, rows)  # after every row: a run cut short by a time limit keeps what it measured
+    print(_table(rows))
 
-    env = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
-    }
-    try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
 
-        env["liger_kernel"] = version("liger_kernel")
-    except Exception:  # noqa: BLE001 - optional
-        pass
-    table = _table(rows)
-    print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (RESULTS / f"e2e-{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-    (RESULTS / f"e2e-{stamp}.md").write_text(
-        f"# e2e training step, Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing\n\n"
-        f"{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{table}"
-    )
+def _write(stem: str, env: dict, rows: list[dict]) -> None:
+    """JSON + markdown under benchmarks/results/ and, when set, $OUT (the GPU machine's way back)."""
+    header = "# e2e training step, Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing"
+    text = f"{header}\n\n{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{_table(rows)}"
+    for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+        (Path(folder) / f"{stem}.md").write_text(text)
 
 
 def _table(rows: list[dict]) -> str:
