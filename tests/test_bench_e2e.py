@@ -1,0 +1,55 @@
+"""benchmarks/bench_e2e.py without a GPU: the attention work-around that gives compiled HF models eager's
+mask-free SDPA call, checked on the graph Dynamo hands to the backend."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import transformers.masking_utils as masking_utils  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sdpa_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[dict]:
+    """kwargs of every SDPA call in the graphs Dynamo captures, nested (checkpointed) subgraphs included."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    return [dict(node.kwargs) for gm in graphs for sub in gm.modules() if hasattr(sub, "graph")
+            for node in sub.graph.nodes if node.target is torch.nn.functional.scaled_dot_product_attention]
+
+
+def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False  # as in the benchmark (and any run with gradient checkpointing)
+    ids = torch.randint(0, 128, (1, 16))
+
+    # Without the work-around Dynamo's graph carries an explicit S x S mask (flash attention impossible): with
+    # no cache, transformers looks for packed sequences in the position ids, which it cannot rule out while
+    # tracing.
+    assert all(kw["attn_mask"] is not None for kw in sdpa_calls(model, ids))
+    for name in ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices"):
+        monkeypatch.setattr(masking_utils, name, getattr(masking_utils, name))  # restored after the test
+    bench.allow_causal_skip_under_compile()
+    calls = sdpa_calls(model, ids)
+    assert calls and all(kw["attn_mask"] is None and kw["is_causal"] for kw in calls)
+    # Padded batches still get their mask.
+    assert masking_utils._ignore_causal_mask_sdpa(torch.ones(1, 16, dtype=torch.bool), 16, 16, 0, 0) is not None
