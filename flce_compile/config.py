@@ -66,17 +66,6 @@ class FLCEConfig:
             raise ValueError(f"config has unknown keys {sorted(unknown)}; valid keys are {sorted(valid)}")
         return cls(**dict(data))
 
-    @classmethod
-    def coerce(cls, config: "FLCEConfig | Mapping[str, Any] | str | None") -> "FLCEConfig | None":
-        """Accept a config, a dict, a JSON string or None (None means: let ``choose_config`` pick)."""
-        if config is None or isinstance(config, FLCEConfig):
-            return config
-        if isinstance(config, str):
-            return cls.from_dict(json.loads(config)) if config else None
-        if isinstance(config, Mapping):
-            return cls.from_dict(config)
-        raise TypeError(f"config must be an FLCEConfig, a dict or None, got {type(config).__name__}")
-
 
 def config_overrides(config: "FLCEConfig | Mapping[str, Any] | str | None") -> dict[str, Any] | None:
     """The config fields a caller forces, validated now: every field of an ``FLCEConfig``, or just the keys of a
