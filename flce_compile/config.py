@@ -36,6 +36,9 @@ class FLCEConfig:
     num_stages: int = 1
     dw_path: str = "addmm"
     streams: bool = False
+    #: Zero-pad the weight to the padded logits row (a multiple of 128 bytes) so every GEMM dimension is
+    #: aligned; only changes anything when V is not already such a multiple (GPT-2's 50257). The tuner tries it.
+    pad_vocab: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -50,6 +53,9 @@ class FLCEConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"config.{name}={value} must be a power of two")
+        for name in ("streams", "pad_vocab"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name}={getattr(self, name)!r} must be True or False")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

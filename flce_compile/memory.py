@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from .config import FLCEConfig
-from .strategies.chunked import ROW_ALIGN_BYTES
+from .strategies.chunked import ROW_ALIGN_BYTES, padded_row_elements
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
@@ -23,6 +23,8 @@ NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True,
 K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 #: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
 BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
+#: 0/1: config.pad_vocab with a V that needs padding (a zero-padded weight copy; dW/db over the padded rows).
+PAD = sympy.symbols("pad_vocab", integer=True, nonnegative=True)
 
 #: Per-token fp32 vectors (loss rows, lse) and int64/bool masks of one chunk, bytes per token.
 PER_TOKEN_BYTES = 8
@@ -37,16 +39,21 @@ SIDE_STREAM_WORKSPACE_BYTES = 64 << 20
 @functools.cache
 def peak_bytes_expr() -> sympy.Expr:
     """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries), the
-    dW/db accumulators and the per-token vectors. Nothing is of size BT x V."""
+    dW/db accumulators, the padded weight copy (pad_vocab) and the per-token vectors. Nothing is BT x V."""
     rows = sympy.Min(CHUNK, BT)
     row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES  # rows padded for aligned GEMMs
+    pad_rows = row_bytes / S - V
     logits_chunk = BUFFERS * rows * row_bytes
-    ce_temporaries = K32 * rows * V * 4
+    ce_temporaries = K32 * rows * (V + PAD * pad_rows) * 4
     dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
     db_accumulator = NEED_DB * V * 4
+    # With pad_vocab: the padded weight and bias copies, and the padding rows of the dW/db accumulators (the
+    # returned dW may be a view into a padded buffer, so its padding counts as overhead too).
+    padding = PAD * (row_bytes * H + row_bytes + pad_rows * (NEED_DW * H * (ACC + S + DW_TMP * S) + NEED_DB * 4))
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
-    return logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + per_token + side_stream + SLACK_BYTES
+    return (logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + padding + per_token + side_stream
+            + SLACK_BYTES)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -85,5 +92,6 @@ def peak_bytes(
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
         K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
         BUFFERS: 2 if config.streams else 1,
+        PAD: int(config.pad_vocab and padded_row_elements(vocab, _itemsize(dtype)) != vocab),  # else a no-op
     }
     return int(peak_bytes_expr().subs(values))

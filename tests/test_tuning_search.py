@@ -234,7 +234,8 @@ def test_space_rules():
     a = sp.canonical(FLCEConfig(strategy="torch", block_v=1024, num_warps=4))
     b = sp.canonical(FLCEConfig(strategy="torch", block_v=8192, num_warps=32))
     assert a == b
-    assert set(sp.to_params(a)) == {"strategy", "torch.chunk_tokens", "torch.dw_path", "torch.streams"}
+    assert set(sp.to_params(a)) == {"strategy", "torch.chunk_tokens", "torch.dw_path", "torch.streams",
+                                    "torch.pad_vocab"}
     wide = sp.including([FLCEConfig(strategy="triton", chunk_tokens=384, block_v=4096)])
     assert 384 in wide.choices("chunk_tokens")
     with pytest.raises(ValueError, match="strategies"):
@@ -243,6 +244,19 @@ def test_space_rules():
         SearchSpace(tokens=100, vocab=1000, hidden=64, chunk_tokens=(512, 1024))  # nothing <= 128
     with pytest.raises(ValueError, match="n_trials"):
         run_search(cost, small_space(), default=DEFAULT, n_trials=0)
+
+
+def test_pad_vocab_only_searched_where_v_needs_it():
+    """GPT-2's V (rows of 100514 bytes) can be padded; 128256 (a multiple of 128 bytes) cannot, so there the
+    switch is not sampled and canonicalised away (both values run identically)."""
+    odd = SearchSpace(tokens=4096, vocab=50257, hidden=768)
+    assert odd.vocab_needs_padding() and odd.choices("pad_vocab") == (False, True)
+    base = FLCEConfig(strategy="triton", chunk_tokens=1024)
+    assert odd.neighbours(base)[0] == FLCEConfig(strategy="triton", chunk_tokens=1024, pad_vocab=True)
+    aligned = SearchSpace(tokens=4096, vocab=128256, hidden=768)
+    assert not aligned.vocab_needs_padding() and aligned.choices("pad_vocab") == (False,)
+    assert aligned.canonical(FLCEConfig(strategy="triton", pad_vocab=True)).pad_vocab is False
+    assert all(not c.pad_vocab for c in aligned.neighbours(base))
 
 
 def test_default_grid_has_half_steps_and_prunes_them(monkeypatch):

@@ -185,12 +185,17 @@ def _run_chunks(
     chunk = max(1, min(config.chunk_tokens, n))
     overlap = config.streams and device.type == "cuda" and (grads.dw or grads.db)
     row_stride = padded_row_elements(vocab, x.element_size())
+    gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
+    if gemm_vocab != vocab:
+        weight = _zero_padded_rows(weight, gemm_vocab)
+        bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
     buffers = [
-        torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :vocab] for _ in range(2 if overlap else 1)
+        torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
+        for _ in range(2 if overlap else 1)
     ]
     dx = torch.empty_like(x) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
-    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if grads.db and bias is not None else None
+    db_acc = torch.zeros(gemm_vocab, dtype=torch.float32, device=device) if grads.db and bias is not None else None
     main = torch.cuda.current_stream(device) if overlap else None
     side = _side_stream(device) if overlap else None
     buffer_free: list[torch.cuda.Event | None] = [None, None]
@@ -199,7 +204,7 @@ def _run_chunks(
     for index, start in enumerate(range(0, n, chunk)):
         stop = min(start + chunk, n)
         slot = index % len(buffers)
-        logits = buffers[slot][: stop - start]
+        logits = buffers[slot][: stop - start]  # gemm_vocab columns; padding columns stay exact zeros
         x_c = x[start:stop]
         if overlap and buffer_free[slot] is not None:
             main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
@@ -210,7 +215,7 @@ def _run_chunks(
         rows = slice(start, stop)
         ce_step(
             CEStepArgs(
-                logits=logits,
+                logits=logits[:, :vocab],
                 target=target[rows],
                 ce_weight=ce_weight,
                 weight_sum=weight_sum,
@@ -235,9 +240,17 @@ def _run_chunks(
             _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
     if overlap:
         main.wait_stream(side)
-    dw = dw_acc.result() if dw_acc is not None else None
-    db = db_acc.to(bias.dtype) if db_acc is not None else None
+    dw = dw_acc.result()[:vocab] if dw_acc is not None else None
+    db = db_acc[:vocab].to(bias.dtype) if db_acc is not None else None
     return dx, dw, db
+
+
+def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (V, ...) with zero rows appended up to ``rows``: their logits are 0, and so is their gradient,
+    because the CE step never writes past column V."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    return out
 
 
 def _accumulate_weight_grads(

@@ -21,8 +21,8 @@ from ..log import logger
 #: The FLCEConfig fields each strategy reads. Fields a strategy does not read are not sampled for it and are
 #: set to the base config's values, so two configs that run identically compare equal.
 STRATEGY_PARAMS: dict[str, tuple[str, ...]] = {
-    "torch": ("chunk_tokens", "dw_path", "streams"),
-    "triton": ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams"),
+    "torch": ("chunk_tokens", "dw_path", "streams", "pad_vocab"),
+    "triton": ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"),
 }
 #: The CE kernel holds block_v / (32 * num_warps) values per thread; more than this spills registers.
 MAX_ELEMENTS_PER_THREAD = 128
@@ -89,6 +89,7 @@ class SearchSpace:
     num_stages: tuple[int, ...] = (1, 2, 3)
     dw_path: tuple[str, ...] = ("addmm", "mm_add")
     streams: tuple[bool, ...] = (False, True)
+    pad_vocab: tuple[bool, ...] = (False, True)  # only sampled where V needs padding (see ``choices``)
     base: FLCEConfig = FLCEConfig()
     budget_bytes: int | None = None
 
@@ -100,7 +101,7 @@ class SearchSpace:
         unknown = set(self.strategies) - set(STRATEGIES)
         if unknown or not self.strategies:
             raise ValueError(f"SearchSpace.strategies={self.strategies!r}: use a non-empty subset of {STRATEGIES}")
-        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams"):
+        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace.{name} is empty; give at least one candidate value")
         if not self.legal_chunks():
@@ -121,8 +122,19 @@ class SearchSpace:
             return tuple(dict.fromkeys(self.strategies))
         if name == "chunk_tokens":
             return self.legal_chunks()
+        if name == "pad_vocab" and not self.vocab_needs_padding():
+            return (False,)  # padding is a no-op for this V: sampling it would only duplicate trials
         values = getattr(self, name)
-        return tuple(dict.fromkeys(values)) if name in ("dw_path", "streams") else tuple(sorted(set(values)))
+        if name in ("dw_path", "streams", "pad_vocab"):
+            return tuple(dict.fromkeys(values))
+        return tuple(sorted(set(values)))
+
+    def vocab_needs_padding(self) -> bool:
+        """Whether V's logits rows are not already a multiple of the padded row (GPT-2's 50257 is not)."""
+        from ..strategies.chunked import padded_row_elements  # noqa: PLC0415 - keeps this module GPU-free
+
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return padded_row_elements(self.vocab, itemsize) != self.vocab
 
     def including(self, configs: Iterable[FLCEConfig | None]) -> "SearchSpace":
         """This space widened so each given config is expressible (Optuna needs enqueued values among the
@@ -146,6 +158,8 @@ class SearchSpace:
         for name in STRATEGY_PARAMS["triton"]:
             if name not in used:
                 values[name] = getattr(self.base, name)
+        if not self.vocab_needs_padding():
+            values["pad_vocab"] = False  # runs identically either way
         return FLCEConfig(**values)
 
     def to_params(self, config: FLCEConfig) -> dict[str, Any]:
@@ -207,10 +221,13 @@ class SearchSpace:
 
     def neighbours(self, config: FLCEConfig) -> list[FLCEConfig]:
         """A few configs next to ``config`` worth measuring early when the trial budget is small, most promising
-        first: larger chunks (fewer, larger GEMMs are the usual win over the memory-conservative default), the
-        streams switch, a larger then a smaller CE block."""
+        first: the padding switch where V needs it, larger chunks (fewer, larger GEMMs are the usual win over
+        the memory-conservative default), the streams switch, a larger then a smaller CE block."""
         legal = self.legal_chunks()
-        out: list[FLCEConfig] = [dataclasses.replace(config, chunk_tokens=config.chunk_tokens * f) for f in (2, 4)]
+        out: list[FLCEConfig] = []
+        if len(self.choices("pad_vocab")) > 1:
+            out.append(dataclasses.replace(config, pad_vocab=not config.pad_vocab))  # aligned GEMMs for odd V
+        out += [dataclasses.replace(config, chunk_tokens=config.chunk_tokens * f) for f in (2, 4)]
         if len(self.choices("streams")) > 1:
             out.append(dataclasses.replace(config, streams=not config.streams))
         if config.strategy == "triton" and config.block_v * 2 in self.choices("block_v"):
