@@ -25,6 +25,8 @@ K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
 #: 0/1: config.pad_vocab with a V that needs padding (a zero-padded weight copy; dW/db over the padded rows).
 PAD = sympy.symbols("pad_vocab", integer=True, nonnegative=True)
+#: 0/1: dW accumulates in the weight dtype, in the buffer that is returned (acc = 0).
+IN_PLACE = sympy.symbols("acc_in_place", integer=True, nonnegative=True)
 
 #: Per-token fp32 vectors (loss rows, lse) and int64/bool masks of one chunk, bytes per token.
 PER_TOKEN_BYTES = 8
@@ -47,9 +49,13 @@ def peak_bytes_expr() -> sympy.Expr:
     ce_temporaries = K32 * rows * (V + PAD * pad_rows) * 4
     dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
     db_accumulator = NEED_DB * V * 4
-    # With pad_vocab: the padded weight and bias copies, and the padding rows of the dW/db accumulators (the
-    # returned dW may be a view into a padded buffer, so its padding counts as overhead too).
-    padding = PAD * (row_bytes * H + row_bytes + pad_rows * (NEED_DW * H * (ACC + S + DW_TMP * S) + NEED_DB * 4))
+    # With pad_vocab: the padded weight and bias copies, the padding rows of the dW/db accumulators, and, when dW
+    # accumulates in the weight dtype (acc = 0), the whole padded accumulator next to the unpadded dW it is
+    # copied into at the end.
+    padding = PAD * (
+        row_bytes * H + row_bytes + pad_rows * (NEED_DW * H * (ACC + DW_TMP * S) + NEED_DB * 4)
+        + NEED_DW * IN_PLACE * row_bytes * H
+    )
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
     return (logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + padding + per_token + side_stream
@@ -93,5 +99,6 @@ def peak_bytes(
         K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
         BUFFERS: 2 if config.streams else 1,
         PAD: int(config.pad_vocab and padded_row_elements(vocab, _itemsize(dtype)) != vocab),  # else a no-op
+        IN_PLACE: int(need_dw and not separate_acc),
     }
     return int(peak_bytes_expr().subs(values))

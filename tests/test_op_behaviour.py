@@ -199,16 +199,22 @@ def test_module_form_and_option_check():
         FusedLinearCrossEntropyLoss(smoothing=0.1)
 
 
-def test_custom_op_is_registered():
+@pytest.mark.parametrize("config", ["", '{"chunk_tokens": 8, "pad_vocab": true}'])
+def test_custom_op_is_registered(config):
+    """opcheck, also with pad_vocab (V=40 fp32 pads to 64 rows), whose dW must not be a view of the padding."""
     assert hasattr(torch.ops.flce, "fused_linear_cross_entropy")
     assert hasattr(torch.ops.flce, "fused_linear_cross_entropy_backward")
     x, w, t = _inputs()
     torch.library.opcheck(
         torch.ops.flce.fused_linear_cross_entropy.default,
         (x, w.requires_grad_(), t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0, torch.float32,
-         False, True, False, ""),
+         False, True, False, config),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+    out = torch.ops.flce.fused_linear_cross_entropy(x, w, t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0,
+                                                    torch.float32, False, True, False, config)
+    dw = out[3]
+    assert dw.shape == w.shape and dw._base is None and dw.untyped_storage().nbytes() == dw.numel() * 4
 
 
 def test_fullgraph_compile_is_one_node_and_dynamic_in_tokens():

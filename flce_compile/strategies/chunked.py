@@ -113,8 +113,12 @@ class _DwAccumulator:
         else:
             acc.add_(torch.mm(grad_t, x))
 
-    def result(self) -> torch.Tensor:
-        return self.acc.to(self.dtype) if self.separate else self.acc
+    def result(self, rows: int) -> torch.Tensor:
+        """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
+        into the padded accumulator would keep the padding alive and is not a valid custom-op output."""
+        if self.separate:
+            return self.acc[:rows].to(self.dtype)
+        return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
 
 
 @contextlib.contextmanager
@@ -240,8 +244,8 @@ def _run_chunks(
             _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
     if overlap:
         main.wait_stream(side)
-    dw = dw_acc.result()[:vocab] if dw_acc is not None else None
-    db = db_acc[:vocab].to(bias.dtype) if db_acc is not None else None
+    dw = dw_acc.result(vocab) if dw_acc is not None else None
+    db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
 
 
