@@ -25,7 +25,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flce_compile import FLCEConfig, choose_config, fused_linear_cross_entropy  # noqa: E402
+from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.strategies.chunked import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
@@ -71,12 +71,8 @@ def variants(selected: list[str]) -> dict[str, Callable]:
         out["flce"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t)
     if "flce-bf16acc" in selected:
         out["flce bf16-acc"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16)
-    if "flce-streams" in selected:
-        def streams(x, w, t):
-            cfg, _ = choose_config(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
-            cfg = FLCEConfig(**{**cfg.to_dict(), "streams": True})
-            return fused_linear_cross_entropy(x, w, t, config=cfg)
-        out["flce streams"] = streams
+    if "flce-streams" in selected:  # the op's own pick with streams on
+        out["flce streams"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t, config={"streams": True})
     return out
 
 
@@ -174,10 +170,8 @@ def main() -> None:
         fields = json.loads(text)
         accum = torch.bfloat16 if fields.pop("accum", "fp32") == "bf16" else torch.float32
 
-        def forced(x, w, t, fields=fields, accum=accum):
-            base, _ = choose_config(x.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
-            cfg = FLCEConfig(**{**base.to_dict(), **fields})
-            return fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=cfg)
+        def forced(x, w, t, fields=fields, accum=accum):  # fields laid over the op's own pick
+            return fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=fields)
 
         fns[f"flce {text}"] = forced
     env = environment()

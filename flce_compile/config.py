@@ -122,7 +122,7 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     pass a smaller chunk_tokens, or let flce-tune search under --budget-gb. On the CPU the budget is 64 MiB:
     the PyTorch CE step holds two or three fp32 copies of the chunk besides it.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     on_gpu = device.type == "cuda"
     budget_bytes = (512 if on_gpu else 64) * 2**20
     chunk = budget_bytes // max(1, vocab * itemsize)

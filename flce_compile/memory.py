@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from .config import FLCEConfig
-from .strategies.chunked import ROW_ALIGN_BYTES, padded_row_elements
+from .strategies.chunked import ROW_ALIGN_BYTES, vocab_needs_padding
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
@@ -62,10 +62,6 @@ def peak_bytes_expr() -> sympy.Expr:
             + SLACK_BYTES)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def torch_step_fp32_temporaries(softcap: bool) -> int:
     """fp32 chunk-sized buffers the PyTorch CE step holds at its peak: z (then p, then g) and, with a
     softcap, tanh(z) for the derivative; plus one for the weighted-sum or upcast dW operand."""
@@ -91,14 +87,14 @@ def peak_bytes(
         V: vocab,
         H: hidden,
         CHUNK: config.chunk_tokens,
-        S: _itemsize(dtype),
-        ACC: _itemsize(accum_dtype) if separate_acc else 0,
+        S: dtype.itemsize,
+        ACC: accum_dtype.itemsize if separate_acc else 0,
         NEED_DW: int(need_dw),
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
         K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
         BUFFERS: 2 if config.streams else 1,
-        PAD: int(config.pad_vocab and padded_row_elements(vocab, _itemsize(dtype)) != vocab),  # else a no-op
+        PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc),
     }
     return int(peak_bytes_expr().subs(values))

@@ -95,7 +95,7 @@ def _saved_bytes(res: SiteResult) -> int:
     if not res.fused or res.tokens is None or res.site.vocab is None:
         return 0
     n = res.tokens * res.site.vocab
-    s = torch.empty((), dtype=res.logits_dtype).element_size()
+    s = res.logits_dtype.itemsize
     unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
     remaining = res.kept_logits_bytes if res.path == "kept_logits" else 0
     return max(0, unfused - remaining)

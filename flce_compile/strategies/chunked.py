@@ -63,6 +63,12 @@ def padded_row_elements(vocab: int, itemsize: int) -> int:
     return per_row // itemsize
 
 
+def vocab_needs_padding(vocab: int, itemsize: int) -> bool:
+    """Whether ``pad_vocab`` changes anything for this V: its rows are not already a multiple of the padded
+    row (GPT-2's 50257 is not; 128256 is)."""
+    return padded_row_elements(vocab, itemsize) != vocab
+
+
 def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
     if config.strategy == "triton":
         from .ce_triton import ce_step_triton
@@ -205,45 +211,47 @@ def _run_chunks(
     buffer_free: list[torch.cuda.Event | None] = [None, None]
     weight_t = weight.t()
 
-    for index, start in enumerate(range(0, n, chunk)):
-        stop = min(start + chunk, n)
-        slot = index % len(buffers)
-        logits = buffers[slot][: stop - start]  # gemm_vocab columns; padding columns stay exact zeros
-        x_c = x[start:stop]
-        if overlap and buffer_free[slot] is not None:
-            main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
-        if bias is not None:
-            torch.addmm(bias, x_c, weight_t, out=logits)
-        else:
-            torch.mm(x_c, weight_t, out=logits)
-        rows = slice(start, stop)
-        ce_step(
-            CEStepArgs(
-                logits=logits[:, :vocab],
-                target=target[rows],
-                ce_weight=ce_weight,
-                weight_sum=weight_sum,
-                ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
-                z_scale=z_scale[rows] if z_scale.dim() else z_scale,
-                loss_out=loss_rows[rows] if loss_rows is not None else None,
-                lse_out=lse_rows[rows] if lse_rows is not None else None,
-                lse_in=lse_in[rows] if lse_in is not None else None,
-                write_grad=grads.any,
-            ),
-            p,
-        )
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[rows])
-        if overlap:
-            ready = main.record_event()
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
+    # One chunk runs eager's own GEMM shapes; only a split call needs fp32 reductions (see the docstring).
+    with full_precision_gemm_reductions(device, chunked=chunk < n):
+        for index, start in enumerate(range(0, n, chunk)):
+            stop = min(start + chunk, n)
+            slot = index % len(buffers)
+            logits = buffers[slot][: stop - start]  # gemm_vocab columns; padding columns stay exact zeros
+            x_c = x[start:stop]
+            if overlap and buffer_free[slot] is not None:
+                main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
+            if bias is not None:
+                torch.addmm(bias, x_c, weight_t, out=logits)
+            else:
+                torch.mm(x_c, weight_t, out=logits)
+            rows = slice(start, stop)
+            ce_step(
+                CEStepArgs(
+                    logits=logits[:, :vocab],
+                    target=target[rows],
+                    ce_weight=ce_weight,
+                    weight_sum=weight_sum,
+                    ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
+                    z_scale=z_scale[rows] if z_scale.dim() else z_scale,
+                    loss_out=loss_rows[rows] if loss_rows is not None else None,
+                    lse_out=lse_rows[rows] if lse_rows is not None else None,
+                    lse_in=lse_in[rows] if lse_in is not None else None,
+                    write_grad=grads.any,
+                ),
+                p,
+            )
+            if dx is not None:
+                torch.mm(logits, weight, out=dx[rows])
+            if overlap:
+                ready = main.record_event()
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
+                    buffer_free[slot] = side.record_event()
+            else:
                 _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
-                buffer_free[slot] = side.record_event()
-        else:
-            _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
-    if overlap:
-        main.wait_stream(side)
+        if overlap:
+            main.wait_stream(side)
     dw = dw_acc.result(vocab) if dw_acc is not None else None
     db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
@@ -279,11 +287,10 @@ def fused_forward(
     ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, ops.weight.shape[0])
     loss_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device) if per_token else None
-    with full_precision_gemm_reductions(ops.x.device, chunked=n > config.chunk_tokens):
-        dx, dw, db = _run_chunks(
-            ops, p, config, accum_dtype, GradRequest() if per_token else grads,
-            ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None,
-        )
+    dx, dw, db = _run_chunks(
+        ops, p, config, accum_dtype, GradRequest() if per_token else grads,
+        ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None,
+    )
     if per_token:
         return loss_rows, lse_rows, None, None, None
     loss = loss_rows.sum()
@@ -305,8 +312,7 @@ def fused_backward_per_token(
     """Gradients of sum_i grad_rows[i] * loss_i for reduction="none": recomputes each chunk's logits (a fourth
     GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM."""
     scale = grad_rows.to(torch.float32).contiguous()
-    with full_precision_gemm_reductions(ops.x.device, chunked=ops.x.shape[0] > config.chunk_tokens):
-        return _run_chunks(
-            ops, p, config, accum_dtype, grads,
-            ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
-        )
+    return _run_chunks(
+        ops, p, config, accum_dtype, grads,
+        ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
+    )

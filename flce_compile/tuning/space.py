@@ -130,11 +130,10 @@ class SearchSpace:
         return tuple(sorted(set(values)))
 
     def vocab_needs_padding(self) -> bool:
-        """Whether V's logits rows are not already a multiple of the padded row (GPT-2's 50257 is not)."""
-        from ..strategies.chunked import padded_row_elements  # noqa: PLC0415 - keeps this module GPU-free
+        """Whether ``pad_vocab`` changes anything for this problem's V (see ``chunked.vocab_needs_padding``)."""
+        from ..strategies.chunked import vocab_needs_padding  # noqa: PLC0415 - keeps this module GPU-free
 
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return padded_row_elements(self.vocab, itemsize) != self.vocab
+        return vocab_needs_padding(self.vocab, self.dtype.itemsize)
 
     def including(self, configs: Iterable[FLCEConfig | None]) -> "SearchSpace":
         """This space widened so each given config is expressible (Optuna needs enqueued values among the
