@@ -26,7 +26,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
-from flce_compile.strategies.chunked import padded_row_elements  # noqa: E402
+from flce_compile.layout import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 ERROR_SHAPE = (2048, 4096, 128256)
@@ -44,6 +44,10 @@ def make_inputs(n: int, h: int, v: int, seed: int = 0, peaky: float = 1.0):
 
 def eager_loss(x, w, t):
     return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-100)
+
+
+#: Names accepted by --variants (the table shows Liger, CCE, ... under their display names).
+VARIANTS = ("eager", "compile", "liger", "cce", "flce", "flce-bf16acc", "flce-streams")
 
 
 def variants(selected: list[str]) -> dict[str, Callable]:
@@ -106,15 +110,16 @@ def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
 
 
 def time_floor(x, w) -> float:
-    """The three GEMMs on a logits buffer whose rows are padded like the op's (an odd V otherwise gives cuBLAS
-    misaligned operands and a floor 3-4x too slow)."""
-    v = w.shape[0]
-    stride = padded_row_elements(v, x.element_size())
-    logits = torch.empty(x.shape[0], stride, device="cuda", dtype=x.dtype).normal_()[:, :v]
+    """The three GEMMs at V rounded up to 128 bytes (zero rows change no result, so an exact FLCE may run
+    them; at an odd V the unpadded GEMMs get misaligned operands and run 3-4x slower)."""
+    v_padded = padded_row_elements(w.shape[0], x.element_size())
+    w_padded = torch.zeros(v_padded, w.shape[1], device="cuda", dtype=w.dtype)
+    w_padded[: w.shape[0]] = w
+    logits = torch.empty(x.shape[0], v_padded, device="cuda", dtype=x.dtype).normal_()
 
     def gemms():
-        torch.mm(x, w.T, out=logits)
-        torch.mm(logits, w)
+        torch.mm(x, w_padded.T, out=logits)
+        torch.mm(logits, w_padded)
         torch.mm(logits.T, x)
 
     return do_bench(gemms, warmup=200, rep=1000, return_mode="median")
@@ -154,8 +159,7 @@ def environment() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=SHAPES)
-    parser.add_argument("--variants", nargs="+",
-                        default=["eager", "compile", "liger", "cce", "flce", "flce-bf16acc", "flce-streams"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--skip-eager-above", type=int, default=40_000, help="tokens above which eager and "
                         "torch.compile are skipped (their logits no longer fit)")
     parser.add_argument("--flce-configs", nargs="*", default=[], metavar="JSON",

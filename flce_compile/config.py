@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .layout import vocab_needs_padding
 from .log import logger
 
 #: Strategies the op knows. "torch": chunked PyTorch (CPU or GPU, GEMMs and CE in torch ops).
@@ -121,6 +122,10 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     faster than 1024-token ones; the extra 256 MiB is small next to the fp32 accumulator. Memory-bound users
     pass a smaller chunk_tokens, or let flce-tune search under --budget-gb. On the CPU the budget is 64 MiB:
     the PyTorch CE step holds two or three fp32 copies of the chunk besides it.
+
+    On the GPU an odd V (GPT-2's 50257) is padded (``pad_vocab``): at 4096 x 768 x 50257 the aligned GEMMs
+    ran 3.2x faster on an H200 (2.26 vs 7.33 ms, benchmarks/results/bench_flce_h200_padvocab.md) for one
+    weight copy (77 MB there). The CPU default leaves the weight alone: nothing was measured to gain there.
     """
     itemsize = dtype.itemsize
     on_gpu = device.type == "cuda"
@@ -136,6 +141,7 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
         num_stages=1,
         dw_path="addmm",
         streams=False,
+        pad_vocab=on_gpu and vocab_needs_padding(vocab, itemsize),
     )
 
 

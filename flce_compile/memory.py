@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from .config import FLCEConfig
-from .strategies.chunked import ROW_ALIGN_BYTES, vocab_needs_padding
+from .layout import ROW_ALIGN_BYTES, vocab_needs_padding
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).

@@ -309,6 +309,10 @@ def test_heuristic_chunks_fit_their_logits_budget():
     assert heuristic_config(16384, 128256, 4096, torch.bfloat16, gpu).strategy == "triton"
     assert heuristic_config(16384, 128256, 4096, torch.bfloat16, cpu).strategy == "torch"
     assert heuristic_config(100, 128256, 4096, torch.bfloat16, gpu).chunk_tokens == 256  # not above the tokens' need
+    # The GPU default pads an odd V only (aligned GEMMs); the CPU default never copies the weight.
+    assert heuristic_config(4096, 50257, 768, torch.bfloat16, gpu).pad_vocab
+    assert not heuristic_config(4096, 128256, 768, torch.bfloat16, gpu).pad_vocab
+    assert not heuristic_config(4096, 50257, 768, torch.bfloat16, cpu).pad_vocab
 
 
 def test_chunk_gemms_reduce_in_full_precision_and_restore_the_flags():

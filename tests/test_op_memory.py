@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
-from flce_compile.strategies.chunked import padded_row_elements
+from flce_compile.layout import padded_row_elements
 
 
 def cpu_peak_bytes(fn) -> int:

@@ -87,7 +87,8 @@ def test_arguments_and_modes_in_process(tmp_path, monkeypatch, capsys):
     from flce_compile.tuning import cli
 
     for bad, message in ((["--warmup", "-1"], "--warmup must be >= 0"),
-                         (["--budget-over-default-gb", "-0.5"], "--budget-over-default-gb must be >= 0")):
+                         (["--budget-over-default-gb", "-0.5"], "--budget-over-default-gb must be >= 0"),
+                         (["--memory-gain-margin", "1.5"], "--memory-gain-margin must be in [0, 1)")):
         with pytest.raises(SystemExit) as exc:
             cli.main(["--vocab", "151936", "--hidden", "4096", *bad])
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -257,6 +258,7 @@ def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert e.extra["default_config"]["chunk_tokens"] == 1024
     assert e.config.chunk_tokens == 1536 and e.peak_gb == pytest.approx(1.536)
     assert e.extra["budget_over_default_gb"] == 0.5 and e.extra["budget_gb"] is None
+    assert e.extra["memory_gain_margin"] == 0.02  # the study's rule is recorded with its result
     assert max(measured) <= 1536  # over-budget chunks were pruned before running
     # with --budget-gb as well, the smaller budget wins (1.2 GiB = 1.29e9 bytes: 1024 fits, 1536 does not)
     out = tmp_path / "both.json"

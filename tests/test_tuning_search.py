@@ -182,6 +182,27 @@ def test_confirmation_rejects_a_lucky_winner():
     assert result.best == sp.canonical(DEFAULT)
 
 
+@pytest.mark.parametrize("winner_ms, winner_peak, kept", [
+    (9.9, 2**30, False),      # 1% faster for 1 GiB more: the default stays
+    (9.7, 2**30, True),       # 3% faster: worth the memory
+    (9.9, 100 * 2**20, True),  # 1% faster at the default's memory: any gain counts
+])
+def test_confirmation_wants_a_margin_for_more_memory(winner_ms, winner_peak, kept):
+    default = small_space().canonical(DEFAULT)
+
+    def objective(c):
+        return (10.0, 100 * 2**20) if c == default else (winner_ms + cost(c)[0] * 1e-6, winner_peak)
+
+    result = run_search(objective, small_space(), default=DEFAULT, n_trials=4, seed=0)
+    assert (result.best != default) is kept
+    if not kept:
+        assert result.best_ms == 10.0 and result.best_peak_bytes == 100 * 2**20
+    off = run_search(objective, small_space(), default=DEFAULT, n_trials=4, seed=0, memory_gain_margin=0.0)
+    assert off.best != default  # without the margin any confirmed gain wins
+    with pytest.raises(ValueError, match="memory_gain_margin"):
+        run_search(objective, small_space(), default=DEFAULT, n_trials=4, memory_gain_margin=-0.1)
+
+
 def test_device_error_and_interrupt_stop_the_study():
     def broken(c):
         if c != small_space().canonical(DEFAULT):

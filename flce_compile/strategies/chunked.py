@@ -17,13 +17,11 @@ from typing import Callable
 import torch
 
 from ..config import FLCEConfig
+from ..layout import padded_row_elements
 from ..log import logger
 from ..params import LossParams
 from .ce_common import CEStepArgs
 from .ce_torch import ce_step_torch
-
-#: Alignment of a logits chunk's rows, in bytes (the alignment Inductor pads its strides to).
-ROW_ALIGN_BYTES = 128
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -51,22 +49,6 @@ class GradRequest:
     @property
     def any(self) -> bool:
         return self.dx or self.dw or self.db
-
-
-def padded_row_elements(vocab: int, itemsize: int) -> int:
-    """Row stride of a logits chunk: ``vocab`` rounded up to a multiple of ROW_ALIGN_BYTES.
-
-    With an odd vocabulary (GPT-2's 50257) an unpadded chunk gives every GEMM that writes or reads it a
-    misaligned leading dimension, which sends cuBLAS to its slow kernels; the padding columns are never read.
-    """
-    per_row = -(-vocab * itemsize // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
-    return per_row // itemsize
-
-
-def vocab_needs_padding(vocab: int, itemsize: int) -> bool:
-    """Whether ``pad_vocab`` changes anything for this V: its rows are not already a multiple of the padded
-    row (GPT-2's 50257 is not; 128256 is)."""
-    return padded_row_elements(vocab, itemsize) != vocab
 
 
 def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:

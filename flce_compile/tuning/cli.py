@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--warmup", type=int, default=3, help="untimed runs per trial (default 3)")
     how.add_argument("--reps", type=int, default=10, help="minimum timed runs per trial, >= 10 (default 10)")
     how.add_argument("--no-confirm", action="store_true", help="skip re-measuring the winner against the default")
+    how.add_argument("--memory-gain-margin", type=float, default=None, metavar="FRACTION",
+                     help="a winner that needs more memory than the default must be this much faster in the "
+                          "confirmation run (default 0.02 = 2%%; 0 = any gain)")
     how.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
     where = p.add_argument_group("where results go")
     where.add_argument("--db", type=Path, help="user DB file to write/list (default $FLCE_TUNING_DB or "
@@ -279,6 +282,8 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.budget_over_default_gb is not None and args.budget_over_default_gb < 0:
         p.error(f"--budget-over-default-gb must be >= 0, got {args.budget_over_default_gb}")
+    if args.memory_gain_margin is not None and not 0 <= args.memory_gain_margin < 1:
+        p.error(f"--memory-gain-margin must be in [0, 1), got {args.memory_gain_margin} (0.02 = 2%)")
     for name in ("timeout", "time_budget_s"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -313,8 +318,10 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     from ..config import heuristic_config  # noqa: PLC0415
     from . import db  # noqa: PLC0415
     from .measure import Problem, make_objective  # noqa: PLC0415
-    from .search import run_search  # noqa: PLC0415
+    from .search import MEMORY_GAIN_MARGIN, run_search  # noqa: PLC0415
     from .space import SearchSpace  # noqa: PLC0415
+
+    margin = MEMORY_GAIN_MARGIN if args.memory_gain_margin is None else args.memory_gain_margin
 
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -373,7 +380,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
             result = run_search(objective, space, default=default, db_config=found[0] if found else None,
                                 n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,
-                                confirm=not args.no_confirm, on_trial=progress.update)
+                                confirm=not args.no_confirm, on_trial=progress.update,
+                                memory_gain_margin=margin)
             del objective
         except KeyboardInterrupt:
             progress.close()
@@ -404,6 +412,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                 trials=result.n_measured, torch=versions["torch"], triton=versions["triton"], date=db.now_iso(),
                 extra={"device_name": device_name, "default_config": result.default.to_dict(),
                        "budget_gb": args.budget_gb, "budget_over_default_gb": args.budget_over_default_gb,
+                       "memory_gain_margin": margin,
                        "measured_tokens": tokens, "stopped": result.stopped},
             )
             try:

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import torch
 
 from ..config import STRATEGIES, FLCEConfig
+from ..layout import vocab_needs_padding
 from ..log import logger
 
 #: The FLCEConfig fields each strategy reads. Fields a strategy does not read are not sampled for it and are
@@ -130,9 +131,7 @@ class SearchSpace:
         return tuple(sorted(set(values)))
 
     def vocab_needs_padding(self) -> bool:
-        """Whether ``pad_vocab`` changes anything for this problem's V (see ``chunked.vocab_needs_padding``)."""
-        from ..strategies.chunked import vocab_needs_padding  # noqa: PLC0415 - keeps this module GPU-free
-
+        """Whether ``pad_vocab`` changes anything for this problem's V (see ``layout.vocab_needs_padding``)."""
         return vocab_needs_padding(self.vocab, self.dtype.itemsize)
 
     def including(self, configs: Iterable[FLCEConfig | None]) -> "SearchSpace":
