@@ -113,8 +113,7 @@ def time_floor(x, w) -> float:
     """The three GEMMs at V rounded up to 128 bytes (zero rows change no result, so an exact FLCE may run
     them; at an odd V the unpadded GEMMs get misaligned operands and run 3-4x slower)."""
     v_padded = padded_row_elements(w.shape[0], x.element_size())
-    w_padded = torch.zeros(v_padded, w.shape[1], device="cuda", dtype=w.dtype)
-    w_padded[: w.shape[0]] = w
+    w_padded = F.pad(w, (0, 0, 0, v_padded - w.shape[0]))  # zero rows appended
     logits = torch.empty(x.shape[0], v_padded, device="cuda", dtype=x.dtype).normal_()
 
     def gemms():
