@@ -33,9 +33,35 @@ ENTRIES = [entry(32064, 3072), entry(256000, 2304), entry(256000, 2304, 16384), 
 META = {"gpu": "NVIDIA H200", "torch": "t", "triton": "tr", "date": "20250101-000000"}
 
 
-def fake_row(e: db.Entry, default_ms: float = 3.0, tuned_ms: float = 2.0) -> dict:
-    return {"vocab": e.vocab, "hidden": e.hidden, "tokens": e.tokens, "default_ms": default_ms, "tuned_ms": tuned_ms,
-            "speedup": default_ms / tuned_ms}
+def fake_row(e: db.Entry, default_ms: float = 3.0, tuned_ms: float = 2.0, liger_rule_ms: float | None = 3.0) -> dict:
+    row = {"vocab": e.vocab, "hidden": e.hidden, "tokens": e.tokens, "default_ms": default_ms, "tuned_ms": tuned_ms,
+           "speedup": default_ms / tuned_ms}
+    if liger_rule_ms is not None:
+        row.update(liger_rule_ms=liger_rule_ms, vs_liger_rule=liger_rule_ms / tuned_ms)
+    return row
+
+
+def test_liger_chunk_rule(bench):
+    # next_pow2(ceil(BT / ceil(V / H))): the Gemma-2 target runs 128-token chunks, Llama-3 8B 512
+    assert bench.liger_chunk_tokens(8192, 256000, 2304) == 128
+    assert bench.liger_chunk_tokens(16384, 128256, 4096) == 512
+    assert bench.liger_chunk_tokens(4096, 50257, 768) == 64
+    assert bench.liger_chunk_tokens(1, 256000, 2304) == 1
+    args = bench.build_parser().parse_args([])
+    assert args.liger_rule_shapes == "target"
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--liger-rule-shapes", "some"])
+
+
+def test_target_is_judged_against_liger_rule_and_reports_the_default(bench):
+    gemma = ENTRIES[1]
+    _, target, never_slower = bench.summarize([fake_row(gemma, default_ms=3.0, tuned_ms=2.0, liger_rule_ms=2.5)])
+    assert target.startswith("FAIL (1.25x over our op with Liger's chunk rule") and "heuristic default: 1.50x" in target
+    assert never_slower == "PASS"
+    _, target, _ = bench.summarize([fake_row(gemma, liger_rule_ms=None)])
+    assert target.startswith("NOT MEASURED") and "1.50x" in target
+    _, target, never_slower = bench.summarize([fake_row(ENTRIES[0], default_ms=1.0, tuned_ms=2.0)])
+    assert target.startswith("NOT MEASURED") and never_slower.startswith("FAIL: V=32064 H=3072 T=8192 (0.50x)")
 
 
 def test_shape_selection(bench):
@@ -103,3 +129,27 @@ def test_time_budget_stops_before_a_shape_that_does_not_fit(bench, tmp_path):
     assert bench.run_shapes(ENTRIES, measure, write, time_budget_s=100, clock=lambda: now["t"]) == 0
     assert writes[-1] == (4, 0, True)
     assert json.loads((tmp_path / "b.json").read_text())["never_slower"] == "PASS"
+
+
+def test_resume_keeps_earlier_rows_and_measures_the_rest(bench, tmp_path):
+    meta = {**META, "gpu_kind": "h200"}
+    bench.write_results(tmp_path / "run", meta, [fake_row(ENTRIES[0]), fake_row(ENTRIES[2])], ENTRIES[1::2], False)
+    payload = json.loads((tmp_path / "run.json").read_text())
+    rows, todo = bench.resume_state(payload, meta, ENTRIES)
+    assert [r["vocab"] for r in rows] == [32064, 256000] and todo == [ENTRIES[1], ENTRIES[3]]
+    for key in ("gpu_kind", "torch"):
+        with pytest.raises(ValueError, match=f"--resume file was measured with {key}="):
+            bench.resume_state(payload, {**meta, key: "other"}, ENTRIES)
+    args = bench.build_parser().parse_args(["--resume", str(tmp_path / "run.json")])
+    assert args.resume == tmp_path / "run.json"
+
+
+def test_a_tuned_config_equal_to_the_default_is_noise_not_a_slowdown(bench):
+    config = FLCEConfig(strategy="triton").to_dict()
+    noisy = {**fake_row(ENTRIES[0], default_ms=1.0, tuned_ms=1.03), "tuned_config": config, "default_config": config}
+    slower = {**fake_row(ENTRIES[3], default_ms=1.0, tuned_ms=1.03), "tuned_config": config,
+              "default_config": {**config, "chunk_tokens": 4096}}
+    _, _, never_slower = bench.summarize([noisy])
+    assert never_slower == "PASS (1 row whose tuned config is the default not judged; that config timed twice spans 0.971x-0.971x)"
+    _, _, never_slower = bench.summarize([noisy, slower])
+    assert never_slower.startswith("FAIL: V=151936 H=4096 T=8192 (0.97x) (1 row")
