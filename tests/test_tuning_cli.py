@@ -128,6 +128,17 @@ def test_shipped_dir_is_readable():
             assert e.default_ms is None or e.ms <= e.default_ms * 1.05, f"{path.name}: {e.key} slower than default"
 
 
+def test_shipped_h200_file_covers_every_shipped_shape_and_bucket():
+    """The H200 file holds a tuned bf16 entry for each shipped (V, H) at every shipped token bucket: a missing
+    one would silently fall back to a neighbour's config."""
+    from flce_compile.tuning.cli import SHIPPED_SHAPES, SHIPPED_TOKENS
+
+    entries = db.read_file(REPO / "tuning_db" / "h200.json", strict=True)
+    have = {(e.vocab, e.hidden, e.tokens) for e in entries if e.dtype == "bf16" and e.default_ms is not None}
+    want = {(v, h, t) for v, h, _ in SHIPPED_SHAPES for t in SHIPPED_TOKENS}
+    assert sorted(want - have) == []
+
+
 def test_wheel_ships_tuning_db(tmp_path):
     """Build the wheel from a copy of the project with one DB file added, check the JSON is inside, install it
     into a target directory and read the DB from there."""
