@@ -67,7 +67,6 @@ _DTYPE_NAMES: dict[str, str] = {
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
 }
-_DTYPE_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # ----------------------------------------------------------------------------------------------------------
@@ -471,7 +470,7 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     # Nearest (V, H) on the same GPU: log-ratio distance, a dtype penalty (same itemsize only), a small token term.
     best: tuple[float, Entry, str] | None = None
     for e, layer in candidates:
-        if _DTYPE_ITEMSIZE[e.dtype] != _DTYPE_ITEMSIZE[dtype]:
+        if _TORCH_DTYPES[e.dtype].itemsize != _TORCH_DTYPES[dtype].itemsize:
             continue
         dist = (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden))
                 + (0.0 if e.dtype == dtype else 0.5) + 0.05 * abs(math.log2(e.tokens) - log_bucket)

@@ -18,6 +18,7 @@ import torch
 from ..config import STRATEGIES, FLCEConfig
 from ..layout import vocab_needs_padding
 from ..log import logger
+from ..memory import peak_bytes
 
 #: The FLCEConfig fields each strategy reads. Fields a strategy does not read are not sampled for it and are
 #: set to the base config's values, so two configs that run identically compare equal.
@@ -49,16 +50,9 @@ def predicted_peak_bytes(
     accum_dtype: torch.dtype = torch.float32,
 ) -> int | None:
     """The op's memory bound (``flce_compile.memory.peak_bytes``, sympy-derived: bytes above the inputs and the
-    returned loss/gradients) for fwd+bwd with dX and dW, or None when the memory model is not available (then
-    only the measured peak is checked)."""
+    returned loss/gradients) for fwd+bwd with dX and dW, or None when evaluating the model fails (then only the
+    measured peak is checked)."""
     global _warned_memory_model
-    try:
-        from ..memory import peak_bytes  # noqa: PLC0415 - optional layer, imported lazily
-    except ImportError:
-        if not _warned_memory_model:
-            logger.info("flce_compile.memory is not available; the memory budget is checked on measured peaks only")
-            _warned_memory_model = True
-        return None
     try:
         return int(peak_bytes(config, tokens, vocab, hidden, dtype, accum_dtype, need_dw=True))
     except Exception as exc:  # noqa: BLE001 - a bug in the model must not stop tuning
