@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import FLCEConfig, config_overrides
-from .op import fused_linear_cross_entropy_op
+from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,7 +102,8 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     accum_dtype: torch.dtype = torch.float32,
     config: FLCEConfig | Mapping[str, Any] | None = None,
-) -> Tensor:
+    return_logits: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materialising the logits.
 
     Equals ``F.cross_entropy(z.float().view(-1, V), target.view(-1), weight=ce_weight,
@@ -118,8 +119,17 @@ def fused_linear_cross_entropy(
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
             only its keys, e.g. ``{"chunk_tokens": 1024}``, and the tuning database / heuristic picks the rest
             from the real token count at run time, as it does for everything when None.
+        return_logits: also return the raw logits ``input @ weight.T + bias`` (shape (..., V), in the compute
+            dtype), exact, as ``(loss, logits)``. They are written as the chunks are computed, so this costs the
+            logits' memory and nothing else; a gradient that reaches them (an extra loss on the logits) is
+            added to the inputs' gradients. "mean" and "sum" only.
     """
     _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap, accum_dtype)
+    if return_logits and reduction == "none":
+        raise ValueError(
+            "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
+            "F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction='none') on the logits"
+        )
     forced = config_overrides(config)
     input, weight, bias = _autocast(input, weight, bias)
     grad_on = torch.is_grad_enabled()
@@ -131,7 +141,8 @@ def fused_linear_cross_entropy(
     if t1d.dtype != torch.int64:
         t1d = t1d.long()
     cw = ce_weight.to(torch.float32).contiguous() if ce_weight is not None else None
-    loss, _lse, _dx, _dw, _db = fused_linear_cross_entropy_op(
+    op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
+    loss, second, _dx, _dw, _db = op(
         x2d,
         weight.contiguous(),
         t1d.contiguous(),
@@ -149,6 +160,8 @@ def fused_linear_cross_entropy(
         grad_on and bias is not None and bias.requires_grad,
         json.dumps(forced, sort_keys=True) if forced else "",
     )
+    if return_logits:
+        return loss, second.view(*input.shape[:-1], weight.shape[0])
     if reduction == "none":
         return loss.view(target.shape)
     return loss

@@ -72,14 +72,18 @@ def fused_linear_cross_entropy_op(
     check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
     with torch.autocast(input.device.type, enabled=False):
-        loss, lse, dx, dw, db = fused_forward(
+        loss, lse, dx, dw, db, _ = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
         )
+    return (loss, lse if lse is not None else input.new_empty(_EMPTY, dtype=torch.float32)) + _grads_or_empty(
+        input, weight, dx, dw, db
+    )
+
+
+def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
     # Absent results are distinct empty tensors: custom op outputs may not alias each other.
     return (
-        loss,
-        lse if lse is not None else input.new_empty(_EMPTY, dtype=torch.float32),
         dx if dx is not None else input.new_empty(_EMPTY),
         dw if dw is not None else weight.new_empty(_EMPTY),
         db if db is not None else weight.new_empty(_EMPTY),
@@ -92,13 +96,62 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, ign
                                      compute_dx, compute_dw, compute_db, config):
     n = input.shape[0]
     per_token = reduction == "none"
-    grads = not per_token
     loss = input.new_empty((n,) if per_token else (), dtype=torch.float32)
     lse = input.new_empty((n,) if per_token else _EMPTY, dtype=torch.float32)
+    return (loss, lse) + _fake_grads(input, weight, bias, not per_token, compute_dx, compute_dw, compute_db)
+
+
+def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) -> tuple[Tensor, Tensor, Tensor]:
     dx = input.new_empty(input.shape if grads and compute_dx else _EMPTY)
     dw = weight.new_empty(weight.shape if grads and compute_dw else _EMPTY)
     db = weight.new_empty(bias.shape if grads and compute_db and bias is not None else _EMPTY)
-    return loss, lse, dx, dw, db
+    return dx, dw, db
+
+
+@torch.library.custom_op("flce::fused_linear_cross_entropy_with_logits", mutates_args=())
+def fused_linear_cross_entropy_with_logits_op(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    ce_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float,
+    logit_scale: float,
+    z_loss: float,
+    accum_dtype: torch.dtype,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused op that also returns the raw logits ``input @ weight.T + bias`` (N, V), exact and intact.
+
+    Returns (loss, logits, dx, dw, db), reduction "mean" or "sum" only. The logits are written chunk by chunk
+    as the loop computes them; the loss and the logit gradient come from them into a chunk-sized buffer, and
+    dX/dW are formed in forward as in ``fused_linear_cross_entropy``, so nothing of size N x V is saved for
+    backward. The logits are contiguous.
+    """
+    check_targets(target, weight.shape[0], ignore_index)
+    p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
+    with torch.autocast(input.device.type, enabled=False):
+        loss, _, dx, dw, db, logits = fused_forward(
+            Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
+            GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
+        )
+    return (loss, logits) + _grads_or_empty(input, weight, dx, dw, db)
+
+
+@fused_linear_cross_entropy_with_logits_op.register_fake
+def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, ignore_index, reduction,
+                                                 label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
+                                                 compute_dx, compute_dw, compute_db, config):
+    n, vocab = input.shape[0], weight.shape[0]
+    loss = input.new_empty((), dtype=torch.float32)
+    logits = input.new_empty((n, vocab))
+    return (loss, logits) + _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
 
 
 @torch.library.custom_op("flce::fused_linear_cross_entropy_backward", mutates_args=())
@@ -163,11 +216,44 @@ def _setup_context(ctx, inputs, output) -> None:
     if args["reduction"] == "none":
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:
-        # The forward-computed gradients are kept on ctx, not saved: backward takes the only reference and
-        # returns them scaled in place, so autograd can adopt them as .grad without a copy (a saved tensor
-        # would still be referenced, and AccumulateGrad would clone a dW-sized buffer). They are
-        # non-differentiable outputs, so no reference cycle runs through them.
-        ctx.grads = (dx, dw, db)
+        _keep_forward_grads(ctx, dx, dw, db)
+
+
+def _keep_forward_grads(ctx, dx: Tensor, dw: Tensor, db: Tensor) -> None:
+    # The forward-computed gradients are kept on ctx, not saved: backward takes the only reference and
+    # returns them scaled in place, so autograd can adopt them as .grad without a copy (a saved tensor
+    # would still be referenced, and AccumulateGrad would clone a dW-sized buffer). They are
+    # non-differentiable outputs, so no reference cycle runs through them.
+    ctx.grads = (dx, dw, db)
+
+
+def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward-computed (dx, dw, db) times grad_output; each may be empty (not requested)."""
+    if ctx.grads is None:
+        raise RuntimeError(
+            "backward ran twice through the fused linear cross-entropy; its gradients are computed in "
+            "the forward pass and consumed by the first backward. Recompute the loss instead of "
+            "retain_graph=True, or use reduction='none' (whose backward recomputes)"
+        )
+    dx, dw, db = ctx.grads
+    ctx.grads = None
+    # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
+    # product is functional and Inductor may reuse the buffer for it.
+    g = grad_loss.to(torch.float32)
+    in_place = not torch.compiler.is_compiling()
+    # g stays fp32 (a 0-dim tensor does not promote the bf16/fp16 result): each element is scaled in fp32
+    # and rounded once.
+    return tuple((t.mul_(g) if in_place else t * g) if t.numel() else t for t in (dx, dw, db))
+
+
+def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
+    need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    return (
+        dx if need_x else None,
+        dw if need_w else None,
+        None,
+        db if need_b and ctx.has_bias else None,
+    ) + (None,) * (len(_ARG_NAMES) - 4)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
@@ -181,29 +267,52 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
             bool(need_b and ctx.has_bias), a["config"],
         )
     else:
-        if ctx.grads is None:
-            raise RuntimeError(
-                "backward ran twice through flce::fused_linear_cross_entropy; its gradients are computed in "
-                "the forward pass and consumed by the first backward. Recompute the loss instead of "
-                "retain_graph=True, or use reduction='none' (whose backward recomputes)"
-            )
-        dx, dw, db = ctx.grads
-        ctx.grads = None
-        # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
-        # product is functional and Inductor may reuse the buffer for it.
-        g = grad_loss.to(torch.float32)
-        in_place = not torch.compiler.is_compiling()
-        # g stays fp32 (a 0-dim tensor does not promote the bf16/fp16 result): each element is scaled in fp32
-        # and rounded once.
-        dx, dw, db = ((t.mul_(g) if in_place else t * g) if t.numel() else t for t in (dx, dw, db))
-    return (
-        dx if need_x else None,
-        dw if need_w else None,
-        None,
-        db if need_b and ctx.has_bias else None,
-    ) + (None,) * (len(_ARG_NAMES) - 4)
+        dx, dw, db = _scaled_forward_grads(ctx, grad_loss)
+    return _input_grads(ctx, dx, dw, db)
 
 
 torch.library.register_autograd(
     "flce::fused_linear_cross_entropy", _backward, setup_context=_setup_context
+)
+
+
+def _setup_context_with_logits(ctx, inputs, output) -> None:
+    args = dict(zip(_ARG_NAMES, inputs))
+    _loss, _logits, dx, dw, db = output
+    ctx.has_bias = args["bias"] is not None
+    ctx.mark_non_differentiable(dx, dw, db)
+    ctx.set_materialize_grads(False)  # no gradient into the logits costs nothing (see _backward_with_logits)
+    _keep_forward_grads(ctx, dx, dw, db)
+    # For a gradient that reaches the logits themselves (an extra loss on them): small next to the logits.
+    ctx.save_for_backward(args["input"], args["weight"])
+
+
+def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad_db):
+    """The loss's gradients, scaled as in ``_backward``, plus, when the logits received a gradient G, the
+    linear's own: dX += G W, dW += G^T X, db += sum_rows G (each GEMM in the weight dtype, as eager's)."""
+    need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    dx, dw, db = (
+        _scaled_forward_grads(ctx, grad_loss) if grad_loss is not None else (None, None, None)
+    )
+    if grad_loss is None:
+        ctx.grads = None
+    if grad_logits is not None:
+        input, weight = ctx.saved_tensors
+        g = grad_logits.to(weight.dtype)
+        dx = _add(dx, g @ weight if need_x else None)
+        dw = _add(dw, g.t() @ input if need_w else None)
+        db = _add(db, g.sum(0) if need_b and ctx.has_bias else None)
+    return _input_grads(ctx, dx, dw, db)
+
+
+def _add(acc: Tensor | None, extra: Tensor | None) -> Tensor | None:
+    if extra is None:
+        return acc
+    if acc is None or not acc.numel():
+        return extra
+    return acc.add_(extra) if not torch.compiler.is_compiling() else acc + extra
+
+
+torch.library.register_autograd(
+    "flce::fused_linear_cross_entropy_with_logits", _backward_with_logits, setup_context=_setup_context_with_logits
 )

@@ -9,7 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flce_compile.compiler import flce_backend  # noqa: E402  (registers backend="flce" in dev checkouts)
-from flce_compile.compiler.rewrite import flce_fused_loss, flce_kept_logits_loss  # noqa: E402
+from flce_compile.compiler.outputs import LogitsGrad  # noqa: E402
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep  # noqa: E402
 
 V, H = 160, 32
 COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -142,10 +143,14 @@ def test_family_keep_logits_exact(name, reference):
     torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
     _assert_same(ref, got, ref_grads, grads)
     gm = cap.graphs[0]
-    assert _targets(gm).count(flce_kept_logits_loss) == 1
-    assert _logits_gemms(gm) == 1  # the kept logits, computed once
+    assert _targets(gm).count(flce_fused_loss_keep) == 1
+    assert _logits_gemms(gm) == 0  # the op computes the kept logits, once
+    assert torch.nn.functional.cross_entropy not in _targets(gm)
     assert not any(n.op == "call_method" and n.target == "float" and n.meta["example_value"].shape[-1] == V
                    for n in gm.graph.nodes), "no fp32 copy of the logits"
+    # The returned logits come from the graph detached, with the lm_head's gradient re-attached outside it:
+    # the caller that never uses them gets no logits-sized zero gradient in backward.
+    assert type(got.logits.grad_fn).__name__ == f"{LogitsGrad.__name__}Backward"
 
 
 @pytest.mark.parametrize("logits", ["drop", "keep"])

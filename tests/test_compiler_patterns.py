@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flce_compile.compiler as fc
-from flce_compile.compiler.rewrite import flce_fused_loss, flce_kept_logits_loss, run_pass
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, run_pass
 
 V, H = 96, 16
 
@@ -160,7 +160,8 @@ def test_escaping_logits(mode, extra_use):
         assert got[1] is None and targets.count(flce_fused_loss) == 1
     else:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
-        assert targets.count(flce_kept_logits_loss) == 1
+        assert targets.count(flce_fused_loss_keep) == 1  # logits from the op itself: one GEMM, exact
+        assert torch._C._nn.linear not in targets
 
 
 UNSAFE = {
@@ -336,7 +337,7 @@ def test_call_module_forms_symbolic_trace():
     gm = torch.fx.symbolic_trace(m)
     x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
     ShapeProp(gm).propagate(x, t)
-    results = run_pass(gm, [x, t])
+    results = run_pass(gm, [x, t]).sites
     assert [r.path for r in results] == ["fused"]
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
     torch.testing.assert_close(gm(x, t), m(x, t), rtol=1e-5, atol=1e-6)
@@ -346,9 +347,10 @@ def test_explain_reports_sites_and_graph_breaks():
     torch.manual_seed(0)
     idx, t = _data()
     report = fc.explain(Escaping(), idx, t.clamp_min(0))
-    assert len(report) == 1 and report[0].fused and report[0].path == "kept_logits"
+    assert len(report) == 1 and report[0].fused and report[0].path == "fused_keep"
     assert report[0].vocab == V and report[0].hidden == H and report[0].est_saved_bytes > 0
-    assert "flce.logits" in str(report)
+    assert report[0].kept_logits_bytes == 2 * 6 * V * 4  # the logits themselves, nothing more
+    assert "flce.logits='keep'" in str(report) and "'flce.logits': 'drop'" in str(report)
 
     class Broken(nn.Module):
         def __init__(self):
@@ -365,6 +367,34 @@ def test_explain_reports_sites_and_graph_breaks():
     text = str(report)
     assert "graph break" in text and "nothing to fuse" in text
     assert report.graph_breaks
+
+
+def _explained_path(model_or_compiled, idx, t, **kw):
+    report = fc.explain(model_or_compiled, idx, t, **kw)
+    assert len(report) == 1
+    return report.options.logits, report[0].path
+
+
+def test_explain_reports_what_the_compiled_model_does():
+    """explain() follows the options a model was compiled with, however it was compiled; options= overrides
+    them and serves uncompiled models."""
+    torch.manual_seed(0)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    model = Escaping()
+    assert _explained_path(model, idx, t) == ("keep", "fused_keep")
+    assert _explained_path(model, idx, t, options={"flce.logits": "drop"}) == ("drop", "fused")
+    compiled = torch.compile(model, backend="flce", options={"flce.logits": "drop", "flce.inner": "eager"})
+    assert _explained_path(compiled, idx, t) == ("drop", "fused")
+    assert _explained_path(compiled, idx, t, options={"flce.logits": "keep"}) == ("keep", "fused_keep")
+    bound = torch.compile(model, backend=fc.with_options(logits="drop", inner="eager"))
+    assert _explained_path(bound, idx, t) == ("drop", "fused")
+    in_place = Escaping()
+    in_place.compile(backend="flce", options={"flce.logits": "drop", "flce.inner": "eager"})
+    assert _explained_path(in_place, idx, t) == ("drop", "fused")
+    assert not hasattr(in_place, "flce_options")  # nothing stored on the model
+    report = fc.explain(torch.compile(model, backend="flce", options={"flce.enabled": False}), idx, t)
+    assert not report[0].fused and "flce.enabled=False" in str(report)
 
 
 def test_kept_logits_loss_rejects_out_of_range_targets(monkeypatch):

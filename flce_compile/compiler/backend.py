@@ -36,14 +36,17 @@ def flce_backend(
     """
     opts, inner_options = split_options(options)
     inner = _inner_compiler(opts, mode, inner_options, kwargs)
+    wrap = None
     if opts.enabled:
         from .rewrite import run_pass
 
         try:
-            run_pass(gm, example_inputs, logits=opts.logits, config=opts.config)
+            wrap = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config).wrap
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
-    return inner(gm, example_inputs)
+    compiled = inner(gm, example_inputs)
+    # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
+    return wrap(compiled) if wrap is not None else compiled
 
 
 def _inner_compiler(
@@ -81,7 +84,47 @@ def with_options(options: Mapping[str, Any] | None = None, mode: str | None = No
         opt = {**merged, **(kwargs.pop("options", None) or {})}
         return flce_backend(gm, example_inputs, options=opt, mode=kwargs.pop("mode", mode), **kwargs)
 
+    flce_with_options.flce_options = merged  # type: ignore[attr-defined]  (read by compiled_options)
     return flce_with_options
+
+
+def compiled_options(model: Any) -> FLCEOptions | None:
+    """The ``flce.*`` options ``model`` was compiled with (``torch.compile(model, backend="flce", ...)``,
+    ``model.compile(...)`` or a ``with_options`` backend), or None when it was not compiled with this backend.
+
+    Reads torch.compile's own record of the backend and its options (the wrapper Dynamo keeps on the compiled
+    object); nothing is stored on the model.
+    """
+    wrapper = _compile_wrapper(model)
+    if wrapper is None:
+        return None
+    fn, kwargs = getattr(wrapper, "compiler_fn", None), getattr(wrapper, "kwargs", None) or {}
+    bound = getattr(fn, "flce_options", None)
+    if fn is not flce_backend and bound is None:
+        return None
+    return split_options({**(bound or {}), **(kwargs.get("options") or {})})[0]
+
+
+def _compile_wrapper(model: Any) -> Any:
+    """torch.compile's backend wrapper (an object with ``compiler_fn`` and ``kwargs``) behind a compiled model."""
+    ctx = getattr(model, "dynamo_ctx", None)  # torch.compile(module): an OptimizedModule
+    if ctx is None:
+        fn = getattr(model, "_compiled_call_impl", None) or model  # module.compile(), or a compiled function
+        cells = getattr(fn, "__closure__", None) or ()
+        ctx = next((c.cell_contents for c in cells if hasattr(_cell(c), "callback")), None)
+    backend = getattr(ctx, "callback", None)
+    for _ in range(8):  # Dynamo's wrappers around the backend, outermost first
+        if backend is None or hasattr(backend, "compiler_fn") and hasattr(backend, "kwargs"):
+            return backend
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 flce_backend.with_options = with_options  # type: ignore[attr-defined]

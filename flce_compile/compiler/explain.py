@@ -1,21 +1,24 @@
-"""``explain(model, *args, **kwargs)``: which lm_head/loss sites would ``backend="flce"`` fuse, and why not.
+"""``explain(model, *args, options=None, **kwargs)``: what ``backend="flce"`` does with each lm_head/loss site.
 
 It captures the model's Dynamo graphs with ``torch._dynamo.explain`` (which runs the model once and resets
 Dynamo's caches, like any ``torch._dynamo.explain`` call), analyzes every graph without rewriting it, and reports
-one entry per loss site plus one per lm_head that a graph break separated from its loss.
+one entry per loss site plus one per lm_head that a graph break separated from its loss. The options are the
+ones a compiled model was compiled with, or ``options=`` (the same dict ``torch.compile`` takes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import fx, nn
 
 from ..log import logger
+from .backend import compiled_options
+from .decide import SiteResult, analyze
+from .options import FLCEOptions, split_options
 from .patterns import hint_int, match_linear, meta_value
-from .rewrite import SiteResult, analyze
 
 
 @dataclass
@@ -25,7 +28,7 @@ class SiteReport:
     graph: int
     loss: str
     fused: bool
-    path: str  # "fused" | "kept_logits" | "unchanged"
+    path: str  # one of decide.PATHS
     reason: str | None
     strategy: str | None
     tokens: int | None
@@ -36,6 +39,7 @@ class SiteReport:
     logits_escape: bool = False
     est_saved_bytes: int = 0
     kept_logits_bytes: int = 0
+    note: str | None = None
 
     def __str__(self) -> str:
         head = f"[graph {self.graph}] {self.loss}: "
@@ -51,11 +55,18 @@ class SiteReport:
             + (" " + " ".join(extra) if extra else "")
             + f", est. memory saved {self.est_saved_bytes / 2**30:.3f} GiB"
         )
-        if self.path == "kept_logits":
+        if self.path == "fused_keep":
+            text += (f"; the logits are returned, exact: ~{self.kept_logits_bytes / 2**30:.3f} GiB stay, nothing "
+                     "logits-sized is saved for backward (options={'flce.logits': 'drop'} frees them)")
+        elif self.path == "kept_logits":
             text += (
                 f"; logits are returned so ~{self.kept_logits_bytes / 2**30:.3f} GiB stay"
                 " (options={'flce.logits': 'drop'} frees them)"
             )
+        if self.note:
+            text += f"; note: {self.note}"
+        if self.reason:  # a fused site can still have a reason, e.g. logits that "drop" could not drop
+            text += f"; {self.reason}"
         return head + text
 
 
@@ -64,9 +75,14 @@ class ExplainReport(list):
 
     graph_count: int = 0
     graph_breaks: list[str]
+    options: FLCEOptions = FLCEOptions()
 
     def __str__(self) -> str:
-        lines = [f"flce explain: {self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s), "
+        opts = self.options
+        state = "" if opts.enabled else ", flce.enabled=False: nothing is rewritten"
+        lines = [f"flce explain (flce.logits={opts.logits!r}, flce.inner={opts.inner_name!r}"
+                 f"{', flce.config=' + repr(opts.config) if opts.config else ''}{state}): "
+                 f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s), "
                  f"{sum(r.fused for r in self)} of {len(self)} site(s) fused"]
         lines += ["  " + str(r) for r in self]
         lines += [f"  graph break: {b}" for b in self.graph_breaks]
@@ -75,15 +91,16 @@ class ExplainReport(list):
     __repr__ = __str__
 
 
-def _strategy(res: SiteResult) -> str | None:
+def _strategy(res: SiteResult, forced: Mapping[str, Any] | None) -> str | None:
     if res.path == "kept_logits":
         return "chunked-ce-over-kept-logits"
-    if res.path != "fused":
+    if res.path not in ("fused", "fused_keep"):
         return None
-    from ..config import choose_config
+    from ..config import resolve_config
 
     try:
-        cfg, source = choose_config(res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype, res.device)
+        cfg, source = resolve_config(forced, res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype,
+                                     res.device)
         return f"{cfg.strategy} ({source})"
     except Exception as exc:  # noqa: BLE001 - reporting only
         return f"unknown ({exc!r})"
@@ -97,26 +114,27 @@ def _saved_bytes(res: SiteResult) -> int:
     n = res.tokens * res.site.vocab
     s = res.logits_dtype.itemsize
     unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
-    remaining = res.kept_logits_bytes if res.path == "kept_logits" else 0
-    return max(0, unfused - remaining)
+    return max(0, unfused - res.kept_logits_bytes)
 
 
-def report_graph(gm: fx.GraphModule, index: int = 0, logits: str = "keep") -> list[SiteReport]:
-    """Site reports for one Dynamo graph (no rewrite)."""
+def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCEOptions()) -> list[SiteReport]:
+    """Site reports for one Dynamo graph under ``options`` (no rewrite)."""
     reports: list[SiteReport] = []
-    results = analyze(gm, logits)
+    results = analyze(gm, options.logits)
     linked = set()
     for res in results:
         site = res.site
         if site.linear is not None:
             linked.add(site.linear.node)
         plan = res.plan
+        if not options.enabled:
+            res = SiteResult(site, "unchanged", "flce.enabled=False")
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
-            fused=res.fused, path=res.path, reason=res.reason, strategy=_strategy(res), tokens=res.tokens,
-            vocab=site.vocab, hidden=site.hidden, softcap=plan.softcap if plan else None,
+            fused=res.fused, path=res.path, reason=res.reason, strategy=_strategy(res, options.config),
+            tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=plan.softcap if plan else None,
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
-            est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes,
+            est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
         ))
     # lm_heads whose loss is in another graph: a linear with a large output returned by the graph.
     for node in gm.graph.nodes:
@@ -139,21 +157,37 @@ def report_graph(gm: fx.GraphModule, index: int = 0, logits: str = "keep") -> li
     return reports
 
 
-def explain(model: nn.Module | Any, *args: Any, **kwargs: Any) -> ExplainReport:
-    """Run ``model(*args, **kwargs)`` under Dynamo and report every lm_head/cross-entropy site.
+def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> ExplainReport:
+    """Run ``model(*args, **kwargs)`` under Dynamo and report what ``backend="flce"`` does with every
+    lm_head/cross-entropy site.
 
-    Returns an :class:`ExplainReport` (a list of :class:`SiteReport`) that prints as a table; it is also
-    logged at INFO on the ``flce_compile`` logger.
+    ``model`` may be compiled (``torch.compile(model, backend="flce", options=...)``, ``model.compile(...)``
+    or a ``with_options`` backend): the report then follows the options it was compiled with. For an
+    uncompiled model pass ``options=`` as you would to ``torch.compile``; ``options=`` also overrides a
+    compiled model's. Returns an :class:`ExplainReport` (a list of :class:`SiteReport`) that prints as a
+    table; it is also logged at INFO on the ``flce_compile`` logger.
     """
-    out = torch._dynamo.explain(model)(*args, **kwargs)
+    opts = split_options(options)[0] if options is not None else compiled_options(model) or FLCEOptions()
+    out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
     report = ExplainReport()
+    report.options = opts
     report.graph_count = out.graph_count
     report.graph_breaks = [_break_text(b) for b in out.break_reasons]
     for i, gm in enumerate(out.graphs):
-        report.extend(report_graph(gm, i))
+        report.extend(report_graph(gm, i, opts))
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     logger.info("%s", report)
     return report
+
+
+def _uncompiled(model: Any) -> Any:
+    """The callable a compiled model wraps: explain traces it afresh (the compiled one would run its cache)."""
+    if getattr(model, "_orig_mod", None) is not None:  # torch.compile(module)
+        model = model._orig_mod
+    if isinstance(model, nn.Module) and getattr(model, "_compiled_call_impl", None) is not None:
+        return model._call_impl  # module.compile(): the module's own, uncompiled call
+    return getattr(model, "_torchdynamo_orig_callable", model)
 
 
 def _break_text(reason: Any) -> str:

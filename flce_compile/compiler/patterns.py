@@ -401,6 +401,41 @@ class Plan:
     softcap: float | None = None
 
 
+class _ScaleFolder:
+    """Folds constant scales and one ``c * tanh(...)`` into (logit_scale, softcap), in step order."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.softcap: float | None = None
+        self.logit_scale: float | None = None
+        self.pending_tanh = False
+
+    def add_scale(self, factor: float) -> str | None:
+        if self.pending_tanh:  # c * tanh(f*s)  ==  softcap |c| with logit_scale f*c (tanh is odd)
+            if factor == 0.0:
+                return "tanh multiplied by 0 (not a softcap)"
+            self.softcap, self.logit_scale = abs(factor), self.scale * factor
+            self.pending_tanh = False
+            return None
+        if self.softcap is not None:
+            return "a scale after the softcap"
+        self.scale *= factor
+        return None
+
+    def add_tanh(self) -> str | None:
+        if self.softcap is not None or self.pending_tanh:
+            return "a second tanh"
+        self.pending_tanh = True
+        return None
+
+    def finish(self, plan: Plan) -> str | None:
+        if self.pending_tanh:
+            return "tanh is not followed by a constant multiply (not a softcap)"
+        plan.softcap = self.softcap
+        plan.logit_scale = self.logit_scale if self.softcap is not None else self.scale
+        return None
+
+
 def fold_steps(site: Site, start: int) -> Plan | str:
     """Fold ``site.steps[start:]`` into a Plan, checking the logits rows are only selected, never mixed.
 
@@ -419,14 +454,13 @@ def fold_steps(site: Site, start: int) -> Plan | str:
     order = list(range(ndim))  # original positions of the current dims (checks row order after transposes)
     reshaped = False  # leading dims changed: later slices no longer line up with the base's dims
     plan = Plan()
-    scale = 1.0
-    pending_tanh: Step | None = None
+    folder = _ScaleFolder()
     log_softmax_seen = False
     for step in site.steps[start:]:
         val = meta_value(step.node)
         if not isinstance(val, torch.Tensor):
             return f"no shape information at {step.node.name}"
-        if pending_tanh is not None and step.kind not in ("identity", "scale"):
+        if folder.pending_tanh and step.kind not in ("identity", "scale"):
             return "tanh is not followed by a constant multiply (not a softcap)"
         if step.kind == "identity":
             if val.dim() != len(order):
@@ -463,30 +497,22 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         elif step.kind == "scale":
             if log_softmax_seen:
                 return "a scale after log_softmax"
-            if pending_tanh is not None:  # c * tanh(f*s)  ==  softcap |c| with logit_scale f*c (tanh is odd)
-                if step.factor == 0.0:
-                    return "tanh multiplied by 0 (not a softcap)"
-                plan.softcap = abs(step.factor)
-                plan.logit_scale = scale * step.factor
-                pending_tanh = None
-                continue
-            if plan.softcap is not None:
-                return "a scale after the softcap"
-            scale *= step.factor
+            problem = folder.add_scale(step.factor)
+            if problem:
+                return problem
         elif step.kind == "tanh":
-            if plan.softcap is not None or log_softmax_seen:
-                return "a second tanh"
-            pending_tanh = step
+            problem = "a second tanh" if log_softmax_seen else folder.add_tanh()
+            if problem:
+                return problem
         elif step.kind == "log_softmax":
             if step.index % val.dim() != class_dim:
                 return "log_softmax over a dim other than the vocab"
             log_softmax_seen = True
         if val.dim() != len(order):
             return f"{step.node.name}: rank bookkeeping mismatch"
-    if pending_tanh is not None:
-        return "tanh is not followed by a constant multiply (not a softcap)"
-    if plan.softcap is None:
-        plan.logit_scale = scale
+    problem = folder.finish(plan)
+    if problem:
+        return problem
     if site.loss.kind == "nll_loss" and not log_softmax_seen:
         return "nll_loss on logits that are not log_softmax'ed"
     ndim_in = len(order)
@@ -495,6 +521,35 @@ def fold_steps(site: Site, start: int) -> Plan | str:
     if ndim_in == 1 and class_dim != 0:
         return "the loss sees the vocab in a dim other than 0"
     return plan
+
+
+def output_transform(site: Site, node: fx.Node) -> Plan | str:
+    """How the chain node ``node`` is computed from the raw logits, when it is only casts, reshapes that keep
+    the vocab dim last, constant scales and a softcap: then its gradient can be replayed outside the compiled
+    graph (a logits output the graph returns). A str says what else is in the way."""
+    if node is site.linear.node:
+        return Plan()
+    folder = _ScaleFolder()
+    for step in site.steps:
+        val = meta_value(step.node)
+        if step.kind == "identity" or (
+            step.kind == "reshape" and isinstance(val, torch.Tensor) and _static_int(val.shape[-1]) == site.vocab
+        ):
+            pass
+        elif step.kind == "scale":
+            problem = folder.add_scale(step.factor)
+            if problem:
+                return problem
+        elif step.kind == "tanh":
+            problem = folder.add_tanh()
+            if problem:
+                return problem
+        else:
+            return f"{step.kind} {step.node.name}"
+        if step.node is node:
+            break
+    plan = Plan()
+    return folder.finish(plan) or plan
 
 
 def _index_ok(idx: Any, ndim: int) -> bool:

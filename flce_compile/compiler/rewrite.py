@@ -1,7 +1,9 @@
-"""Rewriting matched sites: the loss becomes one call of the fused op (or, when logits escape and are kept,
-a chunked cross-entropy over those logits), and the logits path left dead is removed.
+"""Rewriting matched sites (see ``decide`` for the paths): the loss, or the lm_head and the loss, become one
+call of the fused op, or a chunked cross-entropy over logits the graph keeps, and the logits path left dead is
+removed.
 
-Shifts on the logits side (``logits[:, :-1]``) are replayed on the hidden states, a constant scale and a
+Shifts on the logits side (``logits[:, :-1]``) are replayed on the hidden states (or, when the op also returns
+the logits, on the target, with ignore_index on the rows the loss does not see), a constant scale and a
 Gemma2-style ``tanh`` softcap become the op's ``logit_scale`` / ``softcap``, and every cast/view in between is
 dropped (the op flattens input and target itself and accumulates in fp32). The graph is only changed once a
 site's new nodes are built and typed; a failure before that point leaves the graph as it was.
@@ -11,14 +13,26 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
 from ..log import logger
+from .decide import SiteResult, analyze
 from .kept_logits import kept_logits_cross_entropy
-from .patterns import Plan, Site, find_sites, fold_steps, hint_int, is_inplace, meta_value
+from .mutations import effect
+from .outputs import LogitsOutput, OutputFixup
+from .patterns import meta_value
+
+
+def _compute_operands(input, weight, bias, compute_dtype):
+    """Cast the lm_head's operands to the dtype it computed in (an autocast region that ended before the loss
+    leaves the graph with fp32 parameters and low-precision logits), as autocast did for the lm_head."""
+    if compute_dtype is None:
+        return input, weight, bias
+    cast = lambda t: t.to(compute_dtype) if t is not None and t.dtype != compute_dtype else t  # noqa: E731
+    return cast(input), cast(weight), cast(bias)
 
 
 def flce_fused_loss(
@@ -39,15 +53,12 @@ def flce_fused_loss(
     """The graph-side call of the fused op (a stable node target for the inner compiler and for tests).
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
-    travels as a plain dict so the generated graph code stays printable. ``compute_dtype`` is the dtype the
-    lm_head computed its logits in when that differs from its input's (an autocast region that ended before
-    the loss): input, weight and bias are cast to it, as autocast did for the lm_head.
+    travels as a plain dict so the generated graph code stays printable. ``compute_dtype``: see
+    ``_compute_operands``.
     """
     from ..api import fused_linear_cross_entropy
 
-    if compute_dtype is not None and input.dtype != compute_dtype:
-        input, weight = input.to(compute_dtype), weight.to(compute_dtype)
-        bias = bias.to(compute_dtype) if bias is not None else None
+    input, weight, bias = _compute_operands(input, weight, bias, compute_dtype)
     # Rows line up after flattening both sides (the pattern check guarantees it), whatever view the loss saw.
     loss = fused_linear_cross_entropy(
         input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
@@ -57,6 +68,61 @@ def flce_fused_loss(
     if reduction == "none":
         loss = loss.view(target.shape)
     return loss if loss.dtype == out_dtype else loss.to(out_dtype)
+
+
+def flce_fused_loss_keep(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ce_weight: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    logit_scale: float,
+    config: Optional[dict],
+    out_dtype: torch.dtype,
+    compute_dtype: Optional[torch.dtype],
+    indices: tuple,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph-side call of the fused op that also returns the lm_head's logits: (loss, logits shaped like
+    the lm_head's output).
+
+    ``indices`` are the row selections the loss applied to the logits (``logits[:, :-1]``): the target is
+    spread over all rows, with ``ignore_index`` on the rows the loss did not see, which leaves every
+    reduction unchanged.
+    """
+    from ..api import fused_linear_cross_entropy
+
+    input, weight, bias = _compute_operands(input, weight, bias, compute_dtype)
+    if indices:
+        full = target.new_full(input.shape[:-1], ignore_index)
+        rows, rank = full, input.dim()
+        for index in indices:
+            index = _row_index(index, rank)
+            rank -= sum(isinstance(i, int) for i in index)
+            rows = rows[index]
+        rows.copy_(target.reshape(rows.shape))
+        target = full
+    else:
+        target = target.reshape(input.shape[:-1])  # rows line up after flattening (the pattern check)
+    loss, logits = fused_linear_cross_entropy(
+        input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
+        return_logits=True,
+    )
+    return (loss if loss.dtype == out_dtype else loss.to(out_dtype)), logits
+
+
+def _row_index(index: Any, rank: int) -> tuple:
+    """A logits index (token dims then, optionally, a full slice of the vocab dim) as an index of the token
+    dims only: Ellipsis expanded, the vocab entry dropped."""
+    items = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (rank - len(items) + 1) + items[at + 1:]
+    return tuple(items[: rank - 1])
 
 
 def flce_kept_logits_loss(
@@ -79,94 +145,15 @@ def flce_kept_logits_loss(
 
 
 @dataclass
-class SiteResult:
-    """What the pass did with one loss site (the raw material of ``explain`` reports and of the logs)."""
+class PassResult:
+    """The sites of one graph and, when its outputs changed, what restores them around the compiled graph."""
 
-    site: Site
-    path: str  # "fused" | "kept_logits" | "unchanged"
-    reason: str | None = None
-    dropped_outputs: int = 0
-    kept_logits_bytes: int = 0  # bytes of logits (+ their gradient) the graph still materializes
-    tokens: int | None = None
-    logits_dtype: torch.dtype | None = None
-    device: torch.device | None = None
-    new_node: fx.Node | None = None
-    plan: Plan | None = None
-    escapes: dict[fx.Node, list[fx.Node]] | None = None  # chain nodes that stay used outside the loss path
-    dropped: list[fx.Node] | None = None  # chain nodes whose graph-output uses become None ("drop")
-
-    @property
-    def fused(self) -> bool:
-        return self.path != "unchanged"
+    sites: list[SiteResult]
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
 
-_warned_keep = False
-
-
-def analyze(gm: fx.GraphModule, logits: str = "keep") -> list[SiteResult]:
-    """Decide, without touching the graph, what the pass would do with each loss site."""
-    results = []
-    for site in find_sites(gm):
-        try:
-            results.append(_decide(site, logits))
-        except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
-            results.append(SiteResult(site, "unchanged", f"analysis failed: {exc!r}"))
-    return results
-
-
-def _mutation_between(site: Site) -> fx.Node | None:
-    """An in-place op between the lm_head and the loss (it could change the hidden states or weight that the
-    fused op, which runs where the loss ran, reads), or None."""
-    node = site.linear.node.next
-    while node is not site.loss_node and node.op != "output":
-        if is_inplace(node):
-            return node
-        node = node.next
-    return None
-
-
-def _decide(site: Site, logits_mode: str) -> SiteResult:
-    if site.reason is not None or site.linear is None:
-        return SiteResult(site, "unchanged", site.reason or "no lm_head linear found")
-    res = SiteResult(site, "unchanged")
-    out = meta_value(site.linear.node)
-    res.tokens = hint_int(out.numel() // out.shape[-1]) if out.dim() > 1 else 1
-    res.logits_dtype, res.device = out.dtype, out.device
-    all_escapes = site.escapes()
-    escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
-    res.escapes = escapes
-    res.dropped = [n for n in all_escapes if n not in escapes]
-    res.dropped_outputs = len(res.dropped)
-    if not escapes:
-        plan = fold_steps(site, 0)
-        if isinstance(plan, str):
-            res.reason = plan
-            return res
-        mutation = _mutation_between(site)
-        if mutation is not None:
-            res.reason = f"in-place op {mutation.name} runs between the lm_head and the loss"
-            return res
-        res.path, res.plan = "fused", plan
-        return res
-    # Logits are used outside the loss path: keep computing them, take the loss from the last escaping node.
-    chain = site.chain
-    last = max(chain.index(n) for n in escapes)
-    plan = fold_steps(site, last)
-    if isinstance(plan, str):
-        res.reason = f"logits are used outside the loss ({_users(escapes)}) and {plan}"
-        return res
-    base_val = meta_value(chain[last])
-    res.path, res.plan = "kept_logits", plan
-    n_elems = hint_int(base_val.numel()) or 0
-    res.kept_logits_bytes = 2 * n_elems * base_val.element_size()
-    if logits_mode == "drop":
-        res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
-    return res
-
-
-def _users(escapes: dict[fx.Node, list[fx.Node]]) -> str:
-    names = sorted({u.name for users in escapes.values() for u in users})
-    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+_logged_keep = False
+_warned_kept_logits = False
 
 
 def run_pass(
@@ -175,8 +162,9 @@ def run_pass(
     *,
     logits: str = "keep",
     config: Optional[dict] = None,
-) -> list[SiteResult]:
-    """Rewrite every fusable site of ``gm`` in place and return one result per loss site.
+) -> PassResult:
+    """Rewrite every fusable site of ``gm`` in place; returns one result per loss site and, when the graph's
+    outputs changed, the wrapper the compiled graph needs (``PassResult.wrap``).
 
     ``config`` holds forced FLCEConfig fields (see ``config_overrides``); each fused node carries them and the
     op chooses the rest at run time.
@@ -184,60 +172,71 @@ def run_pass(
     Sites that can't be proven safe are left alone with their reason logged; an error while rewriting one
     site leaves that site untouched and is logged, never raised.
     """
-    global _warned_keep
     results = analyze(gm, logits)
     fake_mode = _fake_mode(gm, example_inputs)
+    fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
     for res in results:
         if not res.fused:
             logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
             continue
         try:
-            dead += _rewrite(gm, res, config, fake_mode)
+            dead += _rewrite(gm, res, config, fake_mode, fixup)
         except Exception as exc:  # noqa: BLE001 - the pass must never break a compile
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
             continue
-        logger.info(
-            "flce: loss %s -> %s (vocab %s, hidden %s, tokens~%s)", res.site.loss_node.name, res.path,
-            res.site.vocab, res.site.hidden, res.tokens,
-        )
-        if res.path == "kept_logits" and not _warned_keep:
-            _warned_keep = True
-            logger.warning(
-                "flce: the compiled graph returns its logits, so they are kept: about %.2f GB (logits and their "
-                "gradient at the traced size) that the fused op alone would not use. The loss still takes the "
-                "chunked path without a second logits GEMM. Pass options={'flce.logits': 'drop'} to return "
-                "logits=None and save that memory.",
-                res.kept_logits_bytes / 1e9,
-            )
+        _log_rewrite(res)
+    wrap = None
     if any(r.new_node is not None for r in results):
-        _erase_dead(gm.graph, dead)
+        _erase_dead(gm, dead)
+        wrap = fixup.apply(gm)
         gm.graph.lint()
         gm.recompile()
-    return results
+    return PassResult(results, wrap)
 
 
-def _erase_dead(graph: fx.Graph, candidates: list[fx.Node]) -> None:
+def _log_rewrite(res: SiteResult) -> None:
+    global _logged_keep, _warned_kept_logits
+    logger.info("flce: loss %s -> %s (vocab %s, hidden %s, tokens~%s)%s", res.site.loss_node.name, res.path,
+                res.site.vocab, res.site.hidden, res.tokens, f"; {res.note}" if res.note else "")
+    if res.path == "fused_keep" and not _logged_keep:
+        _logged_keep = True
+        logger.info(
+            "flce: the compiled graph returns its logits, so they are kept, exact: %.2f GB at the traced size. "
+            "The loss and the lm_head's gradients are fused around them and nothing logits-sized is saved for "
+            "backward. options={'flce.logits': 'drop'} returns logits=None and saves those %.2f GB.",
+            res.kept_logits_bytes / 1e9, res.kept_logits_bytes / 1e9,
+        )
+    if res.path == "kept_logits" and not _warned_kept_logits:
+        _warned_kept_logits = True
+        logger.warning(
+            "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and their "
+            "gradient stay. options={'flce.logits': 'drop'} frees them when nothing else needs the logits.",
+            res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
+        )
+
+
+def _erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> None:
     """Erase the candidates left without users, then their inputs left without users, and so on.
 
     Not ``graph.eliminate_dead_code()``: that also removes the user's own unused in-place ops (a buffer's
-    ``add_``, an input's ``clamp_``), which FX considers pure.
+    ``add_``, an input's ``clamp_``), which FX considers pure. Only nodes known to write nothing go.
     """
     work, erased = list(candidates), set()
     while work:
         node = work.pop()
-        if node in erased or node.users or not _removable(node):
+        if node in erased or node.users or not _removable(gm, node):
             continue
         work.extend(node.all_input_nodes)
-        graph.erase_node(node)
+        gm.graph.erase_node(node)
         erased.add(node)
 
 
-def _removable(node: fx.Node) -> bool:
+def _removable(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
         return False
-    return not is_inplace(node) and not node.is_impure()
+    return not effect(gm, node).writes and not node.is_impure()
 
 
 def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
@@ -251,71 +250,114 @@ def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
     return detect_fake_mode(example_inputs) if example_inputs is not None else None
 
 
-def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_mode: Any) -> list[fx.Node]:
-    """Replace one site's loss node; returns the nodes that may have lost their last user."""
-    site, plan = res.site, res.plan
-    loss, lin = site.loss, site.linear
-    graph = gm.graph
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+class _NewNodes:
+    """The nodes one rewrite creates; erased again when the rewrite fails before it commits."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph, self.nodes = graph, []
+
+    def add(self, op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.create_node(op, target, args, kwargs or {})
+        self.nodes.append(node)
+        return node
+
+    def rollback(self) -> None:
+        for node in reversed(self.nodes):
+            self.graph.erase_node(node)
+
+
+def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_mode: Any,
+             fixup: OutputFixup) -> list[fx.Node]:
+    """Rewrite one site; returns the nodes that may have lost their last user."""
+    site, plan, loss, lin = res.site, res.plan, res.site.loss, res.site.linear
     loss_val = meta_value(loss.node)
     out_dtype = loss_val.dtype if isinstance(loss_val, torch.Tensor) else torch.float32
-    new_nodes: list[fx.Node] = []
-
-    def add(op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-        n = graph.create_node(op, target, args, kwargs or {})
-        new_nodes.append(n)
-        return n
-
+    cfg = dict(config) if config else None
+    new = _NewNodes(gm.graph)
+    if res.path == "fused_keep":
+        for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
+            lin.node.prepend(node)
+    anchor = lin.node if res.path == "fused_keep" else loss.node
     try:
-        with graph.inserting_before(loss.node):
-            ce_weight = loss.ce_weight
-            if loss.ce_weight_attr is not None:
-                ce_weight = add("get_attr", loss.ce_weight_attr, ())
-            if res.path == "fused":
-                x = lin.input
+        with gm.graph.inserting_before(anchor):
+            ce_weight = new.add("get_attr", loss.ce_weight_attr, ()) if loss.ce_weight_attr else loss.ce_weight
+            loss_args = (ce_weight, loss.ignore_index, loss.reduction, loss.label_smoothing, plan.softcap,
+                         plan.logit_scale)
+            if res.path == "kept_logits":
+                x = site.chain[max(site.chain.index(n) for n in res.escapes)]
                 for idx in plan.indices:
-                    x = add("call_function", operator.getitem, (x, idx))
-                bias = lin.bias
-                if lin.module_target is not None:
-                    weight = add("get_attr", f"{lin.module_target}.weight", ())
-                    if gm.get_submodule(lin.module_target).bias is not None:
-                        bias = add("get_attr", f"{lin.module_target}.bias", ())
-                elif lin.weight_is_transposed:
-                    weight = add("call_method", "t", (lin.weight,))
-                else:
-                    weight = lin.weight
-                cfg = dict(config) if config else None
-                x_val, logits_val = meta_value(lin.input), meta_value(lin.node)
-                compute_dtype = logits_val.dtype if x_val.dtype != logits_val.dtype else None  # autocast
-                new = add("call_function", flce_fused_loss, (
-                    x, weight, loss.target, bias, ce_weight, loss.ignore_index, loss.reduction,
-                    loss.label_smoothing, plan.softcap, plan.logit_scale, cfg, out_dtype, compute_dtype,
-                ))
+                    x = new.add("call_function", operator.getitem, (x, idx))
+                result = new.add("call_function", flce_kept_logits_loss, (x, loss.target, *loss_args, out_dtype))
             else:
-                chain = site.chain
-                x = chain[max(chain.index(n) for n in res.escapes)]
-                for idx in plan.indices:
-                    x = add("call_function", operator.getitem, (x, idx))
-                new = add("call_function", flce_kept_logits_loss, (
-                    x, loss.target, ce_weight, loss.ignore_index, loss.reduction, loss.label_smoothing,
-                    plan.softcap, plan.logit_scale, out_dtype,
-                ))
-        _propagate_meta(gm, new_nodes, fake_mode)
+                weight, bias = _head_operands(gm, lin, new)
+                tail = (cfg, out_dtype, _compute_dtype(gm, lin))
+                if res.path == "fused":
+                    x = lin.input
+                    for idx in plan.indices:
+                        x = new.add("call_function", operator.getitem, (x, idx))
+                    result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail))
+                else:
+                    both = new.add("call_function", flce_fused_loss_keep, (
+                        lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)))
+                    result = new.add("call_function", operator.getitem, (both, 0))
+                    logits = new.add("call_function", operator.getitem, (both, 1))
+                    attach = bool(res.logits_outputs) and OutputFixup.flat_outputs(gm) is not None
+                    if res.logits_outputs and not attach:
+                        res.logits_outputs, res.note = {}, "the graph's outputs are not a flat tuple"
+                    graph_logits = new.add("call_method", "detach", (logits,)) if attach else logits
+        _propagate_meta(gm, new.nodes, fake_mode)
     except Exception:
-        for n in reversed(new_nodes):
-            graph.erase_node(n)
+        new.rollback()
         raise
     # Commit: nothing below can fail halfway in a way that leaves a broken graph.
-    new.meta.update({k: v for k, v in loss.node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    result.meta.update({k: v for k, v in loss.node.meta.items() if k in _META_KEYS})
     maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes)
-    loss.node.replace_all_uses_with(new)
-    graph.erase_node(loss.node)
+    if res.path == "fused_keep":
+        lin.node.replace_all_uses_with(graph_logits)
+        for node, transform in res.logits_outputs.items():
+            fixup.logits.append(LogitsOutput(
+                graph_logits if node is lin.node else node, fixup.add_extra(lin.input), fixup.add_extra(weight),
+                fixup.add_extra(bias) if bias is not None else None, transform.logit_scale, transform.softcap,
+            ))
+    loss.node.replace_all_uses_with(result)
+    gm.graph.erase_node(loss.node)
     if res.dropped_outputs:
         dropped = set(res.dropped)
-        out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in dropped else n)
         maybe_dead += res.dropped
-    res.new_node = new
+    res.new_node = result
     return maybe_dead
+
+
+def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Node, fx.Node | None]:
+    """The lm_head's weight (V, H) and bias as graph nodes."""
+    bias = lin.bias
+    if lin.module_target is not None:
+        weight = new.add("get_attr", f"{lin.module_target}.weight", ())
+        if gm.get_submodule(lin.module_target).bias is not None:
+            bias = new.add("get_attr", f"{lin.module_target}.bias", ())
+    elif lin.weight_is_transposed:
+        weight = new.add("call_method", "t", (lin.weight,))
+    else:
+        weight = lin.weight
+    return weight, bias
+
+
+def _compute_dtype(gm: fx.GraphModule, lin: Any) -> torch.dtype | None:
+    """The logits' dtype when any lm_head operand has another one (autocast), else None."""
+    if lin.module_target is not None:
+        mod = gm.get_submodule(lin.module_target)
+        operands = [mod.weight, mod.bias]
+    else:
+        operands = [meta_value(lin.weight), meta_value(lin.bias)]
+    operands.append(meta_value(lin.input))
+    logits_dtype = meta_value(lin.node).dtype
+    mixed = any(isinstance(t, torch.Tensor) and t.dtype != logits_dtype for t in operands)
+    return logits_dtype if mixed else None
 
 
 def _propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any) -> None:

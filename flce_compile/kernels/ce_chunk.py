@@ -2,8 +2,9 @@
 
 Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse,
 and the weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient
-is wanted, re-reads each block and overwrites it in place with dloss/dlogits. All math is fp32; the true-class
-term is formed in fp32 before the single rounding to the logits dtype.
+is wanted, re-reads each block and writes dloss/dlogits to the gradient rows: the logits themselves (in place,
+the usual case) or a separate buffer when the logits must stay intact (they are returned to the caller). All
+math is fp32; the true-class term is formed in fp32 before the single rounding to the logits dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def _round_bf16_rtne(x):
 def ce_chunk_kernel(
     logits_ptr,
     stride_row,
+    grad_ptr,
+    grad_stride_row,
     target_ptr,
     ce_weight_ptr,
     weight_sum_ptr,
@@ -147,4 +150,4 @@ def ce_chunk_kernel(
             g = g * (logit_scale * row_factor)
             if EMULATE_BF16_RTNE:
                 g = _round_bf16_rtne(g)
-            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_ptr + row * grad_stride_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)

@@ -1,7 +1,8 @@
 """The cross-entropy step of one chunk in plain PyTorch: the CPU path, and the reference for the kernel.
 
 Given one chunk of raw logits (rows x V, in the compute dtype) it writes each row's scaled loss and lse and,
-when asked, overwrites the logits with the gradient of the loss with respect to them. All math is fp32.
+when asked, writes the gradient of the loss with respect to them (over the logits, or into ``grad_out``). All
+math is fp32.
 """
 
 from __future__ import annotations
@@ -63,4 +64,4 @@ def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
     if p.logit_scale != 1.0:
         g.mul_(p.logit_scale)
     g.masked_fill_(ignored[:, None], 0.0).masked_fill_(invalid[:, None], float("nan"))
-    logits.copy_(g)
+    (args.grad_out if args.grad_out is not None else logits).copy_(g)

@@ -23,9 +23,12 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
     block_v = min(config.block_v, triton.next_power_of_2(vocab))
     per_row = args.ce_scale.dim() == 1
     dummy = args.weight_sum  # any fp32 tensor stands in for pointers a constexpr flag disables
+    grad = args.grad_out if args.grad_out is not None else logits
     ce_chunk_kernel[(rows,)](
         logits,
         logits.stride(0),
+        grad,
+        grad.stride(0),
         args.target,
         args.ce_weight if args.ce_weight is not None else dummy,
         args.weight_sum,

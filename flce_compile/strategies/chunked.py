@@ -12,7 +12,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -165,7 +165,15 @@ def _run_chunks(
     loss_rows: torch.Tensor | None,
     lse_rows: torch.Tensor | None,
     lse_in: torch.Tensor | None,
+    logits_out: torch.Tensor | None = None,
 ) -> Grads:
+    """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
+
+    With aligned rows (V a multiple of 128 bytes) the logits GEMM writes straight into ``logits_out`` and the
+    CE step writes each chunk's gradient into a chunk buffer of its own. Otherwise an unaligned leading
+    dimension would send cuBLAS to its slow kernels, so the GEMM writes the padded chunk buffer as without
+    ``logits_out``, the chunk is copied out, and the CE step overwrites the buffer with its gradient.
+    """
     x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
     n, _hidden = x.shape
     vocab = weight.shape[0]
@@ -181,9 +189,12 @@ def _run_chunks(
     if gemm_vocab != vocab:
         weight = _zero_padded_rows(weight, gemm_vocab)
         bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
+    # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
+    # the gradient, and are needed only when there is one.
+    direct = logits_out is not None and row_stride == vocab
     buffers = [
         torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
-        for _ in range(2 if overlap else 1)
+        for _ in range((2 if overlap else 1) if grads.any or not direct else 0)
     ]
     dx = torch.empty_like(x) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
@@ -197,8 +208,9 @@ def _run_chunks(
     with full_precision_gemm_reductions(device, chunked=chunk < n):
         for index, start in enumerate(range(0, n, chunk)):
             stop = min(start + chunk, n)
-            slot = index % len(buffers)
-            logits = buffers[slot][: stop - start]  # gemm_vocab columns; padding columns stay exact zeros
+            slot = index % max(1, len(buffers))
+            grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
+            logits = logits_out[start:stop] if direct else grad
             x_c = x[start:stop]
             if overlap and buffer_free[slot] is not None:
                 main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
@@ -207,6 +219,8 @@ def _run_chunks(
             else:
                 torch.mm(x_c, weight_t, out=logits)
             rows = slice(start, stop)
+            if logits_out is not None and not direct:
+                logits_out[rows].copy_(logits[:, :vocab])
             ce_step(
                 CEStepArgs(
                     logits=logits[:, :vocab],
@@ -219,19 +233,22 @@ def _run_chunks(
                     lse_out=lse_rows[rows] if lse_rows is not None else None,
                     lse_in=lse_in[rows] if lse_in is not None else None,
                     write_grad=grads.any,
+                    grad_out=grad[:, :vocab] if direct and grads.any else None,
                 ),
                 p,
             )
+            if not grads.any:
+                continue
             if dx is not None:
-                torch.mm(logits, weight, out=dx[rows])
+                torch.mm(grad, weight, out=dx[rows])
             if overlap:
                 ready = main.record_event()
                 side.wait_event(ready)
                 with torch.cuda.stream(side):
-                    _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
+                    _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
                     buffer_free[slot] = side.record_event()
             else:
-                _accumulate_weight_grads(dw_acc, db_acc, logits, x_c)
+                _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
         if overlap:
             main.wait_stream(side)
     dw = dw_acc.result(vocab) if dw_acc is not None else None
@@ -256,30 +273,42 @@ def _accumulate_weight_grads(
         db_acc.add_(grad.sum(dim=0, dtype=torch.float32))
 
 
-def fused_forward(
-    ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Loss of ``ops`` and, when asked, its gradients, in one chunked pass.
+class ForwardResult(NamedTuple):
+    """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for "none"
+    (its backward needs it); gradients are unscaled by grad_output and only for mean/sum; logits (N, V) only
+    when asked to keep them, contiguous."""
 
-    Returns (loss, lse, dx, dw, db): loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for
-    "none" (its backward needs it); gradients are unscaled by grad_output and only for mean/sum.
-    """
+    loss: torch.Tensor
+    lse: torch.Tensor | None
+    dx: torch.Tensor | None
+    dw: torch.Tensor | None
+    db: torch.Tensor | None
+    logits: torch.Tensor | None = None
+
+
+def fused_forward(
+    ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest,
+    *, keep_logits: bool = False,
+) -> ForwardResult:
+    """Loss of ``ops`` and, when asked, its gradients (and the logits), in one chunked pass."""
     n = ops.x.shape[0]
+    vocab = ops.weight.shape[0]
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, ops.weight.shape[0])
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab)
     loss_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device) if per_token else None
+    logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
-        ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None,
+        ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
     )
     if per_token:
-        return loss_rows, lse_rows, None, None, None
+        return ForwardResult(loss_rows, lse_rows, None, None, None, logits)
     loss = loss_rows.sum()
     if p.reduction == "mean":
         # An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and so is ours.
         loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
-    return loss, None, dx, dw, db
+    return ForwardResult(loss, None, dx, dw, db, logits)
 
 
 def fused_backward_per_token(

@@ -1,0 +1,186 @@
+"""Deciding, without touching the graph, what the pass does with each loss site.
+
+Paths, from most to least memory saved:
+
+* ``fused``: nothing but the loss uses the logits (or they are dropped): the fused op replaces the lm_head and
+  the loss, and no logits exist at all.
+* ``fused_keep``: the graph also returns (or otherwise uses) the logits. One op computes them exactly and,
+  around them, the loss and the lm_head's gradients chunk by chunk, so nothing BT x V is saved for backward.
+  It runs where the lm_head ran, so the target is computed before it; when the graph's only other use of the
+  logits is to return them (through casts, reshapes, a scale or a softcap), their gradient is re-attached
+  outside the compiled graph (see ``outputs``), so a caller that never uses them pays nothing in backward.
+* ``kept_logits``: the logits stay as the graph computes them and the loss is taken from them chunk-wise
+  (used when ``fused_keep`` cannot be proven safe; its reason is in ``note``).
+* ``unchanged``: with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .mutations import AliasMap, describe
+from .patterns import Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
+
+PATHS = ("fused", "fused_keep", "kept_logits", "unchanged")
+
+
+@dataclass
+class SiteResult:
+    """What the pass does with one loss site (the raw material of ``explain`` reports and of the logs)."""
+
+    site: Site
+    path: str  # one of PATHS
+    reason: str | None = None
+    note: str | None = None  # why a fused_keep site took the kept_logits path, or what its logits cost
+    dropped_outputs: int = 0
+    kept_logits_bytes: int = 0  # bytes of logits the graph still materializes (+ their gradient on kept_logits)
+    tokens: int | None = None
+    logits_dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    new_node: fx.Node | None = None
+    plan: Plan | None = None
+    escapes: dict[fx.Node, list[fx.Node]] | None = None  # chain nodes that stay used outside the loss path
+    dropped: list[fx.Node] | None = None  # chain nodes whose graph-output uses become None ("drop")
+    prelude: list[fx.Node] = field(default_factory=list)  # target nodes moved before the op (fused_keep)
+    #: fused_keep: returned chain nodes whose gradient is re-attached outside the graph -> their transform.
+    logits_outputs: dict[fx.Node, Plan] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> bool:
+        return self.path != "unchanged"
+
+
+def analyze(gm: fx.GraphModule, logits: str = "keep") -> list[SiteResult]:
+    """What the pass would do with each loss site of ``gm`` (``logits``: the ``flce.logits`` option)."""
+    results = []
+    aliases = AliasMap(gm)
+    for site in find_sites(gm):
+        try:
+            results.append(_decide(site, logits, aliases))
+        except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
+            results.append(SiteResult(site, "unchanged", f"analysis failed: {exc!r}"))
+    return results
+
+
+def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
+    if site.reason is not None or site.linear is None:
+        return SiteResult(site, "unchanged", site.reason or "no lm_head linear found")
+    res = SiteResult(site, "unchanged")
+    out = meta_value(site.linear.node)
+    res.tokens = hint_int(out.numel() // out.shape[-1]) if out.dim() > 1 else 1
+    res.logits_dtype, res.device = out.dtype, out.device
+    all_escapes = site.escapes()
+    escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
+    res.escapes = escapes
+    res.dropped = [n for n in all_escapes if n not in escapes]
+    res.dropped_outputs = len(res.dropped)
+    if not escapes:
+        plan = fold_steps(site, 0)
+        if isinstance(plan, str):
+            res.reason = plan
+            return res
+        write = _head_write(site, aliases)
+        if write is not None:
+            res.reason = (f"{describe(write)} may write to a tensor the lm_head reads (its input, weight or bias, "
+                          "or a view of them) between the lm_head and the loss")
+            return res
+        res.path, res.plan = "fused", plan
+        return res
+    if logits_mode == "drop":
+        res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
+    obstacle = _fused_keep_obstacle(site, res, aliases)
+    if obstacle is None:
+        return res
+    return _kept_logits(site, res, obstacle)
+
+
+def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str | None:
+    """Set ``res`` up for the fused_keep path and return None, or return why it can't be taken."""
+    plan = fold_steps(site, 0)
+    if isinstance(plan, str):
+        return plan
+    if site.loss.reduction == "none":
+        return "reduction='none' (the op with logits computes mean/sum losses)"
+    # The op computes the loss where the lm_head ran: a write to the logits before the loss would be missed.
+    write = aliases.first_write(site.linear.node, site.loss_node, aliases.roots_of([site.linear.node]))
+    if write is not None:
+        return f"{describe(write)} may write the logits between the lm_head and the loss"
+    prelude = _target_prelude(site, aliases)
+    if isinstance(prelude, str):
+        return prelude
+    out = meta_value(site.linear.node)
+    res.path, res.plan, res.prelude = "fused_keep", plan, prelude
+    res.kept_logits_bytes = (hint_int(out.numel()) or 0) * out.element_size()
+    in_graph = [u for users in res.escapes.values() for u in users if u.op != "output"]
+    if not out.requires_grad:
+        return None  # no gradient anywhere: nothing to re-attach
+    if in_graph:
+        res.note = (f"the logits feed {', '.join(sorted({u.name for u in in_graph})[:4])} in the graph, so their "
+                    "gradient flows through the op (a logits-sized gradient buffer in backward)")
+        return None
+    transforms = {node: output_transform(site, node) for node in res.escapes}
+    blocked = {n.name: t for n, t in transforms.items() if isinstance(t, str)}
+    if blocked:
+        res.note = (f"the returned logits {', '.join(blocked)} are computed through "
+                    f"{'; '.join(blocked.values())}: their gradient stays in the graph (a logits-sized zero "
+                    "gradient in backward when they get none)")
+        return None
+    res.logits_outputs = transforms
+    return None
+
+
+def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
+    """The fallback: the loss from the logits the graph keeps, from the last escaping chain node on."""
+    chain = site.chain
+    last = max(chain.index(n) for n in res.escapes)
+    plan = fold_steps(site, last)
+    if isinstance(plan, str):
+        res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
+        return res
+    base_val = meta_value(chain[last])
+    res.path, res.plan, res.note = "kept_logits", plan, f"the op with logits does not apply: {why}"
+    res.kept_logits_bytes = 2 * (hint_int(base_val.numel()) or 0) * base_val.element_size()
+    return res
+
+
+def _head_write(site: Site, aliases: AliasMap) -> fx.Node | None:
+    """A node between the lm_head and the loss that may write the lm_head's input, weight or bias."""
+    lin = site.linear
+    attrs = [f"{lin.module_target}.weight", f"{lin.module_target}.bias"] if lin.module_target else []
+    roots = aliases.roots_of([lin.input, lin.weight, lin.bias], attrs)
+    return aliases.first_write(lin.node, site.loss_node, roots)
+
+
+def _target_prelude(site: Site, aliases: AliasMap) -> list[fx.Node] | str:
+    """The nodes between the lm_head and the loss that compute the loss's target and class weights, which
+    fused_keep moves before the lm_head; a str says why they can't move."""
+    loss, lin = site.loss, site.linear
+    start, stop = aliases.position[lin.node], aliases.position[site.loss_node]
+    needed = [n for n in (loss.target, loss.ce_weight) if isinstance(n, fx.Node)]
+    prelude: set[fx.Node] = set()
+    work = list(needed)
+    while work:
+        node = work.pop()
+        if node in prelude or aliases.position[node] <= start:
+            if node is lin.node:
+                return "the target is computed from the logits"
+            continue
+        if aliases.position[node] >= stop:
+            return f"{node.name} comes after the loss"
+        if aliases.effects[node].writes:
+            return f"the target is built with {describe(node)}, which writes a tensor"
+        prelude.add(node)
+        work.extend(node.all_input_nodes)
+    read = needed + [i for n in prelude for i in n.all_input_nodes]  # moved earlier: nothing may write these
+    write = aliases.first_write(lin.node, site.loss_node, aliases.roots_of(read))
+    if write is not None:
+        return f"{describe(write)} may write the target or class weights between the lm_head and the loss"
+    return sorted(prelude, key=aliases.position.__getitem__)
+
+
+def _users(escapes: dict[fx.Node, list[fx.Node]]) -> str:
+    names = sorted({u.name for users in escapes.values() for u in users})
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

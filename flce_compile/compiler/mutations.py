@@ -1,0 +1,242 @@
+"""Which graph tensors a node may write, and which tensors may share memory: the pass's proof that nothing
+changes the lm_head's operands between the lm_head and the loss.
+
+The fused op runs where the loss ran, so it reads the hidden states, the weight and the bias later than the
+lm_head did. That is only safe when no node in between writes to any of them or to any alias or view of them.
+Purity is decided by what is known to be pure, never by a list of ops known to mutate: an ATen op is judged
+by its schema, Python's operators and a few tensor methods are known, and any other call is assumed to write
+every tensor it is given. Aliasing is as cautious: a result is fresh memory only when the op is known to make
+a new tensor; anything else may share memory with every tensor input.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+#: Python operators that read their operands and return a new value.
+_PURE_OPERATORS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.neg, operator.pos, operator.abs, operator.invert, operator.eq, operator.ne,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_, operator.xor,
+    operator.lshift, operator.rshift, operator.not_, operator.truth, operator.contains, operator.index,
+    operator.is_, operator.is_not, operator.getitem,
+}
+#: Operators that write their first operand (item assignment and the augmented assignments).
+_WRITING_OPERATORS = {
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift,
+}
+#: Augmented-assignment and item-assignment methods: they write ``self``.
+_WRITING_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
+                    "__delitem__"}
+#: Builtins Dynamo leaves in graphs that only read.
+_PURE_BUILTINS = {builtins.getattr, builtins.len, builtins.isinstance, builtins.int, builtins.float,
+                  builtins.bool, builtins.min, builtins.max, builtins.abs, builtins.tuple, builtins.list}
+#: Tensor methods with no ATen op of their name that only read (casts may return ``self``: not fresh).
+_PURE_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu",
+                 "cuda", "type", "size", "dim", "numel", "stride", "element_size", "is_contiguous",
+                 "is_floating_point", "data_ptr", "storage_offset", "get_device", "tolist", "item",
+                 "__getitem__", "__len__"}
+#: ATen ops whose schema promises a new tensor but whose implementation may hand back the input itself.
+_MAY_RETURN_INPUT = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+                     "dropout2d", "dropout3d", "type_as", "einsum", "__getitem__", "getitem"}
+#: torch.nn modules (call_module nodes) that compute a new tensor from their input and write nothing.
+_FRESH_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d, nn.Tanh, nn.GELU,
+                  nn.SiLU, nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.NLLLoss)
+if hasattr(nn, "RMSNorm"):
+    _FRESH_MODULES = _FRESH_MODULES + (nn.RMSNorm,)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What a node does to memory: the graph nodes whose tensors it may write, and whether its result is
+    fresh memory (False: it may alias any of its tensor inputs)."""
+
+    writes: tuple[fx.Node, ...]
+    fresh: bool
+
+
+@functools.cache
+def _aten_verdict(name: str) -> tuple[bool, bool] | None:
+    """(pure, fresh) for the ATen op ``name`` from its schemas, or None when ATen has no op of that name.
+
+    Overloads that write an argument (``out=`` variants, ``add_``) do not count: a graph call reaches them only
+    with ``out=`` or an in-place name, which are checked before. Pure when some overload writes nothing;
+    fresh when no such overload returns an alias of an input.
+    """
+    packet = getattr(torch.ops.aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return None
+    reading = []
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        if not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            reading.append(schema)
+    if not reading:
+        return False, False
+    fresh = name not in _MAY_RETURN_INPUT and not any(r.alias_info is not None for s in reading for r in s.returns)
+    return True, fresh
+
+
+def _name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """``inplace=True`` passed by keyword or by position (``F.relu(x, True)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        params = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" in params:
+        pos = params.index("inplace")
+        return len(node.args) > pos and node.args[pos] is True
+    return False
+
+
+def _tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:
+    return tuple(n for n in node.all_input_nodes if not _is_non_tensor(n))
+
+
+def _is_non_tensor(node: fx.Node) -> bool:
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val is not None and not isinstance(val, torch.Tensor) and not isinstance(val, (tuple, list))
+
+
+def _out_nodes(node: fx.Node) -> tuple[fx.Node, ...]:
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(n for n in out if isinstance(n, fx.Node))
+    return ()
+
+
+def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
+    """The memory effect of one node (see the module docstring for the rules)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return Effect((), True)
+    first = (node.args[0],) if node.args and isinstance(node.args[0], fx.Node) else ()
+    unknown = Effect(_tensor_inputs(node), False)
+    outs = _out_nodes(node)
+    if outs:
+        return Effect(outs, False)
+    if node.op == "call_module":
+        return _module_effect(gm, node, first, unknown)
+    target, name = node.target, _name(node.target)
+    if node.op == "call_method":
+        if _writes_self(name):
+            return Effect(first, False)
+        return Effect((), False) if name in _PURE_METHODS else _by_aten_name(name, unknown)
+    if target in _WRITING_OPERATORS:
+        return Effect(first, False)
+    if target in _PURE_OPERATORS:
+        return Effect((), target is not operator.getitem)
+    if target in _PURE_BUILTINS:
+        return Effect((), False)
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        written = tuple(
+            a for a, arg in zip(node.args, schema.arguments)
+            if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write
+        )
+        return Effect(written, not any(r.alias_info is not None for r in schema.returns))
+    if not (getattr(target, "__module__", None) or "").startswith("torch"):
+        return unknown  # user code or a library Dynamo did not inline: may write anything it is given
+    if _writes_self(name) or _inplace_flag(node):
+        return Effect(first, False)
+    if getattr(F, name, None) is target:
+        # torch.nn.functional writes only through inplace= or a trailing underscore (both checked above).
+        verdict = _aten_verdict(name)
+        return Effect((), bool(verdict and verdict[1]))
+    return _by_aten_name(name, unknown)
+
+
+def _module_effect(gm: fx.GraphModule, node: fx.Node, first: tuple[fx.Node, ...], unknown: Effect) -> Effect:
+    try:
+        mod = gm.get_submodule(node.target)
+    except AttributeError:
+        return unknown
+    if getattr(mod, "inplace", False):
+        return Effect(first, False)
+    if isinstance(mod, _FRESH_MODULES):
+        return Effect((), True)
+    # torch.nn modules write their inputs only through inplace=; their own buffers (BatchNorm's running
+    # statistics) are not graph tensors here.
+    return Effect((), False) if type(mod).__module__.startswith("torch.nn.") else unknown
+
+
+def _writes_self(name: str) -> bool:
+    if name.startswith("__") and name.endswith("__"):
+        return name in _WRITING_DUNDERS
+    return name.endswith("_")
+
+
+def _by_aten_name(name: str, unknown: Effect) -> Effect:
+    verdict = _aten_verdict(name)
+    if verdict is None or not verdict[0]:
+        return unknown
+    return Effect((), verdict[1])
+
+
+class AliasMap:
+    """For each node: its position in the graph, its ``Effect``, and the set of fresh-memory nodes (roots) its
+    tensor may share memory with."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.effects: dict[fx.Node, Effect] = {}
+        self.roots: dict[fx.Node, frozenset[Any]] = {}
+        self.position: dict[fx.Node, int] = {}
+        for node in gm.graph.nodes:
+            self.position[node] = len(self.position)
+            eff = effect(gm, node)
+            self.effects[node] = eff
+            if node.op == "get_attr":
+                self.roots[node] = frozenset({("attr", str(node.target))})  # one root per attribute name
+            elif eff.fresh or node.op == "placeholder":
+                self.roots[node] = frozenset({node})
+            else:
+                self.roots[node] = frozenset({node}).union(*(self.roots.get(i, frozenset()) for i in node.all_input_nodes))
+
+    def roots_of(self, nodes: Iterable[fx.Node | None], attrs: Iterable[str] = ()) -> frozenset[Any]:
+        out: set[Any] = {("attr", a) for a in attrs}
+        for n in nodes:
+            if isinstance(n, fx.Node):
+                out |= self.roots[n]
+        return frozenset(out)
+
+    def first_write(self, start: fx.Node, stop: fx.Node, roots: frozenset[Any]) -> fx.Node | None:
+        """The first node strictly between ``start`` and ``stop`` (graph order) that may write a tensor sharing
+        memory with ``roots``, or None."""
+        node = start.next
+        while node is not stop and node.op != "output":
+            for written in self.effects[node].writes:
+                if self.roots[written] & roots:
+                    return node
+            node = node.next
+        return None
+
+
+def describe(node: fx.Node) -> str:
+    """A short, user-facing name of a writing node: ``h[...] = ...``, ``x.copy_(...)``, ``F.relu(..., inplace=True)``."""
+    name = _name(node.target)
+    if node.target is operator.setitem:
+        return f"item assignment {node.args[0]}[...] = ... ({node.name})"
+    if node.op == "call_method":
+        return f"{node.args[0]}.{name}(...) ({node.name})"
+    extra = " with out=" if node.kwargs.get("out") is not None else " with inplace=True" if _inplace_flag(node) else ""
+    return f"{name or node.target}(...){extra} ({node.name})"

@@ -1,0 +1,134 @@
+"""Graph outputs the pass changes, and the wrapper that restores them around the compiled graph.
+
+Two things happen to a rewritten graph's outputs:
+
+* ``flce.logits="drop"`` turns logits outputs into None. The inner compiler never sees those Nones (AOT's
+  output wrappers and DDPOptimizer's split graphs expect tensors); the wrapper puts them back.
+* A kept logits output would cost a BT x V zero gradient in every backward: AOT autograd hands each
+  differentiable output a tangent, and autograd materialises a zero one when the caller never uses the
+  logits, which is the usual case (``loss = model(...).loss``). So the compiled graph returns the logits
+  detached, plus the lm_head's input, weight and bias as extra outputs, and the wrapper re-attaches the
+  logits' gradient outside the graph (``LogitsGrad``): nothing at all when the logits get no gradient, and
+  exactly the lm_head's own backward (through a softcap or scale in between) when they do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+
+class LogitsGrad(torch.autograd.Function):
+    """Identity on a logits output computed without autograd, whose backward is the lm_head's.
+
+    ``out = softcap * tanh(logit_scale * z / softcap)`` (or ``logit_scale * z``) with ``z = x @ W.T + b``;
+    backward maps dL/d(out) to dL/dx, dL/dW and dL/db, as the unfused graph's backward would.
+    """
+
+    @staticmethod
+    def forward(ctx, out, x, weight, bias, logit_scale, softcap):  # noqa: D401 - autograd API
+        result = out.detach()  # the same memory, not a view: the caller may write into it as into any output
+        ctx.logit_scale, ctx.softcap, ctx.has_bias = logit_scale, softcap, bias is not None
+        ctx.save_for_backward(x, weight, result if softcap is not None else None)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, out = ctx.saved_tensors
+        g = grad_out.float() if ctx.softcap is not None or ctx.logit_scale != 1.0 else grad_out
+        if ctx.softcap is not None:
+            g = g * (1.0 - (out.float() / ctx.softcap) ** 2)
+        if ctx.logit_scale != 1.0:
+            g = g * ctx.logit_scale
+        g = g.to(weight.dtype).reshape(-1, weight.shape[0])
+        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
+        dx = (g @ weight).view(x.shape) if need_x else None
+        dw = g.t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype) if need_w else None
+        db = g.sum(0) if need_b and ctx.has_bias else None
+        return None, dx, dw, db, None, None
+
+
+@dataclass
+class LogitsOutput:
+    """A graph output computed from detached logits, and where its lm_head operands sit among the extras."""
+
+    node: fx.Node
+    x: int
+    weight: int
+    bias: int | None
+    logit_scale: float
+    softcap: float | None
+
+
+@dataclass
+class OutputFixup:
+    """The changes to one graph's flat output tuple, applied to the graph and undone around the compiled
+    callable."""
+
+    extras: list[fx.Node] = field(default_factory=list)
+    logits: list[LogitsOutput] = field(default_factory=list)
+
+    def add_extra(self, node: fx.Node) -> int:
+        if node not in self.extras:
+            self.extras.append(node)
+        return self.extras.index(node)
+
+    @staticmethod
+    def flat_outputs(gm: fx.GraphModule) -> list[Any] | None:
+        """The graph's outputs when they are one flat tuple/list of nodes and Nones (Dynamo's form), else None."""
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        items = out.args[0] if len(out.args) == 1 else None
+        if not isinstance(items, (tuple, list)) or not all(i is None or isinstance(i, fx.Node) for i in items):
+            return None
+        return list(items)
+
+    def apply(self, gm: fx.GraphModule) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+        """Rewrite the output node (no Nones, extras appended); returns the wrapper maker, or None when there
+        is nothing to undo."""
+        items = self.flat_outputs(gm)
+        if items is None:
+            return None
+        nones = [i for i, item in enumerate(items) if item is None]
+        if not nones and not self.extras:
+            return None
+        positions = {}  # output node -> its positions in the original tuple
+        for i, item in enumerate(items):
+            if item is not None:
+                positions.setdefault(item, []).append(i)
+        attach = [(positions.get(spec.node, []), spec) for spec in self.logits]
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        out_node.args = (tuple(i for i in items if i is not None) + tuple(self.extras),)
+        n_out, n_extra = len(items), len(self.extras)
+        kept = [i for i, item in enumerate(items) if item is not None]
+        return lambda compiled: _Restore(compiled, n_out, kept, n_extra, attach)
+
+
+class _Restore:
+    """Calls the compiled graph and rebuilds the outputs the caller expects (see the module docstring)."""
+
+    def __init__(self, compiled: Callable[..., Any], n_out: int, kept: list[int], n_extra: int,
+                 attach: Sequence[tuple[list[int], LogitsOutput]]) -> None:
+        self.compiled = compiled
+        self.n_out, self.kept, self.n_extra, self.attach = n_out, kept, n_extra, attach
+        # Dynamo calls a "boxed" compiled function with one list of inputs (which it may clear); keep that.
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *args: Any) -> list[Any]:
+        flat = list(self.compiled(*args))
+        extras = flat[len(flat) - self.n_extra:] if self.n_extra else []
+        result: list[Any] = [None] * self.n_out
+        for i, value in zip(self.kept, flat):
+            result[i] = value
+        if torch.is_grad_enabled():
+            for positions, spec in self.attach:
+                if not positions:
+                    continue
+                bias = extras[spec.bias] if spec.bias is not None else None
+                attached = LogitsGrad.apply(result[positions[0]], extras[spec.x], extras[spec.weight], bias,
+                                            spec.logit_scale, spec.softcap)
+                for i in positions:
+                    result[i] = attached
+        return result
