@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Printed when there is no user DB path: no --db, no $FLCE_TUNING_DB and no home directory.
-NO_USER_DB = ("no user tuning DB: this process has no home directory; pass --db FILE or set FLCE_TUNING_DB")
+NO_USER_DB = "no user tuning DB: this process has no home directory; pass --db FILE or set FLCE_TUNING_DB"
 
 
 def _user_path(args: argparse.Namespace) -> Path | None:
@@ -327,7 +327,7 @@ def _validate_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -
 def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     chosen = sum(bool(x) for x in (args.shipped_set, args.shapes, args.vocab is not None or args.hidden is not None))
     if chosen != 1:
-        p.error("give exactly one of: --vocab V --hidden H, --shapes VxH,..., --shipped-set (or --list/--show/--export)")
+        p.error("give exactly one of: --vocab V --hidden H, --shapes VxH,..., --shipped-set (or --list/--show/--export/--which)")
     if (args.vocab is None) != (args.hidden is None):
         p.error("--vocab and --hidden go together; e.g. --vocab 151936 --hidden 4096")
     _validate_shape_args(p, args)
