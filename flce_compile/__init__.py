@@ -6,8 +6,10 @@ from typing import Any
 from .api import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .config import FLCEConfig, choose_config
 from .memory import peak_bytes, peak_bytes_expr
+from .tuning.which import ConfigChoice, which_config
 
 __all__ = [
+    "ConfigChoice",
     "FLCEConfig",
     "backend",
     "explain",
@@ -17,6 +19,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "peak_bytes",
     "peak_bytes_expr",
+    "which_config",
 ]
 __version__ = "0.1.0"
 

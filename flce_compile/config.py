@@ -145,20 +145,39 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     )
 
 
+#: choose_config's source on the CPU: the tuning DB is measured on GPUs, so a CPU call never reads it.
+CPU_SOURCE = "heuristic (the tuning DB holds GPU entries; CPU calls use the heuristic)"
+
+
 def choose_config(
     num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[FLCEConfig, str]:
-    """Pick the config for one call and say where it came from ("tuning_db:<source>" or "heuristic")."""
-    try:
-        from .tuning.db import lookup
-    except ImportError:  # the tuning package is optional at this layer
-        lookup = None
-    if lookup is not None and device.type == "cuda":
-        found = lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens, device=device)
-        if found is not None:
-            config, source = found
-            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
-            return config, source
-    config = heuristic_config(num_tokens, vocab, hidden, dtype, device)
-    logger.debug("config for V=%d H=%d tokens=%d from heuristic", vocab, hidden, num_tokens)
-    return config, "heuristic"
+    """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
+    non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only)."""
+    config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
+    return config, source
+
+
+def choose_config_match(
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *, gpu: str | None = None
+) -> tuple[FLCEConfig, str, Any]:
+    """``choose_config`` plus the tuning-DB match it used (a ``tuning.db.Match``, or None for the heuristic).
+
+    ``gpu`` (a GPU kind such as "h200") looks up that kind's entries instead of ``device``'s own, so
+    ``which_config`` can answer for a GPU this machine does not have; ``device`` must then be a CUDA device
+    (it picks the GPU heuristic, which needs no GPU).
+    """
+    if device.type == "cuda":
+        from .tuning.db import find_match  # noqa: PLC0415 - tuning.db imports this module
+
+        match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
+                           device=device if gpu is None else gpu)
+        if match is not None:
+            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, match.source)
+            return match.config, match.source, match
+        source = "heuristic"
+    else:
+        source = CPU_SOURCE if device.type == "cpu" else (
+            f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")
+    logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
+    return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None

@@ -281,3 +281,91 @@ def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert cli.main([*base, "--budget-over-default-gb", "0.5", "--out", str(out)]) == 0
     assert "--budget-over-default-gb is not applied" in capsys.readouterr().err
     assert db.read_file(out, strict=True)[0].config.chunk_tokens > 1536
+
+
+def test_list_survives_a_bad_user_db(tmp_path, monkeypatch, capsys, caplog):
+    """A non-UTF-8 user DB: --list warns about it and still lists the shipped entries (was a traceback)."""
+    from flce_compile.tuning import cli
+
+    shipped = tmp_path / "shipped"
+    db.write_entries(shipped / "h100.json", [make_entry(device="h100", vocab=32768, hidden=4096)])
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped))
+    user = tmp_path / "user.json"
+    user.write_bytes(b"\xff\xfe not utf-8")
+    assert cli.main(["--list", "--db", str(user)]) == 0
+    assert any(l.startswith("h100") and "shipped:h100.json" in l for l in capsys.readouterr().out.splitlines())
+    assert "is not UTF-8" in caplog.text
+
+
+def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
+    from flce_compile.tuning import cli
+
+    user = tmp_path / "user.json"
+    db.write_entries(user, [make_entry()])
+    (tmp_path / "a_file").write_text("")
+    assert cli.main(["--export", str(tmp_path / "a_file" / "out"), "--db", str(user)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flce-tune: could not export to ") and "Not a directory" in err
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--shapes", "0x0"], "item '0x0' needs a positive VOCAB and HIDDEN"),
+    (["--shapes", "151936x0"], "needs a positive VOCAB and HIDDEN"),
+    (["--vocab", "8", "--hidden", "8", "--budget-gb", "nan"], "--budget-gb must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--budget-gb", "inf"], "--budget-gb must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--timeout", "nan"], "--timeout must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--time-budget-s", "nan"], "--time-budget-s must be a positive finite"),
+    (["--vocab", "8", "--hidden", "8", "--budget-over-default-gb", "nan"], "--budget-over-default-gb must be >= 0"),
+])
+def test_bad_numbers_are_one_clear_line(capsys, bad, message):
+    """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""
+    from flce_compile.tuning import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(bad)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err
+    assert err.count("\n") == 1 and err.startswith("flce-tune: error: "), err
+
+
+def test_no_home_directory(tmp_path, monkeypatch, capsys):
+    """No $HOME, no passwd entry, no $FLCE_TUNING_DB: --list shows the shipped entries, writing to the user DB
+    says what to pass instead of a traceback."""
+    from flce_compile.tuning import cli
+
+    shipped = tmp_path / "shipped"
+    db.write_entries(shipped / "h100.json", [make_entry(device="h100", vocab=32768, hidden=4096)])
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped))
+    monkeypatch.delenv(db.ENV_USER_DB)
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    assert cli.main(["--list"]) == 0
+    assert "shipped:h100.json" in capsys.readouterr().out
+    assert cli.main(["--export", str(tmp_path / "out")]) == 1
+    assert cli.NO_USER_DB in capsys.readouterr().err
+    _fake_gpu(monkeypatch)
+    assert cli.main(["--vocab", "8", "--hidden", "8", "--tokens", "8", "--trials", "1"]) == 2
+    assert "nowhere to write the results" in capsys.readouterr().err
+
+
+def test_which(tmp_path, monkeypatch, capsys):
+    """--which prints what which_config answers, per token count; on a machine without a GPU and without
+    --device-kind it answers for the CPU."""
+    from flce_compile.config import CPU_SOURCE
+    from flce_compile.tuning import cli
+
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    user = tmp_path / "user.json"
+    db.write_entries(user, [make_entry(tokens=8192)])
+    base = ["--which", "--db", str(user), "--vocab", "256000", "--hidden", "2304"]
+    assert cli.main([*base, "--tokens", "8192", "2000", "--device-kind", "NVIDIA H200"]) == 0
+    out = capsys.readouterr().out
+    assert "V=256000 H=2304 bf16 tokens=8192 on h200: user exact (tuning_db:user_exact)" in out
+    assert "tokens=2000 on h200: nearest bucket (tuning_db:nearest_tokens(user tokens=8192))" in out
+    assert '"chunk_tokens": 2048' in out and "1.55x over the default" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([*base, "--tokens", "8192"]) == 0
+    assert f"on cpu: {CPU_SOURCE}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--which", "--vocab", "256000", "--tokens", "8192"])
+    assert exc.value.code == 2 and "--which needs --vocab V --hidden H --tokens N" in capsys.readouterr().err

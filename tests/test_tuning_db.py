@@ -169,11 +169,12 @@ def test_lookup_fallbacks(dbs, caplog):
     assert find(dtype=torch.float16)[1].startswith("tuning_db:nearest_shape(")
 
 
-def test_lookup_cache_and_invalidation(dbs):
+def test_lookup_cache_and_invalidation(dbs, monkeypatch):
     user, _ = dbs
+    monkeypatch.setattr(db, "_clock", lambda: 1000.0)  # time stands still: no re-validation by mtime
     db.write_entries(user, [entry(chunk=512)])
     assert find()[0].chunk_tokens == 512
-    # an edit behind the DB's back is not seen until the cache is invalidated ...
+    # an edit behind the DB's back is not seen until the cache is invalidated (or RECHECK_S has passed) ...
     user.write_text(db._dump([entry(chunk=4096)]))
     assert find()[0].chunk_tokens == 512
     db.invalidate_cache()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 #: The (V, H) pairs shipped in tuning_db/, most important first (a time-limited run covers the head).
 SHIPPED_SHAPES: tuple[tuple[int, int, str], ...] = (
@@ -58,6 +59,9 @@ examples:
   flce-tune --show --vocab 151936
   flce-tune --export tuning_db/
 
+  # which config the op would run for a problem on an H200, and where it comes from (works without a GPU)
+  flce-tune --which --vocab 151936 --hidden 4096 --tokens 16384 --device-kind h200
+
 environment:
   FLCE_TUNING_DB          the user DB file (default ~/.cache/flce_compile/tuning_db.json)
   FLCE_TUNING_DB_SHIPPED  a directory used instead of the shipped tuning_db/ (development)
@@ -71,17 +75,27 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
         if not part:
             continue
         try:
-            v, h = part.split("x")
-            shapes.append((int(v), int(h)))
+            v, h = (int(n) for n in part.split("x"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--shapes item {part!r} must look like VOCABxHIDDEN, e.g. 151936x4096") from None
+            raise argparse.ArgumentTypeError(f"item {part!r} must look like VOCABxHIDDEN, e.g. 151936x4096") from None
+        if v < 1 or h < 1:
+            raise argparse.ArgumentTypeError(f"item {part!r} needs a positive VOCAB and HIDDEN, e.g. 151936x4096")
+        shapes.append((v, h))
     if not shapes:
         raise argparse.ArgumentTypeError("--shapes needs at least one VOCABxHIDDEN item")
     return shapes
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the option and the fix (argparse's usage block is 11 lines and
+    hides it); ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="flce-tune",
         description="Autotune flce_compile's fused linear + cross-entropy op on this GPU and record the best "
                     "configs in the tuning database.",
@@ -131,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--show", action="store_true", help="show DB entries with configs and timings")
     db.add_argument("--export", type=Path, metavar="PATH", help="write the user DB's entries in shipped format "
                                                                  "(a directory: one <gpu>.json per GPU kind)")
-    db.add_argument("--device-kind", help="filter --list/--show/--export by GPU kind, e.g. h200")
+    db.add_argument("--which", action="store_true",
+                    help="print the config the op would run for --vocab/--hidden/--tokens (and --dtype) and its "
+                         "source: user exact, shipped exact, nearest bucket, nearest shape or heuristic")
+    db.add_argument("--device-kind", help="filter --list/--show/--export by GPU kind, e.g. h200; with --which, the "
+                                          "GPU kind to answer for (default: this machine's GPU, or its CPU)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -141,12 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------------------
 
 
+#: Printed when there is no user DB path: no --db, no $FLCE_TUNING_DB and no home directory.
+NO_USER_DB = "no user tuning DB: this process has no home directory; pass --db FILE or set FLCE_TUNING_DB"
+
+
+def _user_path(args: argparse.Namespace) -> Path | None:
+    """--db, else $FLCE_TUNING_DB or ~/.cache/...; None without a home directory (see db.user_db_path)."""
+    from . import db  # noqa: PLC0415
+
+    return args.db.expanduser() if args.db else db.user_db_path()
+
+
 def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
     """(entry, source) for every entry in the user file and the shipped files, user first, filtered."""
     from . import db  # noqa: PLC0415
 
-    user_path = args.db.expanduser() if args.db else db.user_db_path()
-    user = db.read_file(user_path)
+    user_path = _user_path(args)
+    user = db.read_file(user_path) if user_path is not None else []
     user_keys = {e.key for e in user}
     rows: list[tuple[Any, str]] = [(e, f"user:{user_path}") for e in user]
     for path in db.shipped_files():
@@ -180,7 +209,7 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
     rows = _db_rows(args)
     if not rows:
         print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind, args.dtype)) else ""))
-        print(f"user DB: {args.db or db.user_db_path()}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
+        print(f"user DB: {_user_path(args) or NO_USER_DB}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
     if not detailed:
         _print_table(("device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"),
@@ -201,7 +230,10 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from . import db  # noqa: PLC0415
 
-    user_path = args.db.expanduser() if args.db else db.user_db_path()
+    user_path = _user_path(args)
+    if user_path is None:
+        print(f"flce-tune: nothing to export: {NO_USER_DB}", file=sys.stderr)
+        return 1
     entries = db.read_file(user_path)
     if args.device_kind:
         kind = db.normalize_device_name(args.device_kind)
@@ -210,8 +242,30 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"flce-tune: nothing to export: {user_path} has no entries" + (" for that --device-kind" if args.device_kind else ""),
               file=sys.stderr)
         return 1
-    for path in db.export_shipped(args.export, entries):
+    try:
+        paths = db.export_shipped(args.export, entries)
+    except (OSError, ValueError) as exc:  # unwritable path, a foreign file there, several kinds into one file
+        print(f"flce-tune: could not export to {args.export}: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
         print(f"wrote {path}")
+    return 0
+
+
+def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--which: what ``flce_compile.which_config`` answers, one block per token count."""
+    from .which import which_config  # noqa: PLC0415
+
+    if args.vocab is None or args.hidden is None or not args.tokens:
+        p.error("--which needs --vocab V --hidden H --tokens N [N ...]; e.g. --which --vocab 151936 --hidden 4096 "
+                "--tokens 16384 --device-kind h200")
+    dtype = args.dtype or "bf16"
+    for tokens in args.tokens:
+        try:
+            choice = which_config(tokens, args.vocab, args.hidden, dtype, gpu=args.device_kind)
+        except ValueError as exc:
+            p.error(str(exc))
+        print(f"V={args.vocab} H={args.hidden} {dtype} tokens={tokens} on {choice}")
     return 0
 
 
@@ -260,34 +314,39 @@ def _studies(args: argparse.Namespace) -> list[tuple[int, int, int]]:
     return [(v, h, t) for t in tokens for v, h in shapes]
 
 
-def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    chosen = sum(bool(x) for x in (args.shipped_set, args.shapes, args.vocab is not None or args.hidden is not None))
-    if chosen != 1:
-        p.error("give exactly one of: --vocab V --hidden H, --shapes VxH,..., --shipped-set (or --list/--show/--export)")
-    if (args.vocab is None) != (args.hidden is None):
-        p.error("--vocab and --hidden go together; e.g. --vocab 151936 --hidden 4096")
+def _validate_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--vocab, --hidden and --tokens are positive (tuning and --which)."""
     for name in ("vocab", "hidden"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be a positive integer, got {value}")
     if args.tokens and min(args.tokens) < 1:
         p.error(f"--tokens must be positive integers, got {args.tokens}")
+
+
+def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    chosen = sum(bool(x) for x in (args.shipped_set, args.shapes, args.vocab is not None or args.hidden is not None))
+    if chosen != 1:
+        p.error("give exactly one of: --vocab V --hidden H, --shapes VxH,..., --shipped-set (or --list/--show/--export/--which)")
+    if (args.vocab is None) != (args.hidden is None):
+        p.error("--vocab and --hidden go together; e.g. --vocab 151936 --hidden 4096")
+    _validate_shape_args(p, args)
     if args.trials is not None and args.trials < 1:
         p.error(f"--trials must be >= 1, got {args.trials}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.reps < 10:
         p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
-    if args.budget_gb is not None and args.budget_gb <= 0:
-        p.error(f"--budget-gb must be positive, got {args.budget_gb}")
-    if args.budget_over_default_gb is not None and args.budget_over_default_gb < 0:
-        p.error(f"--budget-over-default-gb must be >= 0, got {args.budget_over_default_gb}")
+    # "not (x > 0)" rather than "x <= 0": NaN compares false both ways and must not pass
+    for name, unit in (("budget_gb", "GiB"), ("timeout", "seconds"), ("time_budget_s", "seconds")):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} must be a positive finite number of {unit}, got {value}")
+    if args.budget_over_default_gb is not None and not (math.isfinite(args.budget_over_default_gb)
+                                                        and args.budget_over_default_gb >= 0):
+        p.error(f"--budget-over-default-gb must be >= 0 (GiB, finite), got {args.budget_over_default_gb}")
     if args.memory_gain_margin is not None and not 0 <= args.memory_gain_margin < 1:
         p.error(f"--memory-gain-margin must be in [0, 1), got {args.memory_gain_margin} (0.02 = 2%)")
-    for name in ("timeout", "time_budget_s"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive seconds, got {value}")
 
 
 def _study_budget(budget_bytes: int | None, over_default_gib: float | None, default_predicted: int | None,
@@ -338,7 +397,10 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     budget_bytes = int(args.budget_gb * 2**30) if args.budget_gb else None
     studies = _studies(args)
     deadline = started + args.time_budget_s if args.time_budget_s else None
-    target = args.out if args.out is not None else (args.db.expanduser() if args.db else db.user_db_path())
+    target = args.out if args.out is not None else _user_path(args)
+    if target is None:
+        print(f"flce-tune: nowhere to write the results: {NO_USER_DB} (or --out DIR)", file=sys.stderr)
+        return 2
     if args.out is not None and args.out.suffix != ".json":
         target = args.out / f"{kind}.json"
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
@@ -464,14 +526,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("flce_compile").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     if args.db is not None and args.out is None:
-        os.environ["FLCE_TUNING_DB"] = str(args.db.expanduser())  # lookups (DB seeds) read the same file
-    modes = sum(bool(x) for x in (args.list, args.show, args.export is not None))
+        os.environ["FLCE_TUNING_DB"] = str(args.db.expanduser())  # lookups (DB seeds, --which) read the same file
+        from . import db  # noqa: PLC0415
+
+        db.invalidate_cache()  # lookups re-check the environment only once a second
+    modes = sum(bool(x) for x in (args.list, args.show, args.export is not None, args.which))
     if modes > 1:
-        parser.error("--list, --show and --export are separate modes; give one")
+        parser.error("--list, --show, --export and --which are separate modes; give one")
     if args.list or args.show:
         return cmd_list(args, detailed=args.show)
     if args.export is not None:
         return cmd_export(args)
+    if args.which:
+        _validate_shape_args(parser, args)
+        return cmd_which(parser, args)
     _validate_tune_args(parser, args)
     _install_sigterm()
     return cmd_tune(args, started)

@@ -18,32 +18,36 @@ Files. Every file has the same format (``FORMAT``, ``SCHEMA_VERSION``, a list of
 
 Lookup (``lookup``) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
 dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic). It sits on the op's hot
-path, so the files are parsed once into dicts and every answer is memoised; ``invalidate_cache`` drops both
-(tests, and automatically after ``write_entries``).
+path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The loaded index is
+re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime, size and inode),
+so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at once (tests,
+and automatically after ``write_entries``).
 
-Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored; ``lookup``
-never raises. Writes take a file lock and replace the file atomically, so several tuners can write at once.
+Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored until it
+changes; the other files still answer. Without a home directory (and no ``$FLCE_TUNING_DB``) there is no user
+layer. ``lookup`` never raises. Writes take a file lock and replace the file atomically (``atomic``), so
+several tuners can write at once and a killed one leaves no partial file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import math
 import os
 import re
-import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from ..config import FLCEConfig
 from ..log import logger
+from . import atomic
 
 #: The value of the "format" key; a JSON file without it is foreign and ignored.
 FORMAT = "flce_compile.tuning_db"
@@ -196,7 +200,8 @@ class Entry:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Entry":
-        """Parse one entry; raises ValueError/KeyError/TypeError on a malformed one (callers skip it)."""
+        """Parse one entry; raises ValueError/KeyError/TypeError/OverflowError on a malformed one (callers
+        skip it)."""
         known = {"device", "vocab", "hidden", "dtype", "tokens", "config", "ms", "peak_gb", "default_ms",
                  "default_peak_gb", "trials", "torch", "triton", "date"}
         ms = float(data["ms"])
@@ -247,16 +252,39 @@ class DBFileError(ValueError):
     """A database file that cannot be used: unreadable, corrupt, foreign or of a newer schema."""
 
 
-def _parse_file(path: Path) -> tuple[list[Entry], list[str]]:
-    """Read one file; returns its valid entries and a list of per-entry problems. Raises DBFileError."""
+class DBCorruptError(DBFileError):
+    """A database file whose bytes are not strict JSON (bad UTF-8, ``NaN``/``Infinity``, too deep, truncated):
+    the writer moves it aside instead of refusing to overwrite it, as it does for a foreign file."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(path: Path, raw: bytes) -> Any:
+    """Strict JSON from a file's bytes; raises DBCorruptError for anything a strict JSON reader would refuse."""
+    fix = "delete it or fix it (flce-tune moves a corrupt user DB aside on its next write)"
     try:
-        text = path.read_text(encoding="utf-8")
+        # Python's json accepts NaN/Infinity; other tools do not, and an infinite time is no measurement.
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise DBCorruptError(f"tuning DB file {path} is not UTF-8 ({exc}); {fix}") from exc
+    except RecursionError as exc:  # json's C scanner recurses per nesting level
+        raise DBCorruptError(f"tuning DB file {path} nests too deep to be a tuning DB; {fix}") from exc
+    except ValueError as exc:
+        raise DBCorruptError(f"tuning DB file {path} is not valid JSON ({exc}); {fix}") from exc
+
+
+def _parse_file(path: Path) -> tuple[list[Entry], list[str]]:
+    """Read one file; returns its valid entries and a list of per-entry problems. Raises DBFileError, or
+    FileNotFoundError for a missing file."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise DBFileError(f"cannot read tuning DB file {path}: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise DBFileError(f"tuning DB file {path} is not valid JSON ({exc}); delete or fix it") from exc
+    data = _parse_json(path, raw)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DBFileError(f"{path} is not an flce_compile tuning DB (no \"format\": \"{FORMAT}\"); ignored")
     version = data.get("schema_version")
@@ -272,12 +300,12 @@ def _parse_file(path: Path) -> tuple[list[Entry], list[str]]:
         raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
     entries: list[Entry] = []
     problems: list[str] = []
-    for i, raw in enumerate(raw_entries):
+    for i, item in enumerate(raw_entries):
         try:
-            if not isinstance(raw, Mapping):
+            if not isinstance(item, Mapping):
                 raise TypeError("entry is not an object")
-            entries.append(Entry.from_dict(raw))
-        except (KeyError, TypeError, ValueError) as exc:
+            entries.append(Entry.from_dict(item))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
             problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
     return entries, problems
 
@@ -286,10 +314,10 @@ def read_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[Ent
     """Entries of one file. A missing file is empty. A bad file raises DBFileError if ``strict``, else it is
     reported once through the logger and read as empty."""
     p = Path(path)
-    if not p.exists():
-        return []
     try:
         entries, problems = _parse_file(p)
+    except FileNotFoundError:
+        return []
     except DBFileError as exc:
         if strict:
             raise
@@ -323,12 +351,19 @@ def _warn_once(path: str, message: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def user_db_path() -> Path:
-    """The user database file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json``."""
+def user_db_path() -> Path | None:
+    """The user database file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json``.
+
+    ``None`` when neither names a file: no ``$FLCE_TUNING_DB`` and no home directory (a container running as
+    an arbitrary UID has no ``$HOME`` and no passwd entry). Lookups then use the shipped files alone.
+    """
     env = os.environ.get(ENV_USER_DB)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "flce_compile" / "tuning_db.json"
+    try:
+        if env:
+            return Path(env).expanduser()
+        return Path.home() / ".cache" / "flce_compile" / "tuning_db.json"
+    except (RuntimeError, KeyError, OSError):  # Path.home/expanduser: RuntimeError (3.11), KeyError (older)
+        return None
 
 
 def shipped_dirs(package_dir: Path | None = None) -> list[Path]:
@@ -368,10 +403,37 @@ def shipped_files() -> list[Path]:
 _Key = tuple[str, int, int, str, int]
 
 
-class _Index:
-    """Both layers (user, shipped) indexed for dict lookups, plus per-(device, dtype) lists for the fallbacks."""
+#: A loaded index is re-validated (both environment variables, and the user file's mtime, size and inode) at
+#: most this often. Measured on the 2-core CI box (min of 7 x 20000 calls): a cached lookup 1.0-1.3 us with
+#: this throttle, 16-34 us re-validating on every call (os.stat alone 2.6 us, the environment reads 2.4 us;
+#: time.monotonic 0.06 us), and os.stat on a network home directory can take milliseconds. A second is soon
+#: enough to notice a DB that another process (flce-tune beside a training job) rewrote; ``invalidate_cache``
+#: makes it immediate.
+RECHECK_S = 1.0
+_clock = time.monotonic  # a module attribute so tests can move time forward
 
-    def __init__(self, user: list[Entry], shipped: list[Entry]) -> None:
+#: How a lookup answered, most specific first (``Match.kind``); no match means the heuristic.
+MATCH_KINDS = ("user exact", "shipped exact", "nearest bucket", "nearest shape")
+
+
+@dataclass(frozen=True)
+class Match:
+    """What a lookup found: the config to run, where it came from and the entry it was taken from."""
+
+    config: FLCEConfig
+    #: The op's source string ("tuning_db:user_exact", ...), shown in the debug log and by explain().
+    source: str
+    #: One of MATCH_KINDS.
+    kind: str
+    #: The entry the config comes from; a nearest-shape answer rescales its chunk, so ``config`` may differ.
+    entry: Entry
+
+
+class _Index:
+    """Both layers (user, shipped) indexed for dict lookups, per-device lists for the fallbacks, and the
+    memoised answers (misses included) for exactly this content."""
+
+    def __init__(self, user: list[Entry], shipped: list[Entry], signature: tuple[Any, ...]) -> None:
         self.user: dict[_Key, Entry] = {e.key: e for e in user}
         self.shipped: dict[_Key, Entry] = {e.key: e for e in shipped}
         merged = dict(self.shipped)
@@ -381,50 +443,68 @@ class _Index:
         for key, entry in merged.items():
             layer = "user" if key in self.user else "shipped"
             self.by_device.setdefault(entry.device, []).append((entry, layer))
+        self.signature = signature
+        self.recheck_at = _clock() + RECHECK_S
+        # The memo belongs to the index: a reload starts an empty one, so no stale answer can outlive its file.
+        self.memo: dict[tuple[Any, ...], Match | None] = {}
 
 
 _state_lock = threading.Lock()
 _index: _Index | None = None
-_index_sig: tuple[str | None, str | None] | None = None
-_memo: dict[tuple[Any, ...], tuple[FLCEConfig, str] | None] = {}
 _MISS = object()
 
 
 def invalidate_cache() -> None:
     """Forget the loaded files and memoised answers; the next lookup re-reads the files.
 
-    Called by ``write_entries``; call it in tests or after editing a DB file by hand in a running process.
+    Called by ``write_entries``. Lookups notice a changed environment variable or user file by themselves
+    within ``RECHECK_S``; call this to make that immediate (tests, a DB edited by hand in a running process).
     """
-    global _index, _index_sig
+    global _index
     with _state_lock:
         _index = None
-        _index_sig = None
-        _memo.clear()
         _device_key_cache.clear()
 
 
-def _signature() -> tuple[str | None, str | None]:
-    # The environment variables decide which files are read; a change of either reloads (cheap dict reads).
-    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR))
+def _signature() -> tuple[Any, ...]:
+    """What decides the loaded content: both environment variables, and the user file's identity (mtime,
+    size, inode: a rewrite by another process renames a new inode into place)."""
+    path = user_db_path()
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        st = None
+    ident = None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino)
+    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR), path, ident)
+
+
+def _read_layer(paths: Iterable[Path]) -> list[Entry]:
+    entries: list[Entry] = []
+    for path in paths:
+        try:
+            entries.extend(read_file(path))
+        except Exception as exc:  # noqa: BLE001 - an unforeseen failure of one file must not hide the others
+            _warn_once(str(path), f"tuning DB file {path} could not be read ({type(exc).__name__}: {exc}); ignored")
+    return entries
 
 
 def _get_index() -> _Index:
-    global _index, _index_sig
-    sig = _signature()
+    """The loaded index; cheap (one clock read) until ``RECHECK_S`` has passed since it was last validated."""
+    global _index
     index = _index
-    if index is not None and _index_sig == sig:
+    if index is not None and _clock() < index.recheck_at:
         return index
+    sig = _signature()
     with _state_lock:
-        if _index is not None and _index_sig == sig:
+        if _index is not None and _index.signature == sig:
+            _index.recheck_at = _clock() + RECHECK_S
             return _index
-        shipped: list[Entry] = []
-        for path in shipped_files():
-            shipped.extend(read_file(path))
-        user = read_file(user_db_path())
-        _index = _Index(user, shipped)
-        _index_sig = sig
-        _memo.clear()
-        logger.debug("tuning DB loaded: %d user entries, %d shipped entries", len(user), len(shipped))
+        user_path = sig[2]  # None: no home directory and no $FLCE_TUNING_DB, so no user layer
+        shipped = _read_layer(shipped_files())
+        user = _read_layer([user_path] if user_path is not None else [])
+        _index = _Index(user, shipped, sig)
+        logger.debug("tuning DB loaded: %d user entries (%s), %d shipped entries", len(user),
+                     user_path or "no user DB: no home directory and no $" + ENV_USER_DB, len(shipped))
         return _index
 
 
@@ -452,21 +532,21 @@ def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCECo
     return config if chunk == config.chunk_tokens else dataclasses.replace(config, chunk_tokens=chunk)
 
 
-def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> tuple[FLCEConfig, str] | None:
+def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
     key = (dev, vocab, hidden, dtype, bucket)
     entry = index.user.get(key)
     if entry is not None:
-        return entry.config, "tuning_db:user_exact"
+        return Match(entry.config, "tuning_db:user_exact", "user exact", entry)
     entry = index.shipped.get(key)
     if entry is not None:
-        return entry.config, "tuning_db:shipped_exact"
+        return Match(entry.config, "tuning_db:shipped_exact", "shipped exact", entry)
     candidates = index.by_device.get(dev, [])
     log_bucket = math.log2(bucket)
     # Nearest token bucket, same (V, H, dtype); the user layer wins ties.
     same_shape = [(e, layer) for e, layer in candidates if (e.vocab, e.hidden, e.dtype) == (vocab, hidden, dtype)]
     if same_shape:
         e, layer = min(same_shape, key=lambda el: (abs(math.log2(el[0].tokens) - log_bucket), el[1] != "user", el[0].tokens))
-        return e.config, f"tuning_db:nearest_tokens({layer} tokens={e.tokens})"
+        return Match(e.config, f"tuning_db:nearest_tokens({layer} tokens={e.tokens})", "nearest bucket", e)
     # Nearest (V, H) on the same GPU: log-ratio distance, a dtype penalty (same itemsize only), a small token term.
     best: tuple[float, Entry, str] | None = None
     for e, layer in candidates:
@@ -479,9 +559,37 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
             best = (dist, e, layer)
     if best is not None and best[0] <= MAX_SHAPE_DISTANCE:
         _, e, layer = best
-        config = _rescale_chunk(e.config, e.vocab, vocab)
-        return config, f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
+        source = f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
+        return Match(_rescale_chunk(e.config, e.vocab, vocab), source, "nearest shape", e)
     return None
+
+
+def find_match(
+    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
+) -> Match | None:
+    """``lookup``'s answer with the entry it came from (``which_config`` reports it); ``None``: the heuristic.
+
+    Same rules, same cache and the same guarantee as ``lookup``: never raises.
+    """
+    try:
+        index = _get_index()
+        bucket = token_bucket(int(tokens))
+        memo_key = (device, vocab, hidden, dtype, bucket)
+        hit = index.memo.get(memo_key, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
+        dev = device_key(device)
+        match = _lookup_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket)
+        if match is None:
+            logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
+        else:
+            logger.debug("tuning DB: %s V=%d H=%d %s tokens=%d -> %s %s", dev, vocab, hidden, dtype, tokens,
+                         match.source, match.config.to_json())
+        index.memo[memo_key] = match  # misses too: a shape without an entry is asked again on every call
+        return match
+    except Exception as exc:  # noqa: BLE001 - the DB must never break the op
+        _warn_once("lookup", f"tuning DB lookup failed ({type(exc).__name__}: {exc}); using the heuristic")
+        return None
 
 
 def lookup(
@@ -494,26 +602,8 @@ def lookup(
     ("tuning_db:user_exact", ...) is also logged at debug level. Never raises: a problem is logged once and
     answered with None, so a bad DB can never break a training run.
     """
-    try:
-        bucket = token_bucket(int(tokens))
-        memo_key = (device, vocab, hidden, dtype, bucket, _signature())
-        hit = _memo.get(memo_key, _MISS)
-        if hit is not _MISS:
-            return hit  # type: ignore[return-value]
-        index = _get_index()
-        dev = device_key(device)
-        result = _lookup_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket)
-        if result is None:
-            logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
-        else:
-            logger.debug("tuning DB: %s V=%d H=%d %s tokens=%d -> %s %s", dev, vocab, hidden, dtype, tokens,
-                         result[1], result[0].to_json())
-        with _state_lock:
-            _memo[memo_key] = result
-        return result
-    except Exception as exc:  # noqa: BLE001 - the DB must never break the op
-        _warn_once("lookup", f"tuning DB lookup failed ({type(exc).__name__}: {exc}); using the heuristic")
-        return None
+    match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device)
+    return None if match is None else (match.config, match.source)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -521,32 +611,23 @@ def lookup(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout: float) -> Iterator[None]:
-    """An inter-process lock next to ``path`` (``filelock`` if installed, else ``fcntl.flock``)."""
-    lock_path = path.with_name(path.name + ".lock")
+def _entries_to_keep(path: Path) -> list[Entry]:
+    """The entries of the file a write merges into. A corrupt file (DBCorruptError) is moved aside to
+    ``<path>.corrupt`` with a warning; a foreign, newer-schema or unreadable one is never overwritten."""
     try:
-        import filelock  # noqa: PLC0415
-    except ImportError:
-        filelock = None  # type: ignore[assignment]
-    if filelock is not None:
-        try:
-            with filelock.FileLock(str(lock_path), timeout=timeout):
-                yield
-        except filelock.Timeout as exc:
-            raise TimeoutError(
-                f"could not lock {lock_path} within {timeout}s; another flce-tune may hang on it - delete the "
-                f"lock file if no tuner is running"
-            ) from exc
-        return
-    import fcntl  # noqa: PLC0415
-
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        old, problems = _parse_file(path)
+    except FileNotFoundError:
+        return []
+    except DBCorruptError as exc:
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        logger.warning("%s; moved it to %s and started a new file", exc, aside)
+        return []
+    except DBFileError as exc:
+        raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
+    if problems:
+        logger.warning("tuning DB file %s: dropping %d malformed entries on rewrite (%s)", path, len(problems), problems[0])
+    return old
 
 
 def write_entries(
@@ -555,45 +636,20 @@ def write_entries(
     """Merge ``entries`` into the file at ``path`` (new entries replace old ones with the same key) and return
     the path. With ``replace=True`` the file holds exactly ``entries``.
 
-    Safe with several writers: the read-merge-write happens under a file lock and the new content is written
-    to a temporary file in the same directory, fsynced, then renamed over the old one, so readers see either
-    the old or the new file, never a partial one. A corrupt existing file is moved aside to ``<path>.corrupt``
-    (with a warning) rather than merged; a foreign or newer-schema file is never overwritten (DBFileError).
+    Safe with several writers and with writers killed mid-write: see ``atomic``. The read-merge-write happens
+    under a file lock, temporary files a killed writer left are swept first, and the file is replaced
+    atomically, keeping its permission bits; a symlinked path is written through (the link stays a link). A
+    corrupt existing file is moved aside to ``<path>.corrupt`` (with a warning) rather than merged; a foreign
+    or newer-schema file is never overwritten (DBFileError).
     """
     p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(p, lock_timeout):
-        merged: dict[_Key, Entry] = {}
-        if not replace and p.exists():
-            try:
-                old, problems = _parse_file(p)
-            except DBFileError as exc:
-                text = str(exc)
-                if "not valid JSON" in text:
-                    aside = p.with_name(p.name + ".corrupt")
-                    os.replace(p, aside)
-                    logger.warning("%s; moved it to %s and started a new file", text, aside)
-                    old = []
-                else:
-                    raise DBFileError(f"refusing to overwrite {p}: {text}") from exc
-            else:
-                if problems:
-                    logger.warning("tuning DB file %s: dropping %d malformed entries on rewrite (%s)",
-                                   p, len(problems), problems[0])
-            merged = {e.key: e for e in old}
-        for e in entries:
-            merged[e.key] = e
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(_dump(merged.values()))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    target = atomic.real_path(p)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.file_lock(target, lock_timeout):
+        atomic.sweep_stale_temps(target)
+        merged = {} if replace else {e.key: e for e in _entries_to_keep(target)}
+        merged.update((e.key, e) for e in entries)
+        atomic.replace_text(target, _dump(merged.values()))
     invalidate_cache()
     logger.debug("tuning DB: wrote %d entries to %s", len(entries), p)
     return p

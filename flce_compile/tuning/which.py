@@ -1,0 +1,84 @@
+"""``which_config``: which config the fused op would run for a problem, and where that config comes from.
+
+Why: the op picks its config silently at run time (tuning DB or heuristic); a user checking that their own
+tuning took effect, or what an H200 would run while on a CPU-only CI machine, needs the answer and its source
+without running the op. It asks ``config.choose_config_match``, the op's own path, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FLCEConfig, choose_config_match
+from . import db
+
+#: ``ConfigChoice.source`` values, most specific first.
+SOURCES = (*db.MATCH_KINDS, "heuristic")
+
+
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The config the op would pick, and why."""
+
+    config: FLCEConfig
+    #: One of SOURCES: "user exact", "shipped exact", "nearest bucket", "nearest shape" or "heuristic".
+    source: str
+    #: The op's own source string ("tuning_db:nearest_tokens(shipped tokens=4096)", "heuristic", ...).
+    detail: str
+    #: What the answer is for: a GPU kind ("h200") or a device type ("cpu").
+    target: str
+    #: The tuning-DB entry the config was taken from (its ``key``, timings, date ...); None for the heuristic.
+    entry: db.Entry | None = None
+
+    def __str__(self) -> str:
+        # The CPU detail already begins with "heuristic"; a DB detail names the entry the answer came from.
+        how = self.detail if self.detail.startswith(self.source) else f"{self.source} ({self.detail})"
+        lines = [f"{self.target}: {how}", f"  config: {self.config.to_json()}"]
+        e = self.entry
+        if e is not None:
+            speedup = "" if e.speedup is None else f", {e.speedup:.2f}x over the default"
+            lines.append(f"  entry:  {e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}: {e.ms:.3f} ms"
+                         f"{speedup}, {e.trials} trials, {e.date or 'undated'}")
+        return "\n".join(lines)
+
+
+def _positive_int(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def which_config(
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: torch.device | str | int | None = None,
+    gpu: str | None = None,
+) -> ConfigChoice:
+    """The config the op would run for ``tokens`` x ``hidden`` inputs against a ``vocab`` x ``hidden`` weight,
+    and its source: user exact, shipped exact, nearest bucket, nearest shape, or heuristic.
+
+    ``device``: where the op would run (a torch device, "cuda:1", a CUDA index); default the current CUDA
+    device, or the CPU without one. ``gpu``: a GPU kind or name ("h200", "NVIDIA H200") to answer for instead,
+    which needs no such GPU here (CI asks what an H200 would run). On the CPU the answer is the heuristic: the
+    tuning DB holds GPU measurements only. Like the op, it reads ``$FLCE_TUNING_DB`` and the shipped files.
+    """
+    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
+        _positive_int(name, value)
+    torch_dtype = db.torch_dtype(db.normalize_dtype(dtype))  # a ValueError names the dtype and the choices
+    if gpu is not None:
+        if device is not None:
+            raise ValueError(f"give device= or gpu=, not both (device={device!r}, gpu={gpu!r})")
+        target = db.normalize_device_name(gpu)
+        dev = torch.device("cuda")  # the GPU heuristic, computed without a GPU
+    else:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        target = db.device_key(dev) if dev.type == "cuda" else dev.type
+    config, detail, match = choose_config_match(tokens, vocab, hidden, torch_dtype, dev, gpu=target if gpu else None)
+    return ConfigChoice(config=config, source="heuristic" if match is None else match.kind, detail=detail,
+                        target=target, entry=None if match is None else match.entry)

@@ -1,0 +1,98 @@
+"""which_config (issue #15): the config the op would pick and its source, on a CPU-only machine, for every kind
+of source; and choose_config's CPU answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_tuning_db import dbs, entry  # noqa: F401 - dbs is a fixture
+
+import flce_compile
+from flce_compile.config import CPU_SOURCE, choose_config, heuristic_config
+from flce_compile.tuning import db
+from flce_compile.tuning.which import SOURCES, ConfigChoice, which_config
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA = torch.device("cuda")
+
+
+def test_each_source_is_what_the_op_would_pick_on_that_gpu(dbs, monkeypatch):
+    user, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(chunk=1024), entry(tokens=4096, chunk=256),
+                                             entry(vocab=128256, tokens=8192, chunk=4096)])
+    db.write_entries(user, [entry(vocab=32000, hidden=1024, chunk=512)])
+    cases = {  # (tokens, vocab, hidden) -> (source, key of the entry it came from)
+        (16384, 32000, 1024): ("user exact", ("h200", 32000, 1024, "bf16", 16384)),
+        (16384, 151936, 4096): ("shipped exact", ("h200", 151936, 4096, "bf16", 16384)),
+        (2000, 151936, 4096): ("nearest bucket", ("h200", 151936, 4096, "bf16", 4096)),
+        (8192, 131072, 4096): ("nearest shape", ("h200", 128256, 4096, "bf16", 8192)),
+        (16384, 2000, 128): ("heuristic", None),
+    }
+    choices = {args: which_config(*args, gpu="h200") for args in cases}
+    assert {c.source for c in choices.values()} == set(SOURCES)
+    # the op on an H200 (the CUDA probe faked) picks the same config with the same source string
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    for (tokens, vocab, hidden), (source, key) in cases.items():
+        choice = choices[tokens, vocab, hidden]
+        assert (choice.source, choice.target) == (source, "h200")
+        assert (choice.entry.key if choice.entry else None) == key
+        assert (choice.config, choice.detail) == choose_config(tokens, vocab, hidden, torch.bfloat16, CUDA)
+    assert choices[16384, 2000, 128].config == heuristic_config(16384, 2000, 128, torch.bfloat16, CUDA)
+    assert choices[16384, 2000, 128].config.strategy == "triton"  # the GPU heuristic, computed on a CPU
+    # a GPU name and a dtype name work as well as a kind and a torch dtype
+    assert which_config(16384, 32000, 1024, dtype="bf16", gpu="NVIDIA H200 NVL") == choices[16384, 32000, 1024]
+
+
+def test_on_the_cpu_the_answer_says_the_db_is_for_gpus(dbs, monkeypatch):
+    user, _ = dbs
+    db.write_entries(user, [entry(device="cpu", chunk=512)])  # even a CPU entry is not used
+    config, source = choose_config(16384, 151936, 4096, torch.bfloat16, torch.device("cpu"))
+    assert source == CPU_SOURCE == "heuristic (the tuning DB holds GPU entries; CPU calls use the heuristic)"
+    assert config == heuristic_config(16384, 151936, 4096, torch.bfloat16, torch.device("cpu"))
+    choice = which_config(16384, 151936, 4096, device="cpu")
+    assert (choice.config, choice.source, choice.detail, choice.target, choice.entry) == (
+        config, "heuristic", CPU_SOURCE, "cpu", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert which_config(16384, 151936, 4096) == choice  # no GPU here: the default device is the CPU
+
+
+def test_the_real_shipped_h200_file_answers_without_a_gpu(monkeypatch):
+    monkeypatch.delenv(db.ENV_SHIPPED_DIR, raising=False)
+    monkeypatch.setenv(db.ENV_USER_DB, "/nonexistent/flce_user_db.json")
+    db.invalidate_cache()
+    try:
+        choice = which_config(16384, 151936, 4096, gpu="h200")
+    finally:
+        db.invalidate_cache()
+    assert (choice.source, choice.detail) == ("shipped exact", "tuning_db:shipped_exact")
+    assert choice.entry in db.read_file(REPO / "tuning_db" / "h200.json", strict=True)
+    assert choice.config == choice.entry.config
+
+
+def test_readable_str_and_errors(dbs):
+    _, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(tokens=4096, chunk=256)])
+    text = str(which_config(2000, 151936, 4096, gpu="h200"))
+    assert text.splitlines()[0] == "h200: nearest bucket (tuning_db:nearest_tokens(shipped tokens=4096))"
+    assert '"chunk_tokens": 256' in text and "h200 V=151936 H=4096 bf16 tokens=4096: 10.000 ms, 1.50x" in text
+    assert str(which_config(8, 8, 8, device="cpu")).splitlines()[0] == f"cpu: {CPU_SOURCE}"
+    with pytest.raises(ValueError, match="not both"):
+        which_config(16384, 151936, 4096, device="cuda", gpu="h200")
+    with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
+        which_config(0, 151936, 4096, gpu="h200")
+    with pytest.raises(ValueError, match="dtype"):
+        which_config(16384, 151936, 4096, dtype=torch.int8, gpu="h200")
+
+
+def test_exported_from_the_package_without_importing_dynamo():
+    assert flce_compile.which_config is which_config and flce_compile.ConfigChoice is ConfigChoice
+    assert {"which_config", "ConfigChoice"} <= set(flce_compile.__all__)
+    code = "import sys, flce_compile; assert 'torch._dynamo' not in sys.modules, 'dynamo imported'"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
