@@ -1,13 +1,22 @@
-"""End-to-end training step of a Llama-3.2-1B-shaped HF model: eager, Liger if installed (its fused linear
-cross-entropy alone, "liger-flce", and its default patch, "liger"), each inner compiler alone (inductor,
-aot_eager, dynamo-eager = ``backend="eager"``) and backend="flce" with each of them as its inner compiler
-(logits dropped). GPU only.
+"""End-to-end training step of a Llama-3.2-1B-shaped HF model, in the loop most people write
+(``loss = model(input_ids=ids, labels=ids).loss; loss.backward()``). GPU only.
 
-    python benchmarks/bench_e2e.py                      # S = 16384 and 65536, all variants
-    python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce-inductor
+Default variants: eager, inductor (``torch.compile(model)``), flce (``torch.compile(model, backend="flce")`` with
+no options: the logits the model returns are kept), flce-drop (``options={"flce.logits": "drop"}``) and
+liger-flce (eager + Liger's fused linear cross-entropy only). Also available: aot_eager, dynamo-eager
+(``backend="eager"``), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024 and
+liger (Liger's default patch, which also swaps RMSNorm, SwiGLU and RoPE).
 
-Prints a table (peak GB, median step ms after warm-up, and for each flce-X row its step time and peak relative
-to X without the pass) and writes JSON + markdown under benchmarks/results/.
+``--mask`` (default ``both``): first the rows as users run them, with the installed transformers and nothing
+patched; then the compiled variants again with the bench-only mask patch (``allow_causal_skip_under_compile``),
+which gives compiled models eager's mask-free SDPA call. Eager and Liger rows do not go through Dynamo, so the
+patch changes nothing for them and they run once.
+
+    python benchmarks/bench_e2e.py                      # S = 16384 and 65536, default variants, both mask modes
+    python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce --mask patched
+
+Prints a table (peak GB, median step ms after warm-up, the loss, and each flce row's time and peak relative to
+the same inner compiler without the pass) and writes JSON + markdown under benchmarks/results/ (and $OUT).
 
 Note: in torch 2.11 (the H200 results) Dynamo's ``backend="eager"`` runs ``torch.utils.checkpoint`` regions
 without checkpointing (pytorch/pytorch#160773; torch 2.13 checkpoints them), so dynamo-eager and flce-eager
@@ -27,17 +36,28 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("eager", "dynamo-eager", "aot_eager", "inductor", "liger-flce", "liger", "flce-inductor",
-            "flce-aot_eager", "flce-eager", "flce-inductor-chunk1024")
+VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce", "dynamo-eager", "aot_eager", "liger",
+            "flce-aot_eager", "flce-eager", "flce-drop-chunk1024")
+DEFAULT_VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce")
+#: Variants that do not go through Dynamo: the mask patch cannot change them.
+UNCOMPILED = ("eager", "liger-flce", "liger")
 #: Liger variants, run last and in this order: each patches the model in place. "liger-flce" swaps only the
 #: loss for Liger's fused linear cross-entropy (the like-for-like comparison with our pass); "liger" is Liger's
 #: default patch, which also swaps RMSNorm, SwiGLU and RoPE for its own kernels.
 LIGER_VARIANTS = {"liger-flce": {"rope": False, "rms_norm": False, "swiglu": False}, "liger": {}}
 #: Each flce variant and the same inner compiler without the pass.
-BASELINES = {"flce-inductor": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
-             "flce-inductor-chunk1024": "inductor"}
-#: Extra ``flce.config`` of a variant: "-chunk1024" forces 1024-token chunks (the memory-lean setting).
-FORCED_CONFIGS = {"flce-inductor-chunk1024": {"chunk_tokens": 1024}}  # other fields: DB or heuristic
+BASELINES = {"flce": "inductor", "flce-drop": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
+             "flce-drop-chunk1024": "inductor"}
+#: The options of each flce variant (None: none at all, as users call it).
+FLCE_OPTIONS = {
+    "flce": None,
+    "flce-drop": {"flce.logits": "drop"},
+    "flce-aot_eager": {"flce.logits": "drop", "flce.inner": "aot_eager"},
+    "flce-eager": {"flce.logits": "drop", "flce.inner": "eager"},
+    "flce-drop-chunk1024": {"flce.logits": "drop", "flce.config": {"chunk_tokens": 1024}},
+}
+MASK_MODES = {"as-is": "as users run it: installed transformers, nothing patched",
+              "patched": "bench-only mask patch: compiled models get eager's mask-free SDPA call"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -101,21 +121,19 @@ def prepare(variant: str, model):
             _apply_liger_kernel_to_instance(model=model, **LIGER_VARIANTS[variant])
             applied.add(variant)
         fn = model
-    elif variant.startswith("flce-"):
+    elif variant in FLCE_OPTIONS:
         import flce_compile.compiler  # noqa: F401  (registers backend="flce" when not installed)
 
-        options = {"flce.inner": variant[5:].removesuffix("-chunk1024"), "flce.logits": "drop"}
-        if variant in FORCED_CONFIGS:
-            options["flce.config"] = FORCED_CONFIGS[variant]
-        fn = torch.compile(model, backend="flce", options=options)
+        options = FLCE_OPTIONS[variant]
+        fn = torch.compile(model, backend="flce", options=options) if options else torch.compile(model, backend="flce")
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     return lambda ids: fn(input_ids=ids, labels=ids).loss
 
 
-def run_one(variant: str, model, seq: int, steps: int, warmup: int) -> dict:
-    row: dict = {"variant": variant, "seq": seq}
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str) -> dict:
+    row: dict = {"variant": variant, "seq": seq, "mask": mask}
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).cuda()
     try:
         step_fn = prepare(variant, model)
         times = []
@@ -128,6 +146,8 @@ def run_one(variant: str, model, seq: int, steps: int, warmup: int) -> dict:
             loss = step_fn(ids)
             loss.backward()
             torch.cuda.synchronize()
+            if i == 0:
+                row["first_step_s"] = time.perf_counter() - start  # includes the compile
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
         row.update(status="ok", loss=float(loss), step_ms=statistics.median(times),
@@ -150,16 +170,31 @@ def run_one(variant: str, model, seq: int, steps: int, warmup: int) -> dict:
     return row
 
 
+def plan_runs(variants: list[str], seqs: list[int], mask: str) -> list[tuple[str, int, str]]:
+    """(variant, seq, mask mode) in run order: rows as users run them first; compiled variants again with the
+    mask patch (applied once, after every as-is row); Liger variants last (they patch the model in place)."""
+    modes = ["as-is", "patched"] if mask == "both" else [mask]
+    plain = [v for v in variants if v not in LIGER_VARIANTS]
+    runs = []
+    for mode in modes:
+        for variant in plain:
+            if mode == "patched" and variant in UNCOMPILED and "as-is" in modes:
+                continue  # nothing to patch: the as-is row stands for both
+            runs += [(variant, seq, mode) for seq in seqs]
+    runs += [(v, seq, modes[0]) for v in LIGER_VARIANTS if v in variants for seq in seqs]
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
+    parser.add_argument("--mask", choices=["as-is", "patched", "both"], default="both",
+                        help="as-is: installed transformers, nothing patched; patched: the bench-only mask patch "
+                             "(see allow_causal_skip_under_compile); both (default): as-is rows first")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
-    parser.add_argument("--causal-skip", action="store_true",
-                        help="compiled variants call SDPA without an explicit causal mask, as eager does "
-                             "(see allow_causal_skip_under_compile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
@@ -168,10 +203,8 @@ def main() -> None:
 
     env = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(), "causal_skip": args.causal_skip,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
     }
-    if args.causal_skip:
-        allow_causal_skip_under_compile()
     try:
         from importlib.metadata import version
 
@@ -181,13 +214,13 @@ def main() -> None:
     stem = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}{args.tag}"
     model = build_model()
     rows = []
-    variants = [v for v in args.variants if v not in LIGER_VARIANTS] + [v for v in LIGER_VARIANTS if v in args.variants]
-    for variant in variants:
-        for seq in args.seq:
-            row = run_one(variant, model, seq, args.steps, args.warmup)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _write(stem, env, rows)  # after every row: a run cut short by a time limit keeps what it measured
+    for variant, seq, mask in plan_runs(args.variants, args.seq, args.mask):
+        if mask == "patched":
+            allow_causal_skip_under_compile()  # idempotent; after every as-is row
+        row = run_one(variant, model, seq, args.steps, args.warmup, mask)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _write(stem, env, rows)  # after every row: a run cut short by a time limit keeps what it measured
     print(_table(rows))
 
 
@@ -202,19 +235,27 @@ def _write(stem: str, env: dict, rows: list[dict]) -> None:
 
 
 def _table(rows: list[dict]) -> str:
-    """Markdown table; flce rows also show step time and peak relative to their inner compiler alone."""
-    by_key = {(r["variant"], r["seq"]): r for r in rows}
-    lines = ["| seq | variant | status | peak GB | step ms | vs same inner w/o pass (time, peak) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        base = by_key.get((BASELINES.get(r["variant"]), r["seq"]))
-        vs = ""
-        if base is not None and r["status"] == "ok" and base["status"] == "ok":
-            vs = (f"{r['step_ms'] / base['step_ms']:.2f}x, {r['peak_gb'] / base['peak_gb']:.2f}x "
-                  f"(vs {base['variant']})")
-        lines.append(f"| {r['seq']} | {r['variant']} | {r['status']} | {r.get('peak_gb', float('nan')):.2f} | "
-                     f"{r.get('step_ms', float('nan')):.0f} | {vs} |")
-    return "\n".join(lines) + "\n"
+    """Markdown tables, one per mask mode (as users run it first); flce rows also show step time and peak
+    relative to their inner compiler alone, in the same mode."""
+    by_key = {(r["variant"], r["seq"], r.get("mask", "as-is")): r for r in rows}
+    out = []
+    for mode, title in MASK_MODES.items():
+        mode_rows = [r for r in rows if r.get("mask", "as-is") == mode]
+        if not mode_rows:
+            continue
+        out += [f"{mode}: {title}", "",
+                "| seq | variant | status | peak GB | step ms | loss | vs same inner w/o pass (time, peak) |",
+                "|---|---|---|---|---|---|---|"]
+        for r in sorted(mode_rows, key=lambda r: r["seq"]):
+            base = by_key.get((BASELINES.get(r["variant"]), r["seq"], mode))
+            vs = ""
+            if base is not None and r["status"] == "ok" and base["status"] == "ok":
+                vs = (f"{r['step_ms'] / base['step_ms']:.2f}x, {r['peak_gb'] / base['peak_gb']:.2f}x "
+                      f"(vs {base['variant']})")
+            out.append(f"| {r['seq']} | {r['variant']} | {r['status']} | {r.get('peak_gb', float('nan')):.2f} | "
+                       f"{r.get('step_ms', float('nan')):.0f} | {r.get('loss', float('nan')):.4f} | {vs} |")
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

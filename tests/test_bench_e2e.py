@@ -30,10 +30,35 @@ def sdpa_calls(model: torch.nn.Module, ids: torch.Tensor) -> list[dict]:
             for node in sub.graph.nodes if node.target is torch.nn.functional.scaled_dot_product_attention]
 
 
-def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_rows_as_users_run_them_come_first():
+    """The default run: every variant as users run it, then only the compiled ones with the mask patch, and the
+    Liger variants (which patch the model in place) last."""
+    bench = _bench()
+    runs = bench.plan_runs(list(bench.DEFAULT_VARIANTS), [16384, 65536], "both")
+    first_patched = next(i for i, (_, _, m) in enumerate(runs) if m == "patched")
+    assert all(m == "as-is" for _, _, m in runs[:first_patched])
+    assert [v for v, _, _ in runs[-2:]] == ["liger-flce", "liger-flce"]
+    assert runs[0] == ("eager", 16384, "as-is") and runs[-1] == ("liger-flce", 65536, "as-is")
+    patched = {v for v, _, m in runs if m == "patched"}
+    assert patched == {"inductor", "flce", "flce-drop"}
+    assert {v for v, _, m in runs if m == "as-is"} == set(bench.DEFAULT_VARIANTS)
+    assert bench.FLCE_OPTIONS["flce"] is None  # backend="flce" exactly as users call it
+    table = bench._table([{"variant": "flce", "seq": 8, "mask": "patched", "status": "ok", "peak_gb": 1.0,
+                           "step_ms": 2.0, "loss": 3.0},
+                          {"variant": "inductor", "seq": 8, "mask": "patched", "status": "ok", "peak_gb": 2.0,
+                           "step_ms": 2.0, "loss": 3.0}])
+    assert "bench-only mask patch" in table and "1.00x, 0.50x (vs inductor)" in table
+
+
+def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
+    bench = _bench()
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1)
     cfg._attn_implementation = "sdpa"

@@ -102,3 +102,26 @@ def test_realistic_shape_errors_vs_fp64():
         e_ours = (ours.double() - exact).norm() / exact.norm()
         e_same = (same.double() - exact).norm() / exact.norm()
         assert e_ours <= e_same * 1.02 + 1e-5, (float(e_ours), float(e_same))
+
+
+@pytest.mark.parametrize("v", [32000, 50257])  # aligned rows (logits written in place) and GPT-2's odd V
+def test_return_logits_errors_vs_fp64(v):
+    """return_logits: the logits, the loss and the gradients are as exact as eager's, at an aligned and an
+    odd vocabulary, and a loss on the logits themselves reaches the inputs."""
+    x, w, t = _inputs(n=2048, h=1024, v=v)
+    x.requires_grad_()
+    w.requires_grad_()
+    extra = torch.randn(2048, v, device="cuda", dtype=torch.float32) * 1e-4
+    loss, logits = fused_linear_cross_entropy(x, w, t, return_logits=True, config={"chunk_tokens": 512})
+    (loss + (logits.float() * extra).sum()).backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logits64 = x64 @ w64.t()
+    (reference_loss(x64, w64, t) + (logits64 * extra.double()).sum()).backward()
+    xe, we = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    logits_e = xe @ we.t()
+    (reference_loss(xe, we, t) + (logits_e.float() * extra).sum()).backward()
+    for ours, same, exact in ((logits, logits_e, logits64), (x.grad, xe.grad, x64.grad), (w.grad, we.grad, w64.grad)):
+        e_ours = (ours.double() - exact).norm() / exact.norm()
+        e_same = (same.double() - exact).norm() / exact.norm()
+        assert e_ours <= e_same * 1.02 + 1e-5, (float(e_ours), float(e_same))
+    assert logits.is_contiguous() and logits.shape == (2048, v)
