@@ -501,9 +501,9 @@ def pyplot() -> Any:
 LABELS = {"eager": "eager (F.linear + F.cross_entropy)", "torch.compile": "torch.compile(eager)",
           "chunked-ce": "chunked CE (graphs kept)", "liger": "Liger FLCE", "cce": "CCE",
           "torch-native": "torch native F.linear_cross_entropy", "flce": "flce (ours), chunk_tokens = tokens / chunks"}
-#: Colour slots, so a variant keeps its colour across figures.
-COLOUR_ORDER = ("eager", "torch.compile", "chunked-ce", "torch-native", "liger", "cce", "flce",
-                *(f"flce-{s}" for s in STRATEGIES))
+#: tab10 colour slots, so a variant keeps its colour across figures (ours: purple, pink); others take 8, 7, ...
+COLOUR_SLOTS = {"eager": 0, "torch.compile": 1, "chunked-ce": 2, "torch-native": 3, "flce": 4, "flce-triton": 4,
+                "liger": 5, "flce-torch": 6, "cce": 9}
 #: Names of bench_e2e's variants on the bars.
 E2E_LABELS = {"inductor": "inductor (torch.compile)", "dynamo-eager": 'torch.compile(backend="eager")',
               "liger-flce": "Liger FLCE only (eager)", "liger": "Liger default patch (eager)",
@@ -525,7 +525,8 @@ def style(variant: str, order: Sequence[str]) -> dict[str, Any]:
     import matplotlib
 
     colours = matplotlib.colormaps["tab10"].colors
-    slot = COLOUR_ORDER.index(variant) if variant in COLOUR_ORDER else len(COLOUR_ORDER) + order.index(variant)
+    others = [v for v in order if v not in COLOUR_SLOTS]
+    slot = COLOUR_SLOTS[variant] if variant in COLOUR_SLOTS else 8 - others.index(variant)
     ours = variant.startswith("flce")
     return {"color": colours[slot % len(colours)], "linewidth": 2.6 if ours else 1.4,
             "marker": "o" if ours else "s", "markersize": 5 if ours else 4}
