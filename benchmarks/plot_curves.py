@@ -11,8 +11,9 @@
    sequence length), from its results JSON: by default the newest run under benchmarks/results/ (the files
    that share the newest file's environment: a run split over several commands), or the files given by --e2e.
 
-    python benchmarks/plot_curves.py                    # GPU: bf16, 2K-64K tokens (about 4-5 min on an H200)
-    python benchmarks/plot_curves.py --device cpu       # CPU: fp32, small shapes, 256-2048 tokens (< 60 s)
+    python benchmarks/plot_curves.py                    # GPU: bf16, 2K-64K tokens (3-5 min on an H200, estimated)
+    python benchmarks/plot_curves.py --device cpu       # CPU: fp32, one thread, V 4096/H 256 and V 2048/H 128,
+                                                        # 256-2048 tokens, ours in 256-token chunks (50 s)
     python benchmarks/plot_curves.py --from-csv benchmarks/results/curves_h200.csv   # redraw, no measuring
 
 Writes under benchmarks/results/ (or --out-dir), and also under $OUT when set (<kind> is the GPU kind,
@@ -21,8 +22,8 @@ e.g. h200, or cpu):
     curves_<kind>.csv           every measured row: sweep, shape, tokens, chunks, variant, status (ok, skipped,
                                 OOM, error) with its reason, peak GB, median ms, how peak and time were measured
     curves_<kind>.json          the environment: device name, torch / triton / Python / peer versions, methods
-    curves_<kind>_tokens.png    peak memory and time against tokens, one column per shape
-    curves_<kind>_chunks.png    peak memory and time against the number of chunks
+    curves_<kind>_tokens.png    peak memory and time against tokens, one row per shape
+    curves_<kind>_chunks.png    peak memory and time against the number of chunks (first shape)
     e2e_<gpu kind>.png          the e2e step, named after the GPU the e2e JSON was measured on
 
 Peak memory is the peak above the inputs and the returned dX/dW: on the GPU torch.cuda.max_memory_allocated
