@@ -14,36 +14,22 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import cce_loss, eager_loss, liger_loss, make_inputs, versions  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.layout import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 ERROR_SHAPE = (2048, 4096, 128256)
 GB = 1e9
-
-
-def make_inputs(n: int, h: int, v: int, seed: int = 0, peaky: float = 1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
-    w = (torch.randn(v, h, device="cuda", generator=g) * peaky / h**0.5).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    t[torch.rand(n, device="cuda", generator=g) < 0.06] = -100
-    return x, w, t
-
-
-def eager_loss(x, w, t):
-    return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-100)
 
 
 #: Names accepted by --variants (the table shows Liger, CCE, ... under their display names).
@@ -58,17 +44,12 @@ def variants(selected: list[str]) -> dict[str, Callable]:
         out["torch.compile"] = torch.compile(eager_loss, dynamic=False)
     if "liger" in selected:
         try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            liger = LigerFusedLinearCrossEntropyLoss()
-            out["Liger"] = lambda x, w, t: liger(w, x, t)
+            out["Liger"] = liger_loss()
         except ImportError:
             print("liger-kernel not installed: skipped")
     if "cce" in selected:
         try:
-            from cut_cross_entropy import linear_cross_entropy
-
-            out["CCE"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+            out["CCE"] = cce_loss()
         except ImportError:
             print("cut-cross-entropy not installed: skipped")
     if "flce" in selected:
@@ -144,15 +125,7 @@ def errors(fns: dict[str, Callable]) -> dict[str, dict[str, float]]:
 
 
 def environment() -> dict[str, str]:
-    versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
-    for mod in ("liger_kernel", "cut_cross_entropy"):
-        try:
-            from importlib.metadata import version
-
-            versions[mod] = version(mod.replace("_", "-"))
-        except Exception:
-            pass
-    return {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), **versions}
+    return {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), **versions()}
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ import dataclasses
 import datetime as dt
 import gc
 import json
+import math
 import platform
 import signal
 import sys
@@ -193,6 +194,11 @@ def resume_state(payload: dict[str, Any], meta: dict[str, Any], entries: Sequenc
     return rows, [e for e in entries if (e.vocab, e.hidden, e.tokens) not in done]
 
 
+def runs_the_default(r: dict[str, Any]) -> bool:
+    """The tuned config is the default itself: its "speedup" times one config twice, i.e. the noise."""
+    return "tuned_config" in r and r["tuned_config"] == r.get("default_config")
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], str, str]:
     """(markdown table lines, target status, never-slower status)."""
 
@@ -218,10 +224,6 @@ def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], str, str]:
         target_status = (f"{'PASS' if ok else 'FAIL'} ({target_row['vs_liger_rule']:.2f}x over our op with Liger's "
                          f"chunk rule, target >= {TARGET_SPEEDUP}x; over the heuristic default: "
                          f"{x(target_row.get('speedup'))})")
-    def runs_the_default(r: dict[str, Any]) -> bool:
-        # the tuned config is the default itself: its "speedup" times one config twice, i.e. the noise
-        return "tuned_config" in r and r["tuned_config"] == r.get("default_config")
-
     timed = [r for r in rows if r.get("speedup") is not None]
     same = [r for r in timed if runs_the_default(r)]
     slower = [r for r in timed if not runs_the_default(r) and r["speedup"] < NOT_SLOWER_TOLERANCE]
@@ -262,6 +264,89 @@ def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+def plot_speedups(rows: Sequence[dict[str, Any]], path: Path, heading: str = "") -> Path | None:
+    """Draw ``rows`` (as ``write_results`` saves them) to a PNG: tuned over the heuristic default and tuned over
+    Liger (ratios of median ms, > 1: the tuned config is faster), one heat-map row per (V, H) shape, one column per
+    token count. A star marks rows whose tuned config is the default itself (their ratio is timing noise).
+    Returns ``path``, or None when no row has either ratio."""
+    from flce_compile.tuning.cli import SHIPPED_SHAPES  # noqa: PLC0415
+
+    panels = [("speedup", "tuned over the heuristic default", "default ms / tuned ms"),
+              ("vs_liger", "tuned over Liger FLCE", "Liger ms / tuned ms")]
+    panels = [p for p in panels if any(r.get(p[0]) for r in rows)]
+    if not panels:
+        return None
+    plt = _pyplot()
+    from matplotlib.colors import TwoSlopeNorm  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    names = {(v, h): name for v, h, name in SHIPPED_SHAPES}
+    shapes = sorted({(r["vocab"], r["hidden"]) for r in rows}, key=lambda s: (-s[0], -s[1]))
+    tokens = sorted({r["tokens"] for r in rows})
+    cells = {(r["vocab"], r["hidden"], r["tokens"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.2 * len(panels), 1.8 + 0.42 * len(shapes)), squeeze=False)
+    for ax, (key, what, ratio) in zip(axes[0], panels):
+        grid = [[math.log2(cells[(v, h, t)][key]) if cells.get((v, h, t), {}).get(key) else math.nan for t in tokens]
+                for v, h in shapes]
+        finite = [g for line in grid for g in line if not math.isnan(g)]
+        norm = TwoSlopeNorm(vcenter=0.0, vmin=min(min(finite), -0.05), vmax=max(max(finite), 0.05))
+        cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#dddddd")
+        image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+        for i, (v, h) in enumerate(shapes):
+            for j, t in enumerate(tokens):
+                r = cells.get((v, h, t))
+                if r and r.get(key):
+                    star = "*" if key == "speedup" and runs_the_default(r) else ""
+                    ax.text(j, i, f"{r[key]:.2f}{star}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(tokens)), [f"{t // 1024}K" for t in tokens])
+        ax.set_yticks(range(len(shapes)), [f"{names.get(s, '')} V {s[0]} H {s[1]}".strip() for s in shapes], fontsize=8)
+        ax.set_xlabel("tokens (BT)")
+        ax.set_title(f"{what}\n({ratio}, > 1: tuned faster)", fontsize=10)
+        bar = fig.colorbar(image, ax=ax, ticks=_colourbar_ticks(norm), format=FuncFormatter(lambda x, _pos: f"{2 ** x:.3g}x"))
+        bar.set_label(f"{ratio} (log scale)")
+    note = "* the tuned config is the default itself: the ratio is run-to-run noise"
+    fig.suptitle(f"{heading}\n{note}" if heading else note, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _colourbar_ticks(norm: Any, gap: float = 0.07) -> list[float]:
+    """log2 of round ratios inside the colour scale, outward from 1x, at least ``gap`` of the bar apart."""
+    ticks = [0.0]
+    for side in ((0.98, 0.95, 0.9, 0.8, 0.5, 0.25), (1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0)):
+        last = 0.0
+        for ratio in side:
+            tick = math.log2(ratio)
+            if norm.vmin <= tick <= norm.vmax and abs(float(norm(tick)) - float(norm(last))) >= gap:
+                ticks.append(tick)
+                last = tick
+    return sorted(ticks)
+
+
+def plot_heading(meta: dict[str, Any]) -> str:
+    return (f"flce tuning benchmark: {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, triton "
+            f"{meta.get('triton', '?')}, {meta.get('dtype', 'bf16')} {meta.get('pass', 'fwd+bwd')}, {meta.get('date', '')}")
+
+
+def plot_from(json_path: Path, out: Path | None = None) -> Path | None:
+    """Redraw a results JSON of this script to ``out`` (default: the JSON's path with .png)."""
+    payload = json.loads(json_path.read_text())
+    return plot_speedups(payload["rows"], out or json_path.with_suffix(".png"), plot_heading(payload.get("meta", {})))
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot from plot_curves (the one place the benchmarks import matplotlib)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.append(repo)
+    from benchmarks.plot_curves import pyplot  # noqa: PLC0415
+
+    return pyplot()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -327,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-liger", action="store_true")
     p.add_argument("--resume", type=Path, metavar="JSON",
                    help="results .json of an earlier, partial run: keep its rows, measure the shapes it lacks")
+    p.add_argument("--plot-from", type=Path, metavar="JSON",
+                   help="draw the speed-up heat maps of an earlier run's results .json to <json>.png (no GPU) and exit")
     p.add_argument("--liger-rule-shapes", choices=LIGER_RULE_SHAPES, default="target",
                    help="where to time our op with Liger's chunk rule: the 8192x2304x256000 target (default), "
                         "every shape, or nowhere")
@@ -341,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-shapes must be >= 1, got {args.max_shapes}")
     if args.time_budget_s is not None and args.time_budget_s <= 0:
         p.error(f"--time-budget-s must be positive, got {args.time_budget_s}")
+    if args.plot_from is not None:
+        print(f"wrote {plot_from(args.plot_from)}")
+        return 0
     if not torch.cuda.is_available():
         print("bench_tuning: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -397,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x the default rule: {target_status}")
     print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
     print(f"wrote {base}.json and {base}.md" + ("" if final.get("complete") else " (partial)"))
+    try:
+        print(f"wrote {plot_speedups(final.get('rows', []), base.with_suffix('.png'), plot_heading(meta))}")
+    except ImportError as exc:  # the GPU machine may lack matplotlib: redraw later with --plot-from
+        print(f"no plot ({exc}); draw it with --plot-from {base}.json")
     return status
 
 

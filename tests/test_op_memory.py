@@ -3,31 +3,18 @@ allocator's peak), and that the bound stays far below materialised logits."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import sympy
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
 from flce_compile.layout import padded_row_elements
 
-
-def cpu_peak_bytes(fn) -> int:
-    """Peak of live CPU allocations made while ``fn`` runs: the profiler's raw allocation/free records, one per
-    allocation, replayed in time order.
-
-    (FunctionEvent.self_cpu_memory_usage is not enough: it nets each op's allocations and frees, and a free
-    that happens inside the fused op is charged to the op's start, which hid every internal peak.)
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert records, "the profiler recorded no allocations: the measurement would be empty"
-    for event in sorted(records, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/ ships with the repository, not the wheel
+from benchmarks._common import cpu_peak_bytes  # noqa: E402  (the profiler's allocation records, replayed)
 
 
 def test_expression_names_its_symbols():
