@@ -474,13 +474,13 @@ def newest_e2e_run(folder: Path, kind: str | None) -> list[Path]:
 def merged_e2e(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the first file's env, the rows of all files; a later file's row replaces an earlier one's)."""
     env: dict[str, Any] = {}
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    rows: dict[tuple[str, int, str], dict[str, Any]] = {}
     for path in paths:
         payload = load_e2e(path)
         if payload is None:
             raise ValueError(f"{path} is not a bench_e2e results JSON (needs 'env' and 'rows' with variant/seq/status)")
         env = env or payload["env"]
-        rows.update({(r["variant"], r["seq"]): r for r in payload["rows"]})
+        rows.update({(r["variant"], r["seq"], r.get("mask", "as-is")): r for r in payload["rows"]})
     return env, list(rows.values())
 
 
@@ -508,6 +508,9 @@ COLOUR_SLOTS = {"eager": 0, "torch.compile": 1, "chunked-ce": 2, "torch-native":
 #: Names of bench_e2e's variants on the bars.
 E2E_LABELS = {"inductor": "inductor (torch.compile)", "dynamo-eager": 'torch.compile(backend="eager")',
               "liger-flce": "Liger FLCE only (eager)", "liger": "Liger default patch (eager)",
+              "flce": 'backend="flce", no options (ours; logits kept)',
+              "flce-drop": 'backend="flce", flce.logits="drop" (ours)',
+              "flce-drop-chunk1024": 'flce, logits dropped, 1024-token chunks',
               "flce-inductor": "flce + inductor (ours)", "flce-aot_eager": "flce + aot_eager (ours)",
               "flce-eager": "flce + dynamo eager (ours)", "flce-inductor-chunk1024": "flce + inductor, 1024-token chunks"}
 
@@ -630,16 +633,16 @@ def draw_e2e(env: dict[str, Any], rows: Sequence[dict[str, Any]], sources: Seque
     seqs = sorted({r["seq"] for r in ok})
     if not seqs:
         return None
-    variants = list(dict.fromkeys(r["variant"] for r in sorted(ok, key=lambda r: r["variant"])))
+    variants = list(dict.fromkeys(_e2e_name(r) for r in sorted(ok, key=lambda r: (r.get("mask", "as-is"), r["variant"]))))
     fig, axes = plt.subplots(2, len(seqs), figsize=(6.2 * len(seqs), 1.8 + 0.5 * len(variants) * 2), squeeze=False)
     colours = plt.get_cmap("tab10").colors
     for col, seq in enumerate(seqs):
-        by_variant = {r["variant"]: r for r in ok if r["seq"] == seq}
+        by_variant = {_e2e_name(r): r for r in ok if r["seq"] == seq}
         for row_index, (key, unit) in enumerate((("peak_gb", "peak memory (GB)"), ("step_ms", "step time, median (ms)"))):
             ax = axes[row_index][col]
             names = [v for v in variants if v in by_variant]
             values = [by_variant[v][key] for v in names]
-            bars = ax.barh([E2E_LABELS.get(v, v) for v in names], values,
+            bars = ax.barh(names, values,
                            color=[colours[variants.index(v) % 10] for v in names])
             ax.bar_label(bars, labels=[f"{v:.1f}" if v < 100 else f"{v:.0f}" for v in values], padding=3, fontsize=8)
             ax.invert_yaxis()
@@ -649,13 +652,19 @@ def draw_e2e(env: dict[str, Any], rows: Sequence[dict[str, Any]], sources: Seque
             ax.grid(True, axis="x", alpha=0.3)
     meta = ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "transformers", "liger_kernel") if env.get(k))
     skip = "; compiled variants with --causal-skip" if env.get("causal_skip") else ""
-    fig.suptitle(f"One training step (fwd+bwd), Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing, logits "
-                 f"dropped{skip}\n{meta}; peak: torch.cuda.max_memory_allocated\n"
+    fig.suptitle(f"One training step (fwd+bwd), Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing"
+                 f"{skip}\n{meta}; peak: torch.cuda.max_memory_allocated\n"
                  f"from {', '.join(p.name for p in sources)}", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _e2e_name(row: dict[str, Any]) -> str:
+    """A bar's label: the variant, marked when the bench-only mask patch was on."""
+    name = E2E_LABELS.get(row["variant"], row["variant"])
+    return name + " [mask patch]" if row.get("mask") == "patched" else name
 
 
 def draw_all(rows: Sequence[dict[str, Any]], env: dict[str, Any], out_dir: Path, e2e: Sequence[Path]) -> list[Path]:
