@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from ..log import logger
 from .backend import compiled_options
+from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .options import FLCEOptions, split_options
 from .patterns import hint_int, match_linear, meta_value
@@ -75,6 +76,7 @@ class ExplainReport(list):
 
     graph_count: int = 0
     graph_breaks: list[str]
+    notes: list[str]  # e.g. checkpointed regions moved out of their checkpoint
     options: FLCEOptions = FLCEOptions()
 
     def __str__(self) -> str:
@@ -85,6 +87,7 @@ class ExplainReport(list):
                  f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s), "
                  f"{sum(r.fused for r in self)} of {len(self)} site(s) fused"]
         lines += ["  " + str(r) for r in self]
+        lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  graph break: {b}" for b in self.graph_breaks]
         return "\n".join(lines)
 
@@ -174,7 +177,14 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     report.options = opts
     report.graph_count = out.graph_count
     report.graph_breaks = [_break_text(b) for b in out.break_reasons]
+    report.notes = []
     for i, gm in enumerate(out.graphs):
+        # As the pass does; explain's captured graphs are its own, so changing them is harmless.
+        regions = inline_fusable_checkpoints(gm, opts.logits) if opts.enabled else []
+        report.notes += [f"[graph {i}] {r}" for r in regions if r.inlined]
+        report.extend(SiteReport(graph=i, loss=f"loss site(s) in checkpointed region {r.name}", fused=False,
+                                 path="unchanged", reason=str(r), strategy=None, tokens=None, vocab=None,
+                                 hidden=None) for r in regions if not r.inlined)
         report.extend(report_graph(gm, i, opts))
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     logger.info("%s", report)

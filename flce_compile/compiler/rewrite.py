@@ -12,13 +12,14 @@ site's new nodes are built and typed; a failure before that point leaves the gra
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
 from ..log import logger
+from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .kept_logits import kept_logits_cross_entropy
 from .mutations import effect
@@ -150,6 +151,7 @@ class PassResult:
 
     sites: list[SiteResult]
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    regions: list[CheckpointRegion] = field(default_factory=list)  # checkpointed regions holding sites
 
 
 _logged_keep = False
@@ -172,6 +174,9 @@ def run_pass(
     Sites that can't be proven safe are left alone with their reason logged; an error while rewriting one
     site leaves that site untouched and is logged, never raised.
     """
+    regions = inline_fusable_checkpoints(gm, logits)
+    for region in regions:
+        logger.info("flce: %s", region)
     results = analyze(gm, logits)
     fake_mode = _fake_mode(gm, example_inputs)
     fixup = OutputFixup()
@@ -193,7 +198,7 @@ def run_pass(
         wrap = fixup.apply(gm)
         gm.graph.lint()
         gm.recompile()
-    return PassResult(results, wrap)
+    return PassResult(results, wrap, regions)
 
 
 def _log_rewrite(res: SiteResult) -> None:

@@ -1,0 +1,104 @@
+"""Loss sites inside activation-checkpointed regions: moved out of the region so the pass can fuse them.
+
+Dynamo turns ``torch.utils.checkpoint.checkpoint(fn, ...)`` (non-reentrant) into one
+``tag_activation_checkpoint`` call whose body is a subgraph; a lm_head and its loss written inside such a
+region (a common way to avoid keeping the logits) are invisible to a pass over the outer graph. Checkpointing
+them gains nothing once they are fused: the op keeps no activations worth recomputing, and a fused op inside a
+checkpoint would run twice (its gradients are computed in forward). So a region whose body holds a site the
+pass would fuse is inlined into the outer graph; the rest of that region's ops are then no longer recomputed
+in backward (each region is reported). A region that cannot be inlined is left as it is, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .decide import analyze
+
+
+@dataclass
+class CheckpointRegion:
+    """A checkpointed region whose body holds a fusable loss site."""
+
+    name: str  # the body's attribute name, e.g. wrap_body_0
+    sites: int  # fusable loss sites in its body
+    other_ops: int  # ops of the body that are not part of those sites' head and loss (no longer recomputed)
+    inlined: bool = False
+    reason: str | None = None  # why it was not inlined
+
+    def __str__(self) -> str:
+        if not self.inlined:
+            return f"checkpointed region {self.name}: its {self.sites} loss site(s) stay unfused: {self.reason}"
+        extra = f"; {self.other_ops} other op(s) of the region are no longer recomputed" if self.other_ops else ""
+        return f"checkpointed region {self.name}: moved out of the checkpoint to fuse its loss site(s){extra}"
+
+
+def _is_checkpoint(node: fx.Node) -> bool:
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return node.op == "call_function" and hop is not None and node.target is hop
+
+
+def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list[CheckpointRegion]:
+    """Inline (in place) every checkpointed region of ``gm`` whose body holds a loss site the pass would fuse
+    under ``logits``; returns one record per such region."""
+    regions = []
+    for node in list(gm.graph.nodes):
+        if not _is_checkpoint(node) or not node.args or node.args[0].op != "get_attr":
+            continue
+        body = getattr(gm, node.args[0].target, None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        results = [r for r in analyze(body, logits) if r.fused]
+        if not results:
+            continue
+        site_nodes = {n for r in results for n in (r.site.chain + [r.site.loss_node])}
+        work = [n for r in results for n in (r.site.loss.target, r.site.loss.ce_weight) if isinstance(n, fx.Node)]
+        while work:  # the target's own computation belongs to the site too
+            n = work.pop()
+            if n.op != "placeholder" and n not in site_nodes:
+                site_nodes.add(n)
+                work.extend(n.all_input_nodes)
+        ops = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        region = CheckpointRegion(str(node.args[0].target), len(results), len([n for n in ops if n not in site_nodes]))
+        region.reason = _inline(gm, node, body)
+        region.inlined = region.reason is None
+        regions.append(region)
+    if any(r.inlined for r in regions):
+        gm.graph.lint()
+        gm.recompile()
+    return regions
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> str | None:
+    """Copy ``body`` into ``gm`` in place of the checkpoint call ``node``; None on success, else why not."""
+    users = list(node.users)
+    if not all(u.op == "call_function" and u.target.__name__ == "getitem" and isinstance(u.args[1], int)
+               for u in users):
+        return "the region's result is used other than by index"
+    if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes):
+        return "the region's body reads module attributes of its own"
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(node.args) - 1 or node.kwargs.get("context_fn") is not None:
+        return "the region's arguments do not map onto its body (or it has a context_fn)"
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, node.args[1:]))
+    outputs = None
+    with gm.graph.inserting_before(node):
+        for bn in body.graph.nodes:
+            if bn.op == "placeholder":
+                continue
+            if bn.op == "output":
+                outputs = fx.node.map_arg(bn.args[0], lambda n: env[n])
+                continue
+            env[bn] = gm.graph.node_copy(bn, lambda n: env[n])
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    for user in users:
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    body_attr = node.args[0]
+    gm.graph.erase_node(node)
+    if not body_attr.users:
+        gm.graph.erase_node(body_attr)
+    return None
