@@ -1,6 +1,6 @@
-"""backend="flce" under torch.distributed, on the CPU: FSDP2 (``fully_shard``) with the whole Hugging Face model
-compiled, in two gloo processes, against one process; and lm_head + loss inside an activation-checkpointed
-region (moved out of the region and fused)."""
+"""backend="flce" under torch.distributed, on the CPU: DDP and FSDP2 (``fully_shard``) with the whole Hugging Face
+model compiled, and the op called directly under FSDP2, in two gloo processes, against one process; and
+lm_head + loss inside an activation-checkpointed region (moved out of the region and fused)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import flce_compile
 import flce_compile.compiler as fc
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep
 
@@ -42,62 +43,109 @@ def _rank_batch(rank: int):
     return ids, ids.clone()
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Each logits mode: FSDP2 over every layer and the root, the whole model compiled with backend="flce",
-    two steps; rank 0 saves losses, full gradients and the lm_head gradient's placements."""
-    import torch.distributed as dist
+class _Capture:
+    """Inner compiler that records the graphs it gets, then runs aot_eager."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs, **kw):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    def fused(self) -> list[str]:
+        return [n.target.__name__ for gm in self.graphs for n in gm.graph.nodes
+                if n.op == "call_function" and n.target in (flce_fused_loss, flce_fused_loss_keep)]
+
+
+class _DirectOpLM(nn.Module):
+    """The route for models whose layer loop sits in the head's frame: compile the layers, call the op."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        hidden = self.model.model(input_ids=input_ids).last_hidden_state
+        labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return flce_compile.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels)
+
+
+def _wrap(scenario: str, model, capture: _Capture):
+    """The model of one scenario, as its users would build it; returns (module to step, callable)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    kind, logits = scenario.split("-")
+    options = {"flce.inner": capture, "flce.logits": logits}
+    if kind == "ddp":
+        return model, torch.compile(DistributedDataParallel(model), backend="flce", options=options)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if kind == "fsdp2":
+        fully_shard(model)
+        return model, torch.compile(model, backend="flce", options=options)
+    for layer in model.model.layers:  # "direct": the blocks compiled, the op called in the root's forward
+        layer.compile(backend="flce", options=options)
+    direct = _DirectOpLM(model)
+    fully_shard(direct)
+    return model, direct
+
+
+SCENARIOS = ("fsdp2-keep", "fsdp2-drop", "ddp-keep", "ddp-drop", "direct-drop")
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each scenario: two training steps on this rank's batch; rank 0 saves losses, full gradients, the lm_head
+    gradient's placements and which graphs were fused."""
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for logits in ("keep", "drop"):
+        for scenario in SCENARIOS:
             torch._dynamo.reset()
-            model = _tiny_llama()
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-            graphs = []
-
-            def capture(gm, example_inputs, **kw):
-                from torch._dynamo.backends.registry import lookup_backend
-
-                graphs.append(gm)
-                return lookup_backend("aot_eager")(gm, example_inputs, **kw)
-
-            options = {"flce.inner": capture, "flce.logits": logits}
-            compiled = torch.compile(model, backend="flce", options=options)
+            capture = _Capture()
+            model, step = _wrap(scenario, _tiny_llama(), capture)
             ids, labels = _rank_batch(rank)
             losses = []
             for _ in range(2):
                 model.zero_grad(set_to_none=True)
-                out = compiled(input_ids=ids, labels=labels)
-                out.loss.backward()
-                losses.append(out.loss.detach())
-            placements = [(type(p).__name__, getattr(p, "dim", None)) for p in model.lm_head.weight.grad.placements]
-            fused = [n.target.__name__ for gm in graphs for n in gm.graph.nodes
-                     if n.op == "call_function" and n.target in (flce_fused_loss, flce_fused_loss_keep)]
-            results[logits] = {"losses": losses, "logits_none": out.logits is None, "head_placements": placements,
-                               "fused": fused,
-                               "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+                out = step(input_ids=ids, labels=labels)
+                loss = out if isinstance(out, torch.Tensor) else out.loss
+                loss.backward()
+                losses.append(loss.detach())
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            head = grads["lm_head.weight"]
+            results[scenario] = {
+                "losses": losses, "fused": capture.fused(),
+                "logits_none": None if isinstance(out, torch.Tensor) else out.logits is None,
+                "head_placements": [(type(p).__name__, getattr(p, "dim", None)) for p in head.placements]
+                if hasattr(head, "placements") else None,
+                "grads": {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()},
+            }
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "rank0.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_whole_hf_model_compiled_matches_one_process(tmp_path):
+def test_ddp_and_fsdp2_match_one_process(tmp_path):
+    """DDP (Dynamo's DDPOptimizer splits the graph by gradient bucket), FSDP2 with the whole HF model compiled,
+    and the direct op under FSDP2, in two gloo processes, each against one process."""
     pytest.importorskip("transformers")
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = torch.load(tmp_path / "rank0.pt")
 
-    # One process, no sharding: each rank's loss on its own batch, gradients averaged as FSDP's reduce does.
+    # One process, no sharding: each rank's loss on its own batch, gradients averaged as DDP and FSDP do.
     model = _tiny_llama()
     ref_grads: dict[str, torch.Tensor] = {}
     for rank in range(2):
@@ -109,14 +157,18 @@ def test_fsdp2_whole_hf_model_compiled_matches_one_process(tmp_path):
             ref_loss = loss.detach()
         for n, p in model.named_parameters():
             ref_grads[n] = ref_grads.get(n, 0) + p.grad / 2
-    for logits, got in results.items():
+    assert list(results) == list(SCENARIOS)
+    for scenario, got in results.items():
         for loss in got["losses"]:
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=logits)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=scenario)
         for n, g in got["grads"].items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{logits} {n}")
-        assert got["head_placements"] == [("Shard", 0)]  # the lm_head's gradient is reduce-scattered as usual
-        assert got["logits_none"] == (logits == "drop")
-        assert got["fused"] == ["flce_fused_loss" if logits == "drop" else "flce_fused_loss_keep"]
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{scenario} {n}")
+        kind, logits = scenario.split("-")
+        if kind != "direct":
+            assert got["logits_none"] == (logits == "drop"), scenario
+            assert got["fused"] == ["flce_fused_loss" if logits == "drop" else "flce_fused_loss_keep"], scenario
+        if kind != "ddp":  # the lm_head's gradient is reduce-scattered as usual
+            assert got["head_placements"] == [("Shard", 0)], scenario
 
 
 class CheckpointedHead(nn.Module):
