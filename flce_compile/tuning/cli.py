@@ -188,6 +188,15 @@ def _user_path(args: argparse.Namespace) -> Path | None:
     return args.db.expanduser() if args.db else db.user_db_path()
 
 
+def _required_user_path(args: argparse.Namespace, what: str) -> Path | None:
+    """The user DB path for a command that needs one; None after printing ``flce-tune: <what>: <why there is
+    none and what to pass>``."""
+    path = _user_path(args)
+    if path is None:
+        print(f"flce-tune: {what}: {NO_USER_DB}", file=sys.stderr)
+    return path
+
+
 def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
     """(entry, source) for every entry in the user file and the shipped files, user first, filtered."""
     from . import db  # noqa: PLC0415
@@ -248,9 +257,8 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from . import db  # noqa: PLC0415
 
-    user_path = _user_path(args)
+    user_path = _required_user_path(args, "nothing to export")
     if user_path is None:
-        print(f"flce-tune: nothing to export: {NO_USER_DB}", file=sys.stderr)
         return 1
     entries = db.read_file(user_path)
     if args.device_kind:
@@ -292,12 +300,12 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _studies_dir(args: argparse.Namespace) -> Path | None:
-    """Where studies are kept: beside the user DB (--db or $FLCE_TUNING_DB or ~/.cache/...), also with --out;
-    None without a user DB."""
+def _studies_dir(args: argparse.Namespace, what: str | None = None) -> Path | None:
+    """Where studies are kept: beside the user DB (--db or $FLCE_TUNING_DB or ~/.cache/...), also with --out.
+    None without a user DB; with ``what``, a command that needs the studies, after saying so."""
     from . import studies  # noqa: PLC0415
 
-    user = _user_path(args)
+    user = _user_path(args) if what is None else _required_user_path(args, what)
     return None if user is None else studies.studies_dir(user)
 
 
@@ -326,9 +334,8 @@ def cmd_list_studies(args: argparse.Namespace) -> int:
     """--list-studies: one line per kept study, oldest first: name, complete trials, best time."""
     from . import studies  # noqa: PLC0415
 
-    directory = _studies_dir(args)
+    directory = _studies_dir(args, "no kept studies")
     if directory is None:
-        print(f"flce-tune: no kept studies: {NO_USER_DB}", file=sys.stderr)
         return 1
     kept = studies.kept_studies(directory)
     if not kept:
@@ -353,9 +360,8 @@ def cmd_replot(args: argparse.Namespace) -> int:
     study is loaded before anything is drawn, so a wrong name fails fast."""
     from . import studies  # noqa: PLC0415
 
-    directory = _studies_dir(args)
+    directory = _studies_dir(args, "no kept studies to redraw")
     if directory is None:
-        print(f"flce-tune: no kept studies to redraw: {NO_USER_DB}", file=sys.stderr)
         return 1
     names = args.replot or [item.name for item in studies.kept_studies(directory)]
     if not names:
