@@ -3,6 +3,7 @@ and the tuning flow (fake GPU) in process, the shipped tuning_db/ directory, and
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from flce_compile.config import FLCEConfig
-from flce_compile.tuning import db
+from flce_compile.tuning import db, studies
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,9 +36,11 @@ def make_entry(**kw) -> db.Entry:
 
 
 @pytest.fixture(autouse=True)
-def _private_env(monkeypatch):
-    """cli.main sets $FLCE_TUNING_DB for --db; keep that (and the DB caches) from leaking into other tests."""
-    monkeypatch.setenv(db.ENV_USER_DB, os.environ.get(db.ENV_USER_DB, "/nonexistent/flce_user_db.json"))
+def _private_env(monkeypatch, tmp_path):
+    """cli.main sets $FLCE_TUNING_DB for --db; keep that (and the DB caches) from leaking into other tests. The
+    user DB is a file of this test's own (never the developer's): tuning keeps its studies beside it, also with
+    --out."""
+    monkeypatch.setenv(db.ENV_USER_DB, str(tmp_path / "private_user_db.json"))
     db.invalidate_cache()
     yield
     db.invalidate_cache()
@@ -316,6 +319,10 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--vocab", "8", "--hidden", "8", "--timeout", "nan"], "--timeout must be a positive finite number"),
     (["--vocab", "8", "--hidden", "8", "--time-budget-s", "nan"], "--time-budget-s must be a positive finite"),
     (["--vocab", "8", "--hidden", "8", "--budget-over-default-gb", "nan"], "--budget-over-default-gb must be >= 0"),
+    (["--vocab", "8", "--hidden", "8", "--keep-studies", "-1"], "--keep-studies must be >= 0"),
+    (["--replot"], "--replot needs --plot DIR"),
+    (["--list", "--plot", "plots"], "--plot DIR goes with tuning or --replot"),
+    (["--list-studies", "--replot"], "are separate modes"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""
@@ -369,3 +376,133 @@ def test_which(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--which", "--vocab", "256000", "--tokens", "8192"])
     assert exc.value.code == 2 and "--which needs --vocab V --hidden H --tokens N" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --plot, --replot, --list-studies, --keep-studies
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_tuner(tmp_path, monkeypatch):
+    """cmd_tune on CPU: a fake GPU, no memory model, no shipped DB, and a deterministic objective whose optimum
+    is 2048-token chunks with 8192-wide CE blocks. Returns the user DB path (studies are kept beside it)."""
+    from flce_compile.tuning import measure
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    user = tmp_path / "user.json"
+    monkeypatch.setenv(db.ENV_USER_DB, str(user))
+    db.invalidate_cache()
+
+    def fake_make_objective(problem, **kw):
+        def objective(c):
+            block = abs(math.log2(c.block_v / 8192)) if c.strategy == "triton" else 2.0
+            return 5.0 + abs(math.log2(c.chunk_tokens / 2048)) + block, c.chunk_tokens * 10**6
+        return objective
+
+    monkeypatch.setattr(measure, "make_objective", fake_make_objective)
+    return user
+
+
+def assert_pngs(directory: Path, study: str, kinds: tuple[str, ...]) -> None:
+    """Exactly these plots of ``study`` are in ``directory``, each a non-trivial PNG."""
+    assert sorted(p.name for p in directory.iterdir()) == sorted(f"{study}_{k}.png" for k in kinds)
+    for kind in kinds:
+        data = (directory / f"{study}_{kind}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, kind
+
+
+def test_plot_keeps_the_study_and_replots_it(fake_tuner, tmp_path, capsys):
+    """--plot DIR draws the three plots of the study; the study is kept beside the user DB (the one that wrote
+    the entry: same best time), listed by --list-studies and redrawn by --replot from a new storage object."""
+    from flce_compile.tuning import cli
+
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    code = cli.main(["--vocab", "32000", "--hidden", "1024", "--tokens", "8192", "--trials", "10",
+                     "--strategies", "triton", "--plot", str(plots)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    directory = studies.studies_dir(fake_tuner)
+    (kept,) = studies.kept_studies(directory)
+    assert kept.name.startswith("h200_V32000_H1024_bf16_T8192_") and f"keeping the last 20 studies in {directory}" in err
+    assert not list(directory.glob("*" + studies.RUNNING_SUFFIX))
+    assert_pngs(plots, kept.name, ("history", "importances", "contour"))
+    (entry,) = db.read_file(fake_tuner, strict=True)
+    study = studies.load(directory, kept.name)
+    assert study.best_value == pytest.approx(entry.ms) and len(study.trials) >= 10
+
+    assert cli.main(["--list-studies"]) == 0
+    out = capsys.readouterr().out
+    assert kept.name in out and f"{entry.ms:.3f}" in out and f"1 kept in {directory}" in out
+    again = tmp_path / "again"
+    assert cli.main(["--plot", str(again), "--replot", kept.name]) == 0
+    assert_pngs(again, kept.name, ("history", "importances", "contour"))
+    assert f"3 plots of {kept.name} in {again}" in capsys.readouterr().err
+    shutil.rmtree(again)
+    assert cli.main(["--plot", str(again), "--replot"]) == 0  # no names: every kept study
+    assert_pngs(again, kept.name, ("history", "importances", "contour"))
+
+
+def test_keep_studies_prunes_to_the_last_n(fake_tuner, capsys):
+    """Three studies with --keep-studies 2 leave the last two; --keep-studies 0 keeps none and prunes nothing."""
+    from flce_compile.tuning import cli
+
+    base = ["--tokens", "4096", "--trials", "2", "--strategies", "torch", "--no-confirm"]
+    assert cli.main(["--shapes", "32000x1024,32768x4096,50257x768", *base, "--keep-studies", "2"]) == 0
+    directory = studies.studies_dir(fake_tuner)
+    kept = [s.name for s in studies.kept_studies(directory)]
+    assert [n.split("_")[1:3] for n in kept] == [["V32768", "H4096"], ["V50257", "H768"]]
+    assert "keeping the last 2 studies" in capsys.readouterr().err
+    assert cli.main(["--vocab", "151936", "--hidden", "4096", *base, "--keep-studies", "0"]) == 0
+    assert "keeping the last" not in capsys.readouterr().err
+    assert [s.name for s in studies.kept_studies(directory)] == kept
+    assert not list(directory.glob("*" + studies.RUNNING_SUFFIX))
+    assert len(db.read_file(fake_tuner, strict=True)) == 4  # the tuning itself is unchanged
+
+
+def test_plot_without_a_user_db_draws_from_memory(fake_tuner, tmp_path, monkeypatch, capsys):
+    """No home directory and no $FLCE_TUNING_DB: nothing is kept, --plot still draws the in-memory study."""
+    from flce_compile.tuning import cli
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.delenv(db.ENV_USER_DB)
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    plots = tmp_path / "plots"
+    assert cli.main(["--vocab", "32000", "--hidden", "1024", "--tokens", "8192", "--trials", "4", "--strategies",
+                     "torch", "--out", str(tmp_path / "out"), "--plot", str(plots)]) == 0
+    assert "keeping the last" not in capsys.readouterr().err
+    (history,) = plots.glob("*_history.png")
+    assert history.name.startswith("h200_V32000_H1024_bf16_T8192_") and history.stat().st_size > 5000
+    assert not list(tmp_path.rglob("*.journal*"))
+    assert cli.main(["--list-studies"]) == 1
+    assert cli.NO_USER_DB in capsys.readouterr().err
+
+
+def test_plot_and_replot_errors_are_one_line(fake_tuner, tmp_path, capsys):
+    """An unusable --plot DIR is refused before tuning; an unknown or missing study is one line, exit 1."""
+    from flce_compile.tuning import cli
+
+    pytest.importorskip("matplotlib")
+    (tmp_path / "a_file").write_text("")
+    tune = ["--vocab", "32000", "--hidden", "1024", "--tokens", "4096", "--trials", "2"]
+    for plot_dir, message in ((tmp_path / "a_file", "is a file; give a directory"),
+                              (tmp_path / "a_file" / "below", "cannot write plots to")):
+        assert cli.main([*tune, "--plot", str(plot_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("flce-tune: --plot DIR: ") and message in err, err
+    assert not fake_tuner.exists()  # refused before any tuning
+    plots = str(tmp_path / "plots")
+    assert cli.main(["--list-studies"]) == 0
+    assert "no kept studies in" in capsys.readouterr().out
+    assert cli.main(["--plot", plots, "--replot"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no kept studies to redraw" in err
+    assert cli.main([*tune, "--strategies", "torch"]) == 0
+    capsys.readouterr()
+    assert cli.main(["--plot", plots, "--replot", "h200_nope"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no kept study named 'h200_nope'" in err and "--list-studies" in err

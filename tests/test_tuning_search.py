@@ -158,6 +158,26 @@ def _ok(objective, c) -> bool:
     return True
 
 
+def test_study_goes_to_the_given_storage(tmp_path):
+    """``storage``/``study_name`` put the study where the caller says (a journal file here), with the same
+    search as in memory; a new storage object on that file (a later process) reads every trial back."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    in_memory = run_search(cost, small_space(), default=DEFAULT, n_trials=12, seed=0)
+    assert in_memory.study is not None and in_memory.study.trials
+    path = tmp_path / "study.journal"
+    kept = run_search(cost, small_space(), default=DEFAULT, n_trials=12, seed=0,
+                      storage=JournalStorage(JournalFileBackend(str(path))), study_name="shape_a")
+    assert kept.study.study_name == "shape_a"
+    assert (kept.best, kept.best_ms) == (in_memory.best, in_memory.best_ms)  # the storage changes nothing
+    reread = optuna.load_study(study_name="shape_a", storage=JournalStorage(JournalFileBackend(str(path))))
+    assert len(reread.trials) == len(kept.records)
+    assert reread.best_value == pytest.approx(kept.best_ms)
+    assert [t.user_attrs["config"] for t in reread.trials] == [r.config.to_json() for r in kept.records]
+
+
 def test_classify_failure():
     assert classify_failure(TrialRejected("x")) == "rejected"
     assert classify_failure(torch.OutOfMemoryError("CUDA out of memory")) == "oom"

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from .studies import DEFAULT_KEEP as DEFAULT_KEEP_STUDIES  # stdlib only: --help stays free of Optuna
+
 #: The (V, H) pairs shipped in tuning_db/, most important first (a time-limited run covers the head).
 SHIPPED_SHAPES: tuple[tuple[int, int, str], ...] = (
     (256000, 2304, "Gemma-2 2B"),
@@ -61,6 +63,12 @@ examples:
 
   # which config the op would run for a problem on an H200, and where it comes from (works without a GPU)
   flce-tune --which --vocab 151936 --hidden 4096 --tokens 16384 --device-kind h200
+
+  # Optuna's plots of each study (history, importances, chunk vs block size) into plots/; the last 20 studies
+  # are kept beside the user DB, so their plots can be redrawn later (no GPU needed)
+  flce-tune --vocab 151936 --hidden 4096 --plot plots/
+  flce-tune --list-studies
+  flce-tune --plot plots/ --replot                     # every kept study, or name some
 
 environment:
   FLCE_TUNING_DB          the user DB file (default ~/.cache/flce_compile/tuning_db.json)
@@ -150,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "source: user exact, shipped exact, nearest bucket, nearest shape or heuristic")
     db.add_argument("--device-kind", help="filter --list/--show/--export by GPU kind, e.g. h200; with --which, the "
                                           "GPU kind to answer for (default: this machine's GPU, or its CPU)")
+    plots = p.add_argument_group("plots and kept studies")
+    plots.add_argument("--plot", type=Path, metavar="DIR",
+                       help="after each study, save Optuna's plots as <study>_<plot>.png in DIR: optimization "
+                            "history, parameter importances, contour (or slice) of chunk size against CE block size")
+    plots.add_argument("--replot", nargs="*", metavar="STUDY",
+                       help="redraw kept studies into --plot DIR without tuning: the named ones, or all")
+    plots.add_argument("--list-studies", action="store_true", help="list the kept studies (one line each)")
+    plots.add_argument("--keep-studies", type=int, default=DEFAULT_KEEP_STUDIES, metavar="N",
+                       help=f"keep the last N studies (Optuna journal files) in <user DB>.studies/ beside the user "
+                            f"DB (default {DEFAULT_KEEP_STUDIES}; 0 keeps none and prunes nothing)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -168,6 +186,15 @@ def _user_path(args: argparse.Namespace) -> Path | None:
     from . import db  # noqa: PLC0415
 
     return args.db.expanduser() if args.db else db.user_db_path()
+
+
+def _required_user_path(args: argparse.Namespace, what: str) -> Path | None:
+    """The user DB path for a command that needs one; None after printing ``flce-tune: <what>: <why there is
+    none and what to pass>``."""
+    path = _user_path(args)
+    if path is None:
+        print(f"flce-tune: {what}: {NO_USER_DB}", file=sys.stderr)
+    return path
 
 
 def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
@@ -230,9 +257,8 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from . import db  # noqa: PLC0415
 
-    user_path = _user_path(args)
+    user_path = _required_user_path(args, "nothing to export")
     if user_path is None:
-        print(f"flce-tune: nothing to export: {NO_USER_DB}", file=sys.stderr)
         return 1
     entries = db.read_file(user_path)
     if args.device_kind:
@@ -266,6 +292,93 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as exc:
             p.error(str(exc))
         print(f"V={args.vocab} H={args.hidden} {dtype} tokens={tokens} on {choice}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --plot / --replot / --list-studies
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _studies_dir(args: argparse.Namespace, what: str | None = None) -> Path | None:
+    """Where studies are kept: beside the user DB (--db or $FLCE_TUNING_DB or ~/.cache/...), also with --out.
+    None without a user DB; with ``what``, a command that needs the studies, after saying so."""
+    from . import studies  # noqa: PLC0415
+
+    user = _user_path(args) if what is None else _required_user_path(args, what)
+    return None if user is None else studies.studies_dir(user)
+
+
+def _prepare_plot_dir(args: argparse.Namespace) -> str | None:
+    """Check --plot DIR before any work: matplotlib importable, DIR created and writable. Returns the error line
+    to print, or None."""
+    from . import plots  # noqa: PLC0415
+
+    try:
+        plots.require_matplotlib()
+        plots.prepare_dir(args.plot.expanduser())
+    except (ImportError, OSError) as exc:
+        return f"flce-tune: --plot DIR: {exc}"
+    return None
+
+
+def _draw(study: Any, args: argparse.Namespace) -> None:
+    """Draw one study's plots into --plot DIR and say how many (skipped ones are logged by tuning.plots)."""
+    from . import plots  # noqa: PLC0415
+
+    written = plots.draw_study(study, args.plot.expanduser())
+    print(f"flce-tune: {len(written)} plots of {study.study_name} in {args.plot}", file=sys.stderr)
+
+
+def cmd_list_studies(args: argparse.Namespace) -> int:
+    """--list-studies: one line per kept study, oldest first: name, complete trials, best time."""
+    from . import studies  # noqa: PLC0415
+
+    directory = _studies_dir(args, "no kept studies")
+    if directory is None:
+        return 1
+    kept = studies.kept_studies(directory)
+    if not kept:
+        print(f"no kept studies in {directory}")
+        return 0
+    rows = []
+    for item in kept:
+        try:
+            values = [t.value for t in studies.load(directory, item.name).get_trials(deepcopy=False)
+                      if t.value is not None]
+            rows.append((item.name, str(len(values)), _fmt(min(values, default=None), ".3f")))
+        except studies.StudyError as exc:
+            print(f"flce-tune: {exc}", file=sys.stderr)
+            rows.append((item.name, "-", "unreadable"))
+    _print_table(("study", "complete trials", "best ms"), rows)
+    print(f"\n{len(kept)} kept in {directory}")
+    return 0
+
+
+def cmd_replot(args: argparse.Namespace) -> int:
+    """--plot DIR --replot [STUDY ...]: redraw kept studies (all when none is named) without tuning. Every named
+    study is loaded before anything is drawn, so a wrong name fails fast."""
+    from . import studies  # noqa: PLC0415
+
+    directory = _studies_dir(args, "no kept studies to redraw")
+    if directory is None:
+        return 1
+    names = args.replot or [item.name for item in studies.kept_studies(directory)]
+    if not names:
+        print(f"flce-tune: no kept studies to redraw in {directory}; studies are kept while tuning "
+              f"(--keep-studies N, default {DEFAULT_KEEP_STUDIES})", file=sys.stderr)
+        return 1
+    try:
+        loaded = [studies.load(directory, name) for name in names]
+    except studies.StudyError as exc:
+        print(f"flce-tune: --replot: {exc}", file=sys.stderr)
+        return 1
+    try:
+        for study in loaded:
+            _draw(study, args)
+    except OSError as exc:
+        print(f"flce-tune: --plot {args.plot}: could not write a plot: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -347,6 +460,8 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--budget-over-default-gb must be >= 0 (GiB, finite), got {args.budget_over_default_gb}")
     if args.memory_gain_margin is not None and not 0 <= args.memory_gain_margin < 1:
         p.error(f"--memory-gain-margin must be in [0, 1), got {args.memory_gain_margin} (0.02 = 2%)")
+    if args.keep_studies < 0:
+        p.error(f"--keep-studies must be >= 0 (0 keeps no study), got {args.keep_studies}")
 
 
 def _study_budget(budget_bytes: int | None, over_default_gib: float | None, default_predicted: int | None,
@@ -363,6 +478,51 @@ def _study_budget(budget_bytes: int | None, over_default_gib: float | None, defa
         return budget_bytes
     relative = default_predicted + int(over_default_gib * 2**30)
     return relative if budget_bytes is None else min(budget_bytes, relative)
+
+
+def _begin_study(keep_dir: Path | None, kind: str, vocab: int, hidden: int, dtype: str,
+                 tokens: int) -> tuple[str, Any]:
+    """The study's name and the Optuna storage it runs in: a running journal file in ``keep_dir``, or None (in
+    memory) when studies are not kept or the file cannot be made (the study still runs; a line says why)."""
+    from . import db, studies  # noqa: PLC0415
+
+    name = studies.new_study_name(kind, vocab, hidden, dtype, db.token_bucket(tokens))
+    if keep_dir is None:
+        return name, None
+    try:
+        return name, studies.running_storage(keep_dir, name)
+    except OSError as exc:
+        print(f"flce-tune: cannot keep study {name} in {keep_dir} ({exc}); it runs in memory", file=sys.stderr)
+        return name, None
+
+
+def _end_study(args: argparse.Namespace, keep_dir: Path | None, name: str, study: Any, kept: bool) -> int:
+    """After a search returned: draw its plots (--plot), then keep the study (rename it into place and prune to
+    --keep-studies) even if drawing failed. Returns 1 if the plots could not be written, else 0."""
+    from . import studies  # noqa: PLC0415
+
+    status = 0
+    try:
+        if args.plot is not None and study is not None:
+            _draw(study, args)
+    except OSError as exc:
+        print(f"flce-tune: --plot {args.plot}: could not write the plots of {name}: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        if kept and keep_dir is not None:
+            try:
+                studies.keep(keep_dir, name, args.keep_studies)
+            except OSError as exc:  # a lock timeout too: the results are in the DB, only the study is lost
+                print(f"flce-tune: could not keep study {name} in {keep_dir}: {exc}", file=sys.stderr)
+    return status
+
+
+def _drop_study(keep_dir: Path | None, name: str) -> None:
+    """Delete the running file of a study that failed or was interrupted outside the search."""
+    from . import studies  # noqa: PLC0415
+
+    if keep_dir is not None:
+        studies.discard(keep_dir, name)
 
 
 def cmd_tune(args: argparse.Namespace, started: float) -> int:
@@ -403,8 +563,10 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
         return 2
     if args.out is not None and args.out.suffix != ".json":
         target = args.out / f"{kind}.json"
+    keep_dir = _studies_dir(args) if args.keep_studies > 0 else None
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
-          f"writing to {target}", file=sys.stderr)
+          f"writing to {target}" + (f", keeping the last {args.keep_studies} studies in {keep_dir}" if keep_dir else ""),
+          file=sys.stderr)
 
     summary: list[tuple[str, ...]] = []
     written = 0
@@ -428,6 +590,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             study_timeout = share if study_timeout is None else min(study_timeout, share)
         study_start = time.monotonic()
         progress = _Progress(trials, label)
+        study_name, storage = _begin_study(keep_dir, kind, vocab, hidden, args.dtype, tokens)
         try:
             problem = Problem(tokens=tokens, vocab=vocab, hidden=hidden, dtype=dtype, device=device, seed=args.seed)
             objective = make_objective(problem, warmup=args.warmup, min_reps=args.reps, max_reps=max(50, args.reps))
@@ -443,16 +606,18 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             result = run_search(objective, space, default=default, db_config=found[0] if found else None,
                                 n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,
                                 confirm=not args.no_confirm, on_trial=progress.update,
-                                memory_gain_margin=margin)
+                                memory_gain_margin=margin, storage=storage, study_name=study_name)
             del objective
         except KeyboardInterrupt:
             progress.close()
+            _drop_study(keep_dir, study_name)
             print(f"flce-tune: interrupted during {label}; results written so far are kept", file=sys.stderr)
             summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "-", "interrupted"))
             status = 130
             break
         except Exception as exc:  # noqa: BLE001 - one study's setup failure (e.g. OOM on inputs) must not end the run
             progress.close()
+            _drop_study(keep_dir, study_name)
             print(f"flce-tune: {label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", f"failed: {type(exc).__name__}"))
             status = 1
@@ -493,6 +658,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             _fmt(None if result.best_peak_bytes is None else result.best_peak_bytes / 1e9, ".2f"),
             str(result.n_measured), note,
         ))
+        ended = _end_study(args, keep_dir, study_name, result.study, kept=storage is not None)
+        status = status or ended
         if result.stopped == "device_error":
             print("flce-tune: the GPU context broke; stopping. Re-run the remaining shapes in a new process.",
                   file=sys.stderr)
@@ -530,9 +697,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import db  # noqa: PLC0415
 
         db.invalidate_cache()  # lookups re-check the environment only once a second
-    modes = sum(bool(x) for x in (args.list, args.show, args.export is not None, args.which))
+    modes = sum(bool(x) for x in (args.list, args.show, args.export is not None, args.which, args.list_studies,
+                                  args.replot is not None))
     if modes > 1:
-        parser.error("--list, --show, --export and --which are separate modes; give one")
+        parser.error("--list, --show, --export, --which, --list-studies and --replot are separate modes; give one")
+    if args.plot is not None and modes and args.replot is None:
+        parser.error("--plot DIR goes with tuning or --replot; drop it here")
     if args.list or args.show:
         return cmd_list(args, detailed=args.show)
     if args.export is not None:
@@ -540,7 +710,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.which:
         _validate_shape_args(parser, args)
         return cmd_which(parser, args)
-    _validate_tune_args(parser, args)
+    if args.list_studies:
+        return cmd_list_studies(args)
+    if args.replot is not None and args.plot is None:
+        parser.error("--replot needs --plot DIR, where the redrawn plots go; e.g. --plot plots/ --replot")
+    if args.replot is None:
+        _validate_tune_args(parser, args)
+    if args.plot is not None and (problem := _prepare_plot_dir(args)) is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    if args.replot is not None:
+        return cmd_replot(args)
     _install_sigterm()
     return cmd_tune(args, started)
 

@@ -98,6 +98,9 @@ class SearchResult:
     records: list[TrialRecord] = field(default_factory=list)
     elapsed_s: float = 0.0
     stopped: str = "done"
+    #: The Optuna study the search ran (in memory, or in the ``storage`` given to ``run_search``): its trials
+    #: are what ``tuning.plots`` draws. None if the study could not be created.
+    study: Any = field(default=None, repr=False, compare=False)
 
     @property
     def n_measured(self) -> int:
@@ -149,6 +152,8 @@ def run_search(
     seed_neighbours: bool = True,
     max_idle: int = 50,
     on_trial: Callable[[TrialRecord, "SearchResult"], None] | None = None,
+    storage: Any = None,
+    study_name: str | None = None,
 ) -> SearchResult:
     """Search for the fastest correct config that fits the memory budget.
 
@@ -165,6 +170,9 @@ def run_search(
       if it is still faster (guards against a lucky measurement); a winner that takes more memory than the
       default must be faster by ``memory_gain_margin`` (a fraction of the default's time) or the default stays.
     * ``on_trial(record, partial_result)`` is called after every trial (progress bars).
+    * ``storage`` / ``study_name``: where Optuna keeps the study (an Optuna storage object or URL, and a name
+      new to it); default an unnamed in-memory study. ``tuning.studies`` passes a journal file so the study
+      can be plotted later. Either way the study is ``result.study``.
     """
     import optuna  # noqa: PLC0415
 
@@ -307,7 +315,8 @@ def run_search(
     previous_verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are ours to report, not Optuna's
     try:
-        study = optuna.create_study(direction="minimize", sampler=sampler)
+        study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage, study_name=study_name)
+        result.study = study
         for config in seeds:
             if space.check(config) is None:
                 study.enqueue_trial(space.to_params(config), skip_if_exists=True)
