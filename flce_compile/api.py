@@ -110,7 +110,8 @@ def fused_linear_cross_entropy(
     ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)`` with
     ``z = softcap * tanh(s / softcap)`` (or ``s`` without softcap) and ``s = logit_scale * (input @ weight.T + bias)``,
     plus the z-loss ``z_loss * lse**2`` over non-ignored tokens (unweighted; divided by the count of
-    non-ignored tokens for "mean"). The loss is fp32; "none" returns a tensor shaped like ``target``.
+    non-ignored tokens for "mean"). The loss is fp32; "none" returns a tensor shaped like ``target``. A "mean"
+    over a batch whose targets are all ignored is nan, as in torch, and its gradients are exactly 0.
 
     Args:
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.

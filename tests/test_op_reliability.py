@@ -1,0 +1,116 @@
+"""Reliability of the fused op (issue #11, "Op"): a section per reported failure mode. GPU-only parts (a second
+device, real side streams) are in test_gpu_op.py."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flce_compile import fused_linear_cross_entropy
+from flce_compile.compiler.kept_logits import kept_logits_cross_entropy
+from flce_reference import random_inputs, reference_loss
+
+STRATEGIES = ("torch", "triton")
+
+
+def _inputs(**kwargs):
+    return random_inputs(**{"n": 12, **kwargs})
+
+
+def _config(strategy: str, chunk: int = 4) -> dict:
+    return {"strategy": strategy, "chunk_tokens": chunk, "block_v": 16, "num_warps": 2}
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+# -- fully masked batches ---------------------------------------------------------------------------------------
+
+MASKED_OPTIONS = {
+    "plain": {},
+    "ce_weight": {"ce_weight": torch.rand(40, generator=torch.Generator().manual_seed(3)) + 0.5},
+    "z_loss": {"z_loss": 1e-3},
+    "label_smoothing": {"label_smoothing": 0.1},
+}
+
+
+@pytest.mark.parametrize("option", list(MASKED_OPTIONS))
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "with_logits"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fully_masked_mean_has_zero_gradients(dtype, strategy, return_logits, option):
+    """Every target ignored: the loss is nan as in torch, and dX, dW, db are exactly 0 (the Triton kernel gave
+    nan everywhere: 0 * inf)."""
+    x, w, t = _inputs(dtype=dtype)
+    t.fill_(-100)
+    x, w, b = _leaf(x), _leaf(w), _leaf(torch.zeros(40, dtype=dtype))
+    out = fused_linear_cross_entropy(x, w, t, b, config=_config(strategy), return_logits=return_logits,
+                                     **MASKED_OPTIONS[option])
+    loss = out[0] if return_logits else out
+    assert math.isnan(loss.item())
+    loss.backward()
+    for grad in (x.grad, w.grad, b.grad):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("option", list(MASKED_OPTIONS))
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "with_logits"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_valid_token_matches_the_reference(strategy, return_logits, option):
+    x, w, t = _inputs()
+    t.fill_(-100)
+    t[5] = 7
+    opts = MASKED_OPTIONS[option]
+    x, w = _leaf(x), _leaf(w)
+    out = fused_linear_cross_entropy(x, w, t, config=_config(strategy), return_logits=return_logits, **opts)
+    (out[0] if return_logits else out).backward()
+    xr, wr = _leaf(x), _leaf(w)
+    reference_loss(xr, wr, t, **opts).backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+@pytest.mark.parametrize("valid", [0, 1])
+@pytest.mark.parametrize("option", ["plain", "ce_weight", "label_smoothing"])
+def test_kept_logits_path_masked_batch(option, valid):
+    """The compiler's loss over kept logits: 0 gradients when nothing is valid, the reference's with one token."""
+    opts = {k: v for k, v in MASKED_OPTIONS[option].items()}
+    _, _, t = _inputs()
+    t.fill_(-100)
+    t[:valid] = 3
+    z = torch.randn(12, 40, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    loss = kept_logits_cross_entropy(z, t, **opts)
+    loss.backward()
+    zr = _leaf(z)
+    F.cross_entropy(zr, t, **{("weight" if k == "ce_weight" else k): v for k, v in opts.items()}).backward()
+    if valid:
+        torch.testing.assert_close(z.grad, zr.grad)
+    else:
+        assert math.isnan(loss.item()) and torch.equal(z.grad, torch.zeros_like(z))
+
+
+# -- -inf logits ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("masked", ["first_block", "two_blocks"])
+def test_classes_masked_through_the_bias(strategy, masked):
+    """Logits of -inf in the whole first block(s) of V (block_v = 16): the online softmax must not take
+    -inf - -inf. Loss and gradients equal eager's."""
+    x, w, t = _inputs()
+    b = torch.zeros(40)
+    b[: 16 if masked == "first_block" else 32] = -math.inf
+    t = 32 + t % 8  # targets among the classes left
+    x = _leaf(x)
+    loss = fused_linear_cross_entropy(x, w, t, b, config=_config(strategy), label_smoothing=0.0, z_loss=1e-3)
+    loss.backward()
+    xr = _leaf(x)
+    ref = reference_loss(xr, w, t, b, z_loss=1e-3)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(x.grad, xr.grad)
