@@ -143,7 +143,7 @@ def fused_linear_cross_entropy(
         t1d = t1d.long()
     cw = ce_weight.to(torch.float32).contiguous() if ce_weight is not None else None
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
-    loss, second, _dx, _dw, _db = op(
+    loss, second, _dx, _dw, _db, _grad_scale = op(
         x2d,
         weight.contiguous(),
         t1d.contiguous(),
