@@ -222,13 +222,26 @@ def _keep_forward_grads(ctx, dx: Tensor, dw: Tensor, db: Tensor, grad_scale: Ten
     ctx.grad_scale = grad_scale
 
 
+def _check_first_order() -> None:
+    """Backward runs with grad mode on only under ``create_graph=True``: refuse it rather than return
+    gradients without a graph (a gradient penalty would silently lose its second-order term)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "double backward (create_graph=True) through fused_linear_cross_entropy is not supported: its "
+            "gradients are formed inside the op and have no graph of their own. For gradient penalties or "
+            "Hessian-vector products compute this loss unfused, F.cross_entropy(F.linear(input, weight, bias)"
+            ".float(), target), or backward without create_graph=True"
+        )
+
+
 def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The forward-computed (dx, dw, db) times grad_scale * grad_output; each may be empty (not requested)."""
     if ctx.grads is None:
         raise RuntimeError(
-            "backward ran twice through the fused linear cross-entropy; its gradients are computed in "
-            "the forward pass and consumed by the first backward. Recompute the loss instead of "
-            "retain_graph=True, or use reduction='none' (whose backward recomputes)"
+            "backward ran twice through the fused linear cross-entropy (retain_graph=True, or one "
+            "torch.autograd.grad call per input); its gradients are computed in the forward pass and consumed "
+            "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
+            "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
     grads = ctx.grads
     # One fp32 factor: each element is scaled once and rounded once (a 0-dim tensor does not promote the
@@ -253,8 +266,11 @@ def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_scale):
+    _check_first_order()
     a = ctx.args
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    if grad_loss is None:  # the loss took no part in what is differentiated
+        return _input_grads(ctx, None, None, None)
     if a["reduction"] == "none":
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
         dx, dw, db = fused_linear_cross_entropy_backward_op(
@@ -286,6 +302,7 @@ def _setup_context_with_logits(ctx, inputs, output) -> None:
 def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad_db, _grad_scale):
     """The loss's gradients, scaled as in ``_backward``, plus, when the logits received a gradient G, the
     linear's own: dX += G W, dW += G^T X, db += sum_rows G (each GEMM in the weight dtype, as eager's)."""
+    _check_first_order()
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     dx, dw, db = (
         _scaled_forward_grads(ctx, grad_loss) if grad_loss is not None else (None, None, None)

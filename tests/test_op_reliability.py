@@ -94,6 +94,33 @@ def test_kept_logits_path_masked_batch(option, valid):
         assert math.isnan(loss.item()) and torch.equal(z.grad, torch.zeros_like(z))
 
 
+# -- backward modes ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction, return_logits", [("mean", False), ("sum", False), ("none", False),
+                                                      ("mean", True)])
+def test_double_backward_is_refused_clearly(reduction, return_logits):
+    x, w, t = _inputs()
+    x = _leaf(x)
+    out = fused_linear_cross_entropy(x, w, t, reduction=reduction, return_logits=return_logits)
+    loss = (out[0] if return_logits else out).sum()
+    with pytest.raises(RuntimeError, match="double backward .create_graph=True. .* not supported"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_one_grad_call_per_input_is_refused_clearly():
+    x, w, t = _inputs()
+    x, w = _leaf(x), _leaf(w)
+    loss = fused_linear_cross_entropy(x, w, t)
+    (dx,) = torch.autograd.grad(loss, x, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"Ask for every gradient in one call"):
+        torch.autograd.grad(loss, w)
+    # What the error asks for works.
+    x2, w2 = _leaf(x), _leaf(w)
+    dx2, dw2 = torch.autograd.grad(fused_linear_cross_entropy(x2, w2, t), (x2, w2))
+    torch.testing.assert_close(dx2, dx)
+
+
 # -- fp16 loss scaling ------------------------------------------------------------------------------------------
 
 
