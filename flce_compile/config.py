@@ -84,12 +84,23 @@ def config_overrides(config: "FLCEConfig | Mapping[str, Any] | str | None") -> d
     if isinstance(config, str):
         if not config:
             return None
-        config = json.loads(config)
+        config = _parse_json_config(config)
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be an FLCEConfig, a dict, a JSON object or None, got {type(config).__name__}")
     fields = dict(config)
     FLCEConfig.from_dict({**FLCEConfig().to_dict(), **fields})  # unknown keys and bad values raise here
     return fields or None
+
+
+def _parse_json_config(text: str) -> Any:
+    """``json.loads(text)``, with an error that names the config argument and what it accepts."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"config={text!r} is not valid JSON ({exc}); pass an FLCEConfig, a dict, or a JSON object such as "
+            '\'{"chunk_tokens": 1024}\''
+        ) from None
 
 
 def resolve_config(

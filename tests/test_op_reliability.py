@@ -121,6 +121,107 @@ def test_one_grad_call_per_input_is_refused_clearly():
     torch.testing.assert_close(dx2, dx)
 
 
+# -- argument checks --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_dtype, accum", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                                 (torch.float32, torch.float16)])
+def test_accum_dtype_less_precise_than_weight_is_rejected(weight_dtype, accum):
+    x, w, t = _inputs(dtype=weight_dtype)
+    with pytest.raises(TypeError, match="accum_dtype"):
+        fused_linear_cross_entropy(x, w.requires_grad_(), t, accum_dtype=accum)
+
+
+def test_accum_dtype_follows_autocast_compute_dtype():
+    """fp32 parameters under bf16 autocast compute in bf16, so a bf16 accumulator is the weight dtype there."""
+    x, w, t = _inputs()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, t, accum_dtype=torch.bfloat16)
+    loss.backward()
+    assert w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"z_loss": -1e-3}, ValueError, "z_loss"),
+    ({"z_loss": math.nan}, ValueError, "z_loss"),
+    ({"ignore_index": 2**63}, ValueError, "ignore_index"),
+    ({"ignore_index": -(2**63) - 1}, ValueError, "ignore_index"),
+    ({"ignore_index": 1.5}, TypeError, "ignore_index"),
+    ({"logit_scale": torch.tensor(2.0, requires_grad=True)}, TypeError, "logit_scale"),
+    ({"config": "{chunk_tokens: 3"}, ValueError, "config=.* is not valid JSON"),
+])
+def test_bad_scalar_options_name_the_argument(kwargs, exc, words):
+    x, w, t = _inputs()
+    with pytest.raises(exc, match=words):
+        fused_linear_cross_entropy(x, w, t, **kwargs)
+
+
+def test_huge_ignore_index_within_int64_works():
+    x, w, t = _inputs()
+    loss = fused_linear_cross_entropy(x, w, t, ignore_index=2**62)
+    torch.testing.assert_close(loss, reference_loss(x, w, t, ignore_index=2**62))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_infinite_softcap_is_no_cap(strategy):
+    x, w, t = _inputs()
+    grads = []
+    for softcap in (math.inf, None):
+        xs = _leaf(x)
+        loss = fused_linear_cross_entropy(xs, w, t, softcap=softcap, config=_config(strategy))
+        loss.backward()
+        grads.append((loss, xs.grad))
+    assert torch.isfinite(grads[0][0])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_tensor_logit_scale_without_grad_is_a_constant():
+    x, w, t = _inputs()
+    loss = fused_linear_cross_entropy(x, w, t, logit_scale=torch.tensor(0.5))
+    torch.testing.assert_close(loss, reference_loss(x, w, t, logit_scale=0.5))
+
+
+# -- edge shapes and devices ------------------------------------------------------------------------------------
+
+
+def test_zero_classes_is_an_error_naming_weight():
+    x, _, t = _inputs()
+    with pytest.raises(ValueError, match="weight has no classes"):
+        fused_linear_cross_entropy(x, torch.zeros(0, 16), t.fill_(-100))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_zero_hidden_behaves_like_torch(strategy, reduction):
+    """H = 0: every logit is the bias (here 0), as in torch; the gradients are empty or zero-width."""
+    x, w, t = _leaf(torch.zeros(6, 0)), _leaf(torch.zeros(5, 0)), torch.tensor([0, 1, 2, 3, 4, -100])
+    b = _leaf(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+    loss = fused_linear_cross_entropy(x, w, t, b, reduction=reduction, config=_config(strategy))
+    br = _leaf(b)
+    ref = F.cross_entropy((x @ w.T + br).float(), t, reduction=reduction)
+    torch.testing.assert_close(loss, ref)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(b.grad, br.grad)
+    assert x.grad.shape == (6, 0) and w.grad.shape == (5, 0)
+
+
+@pytest.mark.parametrize("reduction, return_logits", [("mean", False), ("none", False), ("sum", True)])
+def test_meta_tensors_give_meta_results(reduction, return_logits):
+    x = torch.empty(2, 3, 8, device="meta", requires_grad=True)
+    w = torch.empty(40, 8, device="meta", requires_grad=True)
+    t = torch.empty(2, 3, dtype=torch.long, device="meta")
+    out = fused_linear_cross_entropy(x, w, t, reduction=reduction, return_logits=return_logits)
+    loss = out[0] if return_logits else out
+    assert loss.device.type == "meta" and loss.shape == ((2, 3) if reduction == "none" else ())
+    if return_logits:
+        assert out[1].shape == (2, 3, 40)
+    loss.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
 # -- fp16 loss scaling ------------------------------------------------------------------------------------------
 
 
