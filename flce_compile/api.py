@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from .config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
-from .params import REDUCTIONS
+from .params import REDUCTIONS, math_dtype
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -98,13 +98,13 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
 
 def _accum_dtype(accum_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
     """The dW accumulator's dtype: ``accum_dtype`` checked against the compute dtype (the weight's, or
-    autocast's)."""
+    autocast's). fp64 weights accumulate in fp64: an fp32 accumulator would only lose precision."""
     if accum_dtype not in (torch.float32, compute_dtype):
         raise TypeError(
             f"accum_dtype={accum_dtype} is unsupported with {compute_dtype} weights: use torch.float32 (default) "
             f"or the weight dtype ({compute_dtype}); an accumulator less precise than the weight only loses accuracy"
         )
-    return accum_dtype
+    return compute_dtype if compute_dtype == torch.float64 else accum_dtype
 
 
 def _softcap_arg(softcap: float | None) -> float:
@@ -150,13 +150,14 @@ def fused_linear_cross_entropy(
     ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)`` with
     ``z = softcap * tanh(s / softcap)`` (or ``s`` without softcap) and ``s = logit_scale * (input @ weight.T + bias)``,
     plus the z-loss ``z_loss * lse**2`` over non-ignored tokens (unweighted; divided by the count of
-    non-ignored tokens for "mean"). The loss is fp32; "none" returns a tensor shaped like ``target``. A "mean"
-    over a batch whose targets are all ignored is nan, as in torch, and its gradients are exactly 0.
+    non-ignored tokens for "mean"). The loss is fp32 (fp64 for fp64 inputs, which run the "torch" strategy);
+    "none" returns a tensor shaped like ``target``. A "mean" over a batch whose targets are all ignored is nan,
+    as in torch, and its gradients are exactly 0.
 
     Args:
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (default) is as exact as eager,
-            the weight dtype saves V*H*4 bytes at some accuracy cost.
+            the weight dtype saves V*H*4 bytes at some accuracy cost. fp64 weights always accumulate in fp64.
         softcap: a cap > 0; None or inf for none. logit_scale: a constant (a tensor that requires grad is an
             error: it would get no gradient). z_loss: >= 0.
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
@@ -185,7 +186,7 @@ def fused_linear_cross_entropy(
     t1d = target.reshape(-1)
     if t1d.dtype != torch.int64:
         t1d = t1d.long()
-    cw = ce_weight.to(torch.float32).contiguous() if ce_weight is not None else None
+    cw = ce_weight.to(math_dtype(weight.dtype)).contiguous() if ce_weight is not None else None
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
     loss, second, _dx, _dw, _db, _grad_scale = op(
         x2d,

@@ -103,6 +103,19 @@ def _parse_json_config(text: str) -> Any:
         ) from None
 
 
+def _supports_dtype(config: FLCEConfig, dtype: torch.dtype, forced: Mapping[str, Any] | None) -> FLCEConfig:
+    """``config`` for ``dtype``: the Triton kernel computes in fp32, so fp64 runs the "torch" strategy (an
+    error when the caller forced "triton")."""
+    if dtype != torch.float64 or config.strategy != "triton":
+        return config
+    if forced and "strategy" in forced:
+        raise ValueError(
+            'config strategy "triton" does not support float64 inputs (its kernel computes in fp32); use '
+            'strategy "torch", or leave the strategy out of the config'
+        )
+    return dataclasses.replace(config, strategy="torch")
+
+
 def resolve_config(
     overrides: Mapping[str, Any] | None,
     num_tokens: int,
@@ -113,11 +126,12 @@ def resolve_config(
 ) -> tuple[FLCEConfig, str]:
     """The config of one call: ``choose_config``'s pick with ``overrides`` laid over it, and its source."""
     if overrides and set(overrides) >= {f.name for f in dataclasses.fields(FLCEConfig)}:
-        return FLCEConfig.from_dict(overrides), "forced"
+        return _supports_dtype(FLCEConfig.from_dict(overrides), dtype, overrides), "forced"
     chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
     if not overrides:
-        return chosen, source
-    return dataclasses.replace(chosen, **overrides), f"{source}, forced {', '.join(sorted(overrides))}"
+        return _supports_dtype(chosen, dtype, None), source
+    config = dataclasses.replace(chosen, **overrides)
+    return _supports_dtype(config, dtype, overrides), f"{source}, forced {', '.join(sorted(overrides))}"
 
 
 def _round_up(n: int, multiple: int) -> int:

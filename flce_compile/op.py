@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .config import FLCEConfig, resolve_config
-from .params import LossParams
+from .params import LossParams, math_dtype
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
 _EMPTY = (0,)
@@ -77,7 +77,7 @@ def fused_linear_cross_entropy_op(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
         )
-    lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=torch.float32)
+    lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
     return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
@@ -96,10 +96,11 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, ign
                                      compute_dx, compute_dw, compute_db, config):
     n = input.shape[0]
     per_token = reduction == "none"
-    loss = input.new_empty((n,) if per_token else (), dtype=torch.float32)
-    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=torch.float32)
+    dtype = math_dtype(input.dtype)
+    loss = input.new_empty((n,) if per_token else (), dtype=dtype)
+    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=dtype)
     grads = _fake_grads(input, weight, bias, not per_token, compute_dx, compute_dw, compute_db)
-    return (loss, lse) + grads + (input.new_empty((), dtype=torch.float32),)
+    return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 
 
 def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,10 +151,11 @@ def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce
                                                  label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
                                                  compute_dx, compute_dw, compute_db, config):
     n, vocab = input.shape[0], weight.shape[0]
-    loss = input.new_empty((), dtype=torch.float32)
+    dtype = math_dtype(input.dtype)
+    loss = input.new_empty((), dtype=dtype)
     logits = input.new_empty((n, vocab))
     grads = _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
-    return (loss, logits) + grads + (input.new_empty((), dtype=torch.float32),)
+    return (loss, logits) + grads + (input.new_empty((), dtype=dtype),)
 
 
 @torch.library.custom_op("flce::fused_linear_cross_entropy_backward", mutates_args=())
@@ -244,10 +246,14 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
             "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
     grads = ctx.grads
-    # One fp32 factor: each element is scaled once and rounded once (a 0-dim tensor does not promote the
-    # bf16/fp16 result). grad_scale is a power of two, so the product is as exact as grad_output; with
-    # GradScaler's power-of-two scales it is exact.
+    # One factor in the loss's dtype (fp32, fp64 for fp64): each element is scaled once and rounded once (a
+    # 0-dim tensor does not promote the bf16/fp16 result). grad_scale is a power of two, so the product is as
+    # exact as grad_output; with GradScaler's power-of-two scales it is exact.
     g = grad_loss.to(ctx.grad_scale.dtype) * ctx.grad_scale
+    if grads[0].dtype == torch.float64:
+        # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
+        # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
+        return tuple(t * g if t.numel() else t for t in grads)
     ctx.grads = None
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.

@@ -174,3 +174,11 @@ def test_fp16_loss_scaling_is_as_exact_as_eager(reduction):
         e_ours = (o.double() - r).norm() / r.norm()
         e_eager = (e.double() - r).norm() / r.norm()
         assert e_ours <= 1.25 * e_eager, (float(e_ours), float(e_eager))
+
+
+def test_fp64_gradcheck_on_gpu():
+    """fp64 runs on the torch strategy on the GPU too (the Triton kernel is fp32), and passes gradcheck."""
+    x, w, t = _inputs(n=9, h=6, v=13, dtype=torch.float64)
+    leaves = (x.requires_grad_(), w.requires_grad_())
+    assert torch.autograd.gradcheck(
+        lambda x, w: fused_linear_cross_entropy(x, w, t, label_smoothing=0.1, config={"chunk_tokens": 4}), leaves)

@@ -222,6 +222,52 @@ def test_meta_tensors_give_meta_results(reduction, return_logits):
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
 
 
+# -- fp64 and gradcheck -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0, "logit_scale": 0.7},
+                                     {"ce_weight": "random", "bias": True}], ids=["plain", "options", "weights"])
+def test_gradcheck_in_fp64(reduction, options):
+    x, w, t = _inputs(n=7, h=5, v=11, dtype=torch.float64)
+    t[2] = -100
+    opts = dict(options)
+    leaves = [_leaf(x), _leaf(w)]
+    if opts.pop("bias", False):
+        leaves.append(_leaf(torch.randn(11, dtype=torch.float64)))
+    if opts.get("ce_weight") == "random":
+        opts["ce_weight"] = torch.rand(11, dtype=torch.float64) + 0.5
+
+    def loss(*tensors):
+        return fused_linear_cross_entropy(*tensors[:2], t, *tensors[2:], reduction=reduction,
+                                          config={"chunk_tokens": 3}, **opts)
+
+    assert loss(*leaves).dtype == torch.float64
+    assert torch.autograd.gradcheck(loss, tuple(leaves))
+    torch.testing.assert_close(loss(*leaves), reference_loss(*leaves[:2], t, *leaves[2:], reduction=reduction,
+                                                             upcast=torch.float64, **opts))
+
+
+def test_fp64_with_logits_is_exact():
+    x, w, t = _inputs(dtype=torch.float64)
+    loss, logits = fused_linear_cross_entropy(x, w, t, return_logits=True, config={"chunk_tokens": 5})
+    assert logits.dtype == torch.float64
+    torch.testing.assert_close(logits, x @ w.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, reference_loss(x, w, t, upcast=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_fp64_uses_the_torch_strategy():
+    """The Triton kernel computes in fp32: fp64 runs on the torch strategy, and forcing "triton" is an error."""
+    from flce_compile.config import resolve_config
+
+    cuda = torch.device("cuda")
+    assert resolve_config(None, 4096, 32000, 1024, torch.float64, cuda)[0].strategy == "torch"
+    assert resolve_config({"chunk_tokens": 64}, 4096, 32000, 1024, torch.float64, cuda)[0].strategy == "torch"
+    x, w, t = _inputs(dtype=torch.float64)
+    with pytest.raises(ValueError, match="triton.*float64"):
+        fused_linear_cross_entropy(x, w, t, config={"strategy": "triton"})
+
+
 # -- fp16 loss scaling ------------------------------------------------------------------------------------------
 
 

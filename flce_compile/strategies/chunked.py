@@ -19,7 +19,7 @@ import torch
 from ..config import FLCEConfig
 from ..layout import padded_row_elements
 from ..log import logger
-from ..params import LossParams
+from ..params import LossParams, math_dtype
 from .ce_common import CEStepArgs
 from .ce_torch import ce_step_torch
 
@@ -134,22 +134,22 @@ def full_precision_gemm_reductions(device: torch.device, chunked: bool = True) -
 
 
 def _reduction_scales(
-    target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams, vocab: int
+    target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams, vocab: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row factors of the CE and z-loss terms: 1/sum(w[y]) and 1/valid-count for "mean", else 1.
+    """Per-row factors of the CE and z-loss terms: 1/sum(w[y]) and 1/valid-count for "mean", else 1, in ``dtype``.
 
     Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
     """
-    one = torch.ones((), dtype=torch.float32, device=target.device)
+    one = torch.ones((), dtype=dtype, device=target.device)
     if p.reduction != "mean":
         return one, one
     valid = target != p.ignore_index
-    n_valid = valid.sum(dtype=torch.float32)
+    n_valid = valid.sum(dtype=dtype)
     if ce_weight is None:
         denom = n_valid
     else:
         safe = torch.where(valid, target, torch.zeros_like(target)).clamp_(0, vocab - 1)
-        denom = torch.where(valid, ce_weight[safe], torch.zeros((), device=target.device)).sum()
+        denom = torch.where(valid, ce_weight[safe], torch.zeros((), dtype=dtype, device=target.device)).sum()
     return one / denom, one / n_valid
 
 
@@ -211,7 +211,8 @@ def _run_chunks(
     device = x.device
     ce_step = _ce_step(config)
     weight_sum = (
-        ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), device=device)
+        ce_weight.sum() if ce_weight is not None
+        else torch.full((), float(vocab), dtype=math_dtype(x.dtype), device=device)
     )
     chunk = max(1, min(config.chunk_tokens, n))
     overlap = config.streams and device.type == "cuda" and (grads.dw or grads.db)
@@ -229,7 +230,9 @@ def _run_chunks(
     ]
     dx = torch.empty_like(x) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
-    db_acc = torch.zeros(gemm_vocab, dtype=torch.float32, device=device) if grads.db and bias is not None else None
+    db_acc = (
+        torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
+    )
     main = torch.cuda.current_stream(device) if overlap else None
     side = _side_stream(device) if overlap else None
     buffer_free: list[torch.cuda.Event | None] = [None, None]
@@ -301,7 +304,7 @@ def _accumulate_weight_grads(
     if dw_acc is not None:
         dw_acc.add(grad.t(), x_c)
     if db_acc is not None:
-        db_acc.add_(grad.sum(dim=0, dtype=torch.float32))
+        db_acc.add_(grad.sum(dim=0, dtype=db_acc.dtype))
 
 
 class ForwardResult(NamedTuple):
@@ -326,11 +329,12 @@ def fused_forward(
     """Loss of ``ops`` and, when asked, its gradients (and the logits), in one chunked pass."""
     n = ops.x.shape[0]
     vocab = ops.weight.shape[0]
+    dtype = math_dtype(ops.x.dtype)
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab)
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
     scales = _gradient_scales(ce_scale, z_scale)
-    loss_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device)
-    lse_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device) if per_token else None
+    loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
+    lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
@@ -359,7 +363,7 @@ def fused_backward_per_token(
 
     The per-token factors stay in the logit gradient, as eager's: a loss scale arrives with them, before the
     rounding to fp16 (at 2048 x 8192 fp16 with scale 65536, dX and dW are as exact as eager's)."""
-    scale = grad_rows.to(torch.float32).contiguous()
+    scale = grad_rows.to(math_dtype(ops.x.dtype)).contiguous()
     return _run_chunks(
         ops, p, config, accum_dtype, grads,
         ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
