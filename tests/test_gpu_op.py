@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -182,3 +183,32 @@ def test_fp64_gradcheck_on_gpu():
     leaves = (x.requires_grad_(), w.requires_grad_())
     assert torch.autograd.gradcheck(
         lambda x, w: fused_linear_cross_entropy(x, w, t, label_smoothing=0.1, config={"chunk_tokens": 4}), leaves)
+
+
+def test_reduction_flags_restored_after_concurrent_calls():
+    """Two threads running chunked calls at once leave the user's cuBLAS flags (both halves) as they were."""
+    matmul = torch.backends.cuda.matmul
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+    def state():
+        return tuple((getattr(matmul, n), getattr(matmul, n + "_split_k", None)) for n in names)
+
+    before = state()
+    x, w, t = _inputs(n=2048, v=16384)
+    config = FLCEConfig(strategy="triton", chunk_tokens=256)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                fused_linear_cross_entropy(x, w.detach().requires_grad_(), t, config=config).backward()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    assert not errors and state() == before

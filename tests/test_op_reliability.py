@@ -334,6 +334,88 @@ def test_classes_masked_through_the_bias(strategy, masked):
     torch.testing.assert_close(x.grad, xr.grad)
 
 
+# -- cuBLAS reduction flags -------------------------------------------------------------------------------------
+
+
+_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+def _flag_state(name):
+    """One flag's whole state through torch's API: (reduced_precision, split_k) where torch has both halves."""
+    matmul = torch.backends.cuda.matmul
+    split_k = getattr(matmul, name + "_split_k", None)
+    return getattr(matmul, name) if split_k is None else (getattr(matmul, name), split_k)
+
+
+def _flag_states():
+    return tuple(_flag_state(name) for name in _FLAGS)
+
+
+@pytest.fixture
+def user_flags():
+    """Keep the process's flags as they were whatever a test does to them."""
+    saved = _flag_states()
+    yield
+    for name, value in zip(_FLAGS, saved):
+        setattr(torch.backends.cuda.matmul, name, value)
+
+
+@pytest.mark.parametrize("user", [(False, False), (False, True), (True, True)])  # (True, False) is invalid
+def test_reduction_flags_come_back_exactly(user_flags, user):
+    """Both halves of each flag, split-K included (torch's getter reads only the first: (False, False) came back
+    as (False, True)); on torch without the split-K half, the bool."""
+    from flce_compile.strategies.chunked import full_precision_gemm_reductions
+
+    matmul = torch.backends.cuda.matmul
+    has_split_k = isinstance(_flag_states()[0], tuple)
+    value = user if has_split_k else user[0]
+    matmul.allow_bf16_reduced_precision_reduction = value
+    matmul.allow_fp16_reduced_precision_reduction = value
+    with full_precision_gemm_reductions(torch.device("cuda")):
+        inside = _flag_states()
+        assert all((s[0] if has_split_k else s) is False for s in inside)
+        if has_split_k:
+            assert all(s[1] == user[1] for s in inside), "the op keeps the user's split-K choice"
+    assert _flag_states() == (value, value)
+
+
+def test_reduction_flags_with_overlapping_calls_on_two_threads(user_flags):
+    """Thread A enters, B enters, A leaves, B leaves: the flags stay off until B is done, then are the user's
+    (each thread saving and restoring its own copy left B running with the user's flags, then the op's flags
+    in the process)."""
+    from flce_compile.strategies.chunked import full_precision_gemm_reductions
+
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = True
+    matmul.allow_fp16_reduced_precision_reduction = True
+    user = _flag_states()
+    a_in, b_in, a_out, b_check = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def thread_a():
+        with full_precision_gemm_reductions(torch.device("cuda")):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with full_precision_gemm_reductions(torch.device("cuda")):
+            b_in.set()
+            a_out.wait(5)
+            seen["b_after_a_left"] = matmul.allow_bf16_reduced_precision_reduction
+        b_check.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert b_check.is_set()
+    assert seen["b_after_a_left"] is False
+    assert _flag_states() == user
+
+
 # -- direct op calls --------------------------------------------------------------------------------------------
 
 

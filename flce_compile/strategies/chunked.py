@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -109,6 +110,60 @@ class _DwAccumulator:
         return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
 
 
+#: The cuBLAS flags that let split-K GEMMs reduce in bf16/fp16 (torch.backends.cuda.matmul attributes).
+_REDUCTION_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+def _read_reduction_flag(name: str) -> bool | tuple[bool, bool]:
+    """The full state of one flag: ``(reduced_precision, split_k)`` where torch has the split-K half (the
+    plain attribute then reads only the first), else the bool. Restoring this value restores the flag exactly."""
+    matmul = torch.backends.cuda.matmul
+    reduced = getattr(matmul, name)
+    try:
+        split_k = getattr(matmul, name + "_split_k")
+    except AttributeError:  # torch without the split-K setting (2.11): a plain bool
+        return reduced
+    return (reduced, split_k)
+
+
+def _forbid_reduced_precision(saved: bool | tuple[bool, bool]) -> bool | tuple[bool, bool]:
+    """The flag value with reduced-precision reductions off and the user's split-K choice kept."""
+    return (False, saved[1]) if isinstance(saved, tuple) else False
+
+
+class _ReductionFlagsGuard:
+    """Process-wide save/restore of the reduced-precision flags, shared by every thread that runs the loop.
+
+    The flags are global state, so overlapping calls on several threads must not each save and restore them:
+    the first to enter saves the user's values and turns reduced precision off, the last to leave restores
+    them, and a lock guards the count. No thread then restores while another still runs its GEMMs, and the
+    user's values, split-K half included, come back exactly.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: dict[str, bool | tuple[bool, bool]] = {}
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = {name: _read_reduction_flag(name) for name in _REDUCTION_FLAGS}
+                for name, value in self._saved.items():
+                    setattr(torch.backends.cuda.matmul, name, _forbid_reduced_precision(value))
+            self._depth += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for name, value in self._saved.items():
+                    setattr(torch.backends.cuda.matmul, name, value)
+
+
+_REDUCTION_FLAGS_GUARD = _ReductionFlagsGuard()
+
+
 @contextlib.contextmanager
 def full_precision_gemm_reductions(device: torch.device, chunked: bool = True) -> Iterator[None]:
     """Forbid cuBLAS from reducing split-K partial sums of bf16/fp16 GEMMs in bf16/fp16 while the loop runs.
@@ -118,19 +173,21 @@ def full_precision_gemm_reductions(device: torch.device, chunked: bool = True) -
     chunks: relative error 3.8e-3 vs 3.3e-3; identical to eager's with fp32 reductions). A call that fits in
     one chunk (``chunked=False``) runs eager's own GEMM shapes, so it keeps the user's flags, and with them
     eager's numerics and speed: fp32 reductions cost 11% at 4096 x 768 x 50257 (one chunk) on the H200.
-    The flags are host-side state, so this costs no sync; they are restored on exit.
+
+    The flags are the only way to ask for this: fp32-output GEMMs would give the same numerics without global
+    state, but the logits GEMM would then write an fp32 chunk (twice the largest buffer). So they are saved
+    and restored exactly, under a lock shared by all threads (``_ReductionFlagsGuard``); while any thread runs
+    a chunked loop, GEMMs elsewhere in the process also reduce in fp32. The flags are host-side state, so this
+    costs no sync.
     """
     if device.type != "cuda" or not chunked:
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    matmul.allow_bf16_reduced_precision_reduction = False
-    matmul.allow_fp16_reduced_precision_reduction = False
+    _REDUCTION_FLAGS_GUARD.enter()
     try:
         yield
     finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+        _REDUCTION_FLAGS_GUARD.exit()
 
 
 def _reduction_scales(
