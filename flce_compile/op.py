@@ -11,8 +11,10 @@ the real token count, so a varying token count never recompiles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -50,6 +52,19 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def _op_context(device: torch.device) -> Iterator[None]:
+    """The context of an op body: autocast off (the op's dtypes are final) and, on CUDA, ``device`` made current.
+
+    Triton launches on the current device, and streams and events default to it, so without the guard a call
+    whose tensors are all on cuda:1 while cuda:0 is current (Hugging Face's ``device_map="auto"`` puts the
+    lm_head on the last GPU) fails in the kernel launch.
+    """
+    device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.autocast(device.type, enabled=False), device_guard:
+        yield
+
+
 @torch.library.custom_op("flce::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(
     input: Tensor,
@@ -72,7 +87,7 @@ def fused_linear_cross_entropy_op(
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
     check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
+    with _op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
@@ -138,7 +153,7 @@ def fused_linear_cross_entropy_with_logits_op(
     """
     check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
+    with _op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
@@ -180,7 +195,7 @@ def fused_linear_cross_entropy_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum_i grad_rows[i] * loss_i (reduction "none"), recomputing logits chunk by chunk."""
     p = _params(ignore_index, "none", label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
+    with _op_context(input.device):
         dx, dw, db = fused_backward_per_token(
             Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
             accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),

@@ -1,4 +1,5 @@
-"""GPU behaviour of the fused op: no host syncs, NaN for bad targets, CUDA-graph capture, stream overlap.
+"""GPU behaviour of the fused op: no host syncs, NaN for bad targets, CUDA-graph capture, stream overlap, a second
+GPU, fully masked batches, fp16 loss scaling and the cuBLAS flags.
 
 Numerics against fp64 run on the GPU through test_op_numerics.py (its device is CUDA when present)."""
 
@@ -17,11 +18,11 @@ from flce_reference import reference_loss
 pytestmark = pytest.mark.gpu
 
 
-def _inputs(n=4096, h=1024, v=32000, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, h, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(v, h, device="cuda", generator=g) * 2.0 / h**0.5).to(dtype)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+def _inputs(n=4096, h=1024, v=32000, dtype=torch.bfloat16, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, device=device, generator=g).to(dtype)
+    w = (torch.randn(v, h, device=device, generator=g) * 2.0 / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), device=device, generator=g)
     t[::17] = -100
     return x, w, t
 
@@ -110,6 +111,85 @@ def _grads_of(loss_fn, *tensors):
     loss = loss_fn(*leaves)
     loss.sum().backward()
     return loss, [t.grad for t in leaves]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("return_logits", [False, True])
+@pytest.mark.parametrize("streams", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tensors_on_another_gpu_than_the_current_one(dtype, reduction, streams, return_logits):
+    """Every tensor on cuda:1 while cuda:0 is current (device_map="auto" puts the lm_head on the last GPU): the
+    Triton kernel launched on cuda:0 and failed ("Pointer argument ... cannot be accessed from Triton")."""
+    if return_logits and reduction == "none":
+        pytest.skip("return_logits needs mean or sum")
+    x, w, t = _inputs(n=1024, h=256, v=8192, dtype=dtype, device="cuda:1")
+    config = FLCEConfig(strategy="triton", chunk_tokens=256, streams=streams)
+
+    def ours(x, w):
+        out = fused_linear_cross_entropy(x, w, t, reduction=reduction, config=config, return_logits=return_logits)
+        return out[0] if return_logits else out
+
+    torch.cuda.set_device(0)
+    loss, grads = _grads_of(ours, x, w)
+    torch.cuda.synchronize(1)
+    ref, ref_grads = _grads_of(lambda x, w: reference_loss(x, w, t, reduction=reduction), x, w)
+    assert torch.cuda.current_device() == 0
+    assert loss.device == x.device and all(g.device == x.device for g in grads)
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)
+    for g, r in zip(grads, ref_grads):
+        assert ((g.float() - r.float()).norm() / r.float().norm()) < tol
+
+
+def test_side_stream_per_calling_stream():
+    """Each calling stream gets a side stream of its own (a graph capture or another thread's stream must not
+    share one), and the op gives the same result from a user stream as from the default one."""
+    from flce_compile.strategies.chunked import _side_stream
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    assert _side_stream(device, a.cuda_stream) is _side_stream(device, a.cuda_stream)
+    assert _side_stream(device, a.cuda_stream) is not _side_stream(device, b.cuda_stream)
+    x, w, t = _inputs(n=2048, v=16384)
+    config = FLCEConfig(strategy="triton", chunk_tokens=512, streams=True)
+    expected = _grads_of(lambda x, w: fused_linear_cross_entropy(x, w, t, config=config), x, w)
+    a.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(a):
+        got = _grads_of(lambda x, w: fused_linear_cross_entropy(x, w, t, config=config), x, w)
+    torch.cuda.current_stream().wait_stream(a)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    for g, e in zip(got[1], expected[1]):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_stream_overlap_joins_the_side_stream_on_error(monkeypatch):
+    """An error mid-loop still makes the main stream wait for the side stream (try/finally), and the next call
+    works."""
+    import flce_compile.strategies.chunked as chunked
+
+    joined = []
+    original_join = chunked._StreamOverlap.join
+    monkeypatch.setattr(chunked._StreamOverlap, "join", lambda self: (joined.append(True), original_join(self)))
+    original_step = chunked.ce_step_torch
+    calls = {"n": 0}
+
+    def failing_step(args, p):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CE step failed")
+        original_step(args, p)
+
+    monkeypatch.setattr(chunked, "ce_step_torch", failing_step)
+    x, w, t = _inputs(n=2048, v=16384)
+    config = FLCEConfig(strategy="torch", chunk_tokens=256, streams=True)
+    with pytest.raises(RuntimeError, match="CE step failed"):
+        fused_linear_cross_entropy(x, w.requires_grad_(), t, config=config)
+    assert joined == [True]
+    monkeypatch.setattr(chunked, "ce_step_torch", original_step)
+    loss, _ = _grads_of(lambda x, w: fused_linear_cross_entropy(x, w, t, config=config), x, w)
+    torch.testing.assert_close(loss, reference_loss(x, w, t), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("return_logits", [False, True])

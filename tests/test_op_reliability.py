@@ -416,6 +416,47 @@ def test_reduction_flags_with_overlapping_calls_on_two_threads(user_flags):
     assert _flag_states() == user
 
 
+# -- stream overlap clean-up ------------------------------------------------------------------------------------
+
+
+def test_side_stream_is_joined_when_the_loop_raises(monkeypatch):
+    """An error in mid-loop must still order the buffers' release behind the side stream (try/finally). The
+    overlap is faked so that this runs on the CPU; test_gpu_op.py runs it on real streams."""
+    import contextlib
+
+    import flce_compile.strategies.chunked as chunked
+
+    events = []
+
+    class FakeOverlap:
+        def wait_for_buffer(self, slot):
+            events.append(("wait", slot))
+
+        def on_side(self, slot):
+            events.append(("side", slot))
+            return contextlib.nullcontext()
+
+        def join(self):
+            events.append(("join",))
+
+    calls = {"n": 0}
+    original_step = chunked.ce_step_torch
+
+    def failing_step(args, p):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("CE step failed")
+        original_step(args, p)
+
+    monkeypatch.setattr(chunked, "_stream_overlap", lambda config, device, grads: FakeOverlap())
+    monkeypatch.setattr(chunked, "ce_step_torch", failing_step)
+    x, w, t = _inputs()
+    with pytest.raises(RuntimeError, match="CE step failed"):
+        fused_linear_cross_entropy(x, w.requires_grad_(), t, config={"strategy": "torch", "chunk_tokens": 4,
+                                                                     "streams": True})
+    assert events[-1] == ("join",) and ("side", 0) in events
+
+
 # -- direct op calls --------------------------------------------------------------------------------------------
 
 

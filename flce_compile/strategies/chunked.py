@@ -60,9 +60,53 @@ def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
     return ce_step_torch
 
 
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+@functools.lru_cache(maxsize=64)
+def _side_stream(device: torch.device, main_stream: int) -> torch.cuda.Stream:
+    """The side stream of the calling stream ``main_stream`` (its handle) on ``device``.
+
+    One per calling stream, not one per device: a CUDA-graph capture, or a thread on a stream of its own, must
+    not share its side stream with work on other streams (a captured stream may not wait on uncaptured work).
+    Streams come from a bounded pool, so the cache stays small; an evicted entry only costs a new stream.
+    """
     return torch.cuda.Stream(device=device)
+
+
+class _StreamOverlap:
+    """Runs each chunk's dW/db GEMMs on a side stream while the main stream goes on (``config.streams``).
+
+    Events order the two: a chunk's weight-gradient GEMMs start after its logit gradient is written, and a
+    buffer is only rewritten after the GEMMs that read it are done. ``join`` must run however the loop ends,
+    or a buffer could go back to the allocator while the side stream still reads it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.side = _side_stream(device, self.main.cuda_stream)
+        self.buffer_free: list[torch.cuda.Event | None] = [None, None]
+
+    def wait_for_buffer(self, slot: int) -> None:
+        """Make the main stream wait until the GEMMs that last read buffer ``slot`` are done."""
+        if self.buffer_free[slot] is not None:
+            self.main.wait_event(self.buffer_free[slot])
+
+    @contextlib.contextmanager
+    def on_side(self, slot: int) -> Iterator[None]:
+        """Run the body on the side stream, after the main stream's work so far; it reads buffer ``slot``."""
+        self.side.wait_event(self.main.record_event())
+        with torch.cuda.stream(self.side):
+            yield
+            self.buffer_free[slot] = self.side.record_event()
+
+    def join(self) -> None:
+        """Order everything after the loop (and the buffers' release) behind the side stream's work."""
+        self.main.wait_stream(self.side)
+
+
+def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradRequest") -> _StreamOverlap | None:
+    """A side-stream overlap when the config asks for one and there is weight-gradient work to move there."""
+    if config.streams and device.type == "cuda" and (grads.dw or grads.db):
+        return _StreamOverlap(device)
+    return None
 
 
 class _DwAccumulator:
@@ -272,7 +316,7 @@ def _run_chunks(
         else torch.full((), float(vocab), dtype=math_dtype(x.dtype), device=device)
     )
     chunk = max(1, min(config.chunk_tokens, n))
-    overlap = config.streams and device.type == "cuda" and (grads.dw or grads.db)
+    overlap = _stream_overlap(config, device, grads)
     row_stride = padded_row_elements(vocab, x.element_size())
     gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
     if gemm_vocab != vocab:
@@ -290,58 +334,51 @@ def _run_chunks(
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
     )
-    main = torch.cuda.current_stream(device) if overlap else None
-    side = _side_stream(device) if overlap else None
-    buffer_free: list[torch.cuda.Event | None] = [None, None]
     weight_t = weight.t()
 
     # One chunk runs eager's own GEMM shapes; only a split call needs fp32 reductions (see the docstring).
     with full_precision_gemm_reductions(device, chunked=chunk < n):
-        for index, start in enumerate(range(0, n, chunk)):
-            stop = min(start + chunk, n)
-            slot = index % max(1, len(buffers))
-            grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
-            logits = logits_out[start:stop] if direct else grad
-            x_c = x[start:stop]
-            if overlap and buffer_free[slot] is not None:
-                main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
-            if bias is not None:
-                torch.addmm(bias, x_c, weight_t, out=logits)
-            else:
-                torch.mm(x_c, weight_t, out=logits)
-            rows = slice(start, stop)
-            if logits_out is not None and not direct:
-                logits_out[rows].copy_(logits[:, :vocab])
-            ce_step(
-                CEStepArgs(
-                    logits=logits[:, :vocab],
-                    target=target[rows],
-                    ce_weight=ce_weight,
-                    weight_sum=weight_sum,
-                    ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
-                    z_scale=z_scale[rows] if z_scale.dim() else z_scale,
-                    loss_out=loss_rows[rows] if loss_rows is not None else None,
-                    lse_out=lse_rows[rows] if lse_rows is not None else None,
-                    lse_in=lse_in[rows] if lse_in is not None else None,
-                    write_grad=grads.any,
-                    grad_out=grad[:, :vocab] if direct and grads.any else None,
-                ),
-                p,
-            )
-            if not grads.any:
-                continue
-            if dx is not None:
-                torch.mm(grad, weight, out=dx[rows])
-            if overlap:
-                ready = main.record_event()
-                side.wait_event(ready)
-                with torch.cuda.stream(side):
+        try:
+            for index, start in enumerate(range(0, n, chunk)):
+                stop = min(start + chunk, n)
+                slot = index % max(1, len(buffers))
+                grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
+                logits = logits_out[start:stop] if direct else grad
+                x_c = x[start:stop]
+                if overlap is not None:
+                    overlap.wait_for_buffer(slot)
+                if bias is not None:
+                    torch.addmm(bias, x_c, weight_t, out=logits)
+                else:
+                    torch.mm(x_c, weight_t, out=logits)
+                rows = slice(start, stop)
+                if logits_out is not None and not direct:
+                    logits_out[rows].copy_(logits[:, :vocab])
+                ce_step(
+                    CEStepArgs(
+                        logits=logits[:, :vocab],
+                        target=target[rows],
+                        ce_weight=ce_weight,
+                        weight_sum=weight_sum,
+                        ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
+                        z_scale=z_scale[rows] if z_scale.dim() else z_scale,
+                        loss_out=loss_rows[rows] if loss_rows is not None else None,
+                        lse_out=lse_rows[rows] if lse_rows is not None else None,
+                        lse_in=lse_in[rows] if lse_in is not None else None,
+                        write_grad=grads.any,
+                        grad_out=grad[:, :vocab] if direct and grads.any else None,
+                    ),
+                    p,
+                )
+                if not grads.any:
+                    continue
+                if dx is not None:
+                    torch.mm(grad, weight, out=dx[rows])
+                with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
-                    buffer_free[slot] = side.record_event()
-            else:
-                _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
-        if overlap:
-            main.wait_stream(side)
+        finally:
+            if overlap is not None:
+                overlap.join()  # also on an error: the buffers are freed when this frame unwinds
     dw = dw_acc.result(vocab) if dw_acc is not None else None
     db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
