@@ -465,6 +465,27 @@ def _op_args(x, w, t, reduction="mean", compute=(True, True, False)):
             '{"chunk_tokens": 5}')
 
 
+@pytest.mark.parametrize("op_name", ["fused_linear_cross_entropy", "fused_linear_cross_entropy_with_logits"])
+def test_opcheck_with_a_transposed_input(op_name):
+    """dX takes the fake's contiguous strides whatever the input's (empty_like kept a transposed layout)."""
+    _, w, t = _inputs()
+    x = torch.randn(16, 12).t()
+    assert not x.is_contiguous()
+    op = getattr(torch.ops.flce, op_name).default
+    torch.library.opcheck(op, _op_args(x, w.requires_grad_(), t),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_opcheck_backward_op_with_a_transposed_input():
+    _, w, t = _inputs()
+    x = torch.randn(16, 12).t()
+    lse = torch.logsumexp(x @ w.T, dim=1)
+    args = (x, w, t, None, None, lse, torch.rand(12), -100, 0.0, 0.0, 1.0, 0.0, torch.float32, True, True, False,
+            '{"chunk_tokens": 5}')
+    torch.library.opcheck(torch.ops.flce.fused_linear_cross_entropy_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_grad_scale_output_rebuilds_the_gradient():
     """Direct callers: dx * grad_scale is the gradient of the loss (grad_scale a power of two; 1 for "sum")."""
     x, w, t = _inputs()

@@ -329,7 +329,8 @@ def _run_chunks(
         torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
         for _ in range((2 if overlap else 1) if grads.any or not direct else 0)
     ]
-    dx = torch.empty_like(x) if grads.dx else None
+    # Contiguous whatever x's strides, as the fake implementation promises.
+    dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
