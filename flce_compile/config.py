@@ -159,7 +159,7 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     chunk = max(256, min(8192, chunk // 256 * 256))
     chunk = max(1, min(chunk, _round_up(max(1, num_tokens), 256)))
     return FLCEConfig(
-        strategy="triton" if on_gpu else "torch",
+        strategy="triton" if on_gpu and dtype != torch.float64 else "torch",  # the kernel computes in fp32
         chunk_tokens=chunk,
         block_v=4096 if on_gpu else 1024,
         num_warps=16 if on_gpu else 4,
@@ -170,6 +170,8 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     )
 
 
+#: choose_config's source for fp64 on a GPU: the tuning DB holds bf16/fp16/fp32 entries only.
+FP64_SOURCE = "heuristic (the tuning DB holds no float64 entries)"
 #: choose_config's source on the CPU: the tuning DB is measured on GPUs, so a CPU call never reads it.
 CPU_SOURCE = "heuristic (the tuning DB holds GPU entries; CPU calls use the heuristic)"
 
@@ -192,7 +194,9 @@ def choose_config_match(
     ``which_config`` can answer for a GPU this machine does not have; ``device`` must then be a CUDA device
     (it picks the GPU heuristic, which needs no GPU).
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype == torch.float64:
+        source = FP64_SOURCE
+    elif device.type == "cuda":
         from .tuning.db import find_match  # noqa: PLC0415 - tuning.db imports this module
 
         match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,

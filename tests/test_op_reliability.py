@@ -256,6 +256,21 @@ def test_fp64_with_logits_is_exact():
     torch.testing.assert_close(loss, reference_loss(x, w, t, upcast=torch.float64), rtol=1e-12, atol=1e-12)
 
 
+def test_fp64_on_a_gpu_skips_the_tuning_db(monkeypatch):
+    """The DB holds no fp64 entries: asking it only logged a "lookup failed" warning (once per process, hiding a
+    later real one). The heuristic answers, with the torch strategy."""
+    import flce_compile.tuning.db as db
+    from flce_compile.config import FP64_SOURCE, choose_config, heuristic_config
+
+    def no_lookup(**kwargs):
+        raise AssertionError("the tuning DB was asked about float64")
+
+    monkeypatch.setattr(db, "find_match", no_lookup)
+    config, source = choose_config(4096, 32000, 1024, torch.float64, torch.device("cuda"))
+    assert source == FP64_SOURCE and config.strategy == "torch"
+    assert heuristic_config(4096, 32000, 1024, torch.float64, torch.device("cuda")).strategy == "torch"
+
+
 def test_fp64_uses_the_torch_strategy():
     """The Triton kernel computes in fp32: fp64 runs on the torch strategy, and forcing "triton" is an error."""
     from flce_compile.config import resolve_config
