@@ -7,6 +7,8 @@ custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=
 from __future__ import annotations
 
 import json
+import math
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -14,18 +16,20 @@ from torch import Tensor, nn
 
 from .config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
-from .params import REDUCTIONS
+from .params import REDUCTIONS, math_dtype
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_ACCUM = (torch.float32, torch.bfloat16, torch.float16)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
-              reduction: str, label_smoothing: float, softcap: float | None, accum_dtype: torch.dtype) -> None:
+              reduction: str, label_smoothing: float, softcap: float | None) -> None:
     if not isinstance(input, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
         raise TypeError("input, weight and target must be tensors")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight has no classes (shape {tuple(weight.shape)}); cross-entropy needs vocab >= 1")
     if input.dim() < 1:
         raise ValueError("input must have a hidden dimension: shape (..., hidden)")
     if input.shape[-1] != weight.shape[1]:
@@ -71,16 +75,52 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap={softcap} must be > 0, or None for no softcap")
-    if accum_dtype not in _ACCUM:
-        raise TypeError(f"accum_dtype={accum_dtype} is unsupported; use torch.float32 (default) or the weight dtype")
+        raise ValueError(f"softcap={softcap} must be > 0 (inf means no cap), or None for no softcap")
+
+
+def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: float) -> None:
+    """The scalar options the op takes as constants."""
+    try:
+        index = operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index={ignore_index!r} must be an int (a class id)") from None
+    if not _INT64[0] <= index <= _INT64[1]:
+        raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
+    if isinstance(logit_scale, Tensor) and logit_scale.requires_grad:
+        raise TypeError(
+            "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "
+            "no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale (and "
+            "bias * logit_scale) so autograd reaches a learned one"
+        )
+    if not z_loss >= 0:
+        raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
+
+
+def _accum_dtype(accum_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dW accumulator's dtype: ``accum_dtype`` checked against the compute dtype (the weight's, or
+    autocast's). fp64 weights accumulate in fp64: an fp32 accumulator would only lose precision."""
+    if accum_dtype not in (torch.float32, compute_dtype):
+        raise TypeError(
+            f"accum_dtype={accum_dtype} is unsupported with {compute_dtype} weights: use torch.float32 (default) "
+            f"or the weight dtype ({compute_dtype}); an accumulator less precise than the weight only loses accuracy"
+        )
+    return compute_dtype if compute_dtype == torch.float64 else accum_dtype
+
+
+def _softcap_arg(softcap: float | None) -> float:
+    """The op's softcap argument: 0 for no cap, which is also what an infinite cap means (its tanh is the
+    identity; computed, it would be inf * 0 = nan)."""
+    if softcap is None or math.isinf(softcap):
+        return 0.0
+    return float(softcap)
 
 
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
     so fp32 parameters receive fp32 gradients)."""
     device_type = input.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # Devices without autocast (meta) cannot be asked whether it is on.
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return input, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     cast = (lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t)
@@ -110,12 +150,16 @@ def fused_linear_cross_entropy(
     ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)`` with
     ``z = softcap * tanh(s / softcap)`` (or ``s`` without softcap) and ``s = logit_scale * (input @ weight.T + bias)``,
     plus the z-loss ``z_loss * lse**2`` over non-ignored tokens (unweighted; divided by the count of
-    non-ignored tokens for "mean"). The loss is fp32; "none" returns a tensor shaped like ``target``.
+    non-ignored tokens for "mean"). The loss is fp32 (fp64 for fp64 inputs, which run the "torch" strategy);
+    "none" returns a tensor shaped like ``target``. A "mean" over a batch whose targets are all ignored is nan,
+    as in torch, and its gradients are exactly 0.
 
     Args:
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (default) is as exact as eager,
-            the weight dtype saves V*H*4 bytes at some accuracy cost.
+            the weight dtype saves V*H*4 bytes at some accuracy cost. fp64 weights always accumulate in fp64.
+        softcap: a cap > 0; None or inf for none. logit_scale: a constant (a tensor that requires grad is an
+            error: it would get no gradient). z_loss: >= 0.
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
             only its keys, e.g. ``{"chunk_tokens": 1024}``, and the tuning database / heuristic picks the rest
             from the real token count at run time, as it does for everything when None.
@@ -124,7 +168,8 @@ def fused_linear_cross_entropy(
             logits' memory and nothing else; a gradient that reaches them (an extra loss on the logits) is
             added to the inputs' gradients. "mean" and "sum" only.
     """
-    _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap, accum_dtype)
+    _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap)
+    _validate_scalars(ignore_index, logit_scale, z_loss)
     if return_logits and reduction == "none":
         raise ValueError(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
@@ -132,17 +177,18 @@ def fused_linear_cross_entropy(
         )
     forced = config_overrides(config)
     input, weight, bias = _autocast(input, weight, bias)
+    accum_dtype = _accum_dtype(accum_dtype, weight.dtype)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]
-    x2d = input.reshape(-1, hidden)
+    x2d = input.reshape(target.numel(), hidden)  # not -1: with hidden = 0 the row count would be ambiguous
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     t1d = target.reshape(-1)
     if t1d.dtype != torch.int64:
         t1d = t1d.long()
-    cw = ce_weight.to(torch.float32).contiguous() if ce_weight is not None else None
+    cw = ce_weight.to(math_dtype(weight.dtype)).contiguous() if ce_weight is not None else None
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
-    loss, second, _dx, _dw, _db = op(
+    loss, second, _dx, _dw, _db, _grad_scale = op(
         x2d,
         weight.contiguous(),
         t1d.contiguous(),
@@ -151,7 +197,7 @@ def fused_linear_cross_entropy(
         int(ignore_index),
         reduction,
         float(label_smoothing),
-        float(softcap) if softcap is not None else 0.0,
+        _softcap_arg(softcap),
         float(logit_scale),
         float(z_loss),
         accum_dtype,

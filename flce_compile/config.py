@@ -84,12 +84,36 @@ def config_overrides(config: "FLCEConfig | Mapping[str, Any] | str | None") -> d
     if isinstance(config, str):
         if not config:
             return None
-        config = json.loads(config)
+        config = _parse_json_config(config)
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be an FLCEConfig, a dict, a JSON object or None, got {type(config).__name__}")
     fields = dict(config)
     FLCEConfig.from_dict({**FLCEConfig().to_dict(), **fields})  # unknown keys and bad values raise here
     return fields or None
+
+
+def _parse_json_config(text: str) -> Any:
+    """``json.loads(text)``, with an error that names the config argument and what it accepts."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"config={text!r} is not valid JSON ({exc}); pass an FLCEConfig, a dict, or a JSON object such as "
+            '\'{"chunk_tokens": 1024}\''
+        ) from None
+
+
+def _supports_dtype(config: FLCEConfig, dtype: torch.dtype, forced: Mapping[str, Any] | None) -> FLCEConfig:
+    """``config`` for ``dtype``: the Triton kernel computes in fp32, so fp64 runs the "torch" strategy (an
+    error when the caller forced "triton")."""
+    if dtype != torch.float64 or config.strategy != "triton":
+        return config
+    if forced and "strategy" in forced:
+        raise ValueError(
+            'config strategy "triton" does not support float64 inputs (its kernel computes in fp32); use '
+            'strategy "torch", or leave the strategy out of the config'
+        )
+    return dataclasses.replace(config, strategy="torch")
 
 
 def resolve_config(
@@ -102,11 +126,12 @@ def resolve_config(
 ) -> tuple[FLCEConfig, str]:
     """The config of one call: ``choose_config``'s pick with ``overrides`` laid over it, and its source."""
     if overrides and set(overrides) >= {f.name for f in dataclasses.fields(FLCEConfig)}:
-        return FLCEConfig.from_dict(overrides), "forced"
+        return _supports_dtype(FLCEConfig.from_dict(overrides), dtype, overrides), "forced"
     chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
     if not overrides:
-        return chosen, source
-    return dataclasses.replace(chosen, **overrides), f"{source}, forced {', '.join(sorted(overrides))}"
+        return _supports_dtype(chosen, dtype, None), source
+    config = dataclasses.replace(chosen, **overrides)
+    return _supports_dtype(config, dtype, overrides), f"{source}, forced {', '.join(sorted(overrides))}"
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -134,7 +159,7 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     chunk = max(256, min(8192, chunk // 256 * 256))
     chunk = max(1, min(chunk, _round_up(max(1, num_tokens), 256)))
     return FLCEConfig(
-        strategy="triton" if on_gpu else "torch",
+        strategy="triton" if on_gpu and dtype != torch.float64 else "torch",  # the kernel computes in fp32
         chunk_tokens=chunk,
         block_v=4096 if on_gpu else 1024,
         num_warps=16 if on_gpu else 4,
@@ -145,6 +170,8 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     )
 
 
+#: choose_config's source for fp64 on a GPU: the tuning DB holds bf16/fp16/fp32 entries only.
+FP64_SOURCE = "heuristic (the tuning DB holds no float64 entries)"
 #: choose_config's source on the CPU: the tuning DB is measured on GPUs, so a CPU call never reads it.
 CPU_SOURCE = "heuristic (the tuning DB holds GPU entries; CPU calls use the heuristic)"
 
@@ -167,7 +194,9 @@ def choose_config_match(
     ``which_config`` can answer for a GPU this machine does not have; ``device`` must then be a CUDA device
     (it picks the GPU heuristic, which needs no GPU).
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype == torch.float64:
+        source = FP64_SOURCE
+    elif device.type == "cuda":
         from .tuning.db import find_match  # noqa: PLC0415 - tuning.db imports this module
 
         match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,

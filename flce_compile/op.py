@@ -1,7 +1,8 @@
 """The fused op as torch.library custom ops, with fake implementations and an autograd formula.
 
-``flce::fused_linear_cross_entropy`` takes 2-D input and 1-D target and returns (loss, lse, dx, dw, db): for
-mean/sum the gradients are computed in the forward pass (three GEMMs in all) and backward only scales them by
+``flce::fused_linear_cross_entropy`` takes 2-D input and 1-D target and returns (loss, lse, dx, dw, db,
+grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
+grad_scale (a power of two, 0 for a fully masked "mean"), and backward only scales them by grad_scale *
 grad_output; for "none" the forward returns the per-token loss and lse and backward calls
 ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
@@ -10,15 +11,17 @@ the real token count, so a varying token count never recompiles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .config import FLCEConfig, resolve_config
-from .params import LossParams
+from .params import LossParams, math_dtype
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
 _EMPTY = (0,)
@@ -49,6 +52,19 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def _op_context(device: torch.device) -> Iterator[None]:
+    """The context of an op body: autocast off (the op's dtypes are final) and, on CUDA, ``device`` made current.
+
+    Triton launches on the current device, and streams and events default to it, so without the guard a call
+    whose tensors are all on cuda:1 while cuda:0 is current (Hugging Face's ``device_map="auto"`` puts the
+    lm_head on the last GPU) fails in the kernel launch.
+    """
+    device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.autocast(device.type, enabled=False), device_guard:
+        yield
+
+
 @torch.library.custom_op("flce::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(
     input: Tensor,
@@ -67,18 +83,17 @@ def fused_linear_cross_entropy_op(
     compute_dw: bool,
     compute_db: bool,
     config: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
     check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
-        loss, lse, dx, dw, db, _ = fused_forward(
+    with _op_context(input.device):
+        r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
         )
-    return (loss, lse if lse is not None else input.new_empty(_EMPTY, dtype=torch.float32)) + _grads_or_empty(
-        input, weight, dx, dw, db
-    )
+    lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
+    return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
 def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
@@ -96,9 +111,11 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, ign
                                      compute_dx, compute_dw, compute_db, config):
     n = input.shape[0]
     per_token = reduction == "none"
-    loss = input.new_empty((n,) if per_token else (), dtype=torch.float32)
-    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=torch.float32)
-    return (loss, lse) + _fake_grads(input, weight, bias, not per_token, compute_dx, compute_dw, compute_db)
+    dtype = math_dtype(input.dtype)
+    loss = input.new_empty((n,) if per_token else (), dtype=dtype)
+    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=dtype)
+    grads = _fake_grads(input, weight, bias, not per_token, compute_dx, compute_dw, compute_db)
+    return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 
 
 def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) -> tuple[Tensor, Tensor, Tensor]:
@@ -126,22 +143,22 @@ def fused_linear_cross_entropy_with_logits_op(
     compute_dw: bool,
     compute_db: bool,
     config: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused op that also returns the raw logits ``input @ weight.T + bias`` (N, V), exact and intact.
 
-    Returns (loss, logits, dx, dw, db), reduction "mean" or "sum" only. The logits are written chunk by chunk
-    as the loop computes them; the loss and the logit gradient come from them into a chunk-sized buffer, and
-    dX/dW are formed in forward as in ``fused_linear_cross_entropy``, so nothing of size N x V is saved for
-    backward. The logits are contiguous.
+    Returns (loss, logits, dx, dw, db, grad_scale), reduction "mean" or "sum" only. The logits are written
+    chunk by chunk as the loop computes them; the loss and the logit gradient come from them into a chunk-sized
+    buffer, and dX/dW are formed in forward (divided by grad_scale) as in ``fused_linear_cross_entropy``, so
+    nothing of size N x V is saved for backward. The logits are contiguous.
     """
     check_targets(target, weight.shape[0], ignore_index)
     p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
-        loss, _, dx, dw, db, logits = fused_forward(
+    with _op_context(input.device):
+        r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
         )
-    return (loss, logits) + _grads_or_empty(input, weight, dx, dw, db)
+    return (r.loss, r.logits) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
 @fused_linear_cross_entropy_with_logits_op.register_fake
@@ -149,9 +166,11 @@ def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce
                                                  label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
                                                  compute_dx, compute_dw, compute_db, config):
     n, vocab = input.shape[0], weight.shape[0]
-    loss = input.new_empty((), dtype=torch.float32)
+    dtype = math_dtype(input.dtype)
+    loss = input.new_empty((), dtype=dtype)
     logits = input.new_empty((n, vocab))
-    return (loss, logits) + _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
+    grads = _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
+    return (loss, logits) + grads + (input.new_empty((), dtype=dtype),)
 
 
 @torch.library.custom_op("flce::fused_linear_cross_entropy_backward", mutates_args=())
@@ -176,27 +195,19 @@ def fused_linear_cross_entropy_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum_i grad_rows[i] * loss_i (reduction "none"), recomputing logits chunk by chunk."""
     p = _params(ignore_index, "none", label_smoothing, softcap, logit_scale, z_loss)
-    with torch.autocast(input.device.type, enabled=False):
+    with _op_context(input.device):
         dx, dw, db = fused_backward_per_token(
             Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
             accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),
         )
-    return (
-        dx if dx is not None else input.new_empty(_EMPTY),
-        dw if dw is not None else weight.new_empty(_EMPTY),
-        db if db is not None else weight.new_empty(_EMPTY),
-    )
+    return _grads_or_empty(input, weight, dx, dw, db)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows,
                                               ignore_index, label_smoothing, softcap, logit_scale, z_loss,
                                               accum_dtype, compute_dx, compute_dw, compute_db, config):
-    return (
-        input.new_empty(input.shape if compute_dx else _EMPTY),
-        weight.new_empty(weight.shape if compute_dw else _EMPTY),
-        weight.new_empty(bias.shape if compute_db and bias is not None else _EMPTY),
-    )
+    return _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
 
 
 _ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "ignore_index", "reduction", "label_smoothing",
@@ -206,44 +217,63 @@ _ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "ignore_index", 
 
 def _setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_ARG_NAMES, inputs))
-    loss, lse, dx, dw, db = output
+    loss, lse, dx, dw, db, grad_scale = output
     ctx.args = {k: v for k, v in args.items() if not isinstance(v, Tensor) and v is not None}
     ctx.has_bias = args["bias"] is not None
-    ctx.mark_non_differentiable(lse, dx, dw, db)
+    ctx.mark_non_differentiable(lse, dx, dw, db, grad_scale)
     # Backward ignores the gradients of those outputs: without this, autograd would materialise them as
     # zero tensors of their size (a dX- and a dW-sized allocation in every backward).
     ctx.set_materialize_grads(False)
     if args["reduction"] == "none":
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:
-        _keep_forward_grads(ctx, dx, dw, db)
+        _keep_forward_grads(ctx, dx, dw, db, grad_scale)
 
 
-def _keep_forward_grads(ctx, dx: Tensor, dw: Tensor, db: Tensor) -> None:
+def _keep_forward_grads(ctx, dx: Tensor, dw: Tensor, db: Tensor, grad_scale: Tensor) -> None:
     # The forward-computed gradients are kept on ctx, not saved: backward takes the only reference and
     # returns them scaled in place, so autograd can adopt them as .grad without a copy (a saved tensor
     # would still be referenced, and AccumulateGrad would clone a dW-sized buffer). They are
     # non-differentiable outputs, so no reference cycle runs through them.
     ctx.grads = (dx, dw, db)
+    ctx.grad_scale = grad_scale
+
+
+def _check_first_order() -> None:
+    """Backward runs with grad mode on only under ``create_graph=True``: refuse it rather than return
+    gradients without a graph (a gradient penalty would silently lose its second-order term)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "double backward (create_graph=True) through fused_linear_cross_entropy is not supported: its "
+            "gradients are formed inside the op and have no graph of their own. For gradient penalties or "
+            "Hessian-vector products compute this loss unfused, F.cross_entropy(F.linear(input, weight, bias)"
+            ".float(), target), or backward without create_graph=True"
+        )
 
 
 def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward-computed (dx, dw, db) times grad_output; each may be empty (not requested)."""
+    """The forward-computed (dx, dw, db) times grad_scale * grad_output; each may be empty (not requested)."""
     if ctx.grads is None:
         raise RuntimeError(
-            "backward ran twice through the fused linear cross-entropy; its gradients are computed in "
-            "the forward pass and consumed by the first backward. Recompute the loss instead of "
-            "retain_graph=True, or use reduction='none' (whose backward recomputes)"
+            "backward ran twice through the fused linear cross-entropy (retain_graph=True, or one "
+            "torch.autograd.grad call per input); its gradients are computed in the forward pass and consumed "
+            "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
+            "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
-    dx, dw, db = ctx.grads
+    grads = ctx.grads
+    # One factor in the loss's dtype (fp32, fp64 for fp64): each element is scaled once and rounded once (a
+    # 0-dim tensor does not promote the bf16/fp16 result). grad_scale is a power of two, so the product is as
+    # exact as grad_output; with GradScaler's power-of-two scales it is exact.
+    g = grad_loss.to(ctx.grad_scale.dtype) * ctx.grad_scale
+    if grads[0].dtype == torch.float64:
+        # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
+        # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
+        return tuple(t * g if t.numel() else t for t in grads)
     ctx.grads = None
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
-    g = grad_loss.to(torch.float32)
     in_place = not torch.compiler.is_compiling()
-    # g stays fp32 (a 0-dim tensor does not promote the bf16/fp16 result): each element is scaled in fp32
-    # and rounded once.
-    return tuple((t.mul_(g) if in_place else t * g) if t.numel() else t for t in (dx, dw, db))
+    return tuple((t.mul_(g) if in_place else t * g) if t.numel() else t for t in grads)
 
 
 def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
@@ -256,9 +286,12 @@ def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -
     ) + (None,) * (len(_ARG_NAMES) - 4)
 
 
-def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
+def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_scale):
+    _check_first_order()
     a = ctx.args
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    if grad_loss is None:  # the loss took no part in what is differentiated
+        return _input_grads(ctx, None, None, None)
     if a["reduction"] == "none":
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
         dx, dw, db = fused_linear_cross_entropy_backward_op(
@@ -278,18 +311,19 @@ torch.library.register_autograd(
 
 def _setup_context_with_logits(ctx, inputs, output) -> None:
     args = dict(zip(_ARG_NAMES, inputs))
-    _loss, _logits, dx, dw, db = output
+    _loss, _logits, dx, dw, db, grad_scale = output
     ctx.has_bias = args["bias"] is not None
-    ctx.mark_non_differentiable(dx, dw, db)
+    ctx.mark_non_differentiable(dx, dw, db, grad_scale)
     ctx.set_materialize_grads(False)  # no gradient into the logits costs nothing (see _backward_with_logits)
-    _keep_forward_grads(ctx, dx, dw, db)
+    _keep_forward_grads(ctx, dx, dw, db, grad_scale)
     # For a gradient that reaches the logits themselves (an extra loss on them): small next to the logits.
     ctx.save_for_backward(args["input"], args["weight"])
 
 
-def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad_db):
+def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad_db, _grad_scale):
     """The loss's gradients, scaled as in ``_backward``, plus, when the logits received a gradient G, the
     linear's own: dX += G W, dW += G^T X, db += sum_rows G (each GEMM in the weight dtype, as eager's)."""
+    _check_first_order()
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     dx, dw, db = (
         _scaled_forward_grads(ctx, grad_loss) if grad_loss is not None else (None, None, None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -17,3 +19,9 @@ class LossParams:
     softcap: float = 0.0  # 0 = no softcap (the custom op schema has no Optional[float] worth the trouble)
     logit_scale: float = 1.0
     z_loss: float = 0.0
+
+
+def math_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the op's softmax, loss, lse and scale factors for inputs of ``compute_dtype``: fp32, or fp64
+    for fp64 inputs (``torch.autograd.gradcheck`` needs a loss as exact as its inputs)."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32

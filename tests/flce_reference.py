@@ -1,4 +1,5 @@
-"""Reference losses for the tests: the spec's formula in eager PyTorch, at the inputs' dtype or in fp64."""
+"""Reference losses for the tests: the spec's formula in eager PyTorch, at the inputs' dtype or in fp64; and the
+small random inputs the CPU tests share."""
 
 from __future__ import annotations
 
@@ -31,3 +32,12 @@ def reference_loss(x, w, t, b=None, *, ce_weight=None, ignore_index=-100, reduct
         zl = z_loss * lse * lse * valid
         loss = loss + {"mean": lambda: zl.sum() / valid.sum(), "sum": zl.sum, "none": lambda: zl}[reduction]()
     return loss.view(t.shape) if reduction == "none" else loss
+
+
+def random_inputs(n=20, h=16, v=40, dtype=torch.float32, seed=0):
+    """x (n, h), weight (v, h) scaled for logits of std ~1, and targets (n,) in [0, v), all on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    return x, w, t

@@ -10,17 +10,10 @@ import torch.nn.functional as F
 
 import flce_compile
 from flce_compile import FLCEConfig, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from flce_reference import random_inputs as _inputs
 from flce_reference import reference_loss
 
 CFG = {"strategy": "torch", "chunk_tokens": 8}
-
-
-def _inputs(n=20, h=16, v=40, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, generator=g).to(dtype)
-    w = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
-    t = torch.randint(0, v, (n,), generator=g)
-    return x, w, t
 
 
 @pytest.mark.parametrize(

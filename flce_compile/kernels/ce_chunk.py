@@ -92,7 +92,10 @@ def ce_chunk_kernel(
             z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)  # finite where masked (raw = 0)
             z_max = tl.where(mask, z, -float("inf"))
             new_max = tl.maximum(running_max, tl.max(z_max, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z_max - new_max), axis=0)
+            # While every logit so far is -inf (classes masked through the bias) the max is -inf too: shift by 0
+            # then, since -inf - -inf would make the sum nan. Exact either way: the sum is 0 until a finite logit.
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
             running_max = new_max
             if HAS_SMOOTHING:
                 if HAS_CE_WEIGHT:
@@ -131,8 +134,6 @@ def ce_chunk_kernel(
         if HAS_Z_LOSS:
             coef += z_scale * 2.0 * z_loss * lse
         true_class = ce_scale * (1.0 - label_smoothing) * w_y
-        row_factor = tl.where(ignored, 0.0, 1.0)
-        row_factor = tl.where(invalid, float("nan"), row_factor)
         for start in range(0, vocab, BLOCK_V):
             offs = start + cols
             mask = offs < vocab
@@ -147,7 +148,11 @@ def ce_chunk_kernel(
                     g -= ce_scale * smooth_per_class
             if HAS_SOFTCAP:
                 g = g * (1.0 - t * t)
-            g = g * (logit_scale * row_factor)
+            g = g * logit_scale
+            # Selected, not multiplied: an ignored row's gradient is exactly 0 whatever its factors (a fully
+            # masked "mean" batch has infinite ones).
+            g = tl.where(ignored, 0.0, g)
+            g = tl.where(invalid, float("nan"), g)
             if EMULATE_BF16_RTNE:
                 g = _round_bf16_rtne(g)
             tl.store(grad_ptr + row * grad_stride_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)

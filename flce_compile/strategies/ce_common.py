@@ -14,11 +14,12 @@ class CEStepArgs:
     logits: (rows, V) raw logits x W^T + b in the compute dtype, unit column stride and any row stride (rows
         are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad`` and no ``grad_out``.
     target: (rows,) int64 class ids.
-    ce_weight: (V,) fp32 class weights or None; weight_sum: 0-dim fp32 sum of the class weights (V if None).
-    ce_scale, z_scale: fp32, 0-dim or (rows,): the factor applied to the cross-entropy and z-loss terms of
-        each row (1/sum of target weights and 1/valid tokens for "mean", 1 for "sum", grad_output for the
-        per-token backward).
-    loss_out, lse_out: (rows,) fp32 outputs or None; lse_in: a known lse (rows,) that skips the first pass.
+    ce_weight: (V,) class weights or None; weight_sum: 0-dim sum of the class weights (V if None). These and
+        every float below are fp32 (fp64 for fp64 logits).
+    ce_scale, z_scale: 0-dim or (rows,): the factor applied to the cross-entropy and z-loss terms of each row
+        (for "mean", 1/sum of target weights and 1/valid tokens divided by the power of two that is applied
+        after the GEMMs, see ``chunked._gradient_scales``; 1 for "sum"; grad_output for the per-token backward).
+    loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass.
     grad_out: (rows, V) in the logits dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact); None = in place.
     """

@@ -2,14 +2,14 @@
 
 Given one chunk of raw logits (rows x V, in the compute dtype) it writes each row's scaled loss and lse and,
 when asked, writes the gradient of the loss with respect to them (over the logits, or into ``grad_out``). All
-math is fp32.
+math is fp32 (fp64 for fp64 logits).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..params import LossParams
+from ..params import LossParams, math_dtype
 from .ce_common import CEStepArgs
 
 
@@ -18,7 +18,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
     logits, target = args.logits, args.target
     vocab = logits.shape[1]
     eps = p.label_smoothing
-    z = logits.to(torch.float32, copy=True)
+    z = logits.to(math_dtype(logits.dtype), copy=True)
     if p.logit_scale != 1.0:
         z.mul_(p.logit_scale)
     tanh_z = None
@@ -57,7 +57,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
     true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
     g.scatter_add_(1, safe_target[:, None], true_class[:, None].contiguous())
     if eps:
-        class_w = args.ce_weight if args.ce_weight is not None else torch.ones(vocab, device=g.device)
+        class_w = args.ce_weight if args.ce_weight is not None else torch.ones(vocab, dtype=g.dtype, device=g.device)
         g.addr_(ce_scale.expand_as(lse).contiguous(), class_w, alpha=-eps / vocab)
     if tanh_z is not None:
         g.mul_(tanh_z.square_().neg_().add_(1.0))  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -19,7 +20,7 @@ import torch
 from ..config import FLCEConfig
 from ..layout import padded_row_elements
 from ..log import logger
-from ..params import LossParams
+from ..params import LossParams, math_dtype
 from .ce_common import CEStepArgs
 from .ce_torch import ce_step_torch
 
@@ -59,9 +60,53 @@ def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
     return ce_step_torch
 
 
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+@functools.lru_cache(maxsize=64)
+def _side_stream(device: torch.device, main_stream: int) -> torch.cuda.Stream:
+    """The side stream of the calling stream ``main_stream`` (its handle) on ``device``.
+
+    One per calling stream, not one per device: a CUDA-graph capture, or a thread on a stream of its own, must
+    not share its side stream with work on other streams (a captured stream may not wait on uncaptured work).
+    Streams come from a bounded pool, so the cache stays small; an evicted entry only costs a new stream.
+    """
     return torch.cuda.Stream(device=device)
+
+
+class _StreamOverlap:
+    """Runs each chunk's dW/db GEMMs on a side stream while the main stream goes on (``config.streams``).
+
+    Events order the two: a chunk's weight-gradient GEMMs start after its logit gradient is written, and a
+    buffer is only rewritten after the GEMMs that read it are done. ``join`` must run however the loop ends,
+    or a buffer could go back to the allocator while the side stream still reads it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.side = _side_stream(device, self.main.cuda_stream)
+        self.buffer_free: list[torch.cuda.Event | None] = [None, None]
+
+    def wait_for_buffer(self, slot: int) -> None:
+        """Make the main stream wait until the GEMMs that last read buffer ``slot`` are done."""
+        if self.buffer_free[slot] is not None:
+            self.main.wait_event(self.buffer_free[slot])
+
+    @contextlib.contextmanager
+    def on_side(self, slot: int) -> Iterator[None]:
+        """Run the body on the side stream, after the main stream's work so far; it reads buffer ``slot``."""
+        self.side.wait_event(self.main.record_event())
+        with torch.cuda.stream(self.side):
+            yield
+            self.buffer_free[slot] = self.side.record_event()
+
+    def join(self) -> None:
+        """Order everything after the loop (and the buffers' release) behind the side stream's work."""
+        self.main.wait_stream(self.side)
+
+
+def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradRequest") -> _StreamOverlap | None:
+    """A side-stream overlap when the config asks for one and there is weight-gradient work to move there."""
+    if config.streams and device.type == "cuda" and (grads.dw or grads.db):
+        return _StreamOverlap(device)
+    return None
 
 
 class _DwAccumulator:
@@ -109,6 +154,60 @@ class _DwAccumulator:
         return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
 
 
+#: The cuBLAS flags that let split-K GEMMs reduce in bf16/fp16 (torch.backends.cuda.matmul attributes).
+_REDUCTION_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+def _read_reduction_flag(name: str) -> bool | tuple[bool, bool]:
+    """The full state of one flag: ``(reduced_precision, split_k)`` where torch has the split-K half (the
+    plain attribute then reads only the first), else the bool. Restoring this value restores the flag exactly."""
+    matmul = torch.backends.cuda.matmul
+    reduced = getattr(matmul, name)
+    try:
+        split_k = getattr(matmul, name + "_split_k")
+    except AttributeError:  # torch without the split-K setting (2.11): a plain bool
+        return reduced
+    return (reduced, split_k)
+
+
+def _forbid_reduced_precision(saved: bool | tuple[bool, bool]) -> bool | tuple[bool, bool]:
+    """The flag value with reduced-precision reductions off and the user's split-K choice kept."""
+    return (False, saved[1]) if isinstance(saved, tuple) else False
+
+
+class _ReductionFlagsGuard:
+    """Process-wide save/restore of the reduced-precision flags, shared by every thread that runs the loop.
+
+    The flags are global state, so overlapping calls on several threads must not each save and restore them:
+    the first to enter saves the user's values and turns reduced precision off, the last to leave restores
+    them, and a lock guards the count. No thread then restores while another still runs its GEMMs, and the
+    user's values, split-K half included, come back exactly.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: dict[str, bool | tuple[bool, bool]] = {}
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = {name: _read_reduction_flag(name) for name in _REDUCTION_FLAGS}
+                for name, value in self._saved.items():
+                    setattr(torch.backends.cuda.matmul, name, _forbid_reduced_precision(value))
+            self._depth += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for name, value in self._saved.items():
+                    setattr(torch.backends.cuda.matmul, name, value)
+
+
+_REDUCTION_FLAGS_GUARD = _ReductionFlagsGuard()
+
+
 @contextlib.contextmanager
 def full_precision_gemm_reductions(device: torch.device, chunked: bool = True) -> Iterator[None]:
     """Forbid cuBLAS from reducing split-K partial sums of bf16/fp16 GEMMs in bf16/fp16 while the loop runs.
@@ -118,39 +217,72 @@ def full_precision_gemm_reductions(device: torch.device, chunked: bool = True) -
     chunks: relative error 3.8e-3 vs 3.3e-3; identical to eager's with fp32 reductions). A call that fits in
     one chunk (``chunked=False``) runs eager's own GEMM shapes, so it keeps the user's flags, and with them
     eager's numerics and speed: fp32 reductions cost 11% at 4096 x 768 x 50257 (one chunk) on the H200.
-    The flags are host-side state, so this costs no sync; they are restored on exit.
+
+    The flags are the only way to ask for this: fp32-output GEMMs would give the same numerics without global
+    state, but the logits GEMM would then write an fp32 chunk (twice the largest buffer). So they are saved
+    and restored exactly, under a lock shared by all threads (``_ReductionFlagsGuard``); while any thread runs
+    a chunked loop, GEMMs elsewhere in the process also reduce in fp32. The flags are host-side state, so this
+    costs no sync.
     """
     if device.type != "cuda" or not chunked:
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    matmul.allow_bf16_reduced_precision_reduction = False
-    matmul.allow_fp16_reduced_precision_reduction = False
+    _REDUCTION_FLAGS_GUARD.enter()
     try:
         yield
     finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+        _REDUCTION_FLAGS_GUARD.exit()
 
 
 def _reduction_scales(
-    target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams, vocab: int
+    target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams, vocab: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row factors of the CE and z-loss terms: 1/sum(w[y]) and 1/valid-count for "mean", else 1.
+    """Per-row factors of the CE and z-loss terms: 1/sum(w[y]) and 1/valid-count for "mean", else 1, in ``dtype``.
 
     Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
     """
-    one = torch.ones((), dtype=torch.float32, device=target.device)
+    one = torch.ones((), dtype=dtype, device=target.device)
     if p.reduction != "mean":
         return one, one
     valid = target != p.ignore_index
-    n_valid = valid.sum(dtype=torch.float32)
+    n_valid = valid.sum(dtype=dtype)
     if ce_weight is None:
         denom = n_valid
     else:
         safe = torch.where(valid, target, torch.zeros_like(target)).clamp_(0, vocab - 1)
-        denom = torch.where(valid, ce_weight[safe], torch.zeros((), device=target.device)).sum()
+        denom = torch.where(valid, ce_weight[safe], torch.zeros((), dtype=dtype, device=target.device)).sum()
     return one / denom, one / n_valid
+
+
+class GradientScales(NamedTuple):
+    """The reduction's factors split for the gradient: ``ce`` and ``z`` go into the logit gradient (and the
+    loss rows), ``post`` (0-dim, a power of two) multiplies the loss and, in backward, dX/dW/db."""
+
+    ce: torch.Tensor
+    z: torch.Tensor
+    post: torch.Tensor
+
+
+def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor) -> GradientScales:
+    """Split the mean's 1/count out of the logit gradient as a power of two, applied after the GEMMs.
+
+    Folded into an fp16 gradient, 1/count flushes every p/count below fp16's smallest subnormal to 0 before
+    a loss scale (GradScaler's 65536) reaches it in backward: at 2048 x 8192 dX was 4x less exact than
+    eager's. So the gradient keeps z_scale / 2^k in [1, 2) (and the CE term its own ratio to it, O(1)), and
+    2^k is applied to dX/dW/db in fp32 together with grad_output. A power of two scales exactly, so bf16
+    results and loss values are bit for bit those of folding the whole factor in; applying all of 1/count
+    afterwards would round dX/dW a second time. With no valid token (z_scale = inf) every factor is 0: the
+    gradients come out exactly 0, never 0 * inf.
+    """
+    mantissa, _ = torch.frexp(z_scale)  # z_scale = m * 2^e with m in [0.5, 1)
+    post = z_scale / (2.0 * mantissa)  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
+    finite = torch.isfinite(z_scale)
+    zero = torch.zeros((), dtype=z_scale.dtype, device=z_scale.device)
+    return GradientScales(
+        ce=torch.where(finite, ce_scale / post, zero),
+        z=torch.where(finite, z_scale / post, zero),
+        post=torch.where(finite, post, zero),
+    )
 
 
 def _run_chunks(
@@ -180,10 +312,11 @@ def _run_chunks(
     device = x.device
     ce_step = _ce_step(config)
     weight_sum = (
-        ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), device=device)
+        ce_weight.sum() if ce_weight is not None
+        else torch.full((), float(vocab), dtype=math_dtype(x.dtype), device=device)
     )
     chunk = max(1, min(config.chunk_tokens, n))
-    overlap = config.streams and device.type == "cuda" and (grads.dw or grads.db)
+    overlap = _stream_overlap(config, device, grads)
     row_stride = padded_row_elements(vocab, x.element_size())
     gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
     if gemm_vocab != vocab:
@@ -196,61 +329,57 @@ def _run_chunks(
         torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
         for _ in range((2 if overlap else 1) if grads.any or not direct else 0)
     ]
-    dx = torch.empty_like(x) if grads.dx else None
+    # Contiguous whatever x's strides, as the fake implementation promises.
+    dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
-    db_acc = torch.zeros(gemm_vocab, dtype=torch.float32, device=device) if grads.db and bias is not None else None
-    main = torch.cuda.current_stream(device) if overlap else None
-    side = _side_stream(device) if overlap else None
-    buffer_free: list[torch.cuda.Event | None] = [None, None]
+    db_acc = (
+        torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
+    )
     weight_t = weight.t()
 
     # One chunk runs eager's own GEMM shapes; only a split call needs fp32 reductions (see the docstring).
     with full_precision_gemm_reductions(device, chunked=chunk < n):
-        for index, start in enumerate(range(0, n, chunk)):
-            stop = min(start + chunk, n)
-            slot = index % max(1, len(buffers))
-            grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
-            logits = logits_out[start:stop] if direct else grad
-            x_c = x[start:stop]
-            if overlap and buffer_free[slot] is not None:
-                main.wait_event(buffer_free[slot])  # the dW GEMM that last read this buffer is done
-            if bias is not None:
-                torch.addmm(bias, x_c, weight_t, out=logits)
-            else:
-                torch.mm(x_c, weight_t, out=logits)
-            rows = slice(start, stop)
-            if logits_out is not None and not direct:
-                logits_out[rows].copy_(logits[:, :vocab])
-            ce_step(
-                CEStepArgs(
-                    logits=logits[:, :vocab],
-                    target=target[rows],
-                    ce_weight=ce_weight,
-                    weight_sum=weight_sum,
-                    ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
-                    z_scale=z_scale[rows] if z_scale.dim() else z_scale,
-                    loss_out=loss_rows[rows] if loss_rows is not None else None,
-                    lse_out=lse_rows[rows] if lse_rows is not None else None,
-                    lse_in=lse_in[rows] if lse_in is not None else None,
-                    write_grad=grads.any,
-                    grad_out=grad[:, :vocab] if direct and grads.any else None,
-                ),
-                p,
-            )
-            if not grads.any:
-                continue
-            if dx is not None:
-                torch.mm(grad, weight, out=dx[rows])
-            if overlap:
-                ready = main.record_event()
-                side.wait_event(ready)
-                with torch.cuda.stream(side):
+        try:
+            for index, start in enumerate(range(0, n, chunk)):
+                stop = min(start + chunk, n)
+                slot = index % max(1, len(buffers))
+                grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
+                logits = logits_out[start:stop] if direct else grad
+                x_c = x[start:stop]
+                if overlap is not None:
+                    overlap.wait_for_buffer(slot)
+                if bias is not None:
+                    torch.addmm(bias, x_c, weight_t, out=logits)
+                else:
+                    torch.mm(x_c, weight_t, out=logits)
+                rows = slice(start, stop)
+                if logits_out is not None and not direct:
+                    logits_out[rows].copy_(logits[:, :vocab])
+                ce_step(
+                    CEStepArgs(
+                        logits=logits[:, :vocab],
+                        target=target[rows],
+                        ce_weight=ce_weight,
+                        weight_sum=weight_sum,
+                        ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
+                        z_scale=z_scale[rows] if z_scale.dim() else z_scale,
+                        loss_out=loss_rows[rows] if loss_rows is not None else None,
+                        lse_out=lse_rows[rows] if lse_rows is not None else None,
+                        lse_in=lse_in[rows] if lse_in is not None else None,
+                        write_grad=grads.any,
+                        grad_out=grad[:, :vocab] if direct and grads.any else None,
+                    ),
+                    p,
+                )
+                if not grads.any:
+                    continue
+                if dx is not None:
+                    torch.mm(grad, weight, out=dx[rows])
+                with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
-                    buffer_free[slot] = side.record_event()
-            else:
-                _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
-        if overlap:
-            main.wait_stream(side)
+        finally:
+            if overlap is not None:
+                overlap.join()  # also on an error: the buffers are freed when this frame unwinds
     dw = dw_acc.result(vocab) if dw_acc is not None else None
     db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
@@ -270,20 +399,22 @@ def _accumulate_weight_grads(
     if dw_acc is not None:
         dw_acc.add(grad.t(), x_c)
     if db_acc is not None:
-        db_acc.add_(grad.sum(dim=0, dtype=torch.float32))
+        db_acc.add_(grad.sum(dim=0, dtype=db_acc.dtype))
 
 
 class ForwardResult(NamedTuple):
     """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for "none"
-    (its backward needs it); gradients are unscaled by grad_output and only for mean/sum; logits (N, V) only
-    when asked to keep them, contiguous."""
+    (its backward needs it); gradients only for mean/sum, divided by ``grad_scale`` and unscaled by grad_output
+    (the true gradient is ``grad_scale * grad_output * dx``, see ``_gradient_scales``); logits (N, V) only when
+    asked to keep them, contiguous. The loss, lse and grad_scale are in ``math_dtype``."""
 
     loss: torch.Tensor
     lse: torch.Tensor | None
     dx: torch.Tensor | None
     dw: torch.Tensor | None
     db: torch.Tensor | None
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | None
+    grad_scale: torch.Tensor
 
 
 def fused_forward(
@@ -293,22 +424,24 @@ def fused_forward(
     """Loss of ``ops`` and, when asked, its gradients (and the logits), in one chunked pass."""
     n = ops.x.shape[0]
     vocab = ops.weight.shape[0]
+    dtype = math_dtype(ops.x.dtype)
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab)
-    loss_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device)
-    lse_rows = torch.empty(n, dtype=torch.float32, device=ops.x.device) if per_token else None
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
+    scales = _gradient_scales(ce_scale, z_scale)
+    loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
+    lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
-        ce_scale=ce_scale, z_scale=z_scale, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
+        ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
     )
     if per_token:
-        return ForwardResult(loss_rows, lse_rows, None, None, None, logits)
-    loss = loss_rows.sum()
+        return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
+    loss = loss_rows.sum() * scales.post  # exact: a power of two
     if p.reduction == "mean":
         # An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and so is ours.
         loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
-    return ForwardResult(loss, None, dx, dw, db, logits)
+    return ForwardResult(loss, None, dx, dw, db, logits, scales.post)
 
 
 def fused_backward_per_token(
@@ -321,8 +454,11 @@ def fused_backward_per_token(
     grads: GradRequest,
 ) -> Grads:
     """Gradients of sum_i grad_rows[i] * loss_i for reduction="none": recomputes each chunk's logits (a fourth
-    GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM."""
-    scale = grad_rows.to(torch.float32).contiguous()
+    GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM.
+
+    The per-token factors stay in the logit gradient, as eager's: a loss scale arrives with them, before the
+    rounding to fp16 (at 2048 x 8192 fp16 with scale 65536, dX and dW are as exact as eager's)."""
+    scale = grad_rows.to(math_dtype(ops.x.dtype)).contiguous()
     return _run_chunks(
         ops, p, config, accum_dtype, grads,
         ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
