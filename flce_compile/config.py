@@ -40,13 +40,15 @@ class FLCEConfig:
     #: Zero-pad the weight to the padded logits row (a multiple of 128 bytes) so every GEMM dimension is
     #: aligned; only changes anything when V is not already such a multiple (GPT-2's 50257). The tuner tries it.
     pad_vocab: bool = False
+    #: Vocabulary rows per block of the "recompute" strategy's backward (its fp32 dW block is vocab_block x H).
+    vocab_block: int = 4096
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"config.strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
         if self.dw_path not in DW_PATHS:
             raise ValueError(f"config.dw_path={self.dw_path!r} is unknown; use one of {DW_PATHS}")
-        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages"):
+        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "vocab_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"config.{name}={value!r} must be a positive int")

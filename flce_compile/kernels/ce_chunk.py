@@ -5,6 +5,10 @@ and the weighted sum of logits that label smoothing needs. The row's loss follow
 is wanted, re-reads each block and writes dloss/dlogits to the gradient rows: the logits themselves (in place,
 the usual case) or a separate buffer when the logits must stay intact (they are returned to the caller). All
 math is fp32; the true-class term is formed in fp32 before the single rounding to the logits dtype.
+
+A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
+(``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss
+(``WRITE_LOSS``) needs whole rows.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def ce_chunk_kernel(
     lse_out_ptr,
     lse_in_ptr,
     vocab,
+    class_offset,
+    num_classes,
     ignore_index,
     label_smoothing,
     softcap,
@@ -73,9 +79,12 @@ def ce_chunk_kernel(
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(target_ptr + row)
     ignored = target == ignore_index
-    invalid = (target < 0) | (target >= vocab)
+    invalid = (target < 0) | (target >= num_classes)
     invalid = invalid & (ignored == 0)
     safe_target = tl.where(ignored | invalid, 0, target)
+    # The row's columns are classes [class_offset, class_offset + vocab): the target's column, which lies
+    # outside them when another slice holds the target (no true-class term here then).
+    target_col = safe_target - class_offset
     cols = tl.arange(0, BLOCK_V)
 
     if HAS_LSE_IN:
@@ -99,7 +108,7 @@ def ce_chunk_kernel(
             running_max = new_max
             if HAS_SMOOTHING:
                 if HAS_CE_WEIGHT:
-                    w = tl.load(ce_weight_ptr + offs, mask=mask, other=0.0)
+                    w = tl.load(ce_weight_ptr + class_offset + offs, mask=mask, other=0.0)
                     weighted_z += tl.sum(z * w, axis=0)
                 else:
                     weighted_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
@@ -112,7 +121,7 @@ def ce_chunk_kernel(
     ce_scale = tl.load(ce_scale_ptr + row * scale_stride)
     z_scale = tl.load(z_scale_ptr + row * scale_stride)
     weight_sum = tl.load(weight_sum_ptr)
-    smooth_per_class = label_smoothing / vocab
+    smooth_per_class = label_smoothing / num_classes
 
     if WRITE_LOSS:
         raw_y = tl.load(row_ptr + safe_target)
@@ -139,10 +148,10 @@ def ce_chunk_kernel(
             mask = offs < vocab
             raw = tl.load(row_ptr + offs, mask=mask, other=0.0)
             z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)
-            g = coef * tl.exp(z - lse) - tl.where(offs == safe_target, true_class, 0.0)
+            g = coef * tl.exp(z - lse) - tl.where(offs == target_col, true_class, 0.0)
             if HAS_SMOOTHING:
                 if HAS_CE_WEIGHT:
-                    w = tl.load(ce_weight_ptr + offs, mask=mask, other=0.0)
+                    w = tl.load(ce_weight_ptr + class_offset + offs, mask=mask, other=0.0)
                     g -= ce_scale * smooth_per_class * w
                 else:
                     g -= ce_scale * smooth_per_class

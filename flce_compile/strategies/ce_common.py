@@ -22,6 +22,7 @@ class CEStepArgs:
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass.
     grad_out: (rows, V) in the logits dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact); None = in place.
+    class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
     """
 
     logits: torch.Tensor
@@ -35,3 +36,17 @@ class CEStepArgs:
     lse_in: torch.Tensor | None
     write_grad: bool
     grad_out: torch.Tensor | None = None
+    #: The logits' columns are classes [class_offset, class_offset + columns) of num_classes (None: all of
+    #: them). A slice needs ``lse_in`` for its gradient; its loss cannot be computed (``loss_out`` None).
+    class_offset: int = 0
+    num_classes: int | None = None
+
+    def classes(self) -> int:
+        """How many classes the loss is over (the columns, unless the logits hold a slice)."""
+        return self.num_classes if self.num_classes is not None else self.logits.shape[1]
+
+    def check_slice(self) -> None:
+        """A slice of the classes has no loss of its own: the call must bring the lse and ask for no loss."""
+        if self.classes() != self.logits.shape[1] or self.class_offset:
+            if self.lse_in is None or self.loss_out is not None:
+                raise ValueError("a CE step over a slice of the classes needs lse_in and computes no loss_out")

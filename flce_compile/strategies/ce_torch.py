@@ -15,8 +15,9 @@ from .ce_common import CEStepArgs
 
 def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
     """Run the CE step of one chunk with torch ops (see ``CEStepArgs`` for the contract)."""
+    args.check_slice()
     logits, target = args.logits, args.target
-    vocab = logits.shape[1]
+    columns, vocab, offset = logits.shape[1], args.classes(), args.class_offset
     eps = p.label_smoothing
     z = logits.to(math_dtype(logits.dtype), copy=True)
     if p.logit_scale != 1.0:
@@ -49,15 +50,19 @@ def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
     if not args.write_grad:
         return
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
+    # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
     g = z.sub_(lse[:, None]).exp_()
     coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
     if p.z_loss:
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
     g.mul_(coef[:, None])
     true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
-    g.scatter_add_(1, safe_target[:, None], true_class[:, None].contiguous())
+    col = safe_target - offset
+    here = (col >= 0) & (col < columns)
+    g.scatter_add_(1, torch.where(here, col, 0)[:, None], torch.where(here, true_class, 0.0)[:, None].contiguous())
     if eps:
-        class_w = args.ce_weight if args.ce_weight is not None else torch.ones(vocab, dtype=g.dtype, device=g.device)
+        class_w = (args.ce_weight[offset:offset + columns] if args.ce_weight is not None
+                   else torch.ones(columns, dtype=g.dtype, device=g.device))
         g.addr_(ce_scale.expand_as(lse).contiguous(), class_w, alpha=-eps / vocab)
     if tanh_z is not None:
         g.mul_(tanh_z.square_().neg_().add_(1.0))  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2

@@ -39,6 +39,8 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.lse_out if args.lse_out is not None else dummy,
         args.lse_in if args.lse_in is not None else dummy,
         vocab,
+        args.class_offset,
+        args.classes(),
         p.ignore_index,
         float(p.label_smoothing),
         float(p.softcap or 1.0),

@@ -109,15 +109,36 @@ def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradReques
     return None
 
 
-class _DwAccumulator:
-    """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 or in the weight dtype.
+_mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm") -> None:
+    """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products).
 
     On CUDA, bf16/fp16 operands can add straight into an fp32 accumulator (cuBLAS with an fp32 C, through
-    ``out_dtype``); where that is missing, or with dw_path="mm_add", each chunk's product goes through a
-    temporary. On the CPU an fp32 accumulator takes upcast operands (no mixed-dtype GEMM there).
+    ``out_dtype``); where that is missing, or with path="mm_add", the product goes through a temporary. On
+    the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
+    global _mixed_addmm_ok
+    if acc.device.type != "cuda":
+        if path == "mm_add":
+            acc.add_(torch.mm(a, b))
+        else:
+            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    elif path == "addmm" and _mixed_addmm_ok is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _mixed_addmm_ok = True
+        except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
+            _mixed_addmm_ok = False
+            logger.warning("fp32-output addmm unavailable (%s); fp32 sums go through a temporary", exc)
+            acc.add_(torch.mm(a, b))
+    else:
+        acc.add_(torch.mm(a, b))
 
-    _mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
+
+class _DwAccumulator:
+    """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 (``add_product``) or in the weight dtype."""
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str) -> None:
         self.dtype = weight.dtype
@@ -127,24 +148,10 @@ class _DwAccumulator:
         self.on_cuda = weight.device.type == "cuda"
 
     def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
-        acc = self.acc
         if not self.separate:
-            acc.addmm_(grad_t, x)
-        elif not self.on_cuda:
-            if self.dw_path == "mm_add":
-                acc.add_(torch.mm(grad_t, x))
-            else:
-                acc.addmm_(grad_t.float(), x.float())
-        elif self.dw_path == "addmm" and _DwAccumulator._mixed_addmm_ok is not False:
-            try:
-                torch.addmm(acc, grad_t, x, out_dtype=acc.dtype, out=acc)
-                _DwAccumulator._mixed_addmm_ok = True
-            except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
-                _DwAccumulator._mixed_addmm_ok = False
-                logger.warning("fp32-output addmm unavailable (%s); dW uses a temporary per chunk", exc)
-                acc.add_(torch.mm(grad_t, x))
+            self.acc.addmm_(grad_t, x)
         else:
-            acc.add_(torch.mm(grad_t, x))
+            add_product(self.acc, grad_t, x, self.dw_path)
 
     def result(self, rows: int) -> torch.Tensor:
         """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
@@ -419,9 +426,10 @@ class ForwardResult(NamedTuple):
 
 def fused_forward(
     ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest,
-    *, keep_logits: bool = False,
+    *, keep_logits: bool = False, keep_lse: bool = False,
 ) -> ForwardResult:
-    """Loss of ``ops`` and, when asked, its gradients (and the logits), in one chunked pass."""
+    """Loss of ``ops`` and, when asked, its gradients (and the logits, and each token's lse), in one chunked
+    pass."""
     n = ops.x.shape[0]
     vocab = ops.weight.shape[0]
     dtype = math_dtype(ops.x.dtype)
@@ -429,7 +437,7 @@ def fused_forward(
     ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
     scales = _gradient_scales(ce_scale, z_scale)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
-    lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token else None
+    lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
@@ -441,7 +449,7 @@ def fused_forward(
     if p.reduction == "mean":
         # An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and so is ours.
         loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
-    return ForwardResult(loss, None, dx, dw, db, logits, scales.post)
+    return ForwardResult(loss, lse_rows, dx, dw, db, logits, scales.post)
 
 
 def fused_backward_per_token(

@@ -1,0 +1,117 @@
+"""The "recompute" strategy: the checkpointed LM head, for little memory at one more GEMM.
+
+Forward runs the chunk loop without gradients and keeps each token's log-sum-exp: N numbers. Backward
+recomputes the logits one block of vocabulary rows at a time; for each block it walks the token chunks,
+forms the logit gradient from the saved lse (the CE step over a slice of the classes), adds the block's share
+of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32, which are rounded once when the
+block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
+the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
+four GEMMs instead of three: the logits twice, then dX and dW.
+
+Every factor of the gradient (the reduction's scales and grad_output) goes into the logit gradient before its
+one rounding, as in eager PyTorch, so a loss scale reaches fp16 gradients before any underflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import FLCEConfig
+from ..layout import padded_row_elements
+from ..params import LossParams, math_dtype
+from .ce_common import CEStepArgs
+from .chunked import (
+    ForwardResult, GradRequest, Grads, Operands, _ce_step, _reduction_scales, add_product,
+    full_precision_gemm_reductions, fused_forward,
+)
+
+
+def recompute_forward(ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype) -> ForwardResult:
+    """The loss and each token's lse (kept for backward); no gradients, no logits kept."""
+    return fused_forward(ops, p, config, accum_dtype, GradRequest(), keep_lse=True)
+
+
+def row_factors(ops: Operands, p: LossParams, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of the CE and z-loss terms of each row's gradient: the reduction's scales times grad_output
+    (0-dim for mean/sum, per row for "none"), in the loss's math dtype. A fully masked "mean" has infinite
+    scales and every row ignored: its factors are 0, so its gradients are exactly 0."""
+    dtype = math_dtype(ops.x.dtype)
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, ops.weight.shape[0], dtype)
+    g = grad_output.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=g.device)
+    return (torch.where(torch.isfinite(ce_scale), ce_scale * g, zero),
+            torch.where(torch.isfinite(z_scale), z_scale * g, zero))
+
+
+def recompute_backward(
+    ops: Operands,
+    lse: torch.Tensor,
+    grad_output: torch.Tensor,
+    p: LossParams,
+    config: FLCEConfig,
+    accum_dtype: torch.dtype,
+    grads: GradRequest,
+) -> Grads:
+    """dX, dW and db of the loss (times ``grad_output``: 0-dim, or per row for "none") from the saved lse.
+
+    ``accum_dtype`` sets the dX sum and the dW blocks' dtype (fp32 by default; the weight dtype saves the N x H
+    fp32 sum at the usual accuracy cost).
+    """
+    x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
+    n, hidden = x.shape
+    vocab = weight.shape[0]
+    device, dtype = x.device, x.dtype
+    ce_rows, z_rows = row_factors(ops, p, grad_output)
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), dtype=lse.dtype,
+                                                                              device=device)
+    chunk = max(1, min(config.chunk_tokens, n))
+    block = max(1, min(config.vocab_block, vocab))
+    acc_dtype = accum_dtype if dtype != torch.float64 else torch.float64
+    dx_sum = torch.zeros(n, hidden, dtype=acc_dtype, device=device) if grads.dx else None
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grads.dw else None
+    db = torch.empty_like(bias) if grads.db and bias is not None else None
+    # One logits buffer, its rows padded to 128 bytes for aligned GEMMs.
+    buffer = torch.empty(chunk, padded_row_elements(block, x.element_size()), dtype=dtype, device=device)
+    ce_step = _ce_step(config)
+    per_row = ce_rows.dim() == 1
+    with full_precision_gemm_reductions(device):
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            w_b, b_b = weight[v0:v1], bias[v0:v1] if bias is not None else None
+            dw_sum = torch.zeros(v1 - v0, hidden, dtype=acc_dtype, device=device) if dw is not None else None
+            db_sum = torch.zeros(v1 - v0, dtype=lse.dtype, device=device) if db is not None else None
+            for t0 in range(0, n, chunk):
+                t1 = min(t0 + chunk, n)
+                rows = slice(t0, t1)
+                logits = buffer[: t1 - t0, : v1 - v0]
+                x_c = x[rows]
+                if b_b is not None:
+                    torch.addmm(b_b, x_c, w_b.t(), out=logits)
+                else:
+                    torch.mm(x_c, w_b.t(), out=logits)
+                ce_step(CEStepArgs(
+                    logits=logits, target=target[rows], ce_weight=ce_weight, weight_sum=weight_sum,
+                    ce_scale=ce_rows[rows] if per_row else ce_rows, z_scale=z_rows[rows] if per_row else z_rows,
+                    loss_out=None, lse_out=None, lse_in=lse[rows], write_grad=True,
+                    class_offset=v0, num_classes=vocab,
+                ), p)
+                if dx_sum is not None:
+                    _add(dx_sum[rows], logits, w_b)
+                if dw_sum is not None:
+                    _add(dw_sum, logits.t(), x_c)
+                if db_sum is not None:
+                    db_sum.add_(logits.sum(dim=0, dtype=db_sum.dtype))
+            if dw is not None:
+                dw[v0:v1].copy_(dw_sum)  # the block's one rounding
+            if db is not None:
+                db[v0:v1].copy_(db_sum)
+    dx = dx_sum.to(dtype) if dx_sum is not None else None
+    return dx, dw, db
+
+
+def _add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, in acc's dtype (fp32 sums of bf16/fp16 products, or plain in the weight dtype)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        add_product(acc, a, b)
