@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from .config import FLCEConfig, config_overrides
+from .plan.config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS, math_dtype
 

@@ -12,7 +12,6 @@ the real token count, so a varying token count never recompiles.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from typing import Optional
@@ -20,8 +19,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .config import FLCEConfig, resolve_config
 from .params import LossParams, math_dtype
+from .plan.choose import op_config
+from .plan.config import FLCEConfig
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
 _EMPTY = (0,)
@@ -34,8 +34,7 @@ def _params(ignore_index: int, reduction: str, label_smoothing: float, softcap: 
 
 def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     """``config`` is the JSON of the forced fields ("" for none); the rest is chosen from the real shapes."""
-    overrides = json.loads(config) if config else None
-    return resolve_config(overrides, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
+    return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:

@@ -190,27 +190,28 @@ def test_side_stream_per_calling_stream():
 def test_stream_overlap_joins_the_side_stream_on_error(monkeypatch):
     """An error mid-loop still makes the main stream wait for the side stream (try/finally), and the next call
     works."""
+    import flce_compile.strategies.ce_torch as ce_torch
     import flce_compile.strategies.chunked as chunked
 
     joined = []
     original_join = chunked._StreamOverlap.join
     monkeypatch.setattr(chunked._StreamOverlap, "join", lambda self: (joined.append(True), original_join(self)))
-    original_step = chunked.ce_step_torch
+    original_step = ce_torch.ce_step_torch
     calls = {"n": 0}
 
-    def failing_step(args, p):
+    def failing_step(args, p, config):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("CE step failed")
-        original_step(args, p)
+        original_step(args, p, config)
 
-    monkeypatch.setattr(chunked, "ce_step_torch", failing_step)
+    monkeypatch.setattr(ce_torch, "ce_step_torch", failing_step)  # the registry's "torch" step, looked up per call
     x, w, t = _inputs(n=2048, v=16384)
     config = FLCEConfig(strategy="torch", chunk_tokens=256, streams=True)
     with pytest.raises(RuntimeError, match="CE step failed"):
         fused_linear_cross_entropy(x, w.requires_grad_(), t, config=config)
     assert joined == [True]
-    monkeypatch.setattr(chunked, "ce_step_torch", original_step)
+    monkeypatch.setattr(ce_torch, "ce_step_torch", original_step)
     loss, _ = _grads_of(lambda x, w: fused_linear_cross_entropy(x, w, t, config=config), x, w)
     torch.testing.assert_close(loss, reference_loss(x, w, t), rtol=2e-2, atol=2e-2)
 

@@ -290,7 +290,7 @@ def test_grad_output_scaling_is_the_same_compiled_and_eager():
 
 
 def test_heuristic_chunks_fit_their_logits_budget():
-    from flce_compile.config import heuristic_config
+    from flce_compile.plan.choose import heuristic_config
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     for vocab in (32000, 50257, 128256, 151936, 256000):

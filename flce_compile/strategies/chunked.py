@@ -17,12 +17,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..config import FLCEConfig
-from ..layout import padded_row_elements
 from ..log import logger
 from ..params import LossParams, math_dtype
+from ..plan import registry
+from ..plan.config import FLCEConfig
+from ..plan.layout import padded_row_elements
 from .ce_common import CEStepArgs
-from .ce_torch import ce_step_torch
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -53,11 +53,8 @@ class GradRequest:
 
 
 def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
-    if config.strategy == "triton":
-        from .ce_triton import ce_step_triton
-
-        return functools.partial(ce_step_triton, config=config)
-    return ce_step_torch
+    """The CE step of ``config``'s strategy (its registry entry), with the config's launch parameters bound."""
+    return functools.partial(registry.get(config.strategy).step(), config=config)
 
 
 @functools.lru_cache(maxsize=64)
