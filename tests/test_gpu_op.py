@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy
+from flce_compile.params import LossParams, encode_params
 from flce_reference import reference_loss
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +73,7 @@ def test_out_of_range_target_is_nan_without_sync(monkeypatch):
 
 def test_cuda_graph_capture_of_the_op():
     x, w, t = _inputs(n=2048, v=16384)
-    args = (x, w, t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0, torch.float32, True, True, False,
+    args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, True, True, False,
             FLCEConfig(strategy="triton", chunk_tokens=512, streams=True).to_json())
     op = torch.ops.flce.fused_linear_cross_entropy
     side = torch.cuda.Stream()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flce_compile import fused_linear_cross_entropy
+from flce_compile.params import LossParams, encode_params
 from flce_compile.compiler.kept_logits import kept_logits_cross_entropy
 from flce_reference import random_inputs, reference_loss
 
@@ -477,7 +478,7 @@ def test_side_stream_is_joined_when_the_loop_raises(monkeypatch):
 
 
 def _op_args(x, w, t, reduction="mean", compute=(True, True, False)):
-    return (x, w, t, None, None, -100, reduction, 0.0, 0.0, 1.0, 0.0, torch.float32, *compute,
+    return (x, w, t, None, None, encode_params(LossParams(reduction=reduction)), torch.float32, *compute,
             '{"chunk_tokens": 5}')
 
 
@@ -496,8 +497,8 @@ def test_opcheck_backward_op_with_a_transposed_input():
     _, w, t = _inputs()
     x = torch.randn(16, 12).t()
     lse = torch.logsumexp(x @ w.T, dim=1)
-    args = (x, w, t, None, None, lse, torch.rand(12), -100, 0.0, 0.0, 1.0, 0.0, torch.float32, True, True, False,
-            '{"chunk_tokens": 5}')
+    args = (x, w, t, None, None, lse, torch.rand(12), encode_params(LossParams(reduction="none")), torch.float32,
+            True, True, False, '{"chunk_tokens": 5}')
     torch.library.opcheck(torch.ops.flce.fused_linear_cross_entropy_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
