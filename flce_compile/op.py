@@ -54,7 +54,7 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
 
 
 @contextlib.contextmanager
-def _op_context(device: torch.device) -> Iterator[None]:
+def op_context(device: torch.device) -> Iterator[None]:
     """The context of an op body: autocast off (the op's dtypes are final) and, on CUDA, ``device`` made current.
 
     Triton launches on the current device, and streams and events default to it, so without the guard a call
@@ -83,7 +83,7 @@ def fused_linear_cross_entropy_op(
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
-    with _op_context(input.device):
+    with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
@@ -143,7 +143,7 @@ def fused_linear_cross_entropy_with_logits_op(
     """
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
-    with _op_context(input.device):
+    with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
@@ -181,7 +181,7 @@ def fused_linear_cross_entropy_backward_op(
     """Gradients of sum_i grad_rows[i] * loss_i (the per-token losses whatever ``params``' reduction says),
     recomputing logits chunk by chunk."""
     p = decode_params(params)
-    with _op_context(input.device):
+    with op_context(input.device):
         dx, dw, db = fused_backward_per_token(
             Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
             accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flce_compile import fused_linear_cross_entropy
 from flce_compile.params import LossParams, encode_params
-from flce_compile.compiler.kept_logits import kept_logits_cross_entropy
+from flce_compile.kept_logits import kept_logits_cross_entropy
 from flce_reference import random_inputs, reference_loss
 
 STRATEGIES = ("torch", "triton")

@@ -124,6 +124,19 @@ def _heuristic(chunk: int, device_type: str, dtype: torch.dtype, pad_vocab: bool
     )
 
 
+#: fp32 working set of one chunk of the loss over kept logits (rows x V x 4 bytes).
+KEPT_CHUNK_BYTES = 64 * 2**20
+
+
+def kept_logits_config(vocab: int, dtype: torch.dtype, device: torch.device) -> FLCEConfig:
+    """The config of the loss over logits that already exist (the compiler's kept-logits path): the
+    heuristic's strategy and CE launch parameters for the device and dtype, over chunks of ``KEPT_CHUNK_BYTES``
+    of fp32 rows. No GEMM runs there, so nothing is tuned and the chunk only bounds the torch step's fp32
+    temporaries."""
+    rows = max(1, KEPT_CHUNK_BYTES // (4 * max(1, vocab)))
+    return dataclasses.replace(heuristic_config(rows, vocab, 1, dtype, device), chunk_tokens=rows)
+
+
 def choose_config(
     num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[FLCEConfig, str]:
