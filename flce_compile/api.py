@@ -15,9 +15,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from .plan.config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
+from .plan.config import FLCEConfig, config_overrides
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)

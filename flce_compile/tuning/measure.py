@@ -224,7 +224,7 @@ def make_objective(
                 gc.enable()
         if memory is None:
             return loss, 0, elapsed_ms
-        # Same definition as flce_compile.memory.peak_bytes: above the inputs and the returned gradients.
+        # Same definition as flce_compile.plan.memory.peak_bytes: above the inputs and the returned gradients.
         peak = memory.max_allocated() - before - _grad_bytes(x, w)
         if peak < 0:
             logger.warning("measured peak %.3f GiB is negative for %s (memory was freed during the run); "
