@@ -25,7 +25,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import cce_loss, eager_loss, liger_loss, make_inputs, versions  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
-from flce_compile.layout import padded_row_elements  # noqa: E402
+from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 ERROR_SHAPE = (2048, 4096, 128256)

@@ -7,7 +7,7 @@ chunk size buys from what the kernels buy. By default it is measured at the targ
 
 bf16, forward + backward (dX and dW), median ms from ``triton.testing.do_bench`` with at least 10 timed runs.
 Peak GB: ``torch.cuda.max_memory_allocated`` over one warm fwd+bwd, above the inputs and the returned dX and dW
-(the definition of the DB's ``peak_gb`` and of ``flce_compile.memory.peak_bytes``), in 1e9 bytes.
+(the definition of the DB's ``peak_gb`` and of ``flce_compile.plan.memory.peak_bytes``), in 1e9 bytes.
 
 Writes ``bench_tuning_<gpu>_<time>.json`` and ``.md`` (GPU name, torch/triton versions) under
 ``benchmarks/results/`` (or ``--out-dir``) after every shape, so a run stopped by a time limit still leaves
@@ -354,7 +354,7 @@ def _pyplot() -> Any:
 
 def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, liger_rule: bool) -> dict[str, Any]:
     from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
-    from flce_compile.config import heuristic_config  # noqa: PLC0415
+    from flce_compile.plan.choose import heuristic_config  # noqa: PLC0415
 
     device = torch.device("cuda")
     vocab, hidden, tokens = e.vocab, e.hidden, e.tokens

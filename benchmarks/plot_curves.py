@@ -3,8 +3,9 @@
 1. Peak memory and forward + backward time against the token count, at the Llama-3 (V 128256, H 4096) and
    GPT-2 (V 50257, H 768) shapes, for: eager (F.linear + F.cross_entropy), torch.compile of it, a chunked-CE
    baseline that keeps every chunk's autograd graph until backward, Liger and CCE (when importable),
-   PyTorch's native chunked ``F.linear_cross_entropy`` (when this torch has it), and ours with each strategy
-   of ``flce_compile.config.STRATEGIES`` that works on the device (one that raises is skipped with a note).
+   PyTorch's native chunked ``F.linear_cross_entropy`` (when this torch has it), and ours with each registered
+   strategy (``flce_compile.plan.registry.names()``) that works on the device (one that raises is skipped with a
+   note).
 2. Peak memory (and time) against the number of chunks at a fixed token count, at the first shape: chunked
    CE against ours, ours forced with ``config={"chunk_tokens": tokens // chunks}``.
 3. The end-to-end training step of benchmarks/bench_e2e.py as bars (peak GB and step ms per variant, per
@@ -62,7 +63,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks._common import (  # noqa: E402
     LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, versions)
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
-from flce_compile.config import STRATEGIES, config_overrides, resolve_config  # noqa: E402
+from flce_compile.plan import registry  # noqa: E402
+from flce_compile.plan.choose import resolve_config  # noqa: E402
+from flce_compile.plan.config import config_overrides  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 GB = 1e9
@@ -187,7 +190,7 @@ def variant_makers(device: str, sweep: Sweep) -> dict[str, Callable[[], LossFn]]
         "cce": cce_loss,
         "torch-native": native_loss,
     }
-    for strategy in STRATEGIES:  # read at run time: a new strategy shows up here by itself
+    for strategy in registry.names():  # read at run time: a new strategy shows up here by itself
         makers[f"flce-{strategy}"] = functools.partial(probed_strategy, flce_config(strategy, sweep), device)
     return makers
 
@@ -712,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ours' tokens per chunk in the token sweep (0: the op's own pick; default: GPU 0, CPU 256)")
     p.add_argument("--variants", nargs="+", metavar="NAME",
                    help="only these of: eager torch.compile chunked-ce liger cce torch-native "
-                        + " ".join(f"flce-{s}" for s in STRATEGIES))
+                        + " ".join(f"flce-{s}" for s in registry.names()))
     p.add_argument("--warmup", type=int, help="warm-up runs before measuring")
     p.add_argument("--reps", type=int, help="timed runs (median)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)

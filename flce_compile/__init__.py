@@ -4,8 +4,9 @@
 from typing import Any
 
 from .api import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from .config import FLCEConfig, choose_config
-from .memory import peak_bytes, peak_bytes_expr
+from .plan.choose import choose_config
+from .plan.config import FLCEConfig
+from .plan.memory import peak_bytes, peak_bytes_expr
 from .tuning.which import ConfigChoice, which_config
 
 __all__ = [

@@ -6,6 +6,7 @@ custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import operator
@@ -14,9 +15,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from .config import FLCEConfig, config_overrides
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
-from .params import REDUCTIONS, math_dtype
+from .params import REDUCTIONS, LossParams, encode_params, math_dtype
+from .plan.config import FLCEConfig, config_overrides
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -187,6 +188,8 @@ def fused_linear_cross_entropy(
     if t1d.dtype != torch.int64:
         t1d = t1d.long()
     cw = ce_weight.to(math_dtype(weight.dtype)).contiguous() if ce_weight is not None else None
+    params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),
+                        float(logit_scale), float(z_loss))
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
     loss, second, _dx, _dw, _db, _grad_scale = op(
         x2d,
@@ -194,12 +197,7 @@ def fused_linear_cross_entropy(
         t1d.contiguous(),
         bias.contiguous() if bias is not None else None,
         cw,
-        int(ignore_index),
-        reduction,
-        float(label_smoothing),
-        _softcap_arg(softcap),
-        float(logit_scale),
-        float(z_loss),
+        encode_params(params),
         accum_dtype,
         grad_on and input.requires_grad,
         grad_on and weight.requires_grad,
@@ -219,8 +217,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         # Validate option names now rather than on the first batch.
-        allowed = {"ce_weight", "ignore_index", "reduction", "label_smoothing", "softcap", "logit_scale",
-                   "z_loss", "accum_dtype", "config"}
+        allowed = {f.name for f in dataclasses.fields(LossParams)} | {"ce_weight", "accum_dtype", "config"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(allowed)}")

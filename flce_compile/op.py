@@ -7,12 +7,18 @@ grad_output; for "none" the forward returns the per-token loss and lse and backw
 ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles.
+
+Every op takes the loss options as one string, ``params`` (``params.encode_params`` of a ``LossParams``), and
+the config as the JSON of the fields the caller forces, ``config`` ("" for none). Both are decoded through
+memoised functions, and the choice of the rest of the config (``plan.choose.op_config``) is memoised too, so
+the "none" backward, which gets the forward's ``config`` string, makes the same choice for the cost of a few
+dictionary lookups. (It cannot be handed the forward's resolved config itself: under torch.compile the
+backward is traced before the forward op first runs, so only a tensor could carry a value chosen at run time.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from typing import Optional
@@ -20,22 +26,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .config import FLCEConfig, resolve_config
-from .params import LossParams, math_dtype
+from .params import decode_params, math_dtype
+from .plan.choose import op_config
+from .plan.config import FLCEConfig
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
 
 _EMPTY = (0,)
 
 
-def _params(ignore_index: int, reduction: str, label_smoothing: float, softcap: float, logit_scale: float,
-            z_loss: float) -> LossParams:
-    return LossParams(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-
-
 def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     """``config`` is the JSON of the forced fields ("" for none); the rest is chosen from the real shapes."""
-    overrides = json.loads(config) if config else None
-    return resolve_config(overrides, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)[0]
+    return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
@@ -53,7 +54,7 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
 
 
 @contextlib.contextmanager
-def _op_context(device: torch.device) -> Iterator[None]:
+def op_context(device: torch.device) -> Iterator[None]:
     """The context of an op body: autocast off (the op's dtypes are final) and, on CUDA, ``device`` made current.
 
     Triton launches on the current device, and streams and events default to it, so without the guard a call
@@ -72,12 +73,7 @@ def fused_linear_cross_entropy_op(
     target: Tensor,
     bias: Optional[Tensor],
     ce_weight: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    softcap: float,
-    logit_scale: float,
-    z_loss: float,
+    params: str,
     accum_dtype: torch.dtype,
     compute_dx: bool,
     compute_dw: bool,
@@ -85,9 +81,9 @@ def fused_linear_cross_entropy_op(
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
-    check_targets(target, weight.shape[0], ignore_index)
-    p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with _op_context(input.device):
+    p = decode_params(params)
+    check_targets(target, weight.shape[0], p.ignore_index)
+    with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db),
@@ -106,11 +102,10 @@ def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, 
 
 
 @fused_linear_cross_entropy_op.register_fake
-def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, ignore_index, reduction,
-                                     label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
-                                     compute_dx, compute_dw, compute_db, config):
+def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx,
+                                     compute_dw, compute_db, config):
     n = input.shape[0]
-    per_token = reduction == "none"
+    per_token = decode_params(params).reduction == "none"
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
     lse = input.new_empty((n,) if per_token else _EMPTY, dtype=dtype)
@@ -132,12 +127,7 @@ def fused_linear_cross_entropy_with_logits_op(
     target: Tensor,
     bias: Optional[Tensor],
     ce_weight: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    softcap: float,
-    logit_scale: float,
-    z_loss: float,
+    params: str,
     accum_dtype: torch.dtype,
     compute_dx: bool,
     compute_dw: bool,
@@ -151,9 +141,9 @@ def fused_linear_cross_entropy_with_logits_op(
     buffer, and dX/dW are formed in forward (divided by grad_scale) as in ``fused_linear_cross_entropy``, so
     nothing of size N x V is saved for backward. The logits are contiguous.
     """
-    check_targets(target, weight.shape[0], ignore_index)
-    p = _params(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
-    with _op_context(input.device):
+    p = decode_params(params)
+    check_targets(target, weight.shape[0], p.ignore_index)
+    with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
             GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
@@ -162,8 +152,7 @@ def fused_linear_cross_entropy_with_logits_op(
 
 
 @fused_linear_cross_entropy_with_logits_op.register_fake
-def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, ignore_index, reduction,
-                                                 label_smoothing, softcap, logit_scale, z_loss, accum_dtype,
+def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, params, accum_dtype,
                                                  compute_dx, compute_dw, compute_db, config):
     n, vocab = input.shape[0], weight.shape[0]
     dtype = math_dtype(input.dtype)
@@ -182,20 +171,17 @@ def fused_linear_cross_entropy_backward_op(
     ce_weight: Optional[Tensor],
     lse: Tensor,
     grad_rows: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float,
-    logit_scale: float,
-    z_loss: float,
+    params: str,
     accum_dtype: torch.dtype,
     compute_dx: bool,
     compute_dw: bool,
     compute_db: bool,
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of sum_i grad_rows[i] * loss_i (reduction "none"), recomputing logits chunk by chunk."""
-    p = _params(ignore_index, "none", label_smoothing, softcap, logit_scale, z_loss)
-    with _op_context(input.device):
+    """Gradients of sum_i grad_rows[i] * loss_i (the per-token losses whatever ``params``' reduction says),
+    recomputing logits chunk by chunk."""
+    p = decode_params(params)
+    with op_context(input.device):
         dx, dw, db = fused_backward_per_token(
             Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
             accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),
@@ -204,15 +190,13 @@ def fused_linear_cross_entropy_backward_op(
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
-def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows,
-                                              ignore_index, label_smoothing, softcap, logit_scale, z_loss,
+def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows, params,
                                               accum_dtype, compute_dx, compute_dw, compute_db, config):
     return _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
 
 
-_ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "ignore_index", "reduction", "label_smoothing",
-              "softcap", "logit_scale", "z_loss", "accum_dtype", "compute_dx", "compute_dw", "compute_db",
-              "config")
+_ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "params", "accum_dtype", "compute_dx", "compute_dw",
+              "compute_db", "config")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -224,7 +208,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # Backward ignores the gradients of those outputs: without this, autograd would materialise them as
     # zero tensors of their size (a dX- and a dW-sized allocation in every backward).
     ctx.set_materialize_grads(False)
-    if args["reduction"] == "none":
+    if decode_params(args["params"]).reduction == "none":
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:
         _keep_forward_grads(ctx, dx, dw, db, grad_scale)
@@ -292,11 +276,10 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_sca
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     if grad_loss is None:  # the loss took no part in what is differentiated
         return _input_grads(ctx, None, None, None)
-    if a["reduction"] == "none":
+    if decode_params(a["params"]).reduction == "none":
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
         dx, dw, db = fused_linear_cross_entropy_backward_op(
-            input, weight, target, bias, ce_weight, lse, grad_loss, a["ignore_index"], a["label_smoothing"],
-            a["softcap"], a["logit_scale"], a["z_loss"], a["accum_dtype"], need_x, need_w,
+            input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], need_x, need_w,
             bool(need_b and ctx.has_bias), a["config"],
         )
     else:

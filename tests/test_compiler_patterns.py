@@ -400,7 +400,7 @@ def test_explain_reports_what_the_compiled_model_does():
 def test_kept_logits_loss_rejects_out_of_range_targets(monkeypatch):
     """The kept-logits loss never turns a bad class id into a finite loss: it raises on the CPU (like the fused
     op) and, where the check is skipped to avoid a host sync (GPU), the token's loss is NaN."""
-    from flce_compile.compiler import kept_logits
+    from flce_compile import kept_logits
 
     logits = torch.randn(2, 5, 11)
     target = torch.randint(0, 11, (2, 5))

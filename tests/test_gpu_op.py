@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy
+from flce_compile.params import LossParams, encode_params
 from flce_reference import reference_loss
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +73,7 @@ def test_out_of_range_target_is_nan_without_sync(monkeypatch):
 
 def test_cuda_graph_capture_of_the_op():
     x, w, t = _inputs(n=2048, v=16384)
-    args = (x, w, t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0, torch.float32, True, True, False,
+    args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, True, True, False,
             FLCEConfig(strategy="triton", chunk_tokens=512, streams=True).to_json())
     op = torch.ops.flce.fused_linear_cross_entropy
     side = torch.cuda.Stream()
@@ -190,27 +191,28 @@ def test_side_stream_per_calling_stream():
 def test_stream_overlap_joins_the_side_stream_on_error(monkeypatch):
     """An error mid-loop still makes the main stream wait for the side stream (try/finally), and the next call
     works."""
+    import flce_compile.strategies.ce_torch as ce_torch
     import flce_compile.strategies.chunked as chunked
 
     joined = []
     original_join = chunked._StreamOverlap.join
     monkeypatch.setattr(chunked._StreamOverlap, "join", lambda self: (joined.append(True), original_join(self)))
-    original_step = chunked.ce_step_torch
+    original_step = ce_torch.ce_step_torch
     calls = {"n": 0}
 
-    def failing_step(args, p):
+    def failing_step(args, p, config):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("CE step failed")
-        original_step(args, p)
+        original_step(args, p, config)
 
-    monkeypatch.setattr(chunked, "ce_step_torch", failing_step)
+    monkeypatch.setattr(ce_torch, "ce_step_torch", failing_step)  # the registry's "torch" step, looked up per call
     x, w, t = _inputs(n=2048, v=16384)
     config = FLCEConfig(strategy="torch", chunk_tokens=256, streams=True)
     with pytest.raises(RuntimeError, match="CE step failed"):
         fused_linear_cross_entropy(x, w.requires_grad_(), t, config=config)
     assert joined == [True]
-    monkeypatch.setattr(chunked, "ce_step_torch", original_step)
+    monkeypatch.setattr(ce_torch, "ce_step_torch", original_step)
     loss, _ = _grads_of(lambda x, w: fused_linear_cross_entropy(x, w, t, config=config), x, w)
     torch.testing.assert_close(loss, reference_loss(x, w, t), rtol=2e-2, atol=2e-2)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import flce_compile
 from flce_compile import FLCEConfig, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from flce_compile.params import LossParams, decode_params, encode_params
 from flce_reference import random_inputs as _inputs
 from flce_reference import reference_loss
 
@@ -200,12 +201,12 @@ def test_custom_op_is_registered(config):
     x, w, t = _inputs()
     torch.library.opcheck(
         torch.ops.flce.fused_linear_cross_entropy.default,
-        (x, w.requires_grad_(), t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0, torch.float32,
-         False, True, False, config),
+        (x, w.requires_grad_(), t, None, None, encode_params(LossParams()), torch.float32, False, True, False,
+         config),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
-    out = torch.ops.flce.fused_linear_cross_entropy(x, w, t, None, None, -100, "mean", 0.0, 0.0, 1.0, 0.0,
-                                                    torch.float32, False, True, False, config)
+    out = torch.ops.flce.fused_linear_cross_entropy(x, w, t, None, None, encode_params(LossParams()), torch.float32,
+                                                    False, True, False, config)
     dw = out[3]
     assert dw.shape == w.shape and dw._base is None and dw.untyped_storage().nbytes() == dw.numel() * 4
 
@@ -233,6 +234,42 @@ def test_fullgraph_compile_is_one_node_and_dynamic_in_tokens():
     assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs for 3 token counts"
     ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("flce" in str(op) for op in ops) == 1, ops
+
+
+def test_loss_options_cross_the_op_as_one_string():
+    """encode_params/decode_params round-trip exactly (huge ids, non-finite and long floats), the decode is
+    memoised, and a malformed string from a direct op call is an error that shows the form."""
+    p = LossParams(ignore_index=2**62 + 1, reduction="none", label_smoothing=0.1 + 0.2, softcap=30.0,
+                   logit_scale=float("inf"), z_loss=1e-4)
+    text = encode_params(p)
+    assert text.startswith("ignore_index=4611686018427387905;reduction=none;label_smoothing=0.30000000000000004;")
+    assert decode_params(text) == p and decode_params(text) is decode_params(text)
+    assert math.isnan(decode_params(encode_params(LossParams(logit_scale=float("nan")))).logit_scale)
+    x, w, t = _inputs()
+    for bad in ("", "ignore_index=-100", encode_params(LossParams()).replace("z_loss=0.0", "z_loss=zero")):
+        with pytest.raises(ValueError, match="loss options .* malformed"):
+            torch.ops.flce.fused_linear_cross_entropy(x, w, t, None, None, bad, torch.float32, False, False, False, "")
+
+
+def test_a_float_option_passed_to_a_compiled_function():
+    """Options that arrive as arguments of a compiled function (which Dynamo makes symbolic once they vary)
+    still become the op's constant string: one op node per graph and the right loss for every value."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t, eps, z: fused_linear_cross_entropy(x, w, t, label_smoothing=eps,
+                                                                                z_loss=z),
+                             backend=capture, fullgraph=True)
+    x, w, t = _inputs()
+    for eps, z in ((0.1, 0.0), (0.2, 1e-3), (0.3, 2e-3)):
+        torch.testing.assert_close(compiled(x, w, t, eps, z), fused_linear_cross_entropy(x, w, t, label_smoothing=eps,
+                                                                                          z_loss=z))
+    for gm in graphs:
+        assert sum("flce" in str(n.target) for n in gm.graph.nodes if n.op == "call_function") == 1
 
 
 def test_aot_compile_runs_the_op_with_gradients():
@@ -290,7 +327,7 @@ def test_grad_output_scaling_is_the_same_compiled_and_eager():
 
 
 def test_heuristic_chunks_fit_their_logits_budget():
-    from flce_compile.config import heuristic_config
+    from flce_compile.plan.choose import heuristic_config
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     for vocab in (32000, 50257, 128256, 151936, 256000):

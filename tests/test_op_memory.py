@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
-from flce_compile.layout import padded_row_elements
+from flce_compile.plan.layout import padded_row_elements
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/ ships with the repository, not the wheel
 from benchmarks._common import cpu_peak_bytes  # noqa: E402  (the profiler's allocation records, replayed)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from flce_compile import fused_linear_cross_entropy
-from flce_compile.compiler.kept_logits import kept_logits_cross_entropy
+from flce_compile.params import LossParams, encode_params
+from flce_compile.kept_logits import kept_logits_cross_entropy
 from flce_reference import random_inputs, reference_loss
 
 STRATEGIES = ("torch", "triton")
@@ -259,8 +260,8 @@ def test_fp64_with_logits_is_exact():
 def test_fp64_on_a_gpu_skips_the_tuning_db(monkeypatch):
     """The DB holds no fp64 entries: asking it only logged a "lookup failed" warning (once per process, hiding a
     later real one). The heuristic answers, with the torch strategy."""
-    import flce_compile.tuning.db as db
-    from flce_compile.config import FP64_SOURCE, choose_config, heuristic_config
+    import flce_compile.plan.tuning_db as db
+    from flce_compile.plan.choose import FP64_SOURCE, choose_config, heuristic_config
 
     def no_lookup(**kwargs):
         raise AssertionError("the tuning DB was asked about float64")
@@ -273,7 +274,7 @@ def test_fp64_on_a_gpu_skips_the_tuning_db(monkeypatch):
 
 def test_fp64_uses_the_torch_strategy():
     """The Triton kernel computes in fp32: fp64 runs on the torch strategy, and forcing "triton" is an error."""
-    from flce_compile.config import resolve_config
+    from flce_compile.plan.choose import resolve_config
 
     cuda = torch.device("cuda")
     assert resolve_config(None, 4096, 32000, 1024, torch.float64, cuda)[0].strategy == "torch"
@@ -439,6 +440,7 @@ def test_side_stream_is_joined_when_the_loop_raises(monkeypatch):
     overlap is faked so that this runs on the CPU; test_gpu_op.py runs it on real streams."""
     import contextlib
 
+    import flce_compile.strategies.ce_torch as ce_torch
     import flce_compile.strategies.chunked as chunked
 
     events = []
@@ -455,16 +457,16 @@ def test_side_stream_is_joined_when_the_loop_raises(monkeypatch):
             events.append(("join",))
 
     calls = {"n": 0}
-    original_step = chunked.ce_step_torch
+    original_step = ce_torch.ce_step_torch
 
-    def failing_step(args, p):
+    def failing_step(args, p, config):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("CE step failed")
-        original_step(args, p)
+        original_step(args, p, config)
 
     monkeypatch.setattr(chunked, "_stream_overlap", lambda config, device, grads: FakeOverlap())
-    monkeypatch.setattr(chunked, "ce_step_torch", failing_step)
+    monkeypatch.setattr(ce_torch, "ce_step_torch", failing_step)  # the registry's "torch" step, looked up per call
     x, w, t = _inputs()
     with pytest.raises(RuntimeError, match="CE step failed"):
         fused_linear_cross_entropy(x, w.requires_grad_(), t, config={"strategy": "torch", "chunk_tokens": 4,
@@ -476,7 +478,7 @@ def test_side_stream_is_joined_when_the_loop_raises(monkeypatch):
 
 
 def _op_args(x, w, t, reduction="mean", compute=(True, True, False)):
-    return (x, w, t, None, None, -100, reduction, 0.0, 0.0, 1.0, 0.0, torch.float32, *compute,
+    return (x, w, t, None, None, encode_params(LossParams(reduction=reduction)), torch.float32, *compute,
             '{"chunk_tokens": 5}')
 
 
@@ -495,8 +497,8 @@ def test_opcheck_backward_op_with_a_transposed_input():
     _, w, t = _inputs()
     x = torch.randn(16, 12).t()
     lse = torch.logsumexp(x @ w.T, dim=1)
-    args = (x, w, t, None, None, lse, torch.rand(12), -100, 0.0, 0.0, 1.0, 0.0, torch.float32, True, True, False,
-            '{"chunk_tokens": 5}')
+    args = (x, w, t, None, None, lse, torch.rand(12), encode_params(LossParams(reduction="none")), torch.float32,
+            True, True, False, '{"chunk_tokens": 5}')
     torch.library.opcheck(torch.ops.flce.fused_linear_cross_entropy_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

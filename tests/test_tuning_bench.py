@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flce_compile.config import FLCEConfig
+from flce_compile.plan.config import FLCEConfig
 from flce_compile.tuning import db
 
 REPO = Path(__file__).resolve().parents[1]

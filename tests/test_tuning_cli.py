@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flce_compile.config import FLCEConfig
+from flce_compile.plan.config import FLCEConfig
 from flce_compile.tuning import db, studies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,7 +358,7 @@ def test_no_home_directory(tmp_path, monkeypatch, capsys):
 def test_which(tmp_path, monkeypatch, capsys):
     """--which prints what which_config answers, per token count; on a machine without a GPU and without
     --device-kind it answers for the CPU."""
-    from flce_compile.config import CPU_SOURCE
+    from flce_compile.plan.choose import CPU_SOURCE
     from flce_compile.tuning import cli
 
     monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))

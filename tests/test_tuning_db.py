@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from flce_compile.config import FLCEConfig, choose_config, config_overrides, resolve_config
+from flce_compile.plan import tuning_db
+from flce_compile.plan.choose import choose_config, resolve_config
+from flce_compile.plan.config import FLCEConfig, config_overrides
 from flce_compile.tuning import db
 
 
@@ -171,7 +173,7 @@ def test_lookup_fallbacks(dbs, caplog):
 
 def test_lookup_cache_and_invalidation(dbs, monkeypatch):
     user, _ = dbs
-    monkeypatch.setattr(db, "_clock", lambda: 1000.0)  # time stands still: no re-validation by mtime
+    monkeypatch.setattr(tuning_db, "_clock", lambda: 1000.0)  # time stands still: no re-validation by mtime
     db.write_entries(user, [entry(chunk=512)])
     assert find()[0].chunk_tokens == 512
     # an edit behind the DB's back is not seen until the cache is invalidated (or RECHECK_S has passed) ...
@@ -190,7 +192,7 @@ def test_lookup_cache_and_invalidation(dbs, monkeypatch):
 
 
 def test_lookup_never_raises(dbs, monkeypatch):
-    monkeypatch.setattr(db, "_get_index", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(tuning_db, "_get_index", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     assert find() is None
     assert find(dtype="int4") is None
 
@@ -228,13 +230,13 @@ def test_rescaled_chunk_stays_on_the_tuning_grid():
     """A borrowed chunk is rescaled to the grid the tuner searches (powers of two and 1.5x steps), keeping the
     logits chunk (chunk x V) at most RESCALE_TOLERANCE larger than the measured one."""
     cfg = FLCEConfig(strategy="triton", chunk_tokens=3072)
-    assert db._rescale_chunk(cfg, 151936, 151936) is cfg
-    assert db._rescale_chunk(cfg, 151936, 152064).chunk_tokens == 3072  # 0.1% larger V: kept
-    assert db._rescale_chunk(cfg, 151936, 262144).chunk_tokens == 1536  # 1781 tokens of logits -> grid 1536
-    assert db._rescale_chunk(cfg, 151936, 75968).chunk_tokens == 6144  # half the V: twice the chunk
+    assert tuning_db._rescale_chunk(cfg, 151936, 151936) is cfg
+    assert tuning_db._rescale_chunk(cfg, 151936, 152064).chunk_tokens == 3072  # 0.1% larger V: kept
+    assert tuning_db._rescale_chunk(cfg, 151936, 262144).chunk_tokens == 1536  # 1781 tokens of logits -> grid 1536
+    assert tuning_db._rescale_chunk(cfg, 151936, 75968).chunk_tokens == 6144  # half the V: twice the chunk
     for from_v, to_v in ((128256, 131072), (151936, 262144), (32000, 50257), (256000, 128256)):
         for chunk in (1024, 1536, 2048, 3072, 8192):
-            got = db._rescale_chunk(FLCEConfig(chunk_tokens=chunk), from_v, to_v).chunk_tokens
+            got = tuning_db._rescale_chunk(FLCEConfig(chunk_tokens=chunk), from_v, to_v).chunk_tokens
             assert got * to_v <= chunk * from_v * (1 + db.RESCALE_TOLERANCE)
             low = 1 << (got.bit_length() - 1)
             assert got in (low, 3 * low // 2)

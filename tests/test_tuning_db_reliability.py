@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_tuning_db import dbs, entry, find  # noqa: F401 - dbs is a fixture
 
+from flce_compile.plan import tuning_db
 from flce_compile.tuning import db
 
 _INF_VOCAB = json.dumps({"format": db.FORMAT, "schema_version": 1, "entries": [entry().to_dict()]}).replace(
@@ -27,7 +28,7 @@ BAD_USER_FILES = {
 
 
 class FakeClock:
-    """db's monotonic clock, moved by hand: the index is re-validated only every db.RECHECK_S."""
+    """The DB reader's monotonic clock, moved by hand: the index is re-validated only every RECHECK_S."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -36,27 +37,27 @@ class FakeClock:
         return self.now
 
     def advance(self) -> None:
-        self.now += db.RECHECK_S + 0.001
+        self.now += tuning_db.RECHECK_S + 0.001
 
 
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeClock()
-    monkeypatch.setattr(db, "_clock", fake)
+    monkeypatch.setattr(tuning_db, "_clock", fake)
     db.invalidate_cache()
     return fake
 
 
 def _count_calls(monkeypatch, name: str) -> list:
-    """Record the first argument of every call to db.<name> (the function still runs)."""
+    """Record the first argument of every call to the DB reader's <name> (the function still runs)."""
     calls: list = []
-    real = getattr(db, name)
+    real = getattr(tuning_db, name)
 
     def counted(*args, **kwargs):
         calls.append(args[0] if args else None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(db, name, counted)
+    monkeypatch.setattr(tuning_db, name, counted)
     return calls
 
 
@@ -66,7 +67,7 @@ def test_bad_user_file_keeps_the_shipped_entries_and_is_parsed_once(dbs, clock, 
     db.write_entries(shipped / "h200.json", [entry(chunk=1024)])
     user.parent.mkdir(parents=True)
     user.write_bytes(BAD_USER_FILES[kind])
-    parsed = _count_calls(monkeypatch, "_parse_file")
+    parsed = _count_calls(monkeypatch, "parse_file")
     caplog.set_level(logging.WARNING, logger="flce_compile")
     start = time.perf_counter()
     for i in range(200):

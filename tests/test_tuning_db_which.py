@@ -13,7 +13,7 @@ import torch
 from test_tuning_db import dbs, entry  # noqa: F401 - dbs is a fixture
 
 import flce_compile
-from flce_compile.config import CPU_SOURCE, choose_config, heuristic_config
+from flce_compile.plan.choose import CPU_SOURCE, choose_config, heuristic_config
 from flce_compile.tuning import db
 from flce_compile.tuning.which import SOURCES, ConfigChoice, which_config
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flce_compile.config import FLCEConfig
+from flce_compile.plan.config import FLCEConfig
 from flce_compile.tuning import space as space_mod
 from flce_compile.tuning.search import TrialRejected, classify_failure, run_search
-from flce_compile.tuning.space import STRATEGY_PARAMS, SearchSpace
+from flce_compile.plan import registry
+from flce_compile.tuning.space import SearchSpace
 
 V, H, T = 32000, 1024, 8192
 DEFAULT = FLCEConfig(strategy="triton", chunk_tokens=512, block_v=4096, num_warps=16, num_stages=1)
@@ -47,7 +48,7 @@ def cost(c: FLCEConfig) -> tuple[float, int]:
 def all_configs(space: SearchSpace) -> list[FLCEConfig]:
     out = set()
     for strategy in space.strategies:
-        names = STRATEGY_PARAMS[strategy]
+        names = registry.get(strategy).params
         for values in itertools.product(*(space.choices(n) for n in names)):
             cfg = FLCEConfig(**{**space.base.to_dict(), "strategy": strategy, **dict(zip(names, values))})
             out.add(space.canonical(cfg))

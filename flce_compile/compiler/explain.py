@@ -99,7 +99,7 @@ def _strategy(res: SiteResult, forced: Mapping[str, Any] | None) -> str | None:
         return "chunked-ce-over-kept-logits"
     if res.path not in ("fused", "fused_keep"):
         return None
-    from ..config import resolve_config
+    from ..plan.choose import resolve_config
 
     try:
         cfg, source = resolve_config(forced, res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype,

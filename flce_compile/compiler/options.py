@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..config import config_overrides
+from ..plan.config import config_overrides
 
 PREFIX = "flce."
 #: Our option keys and what they mean (used in error messages, so keep the text short).

@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
+from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
-from .kept_logits import kept_logits_cross_entropy
 from .mutations import effect
 from .outputs import LogitsOutput, OutputFixup
 from .patterns import meta_value
@@ -137,7 +137,7 @@ def flce_kept_logits_loss(
     logit_scale: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The graph-side call of the kept-logits loss (see ``kept_logits``)."""
+    """The graph-side call of the kept-logits loss (see ``flce_compile.kept_logits``)."""
     loss = kept_logits_cross_entropy(
         logits, target, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,

@@ -7,14 +7,20 @@ math is fp32 (fp64 for fp64 logits).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..params import LossParams, math_dtype
 from .ce_common import CEStepArgs
 
+if TYPE_CHECKING:
+    from ..plan.config import FLCEConfig
 
-def ce_step_torch(args: CEStepArgs, p: LossParams) -> None:
-    """Run the CE step of one chunk with torch ops (see ``CEStepArgs`` for the contract)."""
+
+def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = None) -> None:  # noqa: ARG001
+    """Run the CE step of one chunk with torch ops (see ``CEStepArgs`` for the contract). ``config`` is the
+    registry's step signature; this step has no launch parameters to read from it."""
     args.check_slice()
     logits, target = args.logits, args.target
     columns, vocab, offset = logits.shape[1], args.classes(), args.class_offset

@@ -7,8 +7,8 @@ import os
 import torch
 import triton
 
-from ..config import FLCEConfig
 from ..params import LossParams
+from ..plan.config import FLCEConfig
 from .ce_common import CEStepArgs
 
 

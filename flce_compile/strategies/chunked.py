@@ -17,12 +17,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..config import FLCEConfig
-from ..layout import padded_row_elements
 from ..log import logger
 from ..params import LossParams, math_dtype
+from ..plan import registry
+from ..plan.config import FLCEConfig
+from ..plan.layout import padded_row_elements
 from .ce_common import CEStepArgs
-from .ce_torch import ce_step_torch
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -53,11 +53,8 @@ class GradRequest:
 
 
 def _ce_step(config: FLCEConfig) -> Callable[[CEStepArgs, LossParams], None]:
-    if config.strategy == "triton":
-        from .ce_triton import ce_step_triton
-
-        return functools.partial(ce_step_triton, config=config)
-    return ce_step_torch
+    """The CE step of ``config``'s strategy (its registry entry), with the config's launch parameters bound."""
+    return functools.partial(registry.get(config.strategy).step(), config=config)
 
 
 @functools.lru_cache(maxsize=64)
@@ -318,10 +315,8 @@ def _run_chunks(
     vocab = weight.shape[0]
     device = x.device
     ce_step = _ce_step(config)
-    weight_sum = (
-        ce_weight.sum() if ce_weight is not None
-        else torch.full((), float(vocab), dtype=math_dtype(x.dtype), device=device)
-    )
+    step_rows = _StepRows(target, ce_weight, _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device), ce_scale,
+                          z_scale, loss_rows, lse_rows, lse_in)
     chunk = max(1, min(config.chunk_tokens, n))
     overlap = _stream_overlap(config, device, grads)
     row_stride = padded_row_elements(vocab, x.element_size())
@@ -363,19 +358,8 @@ def _run_chunks(
                 if logits_out is not None and not direct:
                     logits_out[rows].copy_(logits[:, :vocab])
                 ce_step(
-                    CEStepArgs(
-                        logits=logits[:, :vocab],
-                        target=target[rows],
-                        ce_weight=ce_weight,
-                        weight_sum=weight_sum,
-                        ce_scale=ce_scale[rows] if ce_scale.dim() else ce_scale,
-                        z_scale=z_scale[rows] if z_scale.dim() else z_scale,
-                        loss_out=loss_rows[rows] if loss_rows is not None else None,
-                        lse_out=lse_rows[rows] if lse_rows is not None else None,
-                        lse_in=lse_in[rows] if lse_in is not None else None,
-                        write_grad=grads.any,
-                        grad_out=grad[:, :vocab] if direct and grads.any else None,
-                    ),
+                    step_rows.chunk(logits[:, :vocab], rows, write_grad=grads.any,
+                                    grad_out=grad[:, :vocab] if direct and grads.any else None),
                     p,
                 )
                 if not grads.any:
@@ -390,6 +374,47 @@ def _run_chunks(
     dw = dw_acc.result(vocab) if dw_acc is not None else None
     db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
+
+
+def _weight_sum(ce_weight: torch.Tensor | None, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The CE step's ``weight_sum``: the sum of the class weights, or V without them (0-dim, ``dtype``)."""
+    return ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), dtype=dtype, device=device)
+
+
+def _rows_of(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """A per-row tensor's ``rows``; a 0-dim factor (one for all rows) or None as it is."""
+    return t[rows] if t is not None and t.dim() else t
+
+
+@dataclass(frozen=True)
+class _StepRows:
+    """What the CE step reads and writes per row, over all N rows of a call (see ``CEStepArgs``): ``chunk``
+    cuts one chunk's step arguments out of it. Shared by the chunk loop and the loss over kept logits."""
+
+    target: torch.Tensor
+    ce_weight: torch.Tensor | None
+    weight_sum: torch.Tensor
+    ce_scale: torch.Tensor
+    z_scale: torch.Tensor
+    loss_rows: torch.Tensor | None = None
+    lse_rows: torch.Tensor | None = None
+    lse_in: torch.Tensor | None = None
+
+    def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
+              grad_out: torch.Tensor | None = None) -> CEStepArgs:
+        return CEStepArgs(
+            logits=logits,
+            target=self.target[rows],
+            ce_weight=self.ce_weight,
+            weight_sum=self.weight_sum,
+            ce_scale=_rows_of(self.ce_scale, rows),
+            z_scale=_rows_of(self.z_scale, rows),
+            loss_out=_rows_of(self.loss_rows, rows),
+            lse_out=_rows_of(self.lse_rows, rows),
+            lse_in=_rows_of(self.lse_in, rows),
+            write_grad=write_grad,
+            grad_out=grad_out,
+        )
 
 
 def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -445,11 +470,18 @@ def fused_forward(
     )
     if per_token:
         return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
-    loss = loss_rows.sum() * scales.post  # exact: a power of two
+    return ForwardResult(_reduced_loss(loss_rows, ce_scale, scales, p), lse_rows, dx, dw, db, logits, scales.post)
+
+
+def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: GradientScales,
+                  p: LossParams) -> torch.Tensor:
+    """The mean/sum loss from rows formed with ``scales.ce``/``scales.z``: their sum times ``scales.post``
+    (exact: a power of two). An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and
+    so is ours."""
+    loss = loss_rows.sum() * scales.post
     if p.reduction == "mean":
-        # An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and so is ours.
         loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
-    return ForwardResult(loss, lse_rows, dx, dw, db, logits, scales.post)
+    return loss
 
 
 def fused_backward_per_token(

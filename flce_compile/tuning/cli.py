@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from ..plan import registry
 from .studies import DEFAULT_KEEP as DEFAULT_KEEP_STUDIES  # stdlib only: --help stays free of Optuna
 
 #: The (V, H) pairs shipped in tuning_db/, most important first (a time-limited run covers the head).
@@ -119,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--tokens", type=int, nargs="+",
                       help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="input dtype (default bf16; also a filter for --list/--show)")
-    what.add_argument("--strategies", nargs="+", choices=("torch", "triton"), help="strategies to search (default all)")
+    what.add_argument("--strategies", nargs="+", choices=registry.names(),
+                      help="strategies to search (default all): " + "; ".join(
+                          f"{s.name}: {s.summary}" for s in map(registry.get, registry.names())))
     how = p.add_argument_group("how long / how much")
     how.add_argument("--trials", type=int, help="measured trials per study (default 40, 8 with --shipped-set)")
     how.add_argument("--budget-gb", type=float, help="memory budget for the op (GiB, predicted and measured peak)")
@@ -534,7 +537,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
               "(--list, --show and --export work without a GPU.)", file=sys.stderr)
         return 2
 
-    from ..config import heuristic_config  # noqa: PLC0415
+    from ..plan.choose import heuristic_config  # noqa: PLC0415
     from . import db  # noqa: PLC0415
     from .measure import Problem, make_objective  # noqa: PLC0415
     from .search import MEMORY_GAIN_MARGIN, run_search  # noqa: PLC0415

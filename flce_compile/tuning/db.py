@@ -1,236 +1,58 @@
-"""The tuning database: measured best configs per (GPU kind, V, H, dtype, token bucket), stored as JSON.
+"""The tuning database, write side (``flce-tune``): merging entries into a file under a lock, atomically, and
+exporting the shipped layout. Reading, lookup and the file format live in ``flce_compile.plan.tuning_db``,
+which the op reads; its public names are re-exported here, so this module is the whole database for the tuner.
 
-Why a database: the best chunk size and CE-kernel launch parameters depend on the GPU and on the problem
-shape, and measuring them costs minutes, so they are measured once (``flce-tune``) and looked up at run time.
-
-Files. Every file has the same format (``FORMAT``, ``SCHEMA_VERSION``, a list of entries)::
-
-    {"format": "flce_compile.tuning_db", "schema_version": 1,
-     "entries": [{"device": ..., "vocab": ..., "hidden": ..., "dtype": ..., "tokens": ...,
-                  "config": {...FLCEConfig...}, "ms": ..., "peak_gb": ..., "default_ms": ..., ...}, ...]}
-
-  (the fields are those of ``Entry``; ``tuning_db/README.md`` describes each one).
-
-* Shipped files: ``tuning_db/<gpu kind>.json`` at the repository top level (one file per GPU kind); in a built
-  wheel they are package data under ``flce_compile/tuning_db/``.
-* The user file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json`` (any number of GPU kinds);
-  its entries override shipped ones.
-
-Lookup (``lookup``) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
-dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic). It sits on the op's hot
-path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The loaded index is
-re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime, size and inode),
-so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at once (tests,
-and automatically after ``write_entries``).
-
-Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored until it
-changes; the other files still answer. Without a home directory (and no ``$FLCE_TUNING_DB``) there is no user
-layer. ``lookup`` never raises. Writes take a file lock and replace the file atomically (``atomic``), so
-several tuners can write at once and a killed one leaves no partial file.
+Writes take a file lock and replace the file atomically (``atomic``), so several tuners can write at once and a
+killed one leaves no partial file.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
-import math
 import os
-import re
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
-from ..config import FLCEConfig
 from ..log import logger
+from ..plan.tuning_db import (
+    ENV_SHIPPED_DIR,
+    ENV_USER_DB,
+    FORMAT,
+    MATCH_KINDS,
+    MAX_SHAPE_DISTANCE,
+    RESCALE_TOLERANCE,
+    SCHEMA_VERSION,
+    DBCorruptError,
+    DBFileError,
+    Entry,
+    Match,
+    device_key,
+    find_match,
+    invalidate_cache,
+    load_entries,
+    lookup,
+    normalize_device_name,
+    normalize_dtype,
+    parse_file,
+    read_file,
+    shipped_dirs,
+    shipped_files,
+    token_bucket,
+    torch_dtype,
+    user_db_path,
+)
 from . import atomic
 
-#: The value of the "format" key; a JSON file without it is foreign and ignored.
-FORMAT = "flce_compile.tuning_db"
-#: Bump when an existing reader could misread new files. Files with a larger version are ignored (with a
-#: warning) and never overwritten.
-SCHEMA_VERSION = 1
-#: Environment variable naming the user database file.
-ENV_USER_DB = "FLCE_TUNING_DB"
-#: Environment variable naming a directory of shipped-format files used *instead of* the packaged ones
-#: (development and tests).
-ENV_SHIPPED_DIR = "FLCE_TUNING_DB_SHIPPED"
-#: A borrowed config's chunk may hold this much more logits memory (relative) than the measured one, so a
-#: vocab a few percent larger does not drop the chunk a whole grid step.
-RESCALE_TOLERANCE = 0.05
-#: Entries whose (V, H) are further than this from the query (sum of |ln ratio| of V and H, plus dtype and
-#: token terms) are not borrowed by the nearest-shape fallback; the heuristic is safer than a far-off config.
-MAX_SHAPE_DISTANCE = 1.5
-
-_DTYPE_NAMES: dict[str, str] = {
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-}
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# ----------------------------------------------------------------------------------------------------------
-# Normalisation helpers
-# ----------------------------------------------------------------------------------------------------------
-
-#: Words in a GPU name that say nothing about its speed class (vendor, form factor, memory size).
-_NOISE_TOKENS = re.compile(
-    r"^(nvidia|geforce|tesla|quadro|amd|instinct|radeon|graphics|sxm\d*|pcie|nvl|oam|hbm\d*e?|\d+(gb|g)|"
-    r"accelerator|gpu|pro|max-?q|cuda|device|generation|gen)$"
-)
-
-
-def normalize_device_name(name: str) -> str:
-    """Map a GPU name to its kind key: every H200 variant to "h200", every H100 to "h100", and so on.
-
-    "NVIDIA H200", "NVIDIA H200 NVL" and "H200 SXM 141GB" are one kind for tuning purposes; the vendor,
-    form factor and memory size are dropped. A MIG slice keeps a "_mig" suffix because it is much smaller than
-    the whole GPU. Unknown names keep their remaining words joined by "_" (e.g. "rtx_4090").
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"device name {name!r} must be a non-empty string such as 'NVIDIA H200'")
-    words = re.split(r"[^a-z0-9]+", name.lower())
-    words = [w for w in words if w]
-    mig = False
-    if "mig" in words:  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb": the slice is what runs
-        words = words[: words.index("mig")]
-        mig = True
-    kept = [w for w in words if not _NOISE_TOKENS.match(w)]
-    if not kept:
-        kept = words or ["unknown"]
-    # A model token such as h200, a100, a10g, l40s, mi300x, gh200, b200 names the kind on its own.
-    model = next((w for w in kept if re.fullmatch(r"[a-z]{1,3}\d{1,4}[a-z]?", w)), None)
-    key = model if model is not None else "_".join(kept)
-    return key + "_mig" if mig else key
-
-
-def normalize_dtype(dtype: torch.dtype | str) -> str:
-    """Map torch.bfloat16 / "bfloat16" / "bf16" to the DB's short name ("bf16", "fp16" or "fp32")."""
-    name = _DTYPE_NAMES.get(str(dtype).lower())
-    if name is None:
-        raise ValueError(f"dtype={dtype!r} is not tunable; use one of bf16, fp16, fp32")
-    return name
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a DB dtype name ("bf16" -> torch.bfloat16)."""
-    return _TORCH_DTYPES[normalize_dtype(name)]
-
-
-def token_bucket(tokens: int) -> int:
-    """The power of two nearest to ``tokens`` in log scale (ties go up); entries are stored per bucket."""
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise ValueError(f"tokens={tokens!r} must be a positive int")
-    low = 1 << (tokens.bit_length() - 1)
-    if low == tokens:
-        return tokens
-    high = low * 2
-    return high if math.log2(tokens) - math.log2(low) >= 0.5 else low
-
-
-_device_key_cache: dict[Any, str] = {}
-
-
-def device_key(device: torch.device | str | int | None) -> str:
-    """The GPU kind key for a torch device, a CUDA index, or a GPU name (memoised; cheap after the first call)."""
-    cached = _device_key_cache.get(device)
-    if cached is not None:
-        return cached
-    if isinstance(device, str) and not re.fullmatch(r"(cuda|cpu)(:\d+)?", device):
-        key = normalize_device_name(device)  # already a name such as "NVIDIA H200" or "h200"
-    else:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        if dev.type != "cuda":
-            key = "cpu"
-        else:
-            key = normalize_device_name(torch.cuda.get_device_name(dev))
-    _device_key_cache[device] = key
-    return key
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Entries and files
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One measured result: the best config for (device, V, H, dtype, token bucket) and what it was worth."""
-
-    device: str
-    vocab: int
-    hidden: int
-    dtype: str
-    tokens: int
-    config: FLCEConfig
-    ms: float
-    peak_gb: float | None = None
-    default_ms: float | None = None
-    default_peak_gb: float | None = None
-    trials: int = 0
-    torch: str | None = None
-    triton: str | None = None
-    date: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple[str, int, int, str, int]:
-        return (self.device, self.vocab, self.hidden, self.dtype, self.tokens)
-
-    @property
-    def speedup(self) -> float | None:
-        """default_ms / ms, or None when the default was not measured."""
-        if self.default_ms is None or not self.ms:
-            return None
-        return self.default_ms / self.ms
-
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "device": self.device, "vocab": self.vocab, "hidden": self.hidden, "dtype": self.dtype,
-            "tokens": self.tokens, "config": self.config.to_dict(), "ms": self.ms, "peak_gb": self.peak_gb,
-            "default_ms": self.default_ms, "default_peak_gb": self.default_peak_gb, "trials": self.trials,
-            "torch": self.torch, "triton": self.triton, "date": self.date,
-        }
-        data.update({k: v for k, v in self.extra.items() if k not in data})
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Entry":
-        """Parse one entry; raises ValueError/KeyError/TypeError/OverflowError on a malformed one (callers
-        skip it)."""
-        known = {"device", "vocab", "hidden", "dtype", "tokens", "config", "ms", "peak_gb", "default_ms",
-                 "default_peak_gb", "trials", "torch", "triton", "date"}
-        ms = float(data["ms"])
-        if not math.isfinite(ms) or ms <= 0:
-            raise ValueError(f"ms={data['ms']!r} must be a positive number")
-        vocab, hidden, tokens = int(data["vocab"]), int(data["hidden"]), int(data["tokens"])
-        if min(vocab, hidden, tokens) < 1:
-            raise ValueError("vocab, hidden and tokens must be positive")
-        return cls(
-            device=normalize_device_name(str(data["device"])),
-            vocab=vocab,
-            hidden=hidden,
-            dtype=normalize_dtype(data["dtype"]),
-            tokens=token_bucket(tokens),
-            config=FLCEConfig.from_dict(data["config"]),
-            ms=ms,
-            peak_gb=_opt_float(data.get("peak_gb")),
-            default_ms=_opt_float(data.get("default_ms")),
-            default_peak_gb=_opt_float(data.get("default_peak_gb")),
-            trials=int(data.get("trials") or 0),
-            torch=data.get("torch"),
-            triton=data.get("triton"),
-            date=data.get("date"),
-            extra={k: v for k, v in data.items() if k not in known},
-        )
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+__all__ = [  # the read side's public names, then the writer's
+    "ENV_SHIPPED_DIR", "ENV_USER_DB", "FORMAT", "MATCH_KINDS", "MAX_SHAPE_DISTANCE", "RESCALE_TOLERANCE",
+    "SCHEMA_VERSION", "DBCorruptError", "DBFileError", "Entry", "Match", "device_key", "find_match",
+    "invalidate_cache", "load_entries", "lookup", "normalize_device_name", "normalize_dtype", "parse_file",
+    "read_file", "shipped_dirs", "shipped_files", "token_bucket", "torch_dtype", "user_db_path",
+    "export_shipped", "now_iso", "versions", "write_entries",
+]
 
 
 def versions() -> dict[str, str | None]:
@@ -248,374 +70,17 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-class DBFileError(ValueError):
-    """A database file that cannot be used: unreadable, corrupt, foreign or of a newer schema."""
-
-
-class DBCorruptError(DBFileError):
-    """A database file whose bytes are not strict JSON (bad UTF-8, ``NaN``/``Infinity``, too deep, truncated):
-    the writer moves it aside instead of refusing to overwrite it, as it does for a foreign file."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _parse_json(path: Path, raw: bytes) -> Any:
-    """Strict JSON from a file's bytes; raises DBCorruptError for anything a strict JSON reader would refuse."""
-    fix = "delete it or fix it (flce-tune moves a corrupt user DB aside on its next write)"
-    try:
-        # Python's json accepts NaN/Infinity; other tools do not, and an infinite time is no measurement.
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError as exc:
-        raise DBCorruptError(f"tuning DB file {path} is not UTF-8 ({exc}); {fix}") from exc
-    except RecursionError as exc:  # json's C scanner recurses per nesting level
-        raise DBCorruptError(f"tuning DB file {path} nests too deep to be a tuning DB; {fix}") from exc
-    except ValueError as exc:
-        raise DBCorruptError(f"tuning DB file {path} is not valid JSON ({exc}); {fix}") from exc
-
-
-def _parse_file(path: Path) -> tuple[list[Entry], list[str]]:
-    """Read one file; returns its valid entries and a list of per-entry problems. Raises DBFileError, or
-    FileNotFoundError for a missing file."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise DBFileError(f"cannot read tuning DB file {path}: {exc}") from exc
-    data = _parse_json(path, raw)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise DBFileError(f"{path} is not an flce_compile tuning DB (no \"format\": \"{FORMAT}\"); ignored")
-    version = data.get("schema_version")
-    if not isinstance(version, int) or version < 1:
-        raise DBFileError(f"tuning DB file {path} has an invalid schema_version={version!r}")
-    if version > SCHEMA_VERSION:
-        raise DBFileError(
-            f"tuning DB file {path} has schema_version={version}, newer than this flce_compile understands "
-            f"({SCHEMA_VERSION}); upgrade flce_compile or point {ENV_USER_DB} elsewhere"
-        )
-    raw_entries = data.get("entries")
-    if not isinstance(raw_entries, list):
-        raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
-    entries: list[Entry] = []
-    problems: list[str] = []
-    for i, item in enumerate(raw_entries):
-        try:
-            if not isinstance(item, Mapping):
-                raise TypeError("entry is not an object")
-            entries.append(Entry.from_dict(item))
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
-            problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
-    return entries, problems
-
-
-def read_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[Entry]:
-    """Entries of one file. A missing file is empty. A bad file raises DBFileError if ``strict``, else it is
-    reported once through the logger and read as empty."""
-    p = Path(path)
-    try:
-        entries, problems = _parse_file(p)
-    except FileNotFoundError:
-        return []
-    except DBFileError as exc:
-        if strict:
-            raise
-        _warn_once(str(p), str(exc))
-        return []
-    if problems:
-        _warn_once(str(p), f"tuning DB file {p}: skipped {len(problems)} malformed entries ({problems[0]})")
-    return entries
-
-
 def _dump(entries: Iterable[Entry]) -> str:
     ordered = sorted(entries, key=lambda e: e.key)
     payload = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "entries": [e.to_dict() for e in ordered]}
     return json.dumps(payload, indent=1, sort_keys=False) + "\n"
 
 
-_warned: set[tuple[str, str]] = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_once(path: str, message: str) -> None:
-    with _warn_lock:
-        if (path, message) in _warned:
-            return
-        _warned.add((path, message))
-    logger.warning("%s", message)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Locations
-# ----------------------------------------------------------------------------------------------------------
-
-
-def user_db_path() -> Path | None:
-    """The user database file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json``.
-
-    ``None`` when neither names a file: no ``$FLCE_TUNING_DB`` and no home directory (a container running as
-    an arbitrary UID has no ``$HOME`` and no passwd entry). Lookups then use the shipped files alone.
-    """
-    env = os.environ.get(ENV_USER_DB)
-    try:
-        if env:
-            return Path(env).expanduser()
-        return Path.home() / ".cache" / "flce_compile" / "tuning_db.json"
-    except (RuntimeError, KeyError, OSError):  # Path.home/expanduser: RuntimeError (3.11), KeyError (older)
-        return None
-
-
-def shipped_dirs(package_dir: Path | None = None) -> list[Path]:
-    """Directories holding the shipped ``<gpu kind>.json`` files.
-
-    ``$FLCE_TUNING_DB_SHIPPED`` if set; else ``flce_compile/tuning_db/`` when it exists (an installed wheel,
-    where it is package data); else the repository's top-level ``tuning_db/`` (a source checkout or an
-    editable install, where that directory is the source of truth). ``package_dir`` (the ``flce_compile``
-    directory; default: this installation's) is for tests of an installed layout.
-    """
-    env = os.environ.get(ENV_SHIPPED_DIR)
-    if env and package_dir is None:
-        return [Path(env).expanduser()]
-    package_dir = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
-    packaged = package_dir / "tuning_db"
-    if packaged.is_dir():
-        return [packaged]
-    repo = package_dir.parent
-    top = repo / "tuning_db"
-    if top.is_dir() and ((repo / "pyproject.toml").exists() or (repo / ".git").exists()):
-        return [top]
-    return []
-
-
-def shipped_files() -> list[Path]:
-    """The shipped JSON files, sorted by name."""
-    files: list[Path] = []
-    for d in shipped_dirs():
-        files.extend(sorted(p for p in d.glob("*.json") if p.is_file()))
-    return files
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The loaded, indexed database and lookup
-# ----------------------------------------------------------------------------------------------------------
-
-_Key = tuple[str, int, int, str, int]
-
-
-#: A loaded index is re-validated (both environment variables, and the user file's mtime, size and inode) at
-#: most this often. Measured on the 2-core CI box (min of 7 x 20000 calls): a cached lookup 1.0-1.3 us with
-#: this throttle, 16-34 us re-validating on every call (os.stat alone 2.6 us, the environment reads 2.4 us;
-#: time.monotonic 0.06 us), and os.stat on a network home directory can take milliseconds. A second is soon
-#: enough to notice a DB that another process (flce-tune beside a training job) rewrote; ``invalidate_cache``
-#: makes it immediate.
-RECHECK_S = 1.0
-_clock = time.monotonic  # a module attribute so tests can move time forward
-
-#: How a lookup answered, most specific first (``Match.kind``); no match means the heuristic.
-MATCH_KINDS = ("user exact", "shipped exact", "nearest bucket", "nearest shape")
-
-
-@dataclass(frozen=True)
-class Match:
-    """What a lookup found: the config to run, where it came from and the entry it was taken from."""
-
-    config: FLCEConfig
-    #: The op's source string ("tuning_db:user_exact", ...), shown in the debug log and by explain().
-    source: str
-    #: One of MATCH_KINDS.
-    kind: str
-    #: The entry the config comes from; a nearest-shape answer rescales its chunk, so ``config`` may differ.
-    entry: Entry
-
-
-class _Index:
-    """Both layers (user, shipped) indexed for dict lookups, per-device lists for the fallbacks, and the
-    memoised answers (misses included) for exactly this content."""
-
-    def __init__(self, user: list[Entry], shipped: list[Entry], signature: tuple[Any, ...]) -> None:
-        self.user: dict[_Key, Entry] = {e.key: e for e in user}
-        self.shipped: dict[_Key, Entry] = {e.key: e for e in shipped}
-        merged = dict(self.shipped)
-        merged.update(self.user)  # user overrides shipped
-        self.merged = merged
-        self.by_device: dict[str, list[tuple[Entry, str]]] = {}
-        for key, entry in merged.items():
-            layer = "user" if key in self.user else "shipped"
-            self.by_device.setdefault(entry.device, []).append((entry, layer))
-        self.signature = signature
-        self.recheck_at = _clock() + RECHECK_S
-        # The memo belongs to the index: a reload starts an empty one, so no stale answer can outlive its file.
-        self.memo: dict[tuple[Any, ...], Match | None] = {}
-
-
-_state_lock = threading.Lock()
-_index: _Index | None = None
-_MISS = object()
-
-
-def invalidate_cache() -> None:
-    """Forget the loaded files and memoised answers; the next lookup re-reads the files.
-
-    Called by ``write_entries``. Lookups notice a changed environment variable or user file by themselves
-    within ``RECHECK_S``; call this to make that immediate (tests, a DB edited by hand in a running process).
-    """
-    global _index
-    with _state_lock:
-        _index = None
-        _device_key_cache.clear()
-
-
-def _signature() -> tuple[Any, ...]:
-    """What decides the loaded content: both environment variables, and the user file's identity (mtime,
-    size, inode: a rewrite by another process renames a new inode into place)."""
-    path = user_db_path()
-    try:
-        st = os.stat(path) if path is not None else None
-    except OSError:
-        st = None
-    ident = None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino)
-    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR), path, ident)
-
-
-def _read_layer(paths: Iterable[Path]) -> list[Entry]:
-    entries: list[Entry] = []
-    for path in paths:
-        try:
-            entries.extend(read_file(path))
-        except Exception as exc:  # noqa: BLE001 - an unforeseen failure of one file must not hide the others
-            _warn_once(str(path), f"tuning DB file {path} could not be read ({type(exc).__name__}: {exc}); ignored")
-    return entries
-
-
-def _get_index() -> _Index:
-    """The loaded index; cheap (one clock read) until ``RECHECK_S`` has passed since it was last validated."""
-    global _index
-    index = _index
-    if index is not None and _clock() < index.recheck_at:
-        return index
-    sig = _signature()
-    with _state_lock:
-        if _index is not None and _index.signature == sig:
-            _index.recheck_at = _clock() + RECHECK_S
-            return _index
-        user_path = sig[2]  # None: no home directory and no $FLCE_TUNING_DB, so no user layer
-        shipped = _read_layer(shipped_files())
-        user = _read_layer([user_path] if user_path is not None else [])
-        _index = _Index(user, shipped, sig)
-        logger.debug("tuning DB loaded: %d user entries (%s), %d shipped entries", len(user),
-                     user_path or "no user DB: no home directory and no $" + ENV_USER_DB, len(shipped))
-        return _index
-
-
-def load_entries(*, layer: str = "merged") -> list[Entry]:
-    """All loaded entries of one layer: "user", "shipped" or "merged" (user overriding shipped)."""
-    index = _get_index()
-    table = {"user": index.user, "shipped": index.shipped, "merged": index.merged}.get(layer)
-    if table is None:
-        raise ValueError(f"layer={layer!r} is unknown; use 'user', 'shipped' or 'merged'")
-    return sorted(table.values(), key=lambda e: e.key)
-
-
-def _chunk_grid_floor(limit: float) -> int:
-    """The largest chunk of the tuner's grid (powers of two and the 1.5x steps between them) not above ``limit``."""
-    low = 1 << (max(1, int(limit)).bit_length() - 1)
-    return 3 * low // 2 if low >= 2 and 3 * low // 2 <= limit else low
-
-
-def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCEConfig:
-    """Keep a borrowed config's logits chunk (chunk_tokens x V) about the same size at another vocab: the
-    largest grid chunk whose logits are at most ``RESCALE_TOLERANCE`` larger than the measured ones."""
-    if from_vocab == to_vocab:
-        return config
-    chunk = _chunk_grid_floor(config.chunk_tokens * from_vocab / to_vocab * (1 + RESCALE_TOLERANCE))
-    return config if chunk == config.chunk_tokens else dataclasses.replace(config, chunk_tokens=chunk)
-
-
-def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
-    key = (dev, vocab, hidden, dtype, bucket)
-    entry = index.user.get(key)
-    if entry is not None:
-        return Match(entry.config, "tuning_db:user_exact", "user exact", entry)
-    entry = index.shipped.get(key)
-    if entry is not None:
-        return Match(entry.config, "tuning_db:shipped_exact", "shipped exact", entry)
-    candidates = index.by_device.get(dev, [])
-    log_bucket = math.log2(bucket)
-    # Nearest token bucket, same (V, H, dtype); the user layer wins ties.
-    same_shape = [(e, layer) for e, layer in candidates if (e.vocab, e.hidden, e.dtype) == (vocab, hidden, dtype)]
-    if same_shape:
-        e, layer = min(same_shape, key=lambda el: (abs(math.log2(el[0].tokens) - log_bucket), el[1] != "user", el[0].tokens))
-        return Match(e.config, f"tuning_db:nearest_tokens({layer} tokens={e.tokens})", "nearest bucket", e)
-    # Nearest (V, H) on the same GPU: log-ratio distance, a dtype penalty (same itemsize only), a small token term.
-    best: tuple[float, Entry, str] | None = None
-    for e, layer in candidates:
-        if _TORCH_DTYPES[e.dtype].itemsize != _TORCH_DTYPES[dtype].itemsize:
-            continue
-        dist = (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden))
-                + (0.0 if e.dtype == dtype else 0.5) + 0.05 * abs(math.log2(e.tokens) - log_bucket)
-                + (0.0 if layer == "user" else 1e-9))
-        if best is None or dist < best[0]:
-            best = (dist, e, layer)
-    if best is not None and best[0] <= MAX_SHAPE_DISTANCE:
-        _, e, layer = best
-        source = f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
-        return Match(_rescale_chunk(e.config, e.vocab, vocab), source, "nearest shape", e)
-    return None
-
-
-def find_match(
-    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
-) -> Match | None:
-    """``lookup``'s answer with the entry it came from (``which_config`` reports it); ``None``: the heuristic.
-
-    Same rules, same cache and the same guarantee as ``lookup``: never raises.
-    """
-    try:
-        index = _get_index()
-        bucket = token_bucket(int(tokens))
-        memo_key = (device, vocab, hidden, dtype, bucket)
-        hit = index.memo.get(memo_key, _MISS)
-        if hit is not _MISS:
-            return hit  # type: ignore[return-value]
-        dev = device_key(device)
-        match = _lookup_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket)
-        if match is None:
-            logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
-        else:
-            logger.debug("tuning DB: %s V=%d H=%d %s tokens=%d -> %s %s", dev, vocab, hidden, dtype, tokens,
-                         match.source, match.config.to_json())
-        index.memo[memo_key] = match  # misses too: a shape without an entry is asked again on every call
-        return match
-    except Exception as exc:  # noqa: BLE001 - the DB must never break the op
-        _warn_once("lookup", f"tuning DB lookup failed ({type(exc).__name__}: {exc}); using the heuristic")
-        return None
-
-
-def lookup(
-    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
-) -> tuple[FLCEConfig, str] | None:
-    """The tuned config for this problem, and where it came from; ``None`` means "use the heuristic".
-
-    ``device`` is a torch device, a CUDA index, or a GPU name ("NVIDIA H200", "h200"). Order: user exact ->
-    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> None. The source string
-    ("tuning_db:user_exact", ...) is also logged at debug level. Never raises: a problem is logged once and
-    answered with None, so a bad DB can never break a training run.
-    """
-    match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device)
-    return None if match is None else (match.config, match.source)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------------------------------------
-
-
 def _entries_to_keep(path: Path) -> list[Entry]:
     """The entries of the file a write merges into. A corrupt file (DBCorruptError) is moved aside to
     ``<path>.corrupt`` with a warning; a foreign, newer-schema or unreadable one is never overwritten."""
     try:
-        old, problems = _parse_file(path)
+        old, problems = parse_file(path)
     except FileNotFoundError:
         return []
     except DBCorruptError as exc:

@@ -8,7 +8,7 @@ Why each step:
   (one pair per run), median. Gradients are reset outside the timed region.
 * Peak memory: ``torch.cuda.max_memory_allocated`` over one fwd+bwd, minus what was allocated before it
   (inputs, reference results) and minus the returned dX and dW: the same quantity the op's sympy bound
-  (``flce_compile.memory.peak_bytes``) describes, so the two can be compared. That run comes after one
+  (``flce_compile.plan.memory.peak_bytes``) describes, so the two can be compared. That run comes after one
   warm-up run, so one-time allocations (cuBLAS workspaces, a side stream's workspace, Triton compilation)
   are not charged to the config that happens to run first; garbage is collected before it and the collector
   is off during it, so memory freed by an unrelated collection cannot hide the run's allocations.
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..config import FLCEConfig
+from ..plan.config import FLCEConfig
 from ..log import logger
 from .search import Objective, TrialRejected
 
@@ -43,10 +43,8 @@ TOLERANCES: dict[torch.dtype, tuple[float, float, float]] = {
 
 def default_op() -> Op:
     """The package's fused op, imported lazily (the op module may load Triton)."""
-    try:
-        from ..api import fused_linear_cross_entropy  # noqa: PLC0415
-    except ImportError:
-        from .. import fused_linear_cross_entropy  # type: ignore[attr-defined]  # noqa: PLC0415
+    from ..api import fused_linear_cross_entropy  # noqa: PLC0415
+
     return fused_linear_cross_entropy
 
 
@@ -226,7 +224,7 @@ def make_objective(
                 gc.enable()
         if memory is None:
             return loss, 0, elapsed_ms
-        # Same definition as flce_compile.memory.peak_bytes: above the inputs and the returned gradients.
+        # Same definition as flce_compile.plan.memory.peak_bytes: above the inputs and the returned gradients.
         peak = memory.max_allocated() - before - _grad_bytes(x, w)
         if peak < 0:
             logger.warning("measured peak %.3f GiB is negative for %s (memory was freed during the run); "

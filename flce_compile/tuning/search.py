@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..config import FLCEConfig
+from ..plan.config import FLCEConfig
 from ..log import logger
 from .space import SearchSpace
 

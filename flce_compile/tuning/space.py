@@ -1,33 +1,30 @@
 """The search space of the fused op's execution configs, and the rules that prune illegal ones before they run.
 
-Why its own module: the space decides which parameters each strategy actually reads (a "torch" config has no
-CE kernel, so sampling block_v or num_warps for it would only waste trials), which values are legal for a
-problem (a chunk larger than the token count is pruned; a kernel block larger than the vocab is pruned), and
-which configs would exceed the memory budget according to the op's own memory bound. Nothing here touches a
+Why its own module: the space decides which parameters each strategy actually reads (its registry entry's
+``params``: a "torch" config has no CE kernel, so sampling block_v or num_warps for it would only waste trials),
+which values are legal for a problem (a chunk larger than the token count is pruned, and so is what the
+strategy's ``check`` rejects, such as a kernel block larger than the vocab), and which configs would exceed the
+memory budget according to the op's own memory bound. Nothing here touches a
 GPU or Optuna's study; ``search`` drives it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
-from ..config import STRATEGIES, FLCEConfig
-from ..layout import vocab_needs_padding
 from ..log import logger
-from ..memory import peak_bytes
+from ..plan import registry
+from ..plan.config import FLCEConfig
+from ..plan.layout import vocab_needs_padding
+from ..plan.memory import peak_bytes
 
-#: The FLCEConfig fields each strategy reads. Fields a strategy does not read are not sampled for it and are
-#: set to the base config's values, so two configs that run identically compare equal.
-STRATEGY_PARAMS: dict[str, tuple[str, ...]] = {
-    "torch": ("chunk_tokens", "dw_path", "streams", "pad_vocab"),
-    "triton": ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"),
-}
-#: The CE kernel holds block_v / (32 * num_warps) values per thread; more than this spills registers.
-MAX_ELEMENTS_PER_THREAD = 128
+#: The FLCEConfig fields a strategy may read (``Strategy.params``). Those a strategy does not read are not
+#: sampled for it and are set to the base config's values, so two configs that run identically compare equal.
+TUNABLE_FIELDS = tuple(f.name for f in dataclasses.fields(FLCEConfig) if f.name != "strategy")
 
 
 def _next_pow2(n: int) -> int:
@@ -49,7 +46,7 @@ def predicted_peak_bytes(
     config: FLCEConfig, tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
     accum_dtype: torch.dtype = torch.float32,
 ) -> int | None:
-    """The op's memory bound (``flce_compile.memory.peak_bytes``, sympy-derived: bytes above the inputs and the
+    """The op's memory bound (``flce_compile.plan.memory.peak_bytes``, sympy-derived: bytes above the inputs and the
     returned loss/gradients) for fwd+bwd with dX and dW, or None when evaluating the model fails (then only the
     measured peak is checked)."""
     global _warned_memory_model
@@ -57,7 +54,7 @@ def predicted_peak_bytes(
         return int(peak_bytes(config, tokens, vocab, hidden, dtype, accum_dtype, need_dw=True))
     except Exception as exc:  # noqa: BLE001 - a bug in the model must not stop tuning
         if not _warned_memory_model:
-            logger.warning("flce_compile.memory.peak_bytes failed (%s: %s); checking measured peaks only",
+            logger.warning("flce_compile.plan.memory.peak_bytes failed (%s: %s); checking measured peaks only",
                            type(exc).__name__, exc)
             _warned_memory_model = True
         return None
@@ -76,7 +73,7 @@ class SearchSpace:
     hidden: int
     dtype: torch.dtype = torch.bfloat16
     accum_dtype: torch.dtype = torch.float32
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = field(default_factory=registry.names)  # every registered strategy
     # Powers of two and the steps half-way between them: 1536-token chunks can fit a budget 2048 misses.
     chunk_tokens: tuple[int, ...] = tuple(sorted(set(_pow2_range(128, 32768)) | {3 * p // 2 for p in _pow2_range(256, 16384)}))
     block_v: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
@@ -93,9 +90,10 @@ class SearchSpace:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SearchSpace.{name}={value!r} must be a positive int")
-        unknown = set(self.strategies) - set(STRATEGIES)
+        unknown = set(self.strategies) - set(registry.names())
         if unknown or not self.strategies:
-            raise ValueError(f"SearchSpace.strategies={self.strategies!r}: use a non-empty subset of {STRATEGIES}")
+            raise ValueError(
+                f"SearchSpace.strategies={self.strategies!r}: use a non-empty subset of {registry.names()}")
         for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace.{name} is empty; give at least one candidate value")
@@ -135,7 +133,7 @@ class SearchSpace:
         for config in configs:
             if config is None or config.strategy not in self.strategies:
                 continue
-            for name in STRATEGY_PARAMS[config.strategy]:
+            for name in registry.get(config.strategy).params:
                 current = changes.get(name, getattr(self, name))
                 value = getattr(config, name)
                 if value not in current:
@@ -145,9 +143,9 @@ class SearchSpace:
     # -- configs <-> Optuna params ---------------------------------------------------------------------
     def canonical(self, config: FLCEConfig) -> FLCEConfig:
         """The config with the fields its strategy ignores set to the base config's values."""
-        used = STRATEGY_PARAMS[config.strategy]
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(FLCEConfig)}
-        for name in STRATEGY_PARAMS["triton"]:
+        used = registry.get(config.strategy).params
+        values = config.to_dict()
+        for name in TUNABLE_FIELDS:
             if name not in used:
                 values[name] = getattr(self.base, name)
         if not self.vocab_needs_padding():
@@ -157,7 +155,7 @@ class SearchSpace:
     def to_params(self, config: FLCEConfig) -> dict[str, Any]:
         """Optuna parameters that reproduce ``config`` (for ``study.enqueue_trial``)."""
         params: dict[str, Any] = {"strategy": config.strategy}
-        for name in STRATEGY_PARAMS[config.strategy]:
+        for name in registry.get(config.strategy).params:
             params[f"{config.strategy}.{name}"] = getattr(config, name)
         return params
 
@@ -167,7 +165,7 @@ class SearchSpace:
         strategy = trial.suggest_categorical("strategy", self.choices("strategy"))
         values = self.base.to_dict()
         values["strategy"] = strategy
-        for name in STRATEGY_PARAMS[strategy]:
+        for name in registry.get(strategy).params:
             values[name] = trial.suggest_categorical(f"{strategy}.{name}", self.choices(name))
         return self.canonical(FLCEConfig(**values))
 
@@ -187,16 +185,7 @@ class SearchSpace:
             return f"strategy {config.strategy!r} is not in this search ({self.strategies})"
         if config.chunk_tokens > _next_pow2(self.tokens):
             return f"chunk_tokens={config.chunk_tokens} > tokens={self.tokens}"
-        if config.strategy == "triton":
-            if config.block_v > _next_pow2(self.vocab):
-                return f"block_v={config.block_v} > vocab={self.vocab}"
-            threads = 32 * config.num_warps
-            if config.block_v < threads:
-                return f"block_v={config.block_v} < {threads} threads (num_warps={config.num_warps})"
-            if config.block_v // threads > MAX_ELEMENTS_PER_THREAD:
-                return (f"block_v={config.block_v} with num_warps={config.num_warps} holds "
-                        f"{config.block_v // threads} values per thread (> {MAX_ELEMENTS_PER_THREAD}, spills)")
-        return None
+        return registry.get(config.strategy).check(config, self.vocab)
 
     def predicted_bytes(self, config: FLCEConfig) -> int | None:
         """The op's memory bound for this config, or None if unknown."""
@@ -216,15 +205,16 @@ class SearchSpace:
         first: the padding switch where V needs it, larger chunks (fewer, larger GEMMs are the usual win over
         the memory-conservative default), the streams switch, a larger then a smaller CE block."""
         legal = self.legal_chunks()
+        blocks = self.choices("block_v") if "block_v" in registry.get(config.strategy).params else ()
         out: list[FLCEConfig] = []
         if len(self.choices("pad_vocab")) > 1:
             out.append(dataclasses.replace(config, pad_vocab=not config.pad_vocab))  # aligned GEMMs for odd V
         out += [dataclasses.replace(config, chunk_tokens=config.chunk_tokens * f) for f in (2, 4)]
         if len(self.choices("streams")) > 1:
             out.append(dataclasses.replace(config, streams=not config.streams))
-        if config.strategy == "triton" and config.block_v * 2 in self.choices("block_v"):
+        if blocks and config.block_v * 2 in blocks:
             out.append(dataclasses.replace(config, block_v=config.block_v * 2))
         out.append(dataclasses.replace(config, chunk_tokens=config.chunk_tokens * 8))
-        if config.strategy == "triton" and config.block_v // 2 in self.choices("block_v"):
+        if blocks and config.block_v // 2 in blocks:
             out.append(dataclasses.replace(config, block_v=config.block_v // 2))
         return [c for c in out if c.chunk_tokens in legal and self.check(c) is None]

@@ -2,7 +2,7 @@
 
 Why: the op picks its config silently at run time (tuning DB or heuristic); a user checking that their own
 tuning took effect, or what an H200 would run while on a CPU-only CI machine, needs the answer and its source
-without running the op. It asks ``config.choose_config_match``, the op's own path, so the two cannot disagree.
+without running the op. It asks ``plan.choose.choose_config_match``, the op's own path, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import FLCEConfig, choose_config_match
+from ..plan.choose import choose_config_match
+from ..plan.config import FLCEConfig
 from . import db
 
 #: ``ConfigChoice.source`` values, most specific first.

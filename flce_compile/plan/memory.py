@@ -11,6 +11,7 @@ import functools
 import sympy
 import torch
 
+from . import registry
 from .config import FLCEConfig
 from .layout import ROW_ALIGN_BYTES, vocab_needs_padding
 
@@ -19,7 +20,8 @@ BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
 #: 0/1 switches: dW wanted, bias gradient wanted, dW via a temporary (dw_path "mm_add").
 NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True, nonnegative=True)
-#: fp32 temporaries of one chunk that the pure-PyTorch CE step holds at once (0 for the Triton kernel).
+#: fp32 temporaries of one chunk that the strategy's CE step holds at once (``Strategy.fp32_temporaries``: 2 or 3
+#: for the pure-PyTorch step, 0 for the Triton kernel).
 K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 #: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
 BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
@@ -62,12 +64,6 @@ def peak_bytes_expr() -> sympy.Expr:
             + SLACK_BYTES)
 
 
-def torch_step_fp32_temporaries(softcap: bool) -> int:
-    """fp32 chunk-sized buffers the PyTorch CE step holds at its peak: z (then p, then g) and, with a
-    softcap, tanh(z) for the derivative; plus one for the weighted-sum or upcast dW operand."""
-    return 3 if softcap else 2
-
-
 def peak_bytes(
     config: FLCEConfig,
     num_tokens: int,
@@ -92,7 +88,7 @@ def peak_bytes(
         NEED_DW: int(need_dw),
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
-        K32: torch_step_fp32_temporaries(softcap) if config.strategy == "torch" else 0,
+        K32: registry.get(config.strategy).fp32_temporaries(softcap),
         BUFFERS: 2 if config.streams else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc),

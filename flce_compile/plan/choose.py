@@ -1,0 +1,171 @@
+"""The one place that picks the config of a call: the caller's forced fields over the tuning DB's answer, or
+the heuristic's.
+
+``resolve_config`` runs inside the op at run time with the real token count, so a varying token count never
+changes a traced graph. It sits on the op's hot path (host-bound at small shapes), so everything it derives
+from its arguments is memoised: the DB lookup by the DB itself (re-validated every second), the heuristic and
+the overlay of forced fields here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import torch
+
+from ..log import logger
+from . import registry, tuning_db
+from .config import FLCEConfig, Forced, forced_fields
+from .layout import vocab_needs_padding
+
+#: choose_config's source for fp64 on a GPU: the tuning DB holds bf16/fp16/fp32 entries only.
+FP64_SOURCE = "heuristic (the tuning DB holds no float64 entries)"
+#: choose_config's source on the CPU: the tuning DB is measured on GPUs, so a CPU call never reads it.
+CPU_SOURCE = "heuristic (the tuning DB holds GPU entries; CPU calls use the heuristic)"
+
+_ALL_FIELDS = len(dataclasses.fields(FLCEConfig))
+
+
+def resolve_config(
+    overrides: Mapping[str, Any] | None,
+    num_tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[FLCEConfig, str]:
+    """The config of one call: ``choose_config``'s pick with ``overrides`` (see ``config_overrides``) laid over
+    it, and its source."""
+    forced = tuple(sorted(overrides.items())) if overrides else ()
+    return _resolve(forced, num_tokens, vocab, hidden, dtype, device)
+
+
+def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
+              device: torch.device) -> FLCEConfig:
+    """``resolve_config`` for the op's ``config`` argument: the JSON of the forced fields ("" for none)."""
+    return _resolve(forced_fields(config), num_tokens, vocab, hidden, dtype, device)[0]
+
+
+def _resolve(forced: Forced, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[FLCEConfig, str]:
+    if len(forced) == _ALL_FIELDS:
+        return _overlay(None, forced, dtype, device.type, registry.generation()), "forced"
+    chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
+    config = _overlay(chosen, forced, dtype, device.type, registry.generation())
+    return config, (f"{source}, forced {', '.join(name for name, _ in forced)}" if forced else source)
+
+
+@functools.lru_cache(maxsize=256)
+def _overlay(chosen: FLCEConfig | None, forced: Forced, dtype: torch.dtype, device_type: str,
+             generation: int) -> FLCEConfig:  # noqa: ARG001 - generation: registry changes miss the cache
+    """``chosen`` with the ``forced`` fields laid over it (all of them when ``chosen`` is None), moved to a
+    strategy that supports ``dtype`` unless the strategy itself was forced (then an error)."""
+    fields = dict(forced)
+    config = FLCEConfig.from_dict(fields) if chosen is None else dataclasses.replace(chosen, **fields)
+    strategy = registry.get(config.strategy)
+    if strategy.supports(dtype):
+        return config
+    supporting = [s.name for s in map(registry.get, registry.names()) if s.supports(dtype)]
+    if "strategy" in fields:
+        raise ValueError(
+            f'config strategy "{config.strategy}" does not support {str(dtype).replace("torch.", "")} inputs (it '
+            f"computes in fp32); use strategy {' or '.join(map(repr, supporting))}, or leave the strategy out of "
+            "the config"
+        )
+    return dataclasses.replace(config, strategy=registry.default_for(device_type, dtype).name)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> FLCEConfig:
+    """The untuned default.
+
+    Tokens per chunk are sized so one chunk of logits takes about 512 MiB, in multiples of 256 tokens within
+    [256, 8192], and no more than the token count needs. Measured on an H200 (benchmarks/results): each
+    chunk's dW GEMM re-reads and re-writes the V x H accumulator, so 2048-token chunks at V=128K run 4-8%
+    faster than 1024-token ones; the extra 256 MiB is small next to the fp32 accumulator. Memory-bound users
+    pass a smaller chunk_tokens, or let flce-tune search under --budget-gb. On the CPU the budget is 64 MiB:
+    the PyTorch CE step holds two or three fp32 copies of the chunk besides it.
+
+    The strategy is the registry's default for the device and dtype (``registry.default_for``: "triton" on a
+    GPU, "torch" elsewhere and for fp64, whose kernel would compute in fp32).
+
+    On the GPU an odd V (GPT-2's 50257) is padded (``pad_vocab``): at 4096 x 768 x 50257 the aligned GEMMs
+    ran 3.2x faster on an H200 (2.26 vs 7.33 ms, benchmarks/results/bench_flce_h200_padvocab.md) for one
+    weight copy (77 MB there). The CPU default leaves the weight alone: nothing was measured to gain there.
+    """
+    itemsize = dtype.itemsize
+    on_gpu = device.type == "cuda"
+    budget_bytes = (512 if on_gpu else 64) * 2**20
+    chunk = budget_bytes // max(1, vocab * itemsize)
+    chunk = max(256, min(8192, chunk // 256 * 256))
+    chunk = max(1, min(chunk, _round_up(max(1, num_tokens), 256)))
+    pad = on_gpu and vocab_needs_padding(vocab, itemsize)
+    return _heuristic(chunk, device.type, dtype, pad, registry.generation())
+
+
+@functools.lru_cache(maxsize=256)
+def _heuristic(chunk: int, device_type: str, dtype: torch.dtype, pad_vocab: bool,
+               generation: int) -> FLCEConfig:  # noqa: ARG001 - generation: registry changes miss the cache
+    on_gpu = device_type == "cuda"
+    return FLCEConfig(
+        strategy=registry.default_for(device_type, dtype).name,
+        chunk_tokens=chunk,
+        block_v=4096 if on_gpu else 1024,
+        num_warps=16 if on_gpu else 4,
+        num_stages=1,
+        dw_path="addmm",
+        streams=False,
+        pad_vocab=pad_vocab,
+    )
+
+
+#: fp32 working set of one chunk of the loss over kept logits (rows x V x 4 bytes).
+KEPT_CHUNK_BYTES = 64 * 2**20
+
+
+def kept_logits_config(vocab: int, dtype: torch.dtype, device: torch.device) -> FLCEConfig:
+    """The config of the loss over logits that already exist (the compiler's kept-logits path): the
+    heuristic's strategy and CE launch parameters for the device and dtype, over chunks of ``KEPT_CHUNK_BYTES``
+    of fp32 rows. No GEMM runs there, so nothing is tuned and the chunk only bounds the torch step's fp32
+    temporaries."""
+    rows = max(1, KEPT_CHUNK_BYTES // (4 * max(1, vocab)))
+    return dataclasses.replace(heuristic_config(rows, vocab, 1, dtype, device), chunk_tokens=rows)
+
+
+def choose_config(
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+) -> tuple[FLCEConfig, str]:
+    """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
+    non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only)."""
+    config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
+    return config, source
+
+
+def choose_config_match(
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *, gpu: str | None = None
+) -> tuple[FLCEConfig, str, tuning_db.Match | None]:
+    """``choose_config`` plus the tuning-DB match it used (None for the heuristic).
+
+    ``gpu`` (a GPU kind such as "h200") looks up that kind's entries instead of ``device``'s own, so
+    ``which_config`` can answer for a GPU this machine does not have; ``device`` must then be a CUDA device
+    (it picks the GPU heuristic, which needs no GPU).
+    """
+    if device.type == "cuda" and dtype == torch.float64:
+        source = FP64_SOURCE
+    elif device.type == "cuda":
+        match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
+                                     device=device if gpu is None else gpu)
+        if match is not None:
+            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, match.source)
+            return match.config, match.source, match
+        source = "heuristic"
+    else:
+        source = CPU_SOURCE if device.type == "cpu" else (
+            f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")
+    logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
+    return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None

@@ -1,0 +1,171 @@
+"""The strategy registry: every way the fused op can run the cross-entropy step of a chunk, one entry each.
+
+A strategy is one module (its CE step, in ``flce_compile.strategies``) plus one ``Strategy`` entry here. Every
+consumer reads the entry rather than a list of its own: config validation (``FLCEConfig.strategy``), the chunk
+loop and the kept-logits loss (the step function), the memory bound (the step's fp32 temporaries), the
+heuristic (which strategy a device and dtype get by default), the tuner's search space (the fields it samples
+and the legality rules that prune them) and ``flce-tune --strategies``.
+
+Nothing here imports the step modules: ``Strategy.step`` imports its function on first use, so registering or
+listing strategies never loads Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+#: A CE step: ``step(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None`` (see
+#: ``strategies.ce_common.CEStepArgs`` for the contract).
+CEStep = Callable[..., None]
+#: An ``FLCEConfig``. Not imported: ``config`` validates strategy names against this module.
+Config = Any
+
+
+def _no_rules(config: Config, vocab: int) -> str | None:  # noqa: ARG001 - the Strategy.check signature
+    return None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One registry entry."""
+
+    name: str
+    #: One line for ``--help`` and error messages.
+    summary: str
+    #: The FLCEConfig fields the strategy reads besides ``strategy``. The tuner samples these and no others
+    #: (the rest take the base config's values), so two configs that run identically compare equal.
+    params: tuple[str, ...]
+    #: The CE step as "module:function", imported on first use.
+    ce_step: str
+    #: Chunk-sized fp32 buffers the CE step holds at its peak, given whether a softcap is on: the strategy's term
+    #: (``k32``) in the memory bound.
+    fp32_temporaries: Callable[[bool], int]
+    #: Why ``config`` must not run for a vocabulary of ``vocab`` (the tuner prunes it), or None.
+    check: Callable[[Config, int], str | None] = _no_rules
+    #: Device types the heuristic picks this strategy for, most specific first: a strategy that names the
+    #: device wins over one that runs anywhere ("*"). Empty: only when a config names it.
+    devices: tuple[str, ...] = ("*",)
+    #: Whether fp64 inputs are computed in fp64 (the Triton kernel computes in fp32: it does not).
+    float64: bool = True
+
+    def step(self) -> CEStep:
+        """The CE step function (its module is imported now, at the first call, not at registration)."""
+        module, _, function = self.ce_step.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype != torch.float64 or self.float64
+
+
+# -- the built-in strategies --------------------------------------------------------------------------------
+
+#: The CE kernel holds block_v / (32 * num_warps) values per thread; more than this spills registers.
+MAX_ELEMENTS_PER_THREAD = 128
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _torch_fp32_temporaries(softcap: bool) -> int:
+    """z (then p, then g) and, with a softcap, tanh(z) for the derivative; plus one for the weighted-sum or
+    upcast dW operand."""
+    return 3 if softcap else 2
+
+
+def _kernel_fp32_temporaries(softcap: bool) -> int:  # noqa: ARG001
+    return 0  # the kernel keeps its fp32 values in registers
+
+
+def _kernel_launch_rules(config: Config, vocab: int) -> str | None:
+    """The CE kernel's block and launch parameters that cannot run well for ``vocab``."""
+    if config.block_v > _next_pow2(vocab):
+        return f"block_v={config.block_v} > vocab={vocab}"
+    threads = 32 * config.num_warps
+    if config.block_v < threads:
+        return f"block_v={config.block_v} < {threads} threads (num_warps={config.num_warps})"
+    if config.block_v // threads > MAX_ELEMENTS_PER_THREAD:
+        return (f"block_v={config.block_v} with num_warps={config.num_warps} holds "
+                f"{config.block_v // threads} values per thread (> {MAX_ELEMENTS_PER_THREAD}, spills)")
+    return None
+
+
+_CHUNK_FIELDS = ("chunk_tokens", "dw_path", "streams", "pad_vocab")
+
+_REGISTRY: dict[str, Strategy] = {}
+_generation = 0
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Add ``strategy``; its name must be new. Returns it."""
+    global _generation
+    if strategy.name in _REGISTRY:
+        raise ValueError(f"strategy {strategy.name!r} is already registered")
+    _REGISTRY[strategy.name] = strategy
+    _generation += 1
+    return strategy
+
+
+def unregister(name: str) -> None:
+    """Remove a strategy (a test that registered a toy one)."""
+    global _generation
+    del _REGISTRY[name]
+    _generation += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the registry does: part of the keys of memoised choices."""
+    return _generation
+
+
+def is_registered(name: object) -> bool:
+    return isinstance(name, str) and name in _REGISTRY
+
+
+def get(name: str) -> Strategy:
+    """The entry of ``name``; an unknown name is an error that lists the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"strategy {name!r} is unknown; use one of {names()}") from None
+
+
+def names() -> tuple[str, ...]:
+    """The registered strategy names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def default_for(device_type: str, dtype: torch.dtype) -> Strategy:
+    """The strategy the heuristic runs on ``device_type`` for ``dtype``: the first registered one that names
+    the device, else the first that runs anywhere, among those that support the dtype."""
+    fitting = [s for s in _REGISTRY.values() if s.supports(dtype)]
+    for strategy in fitting:
+        if device_type in strategy.devices:
+            return strategy
+    for strategy in fitting:
+        if "*" in strategy.devices:
+            return strategy
+    raise ValueError(f"no registered strategy runs {dtype} on {device_type!r} (registered: {names()})")
+
+
+register(Strategy(
+    name="torch",
+    summary="chunked GEMMs, the CE part in torch ops (any device; the CPU default)",
+    params=_CHUNK_FIELDS,
+    ce_step="flce_compile.strategies.ce_torch:ce_step_torch",
+    fp32_temporaries=_torch_fp32_temporaries,
+))
+register(Strategy(
+    name="triton",
+    summary="chunked cuBLAS GEMMs, the CE part in one Triton kernel per chunk (the GPU default)",
+    params=("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"),
+    ce_step="flce_compile.strategies.ce_triton:ce_step_triton",
+    fp32_temporaries=_kernel_fp32_temporaries,
+    check=_kernel_launch_rules,
+    devices=("cuda",),
+    float64=False,
+))
