@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
+from .plan.choose import fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -97,9 +98,24 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
 
 
-def _accum_dtype(accum_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dW accumulator's dtype: ``accum_dtype`` checked against the compute dtype (the weight's, or
-    autocast's). fp64 weights accumulate in fp64: an fp32 accumulator would only lose precision."""
+#: Precision policies: "exact" accumulates dW (and the recompute strategy's dX) in fp32, so errors are no
+#: larger than eager's; "compact" accumulates in the weight dtype, which saves the V x H fp32 accumulator at an
+#: error that grows with the number of chunks (README, "Precision policies").
+PRECISIONS = ("exact", "compact")
+
+
+def _accum_dtype(accum_dtype: torch.dtype | None, precision: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The accumulators' dtype: from ``precision`` unless ``accum_dtype`` is given (then the two must agree),
+    checked against the compute dtype (the weight's, or autocast's). fp64 weights accumulate in fp64: an fp32
+    accumulator would only lose precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
+    implied = torch.float32 if precision == "exact" else compute_dtype
+    if accum_dtype is None:
+        accum_dtype = implied
+    elif precision == "compact" and accum_dtype != compute_dtype:
+        raise ValueError(f"precision='compact' accumulates in the weight dtype ({compute_dtype}); it contradicts "
+                         f"accum_dtype={accum_dtype}: pass one of the two")
     if accum_dtype not in (torch.float32, compute_dtype):
         raise TypeError(
             f"accum_dtype={accum_dtype} is unsupported with {compute_dtype} weights: use torch.float32 (default) "
@@ -141,9 +157,11 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     logit_scale: float = 1.0,
     z_loss: float = 0.0,
-    accum_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype | None = None,
     config: FLCEConfig | Mapping[str, Any] | None = None,
     return_logits: bool = False,
+    precision: str = "exact",
+    memory_budget_gb: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materialising the logits.
 
@@ -157,8 +175,13 @@ def fused_linear_cross_entropy(
 
     Args:
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
-        accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (default) is as exact as eager,
-            the weight dtype saves V*H*4 bytes at some accuracy cost. fp64 weights always accumulate in fp64.
+        accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (the default, from
+            ``precision="exact"``) is as exact as eager, the weight dtype (``precision="compact"``) saves V*H*4
+            bytes at some accuracy cost. fp64 weights always accumulate in fp64.
+        precision: "exact" (default: errors no larger than eager's) or "compact" (accumulators in the weight
+            dtype). memory_budget_gb: the most the op may use above its inputs and gradients (GiB, by its memory
+            bound): the config is the first that fits, from the usual one with smaller chunks to the
+            "recompute" strategy (four GEMMs, no V x H buffer); an error says when nothing fits.
         softcap: a cap > 0; None or inf for none. logit_scale: a constant (a tensor that requires grad is an
             error: it would get no gradient). z_loss: >= 0.
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
@@ -178,7 +201,7 @@ def fused_linear_cross_entropy(
         )
     forced = config_overrides(config)
     input, weight, bias = _autocast(input, weight, bias)
-    accum_dtype = _accum_dtype(accum_dtype, weight.dtype)
+    accum_dtype = _accum_dtype(accum_dtype, precision, weight.dtype)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]
     x2d = input.reshape(target.numel(), hidden)  # not -1: with hidden = 0 the row count would be ambiguous
@@ -190,6 +213,8 @@ def fused_linear_cross_entropy(
     cw = ce_weight.to(math_dtype(weight.dtype)).contiguous() if ce_weight is not None else None
     params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),
                         float(logit_scale), float(z_loss))
+    if memory_budget_gb is not None:
+        forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on)
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
     loss, second, _dx, _dw, _db, _grad_scale = op(
         x2d,
@@ -211,13 +236,39 @@ def fused_linear_cross_entropy(
     return loss
 
 
+def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor, weight: Tensor,
+                   bias: Tensor | None, accum_dtype: torch.dtype, params: LossParams, grad_on: bool) -> dict[str, Any]:
+    """Every field of the config that fits ``budget_gb``, chosen now and forced: under torch.compile this runs
+    while tracing, with the traced token count, so the loop (gradients in forward or, for "recompute", in
+    backward) is fixed in the graph, and only a config's numbers could change with the token count."""
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) \
+            or budget_gb <= 0:
+        raise ValueError(f"memory_budget_gb={budget_gb!r} must be a positive number of GiB (or None for no budget)")
+    tokens = _size_hint(x2d.shape[0])
+    vocab, hidden = weight.shape
+    base, _source = resolve_config(forced, tokens, vocab, hidden, weight.dtype, weight.device)
+    fitted = fit_budget(base, tokens, vocab, hidden, weight.dtype, accum_dtype, int(budget_gb * 2**30),
+                        need_dx=grad_on and x2d.requires_grad, need_dw=grad_on and weight.requires_grad,
+                        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap))
+    return fitted.to_dict()
+
+
+def _size_hint(n: Any) -> int:
+    """A concrete size: ``n`` itself, or a symbolic size's example value (no guard is added)."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else int(n)
+
+
 class FusedLinearCrossEntropyLoss(nn.Module):
     """Module form of :func:`fused_linear_cross_entropy`: options at construction, tensors at call."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
         # Validate option names now rather than on the first batch.
-        allowed = {f.name for f in dataclasses.fields(LossParams)} | {"ce_weight", "accum_dtype", "config"}
+        allowed = {f.name for f in dataclasses.fields(LossParams)} | {"ce_weight", "accum_dtype", "config",
+                                                                       "precision", "memory_budget_gb"}
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(allowed)}")

@@ -26,10 +26,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .params import decode_params, math_dtype
+from .params import LossParams, decode_params, math_dtype
+from .plan import registry
 from .plan.choose import op_config
-from .plan.config import FLCEConfig
+from .plan.config import FLCEConfig, forced_fields
 from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
+from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
 
@@ -37,6 +39,17 @@ _EMPTY = (0,)
 def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     """``config`` is the JSON of the forced fields ("" for none); the rest is chosen from the real shapes."""
     return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
+
+
+def grads_in_backward(p: LossParams, config: str) -> bool:
+    """Whether the gradients are formed in backward (from each token's saved lse) rather than in forward:
+    for reduction "none" (backward needs the per-token grad_output), and for a config that forces a strategy
+    of the "recompute" loop. Decided from the arguments alone, so the fake implementation, which sees no real
+    shapes, agrees with the op."""
+    if p.reduction == "none":
+        return True
+    strategy = dict(forced_fields(config)).get("strategy")
+    return strategy is not None and registry.get(strategy).loop == "recompute"
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
@@ -83,10 +96,11 @@ def fused_linear_cross_entropy_op(
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
+    later = grads_in_backward(p, config)
     with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
-            GradRequest(compute_dx, compute_dw, compute_db),
+            GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db), keep_lse=later,
         )
     lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
     return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
@@ -105,11 +119,12 @@ def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, 
 def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx,
                                      compute_dw, compute_db, config):
     n = input.shape[0]
-    per_token = decode_params(params).reduction == "none"
+    p = decode_params(params)
+    per_token, later = p.reduction == "none", grads_in_backward(p, config)
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
-    lse = input.new_empty((n,) if per_token else _EMPTY, dtype=dtype)
-    grads = _fake_grads(input, weight, bias, not per_token, compute_dx, compute_dw, compute_db)
+    lse = input.new_empty((n,) if later else _EMPTY, dtype=dtype)
+    grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db)
     return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 
 
@@ -178,14 +193,18 @@ def fused_linear_cross_entropy_backward_op(
     compute_db: bool,
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of sum_i grad_rows[i] * loss_i (the per-token losses whatever ``params``' reduction says),
-    recomputing logits chunk by chunk."""
+    """The gradients of a loss whose forward kept each token's lse, recomputing the logits: with the
+    "recompute" loop, of the loss (``params``' reduction) times ``grad_rows`` (0-dim, or per row for "none"), by
+    vocabulary block; else of sum_i grad_rows[i] * loss_i for reduction "none", by token chunk."""
     p = decode_params(params)
+    ops = Operands(input, weight, target, bias, ce_weight)
+    cfg = _config(config, input, weight)
+    grads = GradRequest(compute_dx, compute_dw, compute_db)
     with op_context(input.device):
-        dx, dw, db = fused_backward_per_token(
-            Operands(input, weight, target, bias, ce_weight), lse, grad_rows, p, _config(config, input, weight),
-            accum_dtype, GradRequest(compute_dx, compute_dw, compute_db),
-        )
+        if registry.get(cfg.strategy).loop == "recompute":
+            dx, dw, db = recompute_backward(ops, lse, grad_rows, p, cfg, accum_dtype, grads)
+        else:
+            dx, dw, db = fused_backward_per_token(ops, lse, grad_rows, p, cfg, accum_dtype, grads)
     return _grads_or_empty(input, weight, dx, dw, db)
 
 
@@ -208,7 +227,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # Backward ignores the gradients of those outputs: without this, autograd would materialise them as
     # zero tensors of their size (a dX- and a dW-sized allocation in every backward).
     ctx.set_materialize_grads(False)
-    if decode_params(args["params"]).reduction == "none":
+    if grads_in_backward(decode_params(args["params"]), args["config"]):
         ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
     else:
         _keep_forward_grads(ctx, dx, dw, db, grad_scale)
@@ -276,7 +295,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_sca
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     if grad_loss is None:  # the loss took no part in what is differentiated
         return _input_grads(ctx, None, None, None)
-    if decode_params(a["params"]).reduction == "none":
+    if grads_in_backward(decode_params(a["params"]), a["config"]):
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
         dx, dw, db = fused_linear_cross_entropy_backward_op(
             input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], need_x, need_w,

@@ -102,3 +102,28 @@ def test_backend_object_and_name_and_entry_point():
 def test_with_options_validates_eagerly():
     with pytest.raises(ValueError, match="flce.logits"):
         fc.with_options(logits="nope")
+
+
+def test_precision_and_memory_budget_reach_the_op():
+    """flce.precision and flce.memory_budget_gb become the fused op's keyword arguments (and are validated)."""
+    lm_head = torch.nn.Linear(16, 64, bias=False)
+
+    def fn(x, t):
+        return F.cross_entropy(lm_head(x).view(-1, 64), t.view(-1))
+
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return gm.forward
+
+    x, t = torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    options = {"flce.inner": capture, "flce.precision": "compact", "flce.memory_budget_gb": 0.5}
+    loss = torch.compile(fn, backend="flce", options=options)(x, t)
+    torch.testing.assert_close(loss, fn(x, t), rtol=1e-5, atol=1e-6)
+    (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
+    assert node.kwargs == {"precision": "compact", "memory_budget_gb": 0.5}
+    for bad, match in ((("flce.precision", "precise"), "flce.precision"), (("flce.memory_budget_gb", -1), "positive")):
+        with pytest.raises(ValueError, match=match):
+            split_options(dict([bad]))

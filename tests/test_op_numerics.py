@@ -73,7 +73,7 @@ def check_case(shape_name: str, dtype: torch.dtype, reduction: str, option: str,
         [b.detach().requires_grad_()] if b is not None else [])
     bias_arg = leaves[2] if b is not None else None
     config = {"strategy": strategy, "chunk_tokens": chunk, "block_v": 64, "num_warps": 2,  # 2 blocks over V
-              "pad_vocab": pad_vocab}
+              "pad_vocab": pad_vocab, "vocab_block": 32}  # recompute: several vocabulary blocks
     ours = fused_linear_cross_entropy(leaves[0], leaves[1], t, bias_arg, reduction=reduction, config=config, **opts)
     same = reference_loss(leaves[0], leaves[1], t, bias_arg, reduction=reduction, **opts)
     ref = reference_loss(leaves[0], leaves[1], t, bias_arg, reduction=reduction, upcast=torch.float64, **opts)
@@ -140,3 +140,16 @@ def test_triton_kernel_shapes(shape_name):
 def test_padded_vocab(strategy, reduction, option):
     """pad_vocab (zero rows appended to the weight, V=123 -> 128) is as exact as eager, bias gradient included."""
     check_case("odd_chunks", torch.bfloat16, reduction, option, strategy, pad_vocab=True)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_recompute_strategy_grid(dtype, reduction, option):
+    """The checkpointed head (gradients from the saved lse, by vocabulary block) is as exact as eager."""
+    check_case("odd_chunks", DTYPES[dtype], reduction, option, "recompute")
+
+
+@pytest.mark.parametrize("shape_name", ["bt1", "3d", "noncontig", "all_ignored"])
+def test_recompute_strategy_shapes(shape_name):
+    check_case(shape_name, torch.bfloat16, "mean", "label_smoothing", "recompute")

@@ -69,6 +69,7 @@ class Case:
     block_v: int
     pad_vocab: bool
     seed: int
+    vocab_block: int = 16  # the recompute strategy's backward blocks
 
 
 @st.composite
@@ -79,7 +80,7 @@ def cases(draw, strategy: str, max_tokens: int, max_vocab: int, max_hidden: int)
     tokens = 1
     for size in lead:
         tokens *= size
-    dtypes = ["fp32", "bf16", "fp16"] + (["fp64"] if strategy == "torch" else [])
+    dtypes = ["fp32", "bf16", "fp16"] + (["fp64"] if strategy != "triton" else [])
     reduction = draw(st.sampled_from(["mean", "sum", "none"]))
     return_logits = reduction != "none" and draw(st.booleans())
     vocab = draw(st.integers(1, max_vocab))
@@ -111,6 +112,7 @@ def cases(draw, strategy: str, max_tokens: int, max_vocab: int, max_hidden: int)
         block_v=draw(st.sampled_from([16, 32, 64])),
         pad_vocab=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        vocab_block=draw(st.integers(1, vocab + 2)),
     )
 
 
@@ -168,7 +170,7 @@ def check(case: Case) -> None:
     x, w, t, b, cw, grad_out, logits_grad = _make(case)
     opts = _options(case, cw)
     config = {"strategy": case.strategy, "chunk_tokens": case.chunk_tokens, "block_v": case.block_v,
-              "num_warps": 2, "pad_vocab": case.pad_vocab}
+              "num_warps": 2, "pad_vocab": case.pad_vocab, "vocab_block": case.vocab_block}
 
     def ours(x, w, b=None):
         out = fused_linear_cross_entropy(x, w, t, b, config=config, return_logits=case.return_logits, **opts)
@@ -222,6 +224,12 @@ def test_torch_strategy_matches_fp64(case):
 @_settings(100)
 @given(cases("triton", max_tokens=6, max_vocab=40, max_hidden=8))
 def test_triton_kernel_matches_fp64(case):
+    check(case)
+
+
+@_settings(150)
+@given(cases("recompute", max_tokens=24, max_vocab=70, max_hidden=24))
+def test_recompute_strategy_matches_fp64(case):
     check(case)
 
 

@@ -274,6 +274,11 @@ def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert e.extra["budget_over_default_gb"] == 0.5 and e.extra["budget_gb"] is None
     assert e.extra["memory_gain_margin"] == 0.02  # the study's rule is recorded with its result
     assert max(measured) <= 1536  # over-budget chunks were pruned before running
+    # neither flag: the same budget by default, and the run prints it
+    out = tmp_path / "implicit.json"
+    assert cli.main([*base, "--out", str(out)]) == 0
+    assert db.read_file(out, strict=True)[0].config.chunk_tokens == 1536
+    assert "memory budget 1.45 GiB (the default's predicted peak + 0.5 GiB)" in capsys.readouterr().err
     # with --budget-gb as well, the smaller budget wins (1.2 GiB = 1.29e9 bytes: 1024 fits, 1536 does not)
     out = tmp_path / "both.json"
     assert cli.main([*base, "--budget-over-default-gb", "0.5", "--budget-gb", "1.2", "--out", str(out)]) == 0

@@ -41,7 +41,8 @@ def flce_backend(
         from .rewrite import run_pass
 
         try:
-            wrap = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config).wrap
+            wrap = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
+                            memory_budget_gb=opts.memory_budget_gb).wrap
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
     compiled = inner(gm, example_inputs)

@@ -7,9 +7,12 @@ passed through untouched, so the inner compiler sees exactly what it would have 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..api import PRECISIONS
 from ..plan.config import config_overrides
 
 PREFIX = "flce."
@@ -19,6 +22,8 @@ VALID_KEYS: dict[str, str] = {
     "flce.logits": '"keep" (default: logits outputs stay exact) or "drop" (logits outputs become None)',
     "flce.config": "force config fields for every fused site (FLCEConfig, or a dict / JSON string of some fields)",
     "flce.enabled": "False runs the inner compiler alone",
+    "flce.precision": '"exact" (default: errors no larger than eager\'s) or "compact" (accumulators in the weight dtype)',
+    "flce.memory_budget_gb": "the most each fused site may use above its inputs and gradients (GiB), or None",
 }
 LOGITS_MODES = ("keep", "drop")
 
@@ -31,6 +36,8 @@ class FLCEOptions:
     logits: str = "keep"
     config: dict[str, Any] | None = None  # forced FLCEConfig fields; the rest is chosen at run time
     enabled: bool = True
+    precision: str = "exact"
+    memory_budget_gb: float | None = None
 
     @property
     def inner_name(self) -> str:
@@ -82,7 +89,15 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise TypeError(f"options['flce.enabled'] must be True or False, got {enabled!r}")
-    return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled)
+    precision = raw.get("precision", "exact")
+    if precision not in PRECISIONS:
+        raise ValueError(f"options['flce.precision']={precision!r} is not valid; use one of {PRECISIONS}")
+    budget = raw.get("memory_budget_gb")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not math.isfinite(budget) or budget <= 0):
+        raise ValueError(f"options['flce.memory_budget_gb']={budget!r} must be a positive number of GiB, or None")
+    return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled, precision=precision,
+                       memory_budget_gb=float(budget) if budget is not None else None)
 
 
 def _check_backend_name(name: str) -> None:

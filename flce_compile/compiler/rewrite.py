@@ -50,6 +50,9 @@ def flce_fused_loss(
     config: Optional[dict],
     out_dtype: torch.dtype,
     compute_dtype: Optional[torch.dtype] = None,
+    *,
+    precision: str = "exact",
+    memory_budget_gb: Optional[float] = None,
 ) -> torch.Tensor:
     """The graph-side call of the fused op (a stable node target for the inner compiler and for tests).
 
@@ -64,7 +67,7 @@ def flce_fused_loss(
     loss = fused_linear_cross_entropy(
         input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
-        logit_scale=logit_scale, config=config,
+        logit_scale=logit_scale, config=config, precision=precision, memory_budget_gb=memory_budget_gb,
     )
     if reduction == "none":
         loss = loss.view(target.shape)
@@ -86,6 +89,9 @@ def flce_fused_loss_keep(
     out_dtype: torch.dtype,
     compute_dtype: Optional[torch.dtype],
     indices: tuple,
+    *,
+    precision: str = "exact",
+    memory_budget_gb: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The graph-side call of the fused op that also returns the lm_head's logits: (loss, logits shaped like
     the lm_head's output).
@@ -111,7 +117,7 @@ def flce_fused_loss_keep(
     loss, logits = fused_linear_cross_entropy(
         input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
-        return_logits=True,
+        return_logits=True, precision=precision, memory_budget_gb=memory_budget_gb,
     )
     return (loss if loss.dtype == out_dtype else loss.to(out_dtype)), logits
 
@@ -164,6 +170,8 @@ def run_pass(
     *,
     logits: str = "keep",
     config: Optional[dict] = None,
+    precision: str = "exact",
+    memory_budget_gb: Optional[float] = None,
 ) -> PassResult:
     """Rewrite every fusable site of ``gm`` in place; returns one result per loss site and, when the graph's
     outputs changed, the wrapper the compiled graph needs (``PassResult.wrap``).
@@ -186,7 +194,7 @@ def run_pass(
             logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
             continue
         try:
-            dead += _rewrite(gm, res, config, fake_mode, fixup)
+            dead += _rewrite(gm, res, config, fake_mode, fixup, _op_kwargs(precision, memory_budget_gb))
         except Exception as exc:  # noqa: BLE001 - the pass must never break a compile
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
@@ -274,8 +282,19 @@ class _NewNodes:
             self.graph.erase_node(node)
 
 
+def _op_kwargs(precision: str, memory_budget_gb: Optional[float]) -> dict[str, Any]:
+    """The fused op's keyword arguments from the backend options, left out at their defaults (readable
+    graphs)."""
+    kwargs: dict[str, Any] = {}
+    if precision != "exact":
+        kwargs["precision"] = precision
+    if memory_budget_gb is not None:
+        kwargs["memory_budget_gb"] = memory_budget_gb
+    return kwargs
+
+
 def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_mode: Any,
-             fixup: OutputFixup) -> list[fx.Node]:
+             fixup: OutputFixup, op_kwargs: dict[str, Any]) -> list[fx.Node]:
     """Rewrite one site; returns the nodes that may have lost their last user."""
     site, plan, loss, lin = res.site, res.plan, res.site.loss, res.site.linear
     loss_val = meta_value(loss.node)
@@ -303,10 +322,11 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     x = lin.input
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
-                    result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail))
+                    result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail),
+                                     op_kwargs)
                 else:
                     both = new.add("call_function", flce_fused_loss_keep, (
-                        lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)))
+                        lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)), op_kwargs)
                     result = new.add("call_function", operator.getitem, (both, 0))
                     logits = new.add("call_function", operator.getitem, (both, 1))
                     attach = bool(res.logits_outputs) and OutputFixup.flat_outputs(gm) is not None

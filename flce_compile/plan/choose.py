@@ -138,12 +138,18 @@ def kept_logits_config(vocab: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def choose_config(
-    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *,
+    memory_budget_gb: float | None = None, accum_dtype: torch.dtype = torch.float32,
 ) -> tuple[FLCEConfig, str]:
     """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
-    non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only)."""
+    non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only). With ``memory_budget_gb`` the
+    pick is then fitted to that budget (``fit_budget``; gradients of input and weight, ``accum_dtype``
+    accumulators), and the source says so."""
     config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
-    return config, source
+    if memory_budget_gb is None:
+        return config, source
+    fitted = fit_budget(config, num_tokens, vocab, hidden, dtype, accum_dtype, int(memory_budget_gb * 2**30))
+    return fitted, source if fitted == config else f"{source}, fitted to {memory_budget_gb:g} GiB"
 
 
 def choose_config_match(
@@ -169,3 +175,48 @@ def choose_config_match(
             f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")
     logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
+
+
+def fit_budget(
+    config: FLCEConfig,
+    num_tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype,
+    accum_dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = False,
+    softcap: bool = False,
+) -> FLCEConfig:
+    """The first config whose memory bound (``plan.memory.peak_bytes``) fits ``budget_bytes``: ``config`` itself;
+    then ``config`` with halved chunks (down to 128 tokens), which keeps its speed longest; then each strategy of
+    the "recompute" loop with larger chunks and vocabulary blocks first, which drop the V x H accumulator for
+    one more GEMM. An error names the budget and the least memory any of them needs when none fits."""
+    from .memory import peak_bytes
+
+    def bound(candidate: FLCEConfig) -> int:
+        return peak_bytes(candidate, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw,
+                          need_db=need_db, softcap=softcap, need_dx=need_dx)
+
+    candidates = [config]
+    chunk = config.chunk_tokens
+    while chunk > 128:
+        chunk //= 2
+        candidates.append(dataclasses.replace(config, chunk_tokens=chunk))
+    for strategy in (s for s in map(registry.get, registry.names()) if s.loop == "recompute" and s.supports(dtype)):
+        candidates += [dataclasses.replace(config, strategy=strategy.name, chunk_tokens=c, vocab_block=b)
+                       for c in (4096, 2048, 1024, 512, 256, 128) for b in (8192, 4096, 2048, 1024, 512)]
+    best = None
+    for candidate in candidates:
+        needed = bound(candidate)
+        if needed <= budget_bytes:
+            return candidate
+        best = min(best or (needed, candidate), (needed, candidate), key=lambda pair: pair[0])
+    raise ValueError(
+        f"memory_budget_gb={budget_bytes / 2**30:.3g}: no config fits {num_tokens} tokens x V={vocab} x H={hidden} "
+        f"in it; the least memory any needs is {best[0] / 2**30:.3g} GiB ({best[1].strategy}, chunk_tokens="
+        f"{best[1].chunk_tokens}); raise the budget"
+    )

@@ -64,6 +64,28 @@ def peak_bytes_expr() -> sympy.Expr:
             + SLACK_BYTES)
 
 
+#: The recompute strategy: vocabulary rows per backward block, 0/1 for dX wanted, and the itemsize of its block
+#: sums (the accumulator dtype's, also when it is the weight's: the block is summed apart from dW).
+VB, NEED_DX, ACC_BLOCK = sympy.symbols("vocab_block need_dx acc_block", integer=True, nonnegative=True)
+
+
+@functools.cache
+def recompute_peak_bytes_expr() -> sympy.Expr:
+    """The "recompute" strategy's bound: the larger of its forward (the chunk loop without gradients: one
+    chunk of logits and the CE temporaries) and its backward (the dX sum over all tokens and one block's dW
+    rows, in the accumulator dtype when it differs from the weight's, one chunk x block buffer of logits and
+    its CE temporaries), plus the saved lse and the per-token vectors. Nothing is V x H or BT x V."""
+    rows = sympy.Min(CHUNK, BT)
+    block = sympy.Min(VB, V)
+    row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+    block_bytes = sympy.ceiling(block * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+    forward = rows * row_bytes + K32 * rows * V * 4
+    backward = (NEED_DX * BT * H * ACC + NEED_DW * block * H * ACC_BLOCK + NEED_DB * block * 4
+                + rows * block_bytes + K32 * rows * block * 4)
+    per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
+    return sympy.Max(forward, backward) + per_token + SLACK_BYTES
+
+
 def peak_bytes(
     config: FLCEConfig,
     num_tokens: int,
@@ -75,8 +97,17 @@ def peak_bytes(
     need_dw: bool = True,
     need_db: bool = False,
     softcap: bool = False,
+    need_dx: bool = True,
 ) -> int:
     """Evaluate ``peak_bytes_expr`` for one call of the op with ``config``."""
+    strategy = registry.get(config.strategy)
+    if strategy.loop == "recompute":
+        return int(recompute_peak_bytes_expr().subs({
+            BT: max(num_tokens, 1), V: vocab, H: hidden, CHUNK: config.chunk_tokens, VB: config.vocab_block,
+            S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
+            ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
+            NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: strategy.fp32_temporaries(softcap),
+        }))
     separate_acc = need_dw and accum_dtype != dtype
     values = {
         BT: max(num_tokens, 1),

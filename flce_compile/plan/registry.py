@@ -51,6 +51,10 @@ class Strategy:
     devices: tuple[str, ...] = ("*",)
     #: Whether fp64 inputs are computed in fp64 (the Triton kernel computes in fp32: it does not).
     float64: bool = True
+    #: The loop that runs the step: "chunked" (token chunks; the gradients are formed in forward, three GEMMs,
+    #: an fp32 V x H dW accumulator) or "recompute" (forward keeps each token's lse; backward recomputes the
+    #: logits by vocabulary block, four GEMMs, no V x H buffer). Each loop has its own memory bound.
+    loop: str = "chunked"
 
     def step(self) -> CEStep:
         """The CE step function (its module is imported now, at the first call, not at registration)."""
@@ -168,4 +172,17 @@ register(Strategy(
     check=_kernel_launch_rules,
     devices=("cuda",),
     float64=False,
+))
+register(Strategy(
+    name="recompute",
+    summary="the checkpointed LM head: forward keeps each token's lse, backward recomputes the logits by "
+            "vocabulary block (four GEMMs, no V x H fp32 buffer; the least memory)",
+    params=("chunk_tokens", "vocab_block", "block_v", "num_warps", "num_stages"),
+    ce_step="flce_compile.strategies.recompute:ce_step",
+    # The Triton kernel on a GPU, where the bound matters (on the CPU the torch step also holds 2-3 fp32
+    # copies of a chunk, which the bound leaves out).
+    fp32_temporaries=_kernel_fp32_temporaries,
+    check=_kernel_launch_rules,
+    devices=(),  # never the heuristic's default: a config or a memory budget asks for it
+    loop="recompute",
 ))

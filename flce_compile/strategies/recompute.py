@@ -16,14 +16,27 @@ from __future__ import annotations
 
 import torch
 
-from ..config import FLCEConfig
-from ..layout import padded_row_elements
 from ..params import LossParams, math_dtype
+from ..plan.config import FLCEConfig
+from ..plan.layout import padded_row_elements
 from .ce_common import CEStepArgs
 from .chunked import (
     ForwardResult, GradRequest, Grads, Operands, _ce_step, _reduction_scales, add_product,
     full_precision_gemm_reductions, fused_forward,
 )
+
+
+def ce_step(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
+    """The strategy's CE step: the Triton kernel for fp16/bf16/fp32 on a GPU, the torch step otherwise (the CPU,
+    fp64)."""
+    if args.logits.device.type == "cuda" and args.logits.dtype != torch.float64:
+        from .ce_triton import ce_step_triton
+
+        ce_step_triton(args, p, config)
+    else:
+        from .ce_torch import ce_step_torch
+
+        ce_step_torch(args, p, config)
 
 
 def recompute_forward(ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype) -> ForwardResult:

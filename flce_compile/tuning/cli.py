@@ -39,6 +39,10 @@ SHIPPED_SHAPES: tuple[tuple[int, int, str], ...] = (
     (129280, 7168, "DeepSeek-V3"),
     (32064, 3072, "Phi-3 mini"),
 )
+#: The budget of a study when neither --budget-gb nor --budget-over-default-gb is given: the default config's
+#: predicted peak plus this (GiB), as for the shipped entries. Without it a search is free to trade any memory
+#: for a little speed (a 4.98 GB config at 151936 x 4096, as much as torch.compile's own logits).
+DEFAULT_OVER_DEFAULT_GIB = 0.5
 #: With --time-budget-s, a study is not started with less time than this left (setup + the default's trial).
 MIN_STUDY_S = 5.0
 #: Token buckets the shipped files cover.
@@ -128,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--budget-gb", type=float, help="memory budget for the op (GiB, predicted and measured peak)")
     how.add_argument("--budget-over-default-gb", type=float, metavar="GB",
                      help="per-study memory budget: the default config's predicted peak plus GB (GiB), so a "
-                          "tuned entry never costs much more memory than the default (combines with --budget-gb)")
+                          "tuned entry never costs much more memory than the default (combines with --budget-gb; "
+                          f"without either, {DEFAULT_OVER_DEFAULT_GIB} GiB, as for the shipped entries)")
     how.add_argument("--timeout", type=float, help="seconds per study (search stops starting trials after it)")
     how.add_argument("--time-budget-s", type=float,
                      help="seconds for the whole run (from the start of the command, after Python imports), "
@@ -604,7 +609,14 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             if args.strategies:
                 space_kwargs["strategies"] = tuple(args.strategies)
             space = SearchSpace(**space_kwargs)
-            study_budget = _study_budget(budget_bytes, args.budget_over_default_gb, space.predicted_bytes(default), label)
+            over_default = args.budget_over_default_gb
+            if over_default is None and budget_bytes is None:
+                over_default = DEFAULT_OVER_DEFAULT_GIB
+            study_budget = _study_budget(budget_bytes, over_default, space.predicted_bytes(default), label)
+            if study_budget is not None:
+                print(f"flce-tune: {label}: memory budget {study_budget / 2**30:.2f} GiB"
+                      + ("" if budget_bytes is not None and study_budget == budget_bytes else
+                         f" (the default's predicted peak + {over_default:g} GiB)"), file=sys.stderr)
             timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
             result = run_search(objective, space, default=default, db_config=found[0] if found else None,
                                 n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,

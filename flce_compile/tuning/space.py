@@ -77,6 +77,7 @@ class SearchSpace:
     # Powers of two and the steps half-way between them: 1536-token chunks can fit a budget 2048 misses.
     chunk_tokens: tuple[int, ...] = tuple(sorted(set(_pow2_range(128, 32768)) | {3 * p // 2 for p in _pow2_range(256, 16384)}))
     block_v: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+    vocab_block: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)  # the recompute strategy's backward blocks
     num_warps: tuple[int, ...] = (4, 8, 16, 32)
     num_stages: tuple[int, ...] = (1, 2, 3)
     dw_path: tuple[str, ...] = ("addmm", "mm_add")
@@ -94,7 +95,8 @@ class SearchSpace:
         if unknown or not self.strategies:
             raise ValueError(
                 f"SearchSpace.strategies={self.strategies!r}: use a non-empty subset of {registry.names()}")
-        for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "dw_path", "streams", "pad_vocab"):
+        for name in ("chunk_tokens", "block_v", "vocab_block", "num_warps", "num_stages", "dw_path", "streams",
+                     "pad_vocab"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace.{name} is empty; give at least one candidate value")
         if not self.legal_chunks():

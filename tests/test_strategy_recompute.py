@@ -1,0 +1,166 @@
+"""The "recompute" strategy's pieces: the CE step over a slice of the classes (both backends) equals the same
+columns of the whole row's step, the strategy keeps no V x H buffer, its memory bound, and its registry entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes
+from flce_compile.params import LossParams
+from flce_compile.plan import registry
+from flce_compile.strategies.ce_common import CEStepArgs
+from flce_compile.strategies.ce_torch import ce_step_torch
+from flce_compile.strategies.ce_triton import ce_step_triton
+from flce_reference import random_inputs
+
+STEPS = {"torch": ce_step_torch, "triton": ce_step_triton}
+
+
+def _args(logits, target, ce_weight, lse, grad_out, offset=0, classes=None):
+    rows = logits.shape[0]
+    scale = torch.full((rows,), 0.37)
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.tensor(float(classes or logits.shape[1]))
+    return CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=scale,
+                      z_scale=scale * 0.5, loss_out=None, lse_out=None, lse_in=lse, write_grad=True,
+                      grad_out=grad_out, class_offset=offset, num_classes=classes)
+
+
+@pytest.mark.parametrize("backend", list(STEPS))
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.2, "z_loss": 1e-3}, {"softcap": 3.0, "logit_scale": 0.8}])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_slices_of_the_classes_match_the_whole_row(backend, options, weighted):
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 9, 70
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[2] = -100
+    ce_weight = torch.rand(vocab, generator=g) + 0.5 if weighted else None
+    p = LossParams(label_smoothing=options.get("label_smoothing", 0.0), z_loss=options.get("z_loss", 0.0),
+                   softcap=options.get("softcap", 0.0), logit_scale=options.get("logit_scale", 1.0))
+    z = logits * p.logit_scale
+    z = p.softcap * torch.tanh(z / p.softcap) if p.softcap else z
+    lse = torch.logsumexp(z, dim=1)
+    step = STEPS[backend]
+    config = FLCEConfig(strategy=backend, block_v=16, num_warps=1)
+    whole = torch.empty_like(logits)
+    step(_args(logits, target, ce_weight, lse, whole), p, config)
+    for start in range(0, vocab, 24):  # slices of 24, 24 and 22 classes
+        stop = min(start + 24, vocab)
+        part = torch.empty(rows, stop - start)
+        step(_args(logits[:, start:stop], target, ce_weight, lse, part, start, vocab), p, config)
+        torch.testing.assert_close(part, whole[:, start:stop], rtol=1e-6, atol=1e-7)
+
+
+def test_a_slice_needs_the_lse_and_has_no_loss():
+    logits, target = torch.randn(3, 8), torch.randint(0, 16, (3,))
+    args = _args(logits, target, None, None, None, offset=8, classes=16)
+    with pytest.raises(ValueError, match="lse_in"):
+        ce_step_torch(args, LossParams())
+
+
+def test_recompute_keeps_no_vocab_sized_buffer():
+    """Everything the strategy allocates is token- or block-sized: no V x H (or BT x V) tensor, in forward or
+    backward, besides the returned dW."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and func.__name__.startswith(("empty", "zeros", "new_", "full")):
+                self.largest = max(self.largest, out.numel())
+            return out
+
+    n, h, v = 64, 16, 512
+    x, w, t = random_inputs(n=n, h=h, v=v)
+    x.requires_grad_()
+    w.requires_grad_()
+    with Sizes() as sizes:
+        loss = fused_linear_cross_entropy(x, w, t, config={"strategy": "recompute", "chunk_tokens": 16,
+                                                            "vocab_block": 64})
+        loss.backward()
+    assert sizes.largest <= n * h  # dX's fp32 sum: the largest; dW (v x h) is returned, not allocated apart
+    assert w.grad.shape == (v, h)
+
+
+def test_recompute_bound_and_registry():
+    """The bound of the recompute loop has no V x H term: at Llama-3's shape it fits the 0.35 GB the issue
+    asks for, where every chunked config needs the fp32 dW accumulator (2.1 GB)."""
+    recompute = FLCEConfig(strategy="recompute", chunk_tokens=1024, vocab_block=2048)
+    assert peak_bytes(recompute, 16384, 128256, 4096, torch.bfloat16) <= 0.35e9
+    assert peak_bytes(FLCEConfig(strategy="triton", chunk_tokens=256), 16384, 128256, 4096,
+                      torch.bfloat16) > 128256 * 4096 * 4
+    entry = registry.get("recompute")
+    assert entry.loop == "recompute" and "vocab_block" in entry.params
+    # A config never gets it by default: the heuristic's pick is a chunked strategy on every device.
+    assert registry.default_for("cuda", torch.bfloat16).loop == "chunked"
+    assert registry.default_for("cpu", torch.float32).loop == "chunked"
+
+
+def test_a_tight_budget_leaves_the_tuner_only_recompute():
+    """flce-tune --budget-gb 0.5 at Llama-3's shape: the memory bound prunes every chunked config (each holds
+    the fp32 V x H dW accumulator), so the search can only find a recompute config."""
+    from flce_compile.tuning.search import run_search
+    from flce_compile.tuning.space import SearchSpace
+
+    budget = int(0.5 * 2**30)
+    space = SearchSpace(tokens=16384, vocab=128256, hidden=4096, budget_bytes=budget,
+                        base=FLCEConfig(strategy="triton", chunk_tokens=2048))
+    for strategy in ("torch", "triton"):
+        assert space.over_budget(FLCEConfig(strategy=strategy, chunk_tokens=128)) is not None
+
+    def objective(config):  # deterministic: larger chunks and blocks are faster; memory as the bound says
+        return 100.0 / (config.chunk_tokens * config.vocab_block) ** 0.25, space.predicted_bytes(config)
+
+    result = run_search(objective, space, default=space.base, n_trials=12, seed=0, budget_bytes=budget)
+    assert result.best is not None and result.best.strategy == "recompute"
+    assert space.predicted_bytes(result.best) <= budget
+
+
+def test_fit_budget_moves_from_smaller_chunks_to_recompute():
+    from flce_compile.plan.choose import fit_budget
+
+    base = FLCEConfig(strategy="triton", chunk_tokens=2048)
+    args = (16384, 128256, 4096, torch.bfloat16, torch.float32)
+    assert fit_budget(base, *args, int(3.0 * 2**30)) == base  # 2.45 GiB: the usual config fits
+    smaller = fit_budget(base, *args, int(2.3 * 2**30))
+    assert smaller.strategy == "triton" and smaller.chunk_tokens < 2048
+    tight = fit_budget(base, *args, int(0.5 * 2**30))
+    assert tight.strategy == "recompute" and peak_bytes(tight, *args[:4]) <= 0.5 * 2**30
+    with pytest.raises(ValueError, match="memory_budget_gb=0.01: no config fits .* raise the budget"):
+        fit_budget(base, *args, int(0.01 * 2**30))
+
+
+def test_memory_budget_of_the_op(monkeypatch):
+    """memory_budget_gb: bf16 on the CPU, where the chunked strategy's fp32 dW accumulator (8 MiB) cannot fit
+    7 MiB; the op then runs the recompute strategy, with eager's gradients."""
+    import flce_compile.op as op_module
+    from flce_reference import reference_loss
+
+    calls = []
+    original = op_module.recompute_backward
+    monkeypatch.setattr(op_module, "recompute_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    x, w, t = random_inputs(n=512, h=256, v=8192, dtype=torch.bfloat16)
+    for budget, recomputed in ((1.0, False), (7 / 1024, True)):
+        calls.clear()
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fused_linear_cross_entropy(xs, ws, t, memory_budget_gb=budget).backward()
+        assert bool(calls) == recomputed
+        xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+        reference_loss(xe, we, t).backward()
+        torch.testing.assert_close(ws.grad.float(), we.grad.float(), rtol=2e-2, atol=2e-4)
+    with pytest.raises(ValueError, match="memory_budget_gb"):
+        fused_linear_cross_entropy(x, w, t, memory_budget_gb=-1.0)
+
+
+def test_choose_config_with_a_budget():
+    from flce_compile import choose_config
+
+    args = (16384, 128256, 4096, torch.bfloat16, torch.device("cuda"))
+    config, source = choose_config(*args, memory_budget_gb=0.5)
+    assert config.strategy == "recompute" and source.endswith("fitted to 0.5 GiB")
+    assert choose_config(*args, memory_budget_gb=100.0) == choose_config(*args)
