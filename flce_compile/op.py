@@ -264,9 +264,9 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
             "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
     grads = ctx.grads
-    # One factor in the loss's dtype (fp32, fp64 for fp64): each element is scaled once and rounded once (a
-    # 0-dim tensor does not promote the bf16/fp16 result). grad_scale is a power of two, so the product is as
-    # exact as grad_output; with GradScaler's power-of-two scales it is exact.
+    # One factor in the loss's dtype (fp32, fp64 for fp64), applied so that each element is rounded once
+    # (``_scale_in_place``). grad_scale is a power of two, so the factor is as exact as grad_output; with
+    # GradScaler's power-of-two scales it is exact.
     g = grad_loss.to(ctx.grad_scale.dtype) * ctx.grad_scale
     if grads[0].dtype == torch.float64:
         # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
@@ -276,7 +276,19 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
     in_place = not torch.compiler.is_compiling()
-    return tuple((t.mul_(g) if in_place else t * g) if t.numel() else t for t in grads)
+    return tuple((_scale_in_place(t, g) if in_place else t * g) if t.numel() else t for t in grads)
+
+
+def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
+    """``t *= g`` with a single rounding. On the CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's
+    CUDA kernels first cast a 0-dim CUDA tensor to ``t``'s dtype, which would round a bf16/fp16 gradient twice
+    when grad_output is not a power of two, so there a small Triton kernel does it (no host sync)."""
+    if (t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
+            and g.dim() == 0 and g.dtype == torch.float32):
+        from .kernels.scale import scale_in_place
+
+        return scale_in_place(t, g)
+    return t.mul_(g)
 
 
 def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:

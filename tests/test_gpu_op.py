@@ -351,3 +351,27 @@ def test_recompute_strategy_on_gpu():
         e_ours = (ours.double() - exact).norm() / exact.norm()
         e_same = (same.double() - exact).norm() / exact.norm()
         assert e_ours <= e_same * 1.02 + 1e-5, (float(e_ours), float(e_same))
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_grad_output_not_a_power_of_two_is_rounded_once(return_logits):
+    """(loss / 3).backward(): each gradient is the fp32 product of the forward-computed gradient and
+    grad_scale * grad_output, rounded once to bf16 (kernels/scale.py). CUDA's ``mul_`` with a 0-dim CUDA
+    tensor would round the factor 1/3 to bf16 first."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(8192, 512, device="cuda") * 0.05).to(torch.bfloat16)
+    t = torch.randint(0, 8192, (2048,), device="cuda")
+
+    def grads(factor: float):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fused_linear_cross_entropy(xs, ws, t, return_logits=return_logits)
+        loss = out[0] if return_logits else out
+        (loss * factor).backward()
+        return xs.grad, ws.grad
+
+    one = grads(1.0)  # grad_scale is a power of two: these are the forward's gradients exactly
+    third = grads(1 / 3)
+    factor = torch.tensor(1 / 3, dtype=torch.float32, device="cuda")
+    for g1, g3 in zip(one, third):
+        assert torch.equal(g3, (g1.float() * factor).to(torch.bfloat16))

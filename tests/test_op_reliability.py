@@ -514,3 +514,23 @@ def test_grad_scale_output_rebuilds_the_gradient():
     reference_loss(xr, w, t).backward()
     torch.testing.assert_close(out[2] * scale, xr.grad)
     assert torch.ops.flce.fused_linear_cross_entropy(*_op_args(x, w, t, "sum"))[5].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_kernel_rounds_once(dtype, monkeypatch):
+    """The backward scale by grad_scale * grad_output (kernels/scale.py): one rounding of the fp32 product,
+    where CUDA's ``mul_`` with a 0-dim CUDA tensor would round the factor to bf16 first. Run through the
+    Triton interpreter on the CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flce_compile.kernels.scale import scale_in_place
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(5000, generator=gen).to(dtype)
+    factor = torch.tensor(1 / 3, dtype=torch.float32)
+    expected = (t.float() * factor).to(dtype)  # the fp32 product, rounded once
+    twice = t * factor.to(dtype)  # what a bf16-rounded factor gives
+    out = scale_in_place(t.clone(), factor)
+    assert torch.equal(out, expected)
+    assert not torch.equal(twice, expected)  # the case is one where rounding the factor first differs
+    with pytest.raises(ValueError, match="0-dim fp32 factor"):
+        scale_in_place(t.clone(), factor.double())
