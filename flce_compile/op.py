@@ -283,7 +283,10 @@ def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
     """``t *= g`` with a single rounding. On the CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's
     CUDA kernels first cast a 0-dim CUDA tensor to ``t``'s dtype, which would round a bf16/fp16 gradient twice
     when grad_output is not a power of two, so there a small Triton kernel does it (no host sync)."""
-    if (t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
+    # Only real tensors: AOT autograd traces the backward with fake/functional tensors (and
+    # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
+    if (type(t) is Tensor and type(g) is Tensor and t.device.type == "cuda"
+            and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
             and g.dim() == 0 and g.dtype == torch.float32):
         from .kernels.scale import scale_in_place
 

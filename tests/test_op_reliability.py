@@ -534,3 +534,16 @@ def test_scale_kernel_rounds_once(dtype, monkeypatch):
     assert not torch.equal(twice, expected)  # the case is one where rounding the factor first differs
     with pytest.raises(ValueError, match="0-dim fp32 factor"):
         scale_in_place(t.clone(), factor.double())
+
+
+def test_backward_scale_traces_with_fake_cuda_tensors():
+    """AOT autograd traces the op's backward with fake CUDA tensors (is_compiling() is False there): the
+    scale must stay a traceable ``mul_``, never a Triton launch on a fake tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flce_compile.op import _scale_in_place
+
+    with FakeTensorMode():
+        t = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+        out = _scale_in_place(t, torch.empty((), device="cuda"))
+        assert out.shape == (64, 32) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
