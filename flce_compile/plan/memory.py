@@ -72,14 +72,18 @@ VB, NEED_DX, ACC_BLOCK = sympy.symbols("vocab_block need_dx acc_block", integer=
 @functools.cache
 def recompute_peak_bytes_expr() -> sympy.Expr:
     """The "recompute" strategy's bound: the larger of its forward (the chunk loop without gradients: one
-    chunk of logits and the CE temporaries) and its backward (the dX sum over all tokens and one block's dW
+    chunk of logits and the CE temporaries, less the returned gradients, which do not exist yet) and its backward (the dX sum over all tokens and one block's dW
     rows, in the accumulator dtype when it differs from the weight's, one chunk x block buffer of logits and
     its CE temporaries), plus the saved lse and the per-token vectors. Nothing is V x H or BT x V."""
     rows = sympy.Min(CHUNK, BT)
     block = sympy.Min(VB, V)
     row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
     block_bytes = sympy.ceiling(block * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
-    forward = rows * row_bytes + K32 * rows * V * 4
+    # Forward runs before the returned gradients exist, so its chunk of logits is counted against the space
+    # they take later (the bound is the peak above inputs and gradients): a chunk of 4096 x 128256 bf16
+    # logits (1.05 GB) fits under the 1.18 GB of dX + dW at 16384 x 4096 x 128256.
+    returned = NEED_DX * BT * H * S + NEED_DW * V * H * S + NEED_DB * V * S
+    forward = rows * row_bytes + K32 * rows * V * 4 - returned
     backward = (NEED_DX * BT * H * ACC + NEED_DW * block * H * ACC_BLOCK + NEED_DB * block * 4
                 + rows * block_bytes + K32 * rows * block * 4)
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
