@@ -1,0 +1,290 @@
+"""The vocabulary-parallel op in two gloo processes on the CPU, against the unsharded eager formula in fp32.
+
+One spawn runs every case on both ranks and saves what each rank got (loss, the full input gradient, its own
+weight and bias shard gradients, error messages); the tests compare them here. Each rank holds the same input and
+target and a contiguous half of the weight's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+import zlib
+
+import pytest
+import torch
+
+import flce_compile as fc
+from tests.flce_reference import reference_loss
+
+N, H, V = 10, 8, 24
+FORCED = {"chunk_tokens": 4, "vocab_block": 5}  # several token chunks and vocabulary blocks per rank
+
+#: case -> options of both ops. Every case has ignored tokens and targets in both halves of the vocabulary.
+CASES = {
+    "mean": {},
+    "sum": {"reduction": "sum"},
+    "none": {"reduction": "none"},
+    "smoothing": {"label_smoothing": 0.2},
+    "z_loss": {"z_loss": 0.05},
+    "softcap": {"softcap": 1.5, "logit_scale": 1.7},
+    "ce_weight": {"ce_weight": True, "label_smoothing": 0.1},
+    "bias": {"bias": True},
+    "everything": {"bias": True, "ce_weight": True, "label_smoothing": 0.15, "z_loss": 0.02, "softcap": 3.0,
+                   "logit_scale": 0.8, "reduction": "sum"},
+    "ignore_index_7": {"ignore_index": 7},
+    "all_ignored": {"all_ignored": True},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(case: str, v: int = V):
+    """The full (unsharded) inputs of a case, the same on every rank (seeded)."""
+    opts = dict(CASES.get(case, {}))
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))  # stable across processes
+    x = torch.randn(N, H, generator=g)
+    w = torch.randn(v, H, generator=g) / H**0.5
+    b = torch.randn(v, generator=g) if opts.pop("bias", False) else None
+    t = torch.randint(0, v, (N,), generator=g)
+    t[0], t[1] = 1, v - 2  # one target in each half
+    ignore = opts.get("ignore_index", -100)
+    t[3] = ignore
+    if opts.pop("all_ignored", False):
+        t[:] = ignore
+    if opts.pop("ce_weight", False):
+        opts["ce_weight"] = torch.rand(v, generator=g) + 0.5
+    grad_out = torch.randn(N, generator=g) if opts.get("reduction") == "none" else None
+    return x, w, b, t, opts, grad_out
+
+
+def _shard(t: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | None:
+    return None if t is None else t.chunk(world)[rank].clone()
+
+
+def _run_case(case: str, rank: int, world: int, group) -> dict:
+    x, w, b, t, opts, grad_out = _inputs(case)
+    xs = x.clone().requires_grad_()
+    ws = _shard(w, rank, world).requires_grad_()
+    bs = _shard(b, rank, world)
+    if bs is not None:
+        bs.requires_grad_()
+    loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, bs, group=group, config=FORCED, **opts)
+    loss.backward(grad_out)
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": ws.grad, "db": bs.grad if bs is not None else None}
+
+
+def _run_dtensor(mesh, rank: int) -> dict:
+    """A DTensor weight and bias (Shard(0)) with an odd vocabulary (torch splits it 12 + 11)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, w, b, t, _opts, _g = _inputs("dtensor", v=V - 1)
+    b = torch.randn(V - 1, generator=torch.Generator().manual_seed(3))
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    bd = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+    xs = x.clone().requires_grad_()
+    loss = fc.vocab_parallel_linear_cross_entropy(xs, wd, t, bd, label_smoothing=0.1, config=FORCED)
+    loss.backward()
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": wd.grad.full_tensor(), "db": bd.grad.full_tensor(),
+            "dw_placements": [type(p).__name__ + str(getattr(p, "dim", "")) for p in wd.grad.placements],
+            "local_rows": wd.grad.to_local().shape[0]}
+
+
+def _run_compiled(rank: int, world: int, group) -> dict:
+    """The op called in a function compiled with torch.compile, fullgraph (the op's custom-op nodes). No config:
+    Dynamo does not trace the config's dataclass checks (the single-device op has the same limit)."""
+    import torch._dynamo
+
+    x, w, b, t, _opts, _g = _inputs("compiled")
+    xs, ws = x.clone().requires_grad_(), _shard(w, rank, world).requires_grad_()
+
+    def f(x, w, t):
+        return fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, z_loss=0.01) * 2.0
+
+    torch._dynamo.reset()
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(xs, ws, t)
+    loss.backward()
+    return {"loss": loss.detach() / 2, "dx": xs.grad / 2, "dw": ws.grad / 2, "db": None}
+
+
+def _errors(mesh, group) -> dict:
+    """Each bad call's error message (or 'no error')."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, w, _b, t, _o, _g = _inputs("mean")
+    calls = {
+        "vp_shard1": lambda: fc.vocab_parallel_linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(1)]), t),
+        "vp_replicate": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, distribute_tensor(w, mesh, [Replicate()]), t),
+        "single_shard0": lambda: fc.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(0)]), t),
+        "single_replicate": lambda: fc.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), t),
+        "single_input": lambda: fc.fused_linear_cross_entropy(distribute_tensor(x, mesh, [Shard(0)]), w, t),
+        "hidden_mismatch": lambda: fc.vocab_parallel_linear_cross_entropy(x[:, :5], w[:12], t, group=group),
+        "target_shape": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t[:4], group=group),
+        "no_group": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t),
+        "bad_start": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=20,
+                                                                    vocab_size=24),
+        "ce_weight_shard": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                          ce_weight=torch.ones(12)),
+        "target_range": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t.clamp(max=V - 1) + 1,
+                                                                       group=group),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        group = mesh.get_group()
+        for case in CASES:
+            results[case] = _run_case(case, rank, world, group)
+        results["dtensor"] = _run_dtensor(mesh, rank)
+        results["compiled"] = _run_compiled(rank, world, group)
+        results["errors"] = _errors(mesh, group)
+    except Exception:  # noqa: BLE001 - reported by the test
+        results["crash"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results of one two-process run."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("vp")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for r in got:
+        assert "crash" not in r, r["crash"]
+    return got
+
+
+def _reference(case: str, v: int = V, **extra) -> dict:
+    x, w, b, t, opts, grad_out = _inputs(case, v)
+    opts.update(extra)
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    loss = reference_loss(x, w, t, b, **opts)
+    loss.backward(grad_out)
+    return {"loss": loss.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad if b is not None else None}
+
+
+def _check(got_ranks: list[dict], ref: dict, sharded: bool = True) -> None:
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got_ranks[0]["loss"], ref["loss"], equal_nan=True, **tol)
+    # The same loss, bit for bit, on every rank; the full input gradient on every rank.
+    assert torch.equal(got_ranks[0]["loss"], got_ranks[1]["loss"]) or (
+        got_ranks[0]["loss"].isnan().all() and got_ranks[1]["loss"].isnan().all())
+    for got in got_ranks:
+        torch.testing.assert_close(got["dx"], ref["dx"], **tol)
+    if sharded:  # each rank's gradient is its own rows' only
+        for key in ("dw", "db"):
+            if ref[key] is None:
+                assert got_ranks[0][key] is None
+                continue
+            torch.testing.assert_close(torch.cat([g[key] for g in got_ranks]), ref[key], **tol)
+    else:
+        for key in ("dw", "db"):
+            torch.testing.assert_close(got_ranks[0][key], ref[key], **tol)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "all_ignored"])
+def test_matches_unsharded(ranks, case):
+    _check([r[case] for r in ranks], _reference(case))
+
+
+def test_all_ignored_mean_is_nan_with_zero_gradients(ranks):
+    for r in ranks:
+        got = r["all_ignored"]
+        assert got["loss"].isnan()
+        assert not got["dx"].any() and not got["dw"].any()
+
+
+def test_dtensor_weight_and_bias(ranks):
+    x, w, _b, t, _opts, _g = _inputs("dtensor", v=V - 1)
+    b = torch.randn(V - 1, generator=torch.Generator().manual_seed(3))
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    loss = reference_loss(xr, wr, t, br, label_smoothing=0.1)
+    loss.backward()
+    ref = {"loss": loss.detach(), "dx": xr.grad, "dw": wr.grad, "db": br.grad}
+    _check([r["dtensor"] for r in ranks], ref, sharded=False)
+    assert [r["dtensor"]["local_rows"] for r in ranks] == [12, 11]
+    assert ranks[0]["dtensor"]["dw_placements"] == ["Shard0"]
+
+
+def test_compiled_call(ranks):
+    _check([r["compiled"] for r in ranks], _reference("compiled", z_loss=0.01))
+
+
+@pytest.mark.parametrize("name, fragments", [
+    ("vp_shard1", ["Shard(dim=1)", "(Shard(0),) on a 1-D mesh", ".full_tensor()"]),
+    ("vp_replicate", ["Replicate()", "(Shard(0),)", ".full_tensor()"]),
+    ("single_shard0", ["vocab_parallel_linear_cross_entropy", "FSDP", "full_tensor()"]),
+    ("single_replicate", ["weight is a DTensor", "weight.full_tensor()", "(Shard(0),) on a 1-D mesh"]),
+    ("single_input", ["input is a DTensor", "input.full_tensor()"]),
+    ("hidden_mismatch", ["hidden size 5"]),
+    ("target_shape", ["target shape (4,)"]),
+    ("no_group", ["group="]),
+    ("bad_start", ["vocab_start=20"]),
+    ("ce_weight_shard", ["ce_weight", "(24,)"]),
+    ("target_range", ["outside [0, 24)", "ignore_index"]),
+])
+def test_errors_name_the_fix(ranks, name, fragments):
+    for r in ranks:
+        message = r["errors"][name]
+        assert message.startswith("ValueError"), message
+        for fragment in fragments:
+            assert fragment in message, (fragment, message)
+
+
+def test_stats_step_triton_matches_torch():
+    """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
+    pytest.importorskip("triton")
+    from flce_compile.params import LossParams
+    from flce_compile.plan.config import FLCEConfig
+    from flce_compile.strategies.ce_common import CEStepArgs
+    from flce_compile.strategies.ce_torch import ce_step_torch
+    from flce_compile.strategies.ce_triton import ce_step_triton
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, generator=g)
+    target = torch.tensor([0, 10, 14, 3, -100, 20])
+    ce_weight = torch.rand(24, generator=g)
+    p = LossParams(label_smoothing=0.1, softcap=2.0, logit_scale=1.3)
+    outs = []
+    for step in (ce_step_torch, ce_step_triton):
+        stats = torch.full((3, 6), float("nan"))
+        one = torch.ones(())
+        step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=ce_weight.sum(), ce_scale=one,
+                        z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False, class_offset=8,
+                        num_classes=24, stats_out=stats), p, FLCEConfig(block_v=4))
+        outs.append(stats)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    z = 2.0 * torch.tanh(1.3 * logits / 2.0)
+    torch.testing.assert_close(outs[0][0], torch.logsumexp(z, 1))
+    assert outs[0][1].tolist()[0] == 0.0 and outs[0][1][1] == z[1, 2]  # target 0 lies outside [8, 17)
+    torch.testing.assert_close(outs[0][2], z @ ce_weight[8:17])
