@@ -253,6 +253,21 @@ def _replicated_local(t: Tensor | None, name: str) -> Tensor | None:
     return t.to_local()
 
 
+def _shard0_offset(vocab: int, world: int, rank: int, local_rows: int) -> int:
+    """The first row of ``rank``'s block of a Shard(0) DTensor: torch splits V as ``torch.chunk`` does,
+    ceil(V / world) rows a rank, the last ones short (computed here from sizes alone: torch's own helper reads
+    a tensor, which fails while a compiler traces with fake tensors)."""
+    chunk = -(-vocab // world)
+    start = min(rank * chunk, vocab)
+    if local_rows != min(chunk, vocab - start):
+        raise ValueError(
+            f"the weight's local shard has {local_rows} rows where Shard(0) of {vocab} rows over {world} ranks "
+            f"gives rank {rank} {min(chunk, vocab - start)}: pass its local shard (weight.to_local()) with group= "
+            "and vocab_start="
+        )
+    return start
+
+
 def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int | None,
               vocab_size: int | None) -> tuple[Tensor, Tensor | None, Any, int, int]:
     """(local weight, local bias, group, vocab_start, vocab_total) from a Shard(0) DTensor or a local shard."""
@@ -266,16 +281,15 @@ def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int 
         if group is not None or vocab_start is not None or vocab_size is not None:
             raise ValueError("group, vocab_start and vocab_size come from the DTensor weight's mesh and shape; "
                              "pass them only with a plain local-shard weight")
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         mesh = weight.device_mesh
-        _shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        local = weight.to_local()
+        start = _shard0_offset(weight.shape[0], mesh.size(), mesh.get_local_rank(), local.shape[0])
         local_bias = None
         if bias is not None:
             if not is_dtensor(bias) or tuple(bias.placements) != tuple(weight.placements):
                 raise ValueError("bias must be sharded like the weight: a DTensor with placements (Shard(0),)")
             local_bias = bias.to_local()
-        return weight.to_local(), local_bias, mesh.get_group(), int(offset[0]), int(weight.shape[0])
+        return local, local_bias, mesh.get_group(), start, int(weight.shape[0])
     if group is None:
         raise ValueError(
             "weight is a plain tensor, so the vocabulary-parallel op needs group= (the process group its rows are "

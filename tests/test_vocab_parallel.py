@@ -112,6 +112,75 @@ def _run_compiled(rank: int, world: int, group) -> dict:
     return {"loss": loss.detach() / 2, "dx": xs.grad / 2, "dw": ws.grad / 2, "db": None}
 
 
+class _TPHead(torch.nn.Module):
+    """An embedding, a tensor-parallel lm_head (ColwiseParallel, logits sharded over V) and the loss."""
+
+    def __init__(self, return_logits: bool = False) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.return_logits = return_logits
+
+    def forward(self, idx, labels):
+        logits = self.lm_head(torch.tanh(self.emb(idx)))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        return (loss, logits) if self.return_logits else loss
+
+
+def _tp_model(mesh, return_logits: bool = False) -> torch.nn.Module:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = _TPHead(return_logits)
+    return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
+                                                                       use_local_output=False)})
+
+
+def _run_tp_site(mesh) -> dict:
+    """The loss_parallel site compiled with backend="flce" (loss_parallel around the compiled call), against the
+    same model in eager; and explain's reports for it and for a model that also returns the logits."""
+    import torch._dynamo
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from flce_compile.compiler.tensor_parallel import flce_vocab_parallel_loss
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    labels[0, 0] = -100
+    model = _tp_model(mesh)
+    with loss_parallel():
+        ref = model(idx, labels)
+        ref.backward()
+    ref_grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                 for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    torch._dynamo.reset()
+    with loss_parallel():
+        report = [(r.path, r.reason) for r in fc.explain(model, idx, labels)]
+        escaped = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh, return_logits=True), idx, labels)]
+        loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
+        loss.backward()
+    return {
+        "report": report, "escaped": escaped, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
+        "loss_type": type(loss).__name__, "ref_grads": ref_grads,
+        "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                  for n, p in model.named_parameters()},
+        "fused": [n.target is flce_vocab_parallel_loss for gm in graphs for n in gm.graph.nodes].count(True),
+        "left": sorted({str(n.target) for gm in graphs for n in gm.graph.nodes
+                        if n.op in ("call_method", "call_function") and ("linear" in str(n.target)
+                                                                          or "redistribute" in str(n.target))}),
+    }
+
+
 def _errors(mesh, group) -> dict:
     """Each bad call's error message (or 'no error')."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -159,6 +228,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["dtensor"] = _run_dtensor(mesh, rank)
         results["compiled"] = _run_compiled(rank, world, group)
         results["errors"] = _errors(mesh, group)
+        results["tp_site"] = _run_tp_site(mesh)
     except Exception:  # noqa: BLE001 - reported by the test
         results["crash"] = traceback.format_exc()
     finally:
@@ -288,3 +358,23 @@ def test_stats_step_triton_matches_torch():
     torch.testing.assert_close(outs[0][0], torch.logsumexp(z, 1))
     assert outs[0][1].tolist()[0] == 0.0 and outs[0][1][1] == z[1, 2]  # target 0 lies outside [8, 17)
     torch.testing.assert_close(outs[0][2], z @ ce_weight[8:17])
+
+
+def test_compiled_tensor_parallel_site_is_rewritten(ranks):
+    """ColwiseParallel lm_head + loss_parallel cross-entropy, compiled with backend="flce": the site becomes the
+    vocabulary-parallel op (no lm_head GEMM, no redistribute left) and matches eager loss_parallel."""
+    for r in ranks:
+        got = r["tp_site"]
+        assert got["report"] == [("vocab_parallel", None)], got["report"]
+        assert got["fused"] == 1 and got["left"] == [], got["left"]
+        assert got["loss_type"] == "DTensor"
+        torch.testing.assert_close(got["loss"], got["ref_loss"], rtol=1e-5, atol=1e-6)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tensor_parallel_site_with_returned_logits_says_why(ranks):
+    (path, reason), = ranks[0]["tp_site"]["escaped"]
+    assert path == "unchanged"
+    assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
+    assert "used outside the loss" in reason

@@ -97,6 +97,8 @@ class ExplainReport(list):
 def _strategy(res: SiteResult, forced: Mapping[str, Any] | None) -> str | None:
     if res.path == "kept_logits":
         return "chunked-ce-over-kept-logits"
+    if res.path == "vocab_parallel":
+        return "vocab-parallel (lse in forward, logits recomputed by shard in backward)"
     if res.path not in ("fused", "fused_keep"):
         return None
     from ..plan.choose import resolve_config
