@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (False on a torch without torch.distributed)."""
+    """Whether ``t`` is a DTensor (False on a torch without torch.distributed). Plain tensors and parameters
+    are answered without importing torch.distributed.tensor (the single-device op asks on every call)."""
+    if t is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed

@@ -121,8 +121,10 @@ class _TPHead(torch.nn.Module):
         self.lm_head = torch.nn.Linear(H, V, bias=False)
         self.return_logits = return_logits
 
-    def forward(self, idx, labels):
+    def forward(self, idx, labels=None):
         logits = self.lm_head(torch.tanh(self.emb(idx)))
+        if labels is None:  # the loss is the caller's
+            return logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
         return (loss, logits) if self.return_logits else loss
 
@@ -167,10 +169,11 @@ def _run_tp_site(mesh) -> dict:
     with loss_parallel():
         report = [(r.path, r.reason) for r in fc.explain(model, idx, labels)]
         escaped = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh, return_logits=True), idx, labels)]
+        lone = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh), idx)]
         loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
         loss.backward()
     return {
-        "report": report, "escaped": escaped, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
+        "report": report, "escaped": escaped, "lone": lone, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
         "loss_type": type(loss).__name__, "ref_grads": ref_grads,
         "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                   for n, p in model.named_parameters()},
@@ -378,3 +381,65 @@ def test_tensor_parallel_site_with_returned_logits_says_why(ranks):
     assert path == "unchanged"
     assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
     assert "used outside the loss" in reason
+
+
+def test_tensor_parallel_head_without_its_loss_says_why(ranks):
+    """The model returns the sharded logits and the caller takes the loss: nothing to fuse in the graph."""
+    (path, reason), = ranks[0]["tp_site"]["lone"]
+    assert path == "unchanged"
+    assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
+    assert "loss_parallel() around the compiled call" in reason
+
+
+def _gpu_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """bf16 on cuda:rank over NCCL: the Triton CE step's statistics mode and the recompute backward."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        x, w, t = _gpu_inputs(torch.device("cuda", rank))
+        xs, ws = x.clone().requires_grad_(), w.chunk(world)[rank].clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error")  # no host sync anywhere in forward or backward
+        loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, group=dist.group.WORLD, **GPU_OPTIONS)
+        loss.backward()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.save({"loss": loss.detach().cpu(), "dx": xs.grad.cpu(), "dw": ws.grad.cpu()},
+                   os.path.join(out_dir, f"gpu{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+GPU_OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0, "config": {"chunk_tokens": 512}}
+
+
+def _gpu_inputs(device: torch.device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2048, 256, device=device, generator=g).bfloat16()
+    w = (torch.randn(8192, 256, device=device, generator=g) / 16).bfloat16()
+    t = torch.randint(0, 8192, (2048,), device=device, generator=g)
+    t[::17] = -100
+    return x, w, t
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_the_single_device_op(tmp_path):
+    """NCCL over two GPUs, bf16, against the single-device op with the whole weight (both exact to eager's
+    error: a loose relative bound on dX and dW, the loss to fp32 rounding)."""
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    mp.spawn(_gpu_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"gpu{r}.pt") for r in range(2)]
+    x, w, t = _gpu_inputs(torch.device("cuda", 0))
+    x, w = x.requires_grad_(), w.requires_grad_()
+    ref = fc.fused_linear_cross_entropy(x, w, t, **GPU_OPTIONS)
+    ref.backward()
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert torch.equal(got[0]["loss"], got[1]["loss"])
+    torch.testing.assert_close(got[0]["loss"], ref.detach().cpu(), rtol=1e-5, atol=1e-5)
+    for r in got:
+        assert rel(r["dx"], x.grad.cpu()) < 1e-2
+    assert rel(torch.cat([r["dw"] for r in got]), w.grad.cpu()) < 1e-2

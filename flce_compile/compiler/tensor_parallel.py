@@ -53,6 +53,18 @@ def _is_last_dim_shard(placement: Any, ndim: int) -> bool:
     return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
 
 
+def returned_through_redistribute(node: fx.Node) -> bool:
+    """Whether the lm_head ``node``'s logits leave the graph through the output hook's ``redistribute`` (a
+    tensor-parallel lm_head whose loss is computed outside the compiled graph)."""
+    return any(u.op == "call_method" and u.target == "redistribute" and any(o.op == "output" for o in u.users)
+               for u in node.users)
+
+
+#: explain's reason for a tensor-parallel lm_head whose loss is not in the graph.
+LONE_HEAD = (f"{ADVICE} on the logits (the loss is outside this graph); or compute the loss in the compiled "
+             "forward and enter loss_parallel() around the compiled call, which backend='flce' rewrites")
+
+
 def is_tensor_parallel(site: Site) -> bool:
     """Whether the site's logits pass through a ``redistribute`` (a DTensor lm_head)."""
     return any(step.kind == "redistribute" for step in site.steps)
