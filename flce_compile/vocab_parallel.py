@@ -23,8 +23,12 @@ needs one (latency-bound) collective per chunk inside the loop, each stalling th
 V_local x H fp32 dW accumulator; here forward has a single collective of 12 bytes per token after the loop and
 backward one dX all-reduce, the same amount as the forward form's, and the dW buffer is one block's. The cost
 is a second logits GEMM, 1/world of the unsharded one on each rank. Reduction "none" (per-token grad_output)
-comes for free, and the ops stay opaque custom ops (``torch.library``) whose collectives run at run time, so a
-compiled graph holds each as one node.
+comes for free.
+
+Autograd: two ``torch.library`` custom ops, ``flce::vocab_parallel_cross_entropy`` and its ``_backward``, joined
+by ``register_autograd`` (not a ``torch.autograd.Function``): ``torch.compile`` (``fullgraph=True`` included)
+traces the public function into one opaque forward node, AOT autograd puts the backward op in the backward
+graph, and the collectives run inside the op bodies at run time.
 
 Collectives go through ``torch.distributed`` on the given group (gloo on the CPU, NCCL on GPUs), named by the
 group's ``group_name`` across the custom-op boundary. No value is read back to the host on the GPU.
