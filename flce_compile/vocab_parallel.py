@@ -333,6 +333,8 @@ def vocab_parallel_linear_cross_entropy(
     accum_dtype: torch.dtype | None = None,
     precision: str = "exact",
     config: FLCEConfig | Mapping[str, Any] | None = None,
+    return_logits: bool = False,
+    memory_budget_gb: float | None = None,
 ) -> Tensor:
     """``fused_linear_cross_entropy`` with the lm_head's weight sharded over the vocabulary across ranks.
 
@@ -347,13 +349,25 @@ def vocab_parallel_linear_cross_entropy(
         group: the process group of a plain local-shard weight. vocab_start, vocab_size: the shard's first class
             and V; by default rank * V_local and world * V_local (equal, contiguous shards in rank order).
         ce_weight: (V,) class weights over all classes, the same on every rank.
-        The other options are ``fused_linear_cross_entropy``'s (``return_logits`` and ``memory_budget_gb`` are
-        not offered: the logits never exist whole, and the memory is that of the "recompute" strategy).
+        The other options are ``fused_linear_cross_entropy``'s. ``return_logits=True`` and ``memory_budget_gb``
+        raise NotImplementedError: the logits never exist whole, and the memory is fixed by the shard (one
+        chunk of local logits in forward, the "recompute" loop's buffers in backward).
 
     Returns the loss, identical on every rank (a plain tensor): fp32, 0-dim, or shaped like ``target`` for
     "none". Its gradient reaches ``input`` in full (every slice's share, all-reduced), and the weight and bias
     shards with their own rows only (a Shard(0) DTensor gradient for a DTensor weight).
     """
+    if return_logits:
+        raise NotImplementedError(
+            "return_logits=True is not supported by vocab_parallel_linear_cross_entropy: no rank ever holds the "
+            "whole logits. Compute the sharded logits with F.linear on the local shard if you need them"
+        )
+    if memory_budget_gb is not None:
+        raise NotImplementedError(
+            "memory_budget_gb is not supported by vocab_parallel_linear_cross_entropy: its memory is one chunk of "
+            "local logits and the recompute backward's buffers; pass config={'chunk_tokens': ..., 'vocab_block': "
+            "...} to make them smaller"
+        )
     weight_local, bias_local, group, start, total = _shard_of(weight, bias, group, vocab_start, vocab_size)
     input = _replicated_local(input, "input")
     target = _replicated_local(target, "target")

@@ -184,6 +184,21 @@ def _run_tp_site(mesh) -> dict:
     }
 
 
+def _run_compiled_dtensor(mesh) -> dict:
+    """The op on a Shard(0) DTensor weight in a function compiled with fullgraph=True."""
+    import torch._dynamo
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, w, _b, t, _opts, _g = _inputs("compiled_dtensor")
+    xs, wd = x.clone().requires_grad_(), distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w, t: fc.vocab_parallel_linear_cross_entropy(x, w, t, reduction="sum"),
+                      backend="aot_eager", fullgraph=True)
+    loss = f(xs, wd, t)
+    loss.backward()
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": wd.grad.full_tensor(), "db": None}
+
+
 def _errors(mesh, group) -> dict:
     """Each bad call's error message (or 'no error')."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -203,6 +218,10 @@ def _errors(mesh, group) -> dict:
                                                                     vocab_size=24),
         "ce_weight_shard": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
                                                                           ce_weight=torch.ones(12)),
+        "return_logits": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                        return_logits=True),
+        "memory_budget": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                        memory_budget_gb=1.0),
         "target_range": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t.clamp(max=V - 1) + 1,
                                                                        group=group),
     }
@@ -230,6 +249,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[case] = _run_case(case, rank, world, group)
         results["dtensor"] = _run_dtensor(mesh, rank)
         results["compiled"] = _run_compiled(rank, world, group)
+        results["compiled_dtensor"] = _run_compiled_dtensor(mesh)
         results["errors"] = _errors(mesh, group)
         results["tp_site"] = _run_tp_site(mesh)
     except Exception:  # noqa: BLE001 - reported by the test
@@ -313,6 +333,10 @@ def test_compiled_call(ranks):
     _check([r["compiled"] for r in ranks], _reference("compiled", z_loss=0.01))
 
 
+def test_compiled_call_on_a_dtensor_weight(ranks):
+    _check([r["compiled_dtensor"] for r in ranks], _reference("compiled_dtensor", reduction="sum"), sharded=False)
+
+
 @pytest.mark.parametrize("name, fragments", [
     ("vp_shard1", ["Shard(dim=1)", "(Shard(0),) on a 1-D mesh", ".full_tensor()"]),
     ("vp_replicate", ["Replicate()", "(Shard(0),)", ".full_tensor()"]),
@@ -332,6 +356,14 @@ def test_errors_name_the_fix(ranks, name, fragments):
         assert message.startswith("ValueError"), message
         for fragment in fragments:
             assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("name, option", [("return_logits", "return_logits=True"),
+                                          ("memory_budget", "memory_budget_gb")])
+def test_unsupported_options_raise_not_implemented(ranks, name, option):
+    for r in ranks:
+        message = r["errors"][name]
+        assert message.startswith(f"NotImplementedError: {option} is not supported"), message
 
 
 def test_stats_step_triton_matches_torch():
