@@ -133,10 +133,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     """Every variant on this rank; rank 0 returns the rows (one per variant, each rank's numbers)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
     n, h, v = (int(s) for s in args.shape.split("x"))
     x, w, t = make_inputs(n, h, v, seed=0, device=str(device), dtype=DTYPES[args.dtype])  # same on every rank
@@ -184,6 +181,8 @@ def table(env: dict, rows: list[dict]) -> str:
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> None:
     backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":  # before NCCL sets up its communicator on the current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         rows = run(rank, world, args)
