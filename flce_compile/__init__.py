@@ -8,6 +8,7 @@ from .plan.choose import choose_config
 from .plan.config import FLCEConfig
 from .plan.memory import peak_bytes, peak_bytes_expr
 from .tuning.which import ConfigChoice, which_config
+from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 __all__ = [
     "ConfigChoice",
@@ -20,6 +21,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "peak_bytes",
     "peak_bytes_expr",
+    "vocab_parallel_linear_cross_entropy",
     "which_config",
 ]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from .dtensor import refuse_dtensors
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import fit_budget, resolve_config
@@ -192,6 +193,7 @@ def fused_linear_cross_entropy(
             logits' memory and nothing else; a gradient that reaches them (an extra loss on the logits) is
             added to the inputs' gradients. "mean" and "sum" only.
     """
+    refuse_dtensors(input=input, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap)
     _validate_scalars(ignore_index, logit_scale, z_loss)
     if return_logits and reduction == "none":

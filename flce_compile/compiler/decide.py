@@ -11,6 +11,9 @@ Paths, from most to least memory saved:
   outside the compiled graph (see ``outputs``), so a caller that never uses them pays nothing in backward.
 * ``kept_logits``: the logits stay as the graph computes them and the loss is taken from them chunk-wise
   (used when ``fused_keep`` cannot be proven safe; its reason is in ``note``).
+* ``vocab_parallel``: a tensor-parallel lm_head (weight sharded over the vocabulary, loss under
+  ``loss_parallel()``) whose logits only the loss uses: the vocabulary-parallel op replaces the lm_head and the
+  loss (see ``tensor_parallel``).
 * ``unchanged``: with the reason.
 """
 
@@ -23,8 +26,9 @@ from torch import fx
 
 from .mutations import AliasMap, describe
 from .patterns import Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
+from .tensor_parallel import ADVICE, is_tensor_parallel, vocab_parallel_obstacle
 
-PATHS = ("fused", "fused_keep", "kept_logits", "unchanged")
+PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
 
 
 @dataclass
@@ -77,6 +81,8 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.escapes = escapes
     res.dropped = [n for n in all_escapes if n not in escapes]
     res.dropped_outputs = len(res.dropped)
+    if is_tensor_parallel(site):
+        return _vocab_parallel(site, res, escapes, aliases)
     if not escapes:
         plan = fold_steps(site, 0)
         if isinstance(plan, str):
@@ -95,6 +101,23 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     if obstacle is None:
         return res
     return _kept_logits(site, res, obstacle)
+
+
+def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.Node]],
+                    aliases: AliasMap) -> SiteResult:
+    """The tensor-parallel site: the vocab_parallel path, or unchanged with the reason and the advice."""
+    obstacle = vocab_parallel_obstacle(site, escapes)
+    plan = fold_steps(site, 0) if obstacle is None else None
+    if isinstance(plan, str):
+        obstacle = f"{ADVICE} ({plan})"
+    write = _head_write(site, aliases) if obstacle is None else None
+    if write is not None:
+        obstacle = f"{ADVICE} ({describe(write)} may write to a tensor the lm_head reads)"
+    if obstacle is not None:
+        res.reason = obstacle
+        return res
+    res.path, res.plan = "vocab_parallel", plan
+    return res
 
 
 def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str | None:

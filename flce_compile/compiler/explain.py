@@ -20,6 +20,7 @@ from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .options import FLCEOptions, split_options
 from .patterns import hint_int, match_linear, meta_value
+from .tensor_parallel import LONE_HEAD, returned_through_redistribute
 
 
 @dataclass
@@ -97,6 +98,8 @@ class ExplainReport(list):
 def _strategy(res: SiteResult, forced: Mapping[str, Any] | None) -> str | None:
     if res.path == "kept_logits":
         return "chunked-ce-over-kept-logits"
+    if res.path == "vocab_parallel":
+        return "vocab-parallel (lse in forward, logits recomputed by shard in backward)"
     if res.path not in ("fused", "fused_keep"):
         return None
     from ..plan.choose import resolve_config
@@ -144,7 +147,8 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
         if node in linked or node.op not in ("call_function", "call_module"):
             continue
         lin = match_linear(gm, node)
-        if lin is None or not any(u.op == "output" for u in node.users):
+        tensor_parallel = lin is not None and returned_through_redistribute(node)
+        if lin is None or not (tensor_parallel or any(u.op == "output" for u in node.users)):
             continue
         out, x = meta_value(node), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
@@ -154,8 +158,9 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
         reports.append(SiteReport(
             graph=index, loss=f"{node.name} (lm_head-like {lin.form}, output returned by the graph)", fused=False,
             path="unchanged", strategy=None, tokens=hint_int(out.numel() // out.shape[-1]), vocab=out.shape[-1],
-            hidden=None, reason="no loss in this graph consumes it; if a cross_entropy follows after a graph "
-            "break, nothing can be fused (remove the break between lm_head and the loss)",
+            hidden=None, reason=LONE_HEAD if tensor_parallel else "no loss in this graph consumes it; if a "
+            "cross_entropy follows after a graph break, nothing can be fused (remove the break between lm_head and "
+            "the loss)",
         ))
     return reports
 

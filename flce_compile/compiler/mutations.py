@@ -47,7 +47,9 @@ _PURE_BUILTINS = {builtins.getattr, builtins.len, builtins.isinstance, builtins.
 _PURE_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu",
                  "cuda", "type", "size", "dim", "numel", "stride", "element_size", "is_contiguous",
                  "is_floating_point", "data_ptr", "storage_offset", "get_device", "tolist", "item",
-                 "__getitem__", "__len__"}
+                 "__getitem__", "__len__",
+                 # DTensor methods: a new DTensor (or its local tensor, a view) with the same values
+                 "redistribute", "to_local", "full_tensor"}
 #: ATen ops whose schema promises a new tensor but whose implementation may hand back the input itself.
 _MAY_RETURN_INPUT = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
                      "dropout2d", "dropout3d", "type_as", "einsum", "__getitem__", "getitem"}
@@ -145,7 +147,7 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(first, False)
     if target in _PURE_OPERATORS:
         return Effect((), target is not operator.getitem)
-    if target in _PURE_BUILTINS:
+    if target in _PURE_BUILTINS or _is_dtensor_from_local(target):
         return Effect((), False)
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
@@ -163,6 +165,13 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         verdict = _aten_verdict(name)
         return Effect((), bool(verdict and verdict[1]))
     return _by_aten_name(name, unknown)
+
+
+def _is_dtensor_from_local(target: Any) -> bool:
+    """``DTensor.from_local`` as Dynamo records it (``torch.distributed.tensor._api.from_local``): it wraps its
+    input, writing nothing."""
+    return getattr(target, "__name__", "") == "from_local" and (getattr(target, "__module__", "") or "").startswith(
+        "torch.distributed.tensor")
 
 
 def _module_effect(gm: fx.GraphModule, node: fx.Node, first: tuple[fx.Node, ...], unknown: Effect) -> Effect:

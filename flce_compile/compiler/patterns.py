@@ -160,7 +160,7 @@ class LossMatch:
 class Step:
     """One op between the linear output and the loss input."""
 
-    kind: str  # identity | reshape | slice | scale | tanh | log_softmax | transpose
+    kind: str  # identity | reshape | slice | scale | tanh | log_softmax | transpose | redistribute
     node: fx.Node
     input: fx.Node  # the logits-side input of ``node``
     index: Any = None  # slice: the getitem index; transpose: the dim permutation; log_softmax: dim
@@ -304,6 +304,13 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
         # The mutation is visible through every alias of the logits; dropping or replaying it is not safe.
         return f"in-place {node.op} {name} on the logits"
 
+    if _is_method(node, ("redistribute",)):  # a DTensor lm_head's output hook (``tensor_parallel``)
+        from .tensor_parallel import redistribute_step_ok
+
+        problem = redistribute_step_ok(node)
+        if problem is not None:
+            return problem
+        return Step("redistribute", node, first), first
     if node.op == "call_method" and node.target in _IDENTITY_METHODS:
         val = meta_value(node)
         if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
@@ -462,7 +469,7 @@ def fold_steps(site: Site, start: int) -> Plan | str:
             return f"no shape information at {step.node.name}"
         if folder.pending_tanh and step.kind not in ("identity", "scale"):
             return "tanh is not followed by a constant multiply (not a softcap)"
-        if step.kind == "identity":
+        if step.kind in ("identity", "redistribute"):
             if val.dim() != len(order):
                 return f"{step.node.name} changes the rank"
         elif step.kind == "reshape":

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
+from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
@@ -25,6 +26,7 @@ from .decide import SiteResult, analyze
 from .mutations import effect
 from .outputs import LogitsOutput, OutputFixup
 from .patterns import meta_value
+from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
 def _compute_operands(input, weight, bias, compute_dtype):
@@ -310,7 +312,15 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
             ce_weight = new.add("get_attr", loss.ce_weight_attr, ()) if loss.ce_weight_attr else loss.ce_weight
             loss_args = (ce_weight, loss.ignore_index, loss.reduction, loss.label_smoothing, plan.softcap,
                          plan.logit_scale)
-            if res.path == "kept_logits":
+            if res.path == "vocab_parallel":
+                weight, bias = _head_operands(gm, lin, new)
+                x = local_input(site)
+                for idx in plan.indices:
+                    x = new.add("call_function", operator.getitem, (x, idx))
+                result = new.add("call_function", flce_vocab_parallel_loss, (
+                    x, weight, loss.target, bias, *loss_args, cfg, out_dtype, is_dtensor(loss_val)),
+                    {k: v for k, v in op_kwargs.items() if k == "precision"})
+            elif res.path == "kept_logits":
                 x = site.chain[max(site.chain.index(n) for n in res.escapes)]
                 for idx in plan.indices:
                     x = new.add("call_function", operator.getitem, (x, idx))

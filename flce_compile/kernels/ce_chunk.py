@@ -8,7 +8,9 @@ math is fp32; the true-class term is formed in fp32 before the single rounding t
 
 A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
 (``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss
-(``WRITE_LOSS``) needs whole rows.
+(``WRITE_LOSS``) needs whole rows. ``WRITE_STATS`` writes a slice's partial statistics instead (its own lse,
+the target's z when the target lies in the slice, the smoothing sum), which the vocabulary-parallel op combines
+over ranks.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def ce_chunk_kernel(
     loss_ptr,
     lse_out_ptr,
     lse_in_ptr,
+    stats_ptr,
+    stats_stride,
     vocab,
     class_offset,
     num_classes,
@@ -72,6 +76,7 @@ def ce_chunk_kernel(
     WRITE_LOSS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -137,6 +142,13 @@ def ce_chunk_kernel(
         tl.store(loss_ptr + row, loss)
     if WRITE_LSE:
         tl.store(lse_out_ptr + row, lse)
+    if WRITE_STATS:
+        here = (target_col >= 0) & (target_col < vocab)
+        raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))
+        z_t, _t = _transform(raw_t, logit_scale, softcap, HAS_SOFTCAP)
+        tl.store(stats_ptr + row, lse)
+        tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
+        tl.store(stats_ptr + 2 * stats_stride + row, weighted_z)
 
     if WRITE_GRAD:
         coef = ce_scale * ((1.0 - label_smoothing) * w_y + smooth_per_class * weight_sum)

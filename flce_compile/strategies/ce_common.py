@@ -23,6 +23,10 @@ class CEStepArgs:
     grad_out: (rows, V) in the logits dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact); None = in place.
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
+    stats_out: (3, rows) in the math dtype, or None: a slice's partial statistics, for a caller that combines
+        the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the slice's own lse of z, row 1
+        z at the target when the target lies in the slice (else 0), row 2 the smoothing sum sum_c w_c z_c over
+        the slice (w_c = 1 without class weights; 0 without label smoothing). Needs no ``lse_in``.
     """
 
     logits: torch.Tensor
@@ -40,13 +44,18 @@ class CEStepArgs:
     #: them). A slice needs ``lse_in`` for its gradient; its loss cannot be computed (``loss_out`` None).
     class_offset: int = 0
     num_classes: int | None = None
+    stats_out: torch.Tensor | None = None
 
     def classes(self) -> int:
         """How many classes the loss is over (the columns, unless the logits hold a slice)."""
         return self.num_classes if self.num_classes is not None else self.logits.shape[1]
 
     def check_slice(self) -> None:
-        """A slice of the classes has no loss of its own: the call must bring the lse and ask for no loss."""
+        """A slice of the classes has no loss of its own: the call must bring the lse (or ask for the slice's
+        statistics only) and ask for no loss."""
         if self.classes() != self.logits.shape[1] or self.class_offset:
-            if self.lse_in is None or self.loss_out is not None:
-                raise ValueError("a CE step over a slice of the classes needs lse_in and computes no loss_out")
+            if (self.lse_in is None and self.stats_out is None) or self.loss_out is not None:
+                raise ValueError("a CE step over a slice of the classes needs lse_in (or stats_out) and computes "
+                                 "no loss_out")
+            if self.stats_out is not None and (self.lse_in is not None or self.write_grad):
+                raise ValueError("a CE step writing a slice's stats_out takes no lse_in and writes no gradient")

@@ -39,17 +39,13 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
+    if args.stats_out is not None:
+        _write_stats(args, p, z, lse, safe_target)
     if args.loss_out is not None:
         z_y = z.gather(1, safe_target[:, None]).squeeze(1)
-        ce = (1.0 - eps) * w_y * (lse - z_y)
-        if eps:
-            weighted_z = z @ args.ce_weight if args.ce_weight is not None else z.sum(dim=1)
-            ce = ce + (eps / vocab) * (args.weight_sum * lse - weighted_z)
-        row = ce * ce_scale
-        if p.z_loss:
-            row = row + p.z_loss * lse * lse * z_scale
-        row = row.masked_fill(ignored, 0.0).masked_fill(invalid, float("nan"))
-        args.loss_out.copy_(row)
+        weighted_z = (z @ args.ce_weight if args.ce_weight is not None else z.sum(dim=1)) if eps else None
+        args.loss_out.copy_(row_loss(p, lse, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
+                                     ignored, invalid))
         if args.lse_out is not None:
             args.lse_out.copy_(lse)
 
@@ -76,3 +72,36 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         g.mul_(p.logit_scale)
     g.masked_fill_(ignored[:, None], 0.0).masked_fill_(invalid[:, None], float("nan"))
     (args.grad_out if args.grad_out is not None else logits).copy_(g)
+
+
+def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,
+             w_y: torch.Tensor, weight_sum: torch.Tensor, vocab: int, ce_scale: torch.Tensor,
+             z_scale: torch.Tensor, ignored: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+    """Each row's scaled loss from its statistics over all ``vocab`` classes: the lse, the target's z, the
+    smoothing sum sum_c w_c z_c (None without label smoothing) and the target's class weight. 0 for ignored
+    rows, nan for out-of-range targets. Shared by the CE step and the vocabulary-parallel op, which sums the
+    statistics of its ranks' slices first."""
+    eps = p.label_smoothing
+    ce = (1.0 - eps) * w_y * (lse - z_y)
+    if eps:
+        ce = ce + (eps / vocab) * (weight_sum * lse - weighted_z)
+    row = ce * ce_scale
+    if p.z_loss:
+        row = row + p.z_loss * lse * lse * z_scale
+    return row.masked_fill(ignored, 0.0).masked_fill(invalid, float("nan"))
+
+
+def _write_stats(args: CEStepArgs, p: LossParams, z: torch.Tensor, lse: torch.Tensor,
+                 safe_target: torch.Tensor) -> None:
+    """A slice's partial statistics (see ``CEStepArgs.stats_out``), from its transformed logits ``z``."""
+    columns, offset = z.shape[1], args.class_offset
+    col = safe_target - offset
+    here = (col >= 0) & (col < columns)
+    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
+    out = args.stats_out
+    out[0].copy_(lse)
+    out[1].copy_(torch.where(here, z_y, 0.0))
+    if p.label_smoothing:
+        out[2].copy_(z @ args.ce_weight[offset:offset + columns] if args.ce_weight is not None else z.sum(dim=1))
+    else:
+        out[2].zero_()

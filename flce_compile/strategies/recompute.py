@@ -44,12 +44,15 @@ def recompute_forward(ops: Operands, p: LossParams, config: FLCEConfig, accum_dt
     return fused_forward(ops, p, config, accum_dtype, GradRequest(), keep_lse=True)
 
 
-def row_factors(ops: Operands, p: LossParams, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_factors(ops: Operands, p: LossParams, grad_output: torch.Tensor,
+                num_classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The factors of the CE and z-loss terms of each row's gradient: the reduction's scales times grad_output
     (0-dim for mean/sum, per row for "none"), in the loss's math dtype. A fully masked "mean" has infinite
-    scales and every row ignored: its factors are 0, so its gradients are exactly 0."""
+    scales and every row ignored: its factors are 0, so its gradients are exactly 0. ``num_classes``: all the
+    classes when the weight holds a slice of them (default: its rows)."""
     dtype = math_dtype(ops.x.dtype)
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, ops.weight.shape[0], dtype)
+    vocab = num_classes if num_classes is not None else ops.weight.shape[0]
+    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
     g = grad_output.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=g.device)
     return (torch.where(torch.isfinite(ce_scale), ce_scale * g, zero),
@@ -64,18 +67,25 @@ def recompute_backward(
     config: FLCEConfig,
     accum_dtype: torch.dtype,
     grads: GradRequest,
+    *,
+    classes: tuple[int, int] | None = None,
+    round_dx: bool = True,
 ) -> Grads:
     """dX, dW and db of the loss (times ``grad_output``: 0-dim, or per row for "none") from the saved lse.
 
     ``accum_dtype`` sets the dX sum and the dW blocks' dtype (fp32 by default; the weight dtype saves the N x H
-    fp32 sum at the usual accuracy cost).
+    fp32 sum at the usual accuracy cost). ``classes`` = (offset, total): the weight's rows are classes
+    [offset, offset + rows) of ``total`` (one rank's vocabulary shard; ``ce_weight`` then covers all ``total``
+    classes), so dX is this slice's share. ``round_dx=False`` returns dX as the unrounded ``accum_dtype`` sum
+    (for a caller that adds the shares of several slices before rounding once).
     """
     x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
     n, hidden = x.shape
     vocab = weight.shape[0]
+    offset, total = classes if classes is not None else (0, vocab)
     device, dtype = x.device, x.dtype
-    ce_rows, z_rows = row_factors(ops, p, grad_output)
-    weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), float(vocab), dtype=lse.dtype,
+    ce_rows, z_rows = row_factors(ops, p, grad_output, total)
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), float(total), dtype=lse.dtype,
                                                                               device=device)
     chunk = max(1, min(config.chunk_tokens, n))
     block = max(1, min(config.vocab_block, vocab))
@@ -106,7 +116,7 @@ def recompute_backward(
                     logits=logits, target=target[rows], ce_weight=ce_weight, weight_sum=weight_sum,
                     ce_scale=ce_rows[rows] if per_row else ce_rows, z_scale=z_rows[rows] if per_row else z_rows,
                     loss_out=None, lse_out=None, lse_in=lse[rows], write_grad=True,
-                    class_offset=v0, num_classes=vocab,
+                    class_offset=offset + v0, num_classes=total,
                 ), p)
                 if dx_sum is not None:
                     _add(dx_sum[rows], logits, w_b)
@@ -118,7 +128,7 @@ def recompute_backward(
                 dw[v0:v1].copy_(dw_sum)  # the block's one rounding
             if db is not None:
                 db[v0:v1].copy_(db_sum)
-    dx = dx_sum.to(dtype) if dx_sum is not None else None
+    dx = dx_sum.to(dtype) if dx_sum is not None and round_dx else dx_sum
     return dx, dw, db
 
 

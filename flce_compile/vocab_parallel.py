@@ -1,0 +1,401 @@
+"""The vocabulary-parallel fused op: the lm_head's weight sharded over V across a process group (tensor
+parallelism, as ``ColwiseParallel`` + ``loss_parallel()`` shard it), the loss without any rank holding, or
+gathering, more than its own slice of the logits.
+
+Every rank holds the same input (N, H) and target (N,) and a contiguous slice of the weight's rows, classes
+[vocab_start, vocab_start + V_local) of V.
+
+* Forward walks the tokens in chunks: the chunk's local logits (chunk x V_local), then the CE step in its
+  "statistics" mode (``CEStepArgs.stats_out``) writes, per token, the slice's own lse of z, z at the target when
+  the target lies in the slice (else 0) and the smoothing sum sum_c w_c z_c. After the loop one all-gather of
+  those 3 x N numbers gives every rank every slice's statistics; each rank combines them in the same order
+  (lse = logsumexp over ranks, the others summed), so the loss, formed by the CE step's own row formula
+  (``ce_torch.row_loss``, which covers class weights, label smoothing, z-loss), is bitwise identical on every
+  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse is saved.
+* Backward recomputes the local logits by vocabulary block and token chunk (``recompute_backward`` with the
+  shard's class offset): the logit gradient of the slice from the saved global lse, dW and db of the shard's
+  rows (kept local: they are this rank's gradient), and this slice's share of dX, summed over ranks with one
+  all-reduce (in fp32 by default, rounded once afterwards).
+
+Why gradients in backward (the "recompute" form, four GEMMs) rather than in forward with the row statistics
+all-reduced chunk by chunk: forming a chunk's gradient needs the global lse of its rows, so the forward form
+needs one (latency-bound) collective per chunk inside the loop, each stalling the GEMMs behind it, plus a
+V_local x H fp32 dW accumulator; here forward has a single collective of 12 bytes per token after the loop and
+backward one dX all-reduce, the same amount as the forward form's, and the dW buffer is one block's. The cost
+is a second logits GEMM, 1/world of the unsharded one on each rank. Reduction "none" (per-token grad_output)
+comes for free.
+
+Autograd: two ``torch.library`` custom ops, ``flce::vocab_parallel_cross_entropy`` and its ``_backward``, joined
+by ``register_autograd`` (not a ``torch.autograd.Function``): ``torch.compile`` (``fullgraph=True`` included)
+traces the public function into one opaque forward node, AOT autograd puts the backward op in the backward
+graph, and the collectives run inside the op bodies at run time.
+
+Collectives go through ``torch.distributed`` on the given group (gloo on the CPU, NCCL on GPUs), named by the
+group's ``group_name`` across the custom-op boundary. No value is read back to the host on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .api import _accum_dtype, _autocast, _softcap_arg, _validate, _validate_scalars
+from .dtensor import describe_layout, is_dtensor, is_vocab_sharded
+from .log import logger
+from .op import _check_first_order, check_targets, op_context
+from .params import LossParams, decode_params, encode_params, math_dtype
+from .plan.choose import op_config
+from .plan.config import FLCEConfig, config_overrides
+from .plan.layout import padded_row_elements
+from .strategies import GradRequest, Operands
+from .strategies.ce_common import CEStepArgs
+from .strategies.ce_torch import row_loss
+from .strategies.chunked import (
+    _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _weight_sum, full_precision_gemm_reductions,
+)
+from .strategies.recompute import recompute_backward
+
+_EMPTY = (0,)
+
+
+#: All-gather into one tensor: ``all_gather_single`` where torch has it (2.13 deprecates the older name, which
+#: torch 2.11 still needs).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
+    """The config for this rank's shard (its V_local rows), chosen as the single-device op chooses it."""
+    return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
+
+
+def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int, vocab_total: int) -> Tensor:
+    """(3, N): this slice's lse, target z and smoothing sum per token (``CEStepArgs.stats_out``), chunk by chunk."""
+    x, weight, bias = ops.x, ops.weight, ops.bias
+    n = x.shape[0]
+    v_local = weight.shape[0]
+    dtype = math_dtype(x.dtype)
+    stats = torch.empty(3, n, dtype=dtype, device=x.device)
+    chunk = max(1, min(config.chunk_tokens, n))
+    buffer = torch.empty(chunk, padded_row_elements(v_local, x.element_size()), dtype=x.dtype, device=x.device)
+    one = torch.ones((), dtype=dtype, device=x.device)
+    weight_sum = _weight_sum(ops.ce_weight, vocab_total, dtype, x.device)
+    ce_step = _ce_step(config)
+    weight_t = weight.t()
+    with full_precision_gemm_reductions(x.device, chunked=chunk < n):
+        for t0 in range(0, n, chunk):
+            t1 = min(t0 + chunk, n)
+            logits = buffer[: t1 - t0, :v_local]
+            if bias is not None:
+                torch.addmm(bias, x[t0:t1], weight_t, out=logits)
+            else:
+                torch.mm(x[t0:t1], weight_t, out=logits)
+            ce_step(CEStepArgs(
+                logits=logits, target=ops.target[t0:t1], ce_weight=ops.ce_weight, weight_sum=weight_sum,
+                ce_scale=one, z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False,
+                class_offset=vocab_start, num_classes=vocab_total, stats_out=stats[:, t0:t1],
+            ), p)
+    return stats
+
+
+def _combine(stats: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
+    """(loss, lse) from every rank's slice statistics, ``stats`` (world, 3, N), combined in rank order."""
+    target, ce_weight = ops.target, ops.ce_weight
+    dtype = stats.dtype
+    lse = torch.logsumexp(stats[:, 0], dim=0)
+    z_y = stats[:, 1].sum(dim=0)
+    weighted_z = stats[:, 2].sum(dim=0) if p.label_smoothing else None
+    ignored = target == p.ignore_index
+    invalid = ~ignored & ((target < 0) | (target >= vocab_total))
+    safe = torch.where(ignored | invalid, torch.zeros_like(target), target)
+    w_y = ce_weight[safe] if ce_weight is not None else torch.ones_like(lse)
+    weight_sum = _weight_sum(ce_weight, vocab_total, dtype, lse.device)
+    ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
+    scales = _gradient_scales(ce_scale, z_scale)
+    rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored, invalid)
+    if p.reduction == "none":
+        return rows, lse
+    return _reduced_loss(rows, ce_scale, scales, p), lse
+
+
+@torch.library.custom_op("flce::vocab_parallel_cross_entropy", mutates_args=())
+def vocab_parallel_cross_entropy_op(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    ce_weight: Optional[Tensor],
+    params: str,
+    accum_dtype: torch.dtype,
+    vocab_start: int,
+    vocab_total: int,
+    group_name: str,
+    config: str,
+) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of this rank's shard ``weight`` (V_local, H), rows [vocab_start, +V_local) of ``vocab_total``,
+    over the group ``group_name``; see the module docstring. ``accum_dtype`` is for backward."""
+    p = decode_params(params)
+    check_targets(target, vocab_total, p.ignore_index)
+    ops = Operands(input, weight, target, bias, ce_weight)
+    group = _group(group_name)
+    logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
+                 vocab_start + weight.shape[0], vocab_total)
+    with op_context(input.device):
+        stats = _slice_stats(ops, p, _config(config, input, weight), vocab_start, vocab_total)
+        gathered = stats.new_empty((dist.get_world_size(group) * 3, stats.shape[1]))
+        _all_gather_single(gathered, stats, group=group)
+        return _combine(gathered.view(-1, 3, stats.shape[1]), ops, p, vocab_total)
+
+
+@vocab_parallel_cross_entropy_op.register_fake
+def _vocab_parallel_fake(input, weight, target, bias, ce_weight, params, accum_dtype, vocab_start, vocab_total,
+                         group_name, config):
+    n = input.shape[0]
+    dtype = math_dtype(input.dtype)
+    per_token = decode_params(params).reduction == "none"
+    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((n,), dtype=dtype)
+
+
+@torch.library.custom_op("flce::vocab_parallel_cross_entropy_backward", mutates_args=())
+def vocab_parallel_cross_entropy_backward_op(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    ce_weight: Optional[Tensor],
+    lse: Tensor,
+    grad_loss: Tensor,
+    params: str,
+    accum_dtype: torch.dtype,
+    vocab_start: int,
+    vocab_total: int,
+    group_name: str,
+    compute_dx: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db): dX of the whole loss (all-reduced over the group), dW and db of this rank's rows only.
+    An output not asked for is an empty tensor."""
+    p = decode_params(params)
+    ops = Operands(input, weight, target, bias, ce_weight)
+    grads = GradRequest(compute_dx, compute_dw, compute_db)
+    with op_context(input.device):
+        dx, dw, db = recompute_backward(ops, lse, grad_loss, p, _config(config, input, weight), accum_dtype, grads,
+                                        classes=(vocab_start, vocab_total), round_dx=False)
+        if dx is not None:
+            dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=_group(group_name))
+            dx = dx.to(input.dtype)
+    return (dx if dx is not None else input.new_empty(_EMPTY), dw if dw is not None else weight.new_empty(_EMPTY),
+            db if db is not None else weight.new_empty(_EMPTY))
+
+
+@vocab_parallel_cross_entropy_backward_op.register_fake
+def _vocab_parallel_backward_fake(input, weight, target, bias, ce_weight, lse, grad_loss, params, accum_dtype,
+                                  vocab_start, vocab_total, group_name, compute_dx, compute_dw, compute_db, config):
+    return (input.new_empty(input.shape if compute_dx else _EMPTY),
+            weight.new_empty(weight.shape if compute_dw else _EMPTY),
+            weight.new_empty(bias.shape if compute_db and bias is not None else _EMPTY))
+
+
+_ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "params", "accum_dtype", "vocab_start",
+              "vocab_total", "group_name", "config")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_ARG_NAMES, inputs))
+    _loss, lse = output
+    ctx.args = {k: v for k, v in args.items() if not isinstance(v, Tensor) and v is not None}
+    ctx.has_bias = args["bias"] is not None
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    _check_first_order()
+    need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    rest = (None,) * (len(_ARG_NAMES) - 4)
+    if grad_loss is None:
+        return (None,) * len(_ARG_NAMES)
+    a = ctx.args
+    input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+    need_b = bool(need_b and ctx.has_bias)
+    dx, dw, db = vocab_parallel_cross_entropy_backward_op(
+        input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], a["vocab_start"],
+        a["vocab_total"], a["group_name"], need_x, need_w, need_b, a["config"],
+    )
+    return (dx if need_x else None, dw if need_w else None, None, db if need_b else None) + rest
+
+
+torch.library.register_autograd("flce::vocab_parallel_cross_entropy", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the public function
+
+
+def _replicated_local(t: Tensor | None, name: str) -> Tensor | None:
+    """A replicated DTensor's local tensor (the same on every rank); a plain tensor as it is."""
+    if t is None or not is_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(pl, Replicate) for pl in t.placements):
+        raise ValueError(
+            f"{name} is a DTensor with {describe_layout(t)}; the vocabulary-parallel op needs it replicated (the same "
+            f"on every rank): pass {name}.redistribute(placements=[Replicate()]) or {name}.full_tensor()"
+        )
+    return t.to_local()
+
+
+def _shard0_offset(vocab: int, world: int, rank: int, local_rows: int) -> int:
+    """The first row of ``rank``'s block of a Shard(0) DTensor: torch splits V as ``torch.chunk`` does,
+    ceil(V / world) rows a rank, the last ones short (computed here from sizes alone: torch's own helper reads
+    a tensor, which fails while a compiler traces with fake tensors)."""
+    chunk = -(-vocab // world)
+    start = min(rank * chunk, vocab)
+    if local_rows != min(chunk, vocab - start):
+        raise ValueError(
+            f"the weight's local shard has {local_rows} rows where Shard(0) of {vocab} rows over {world} ranks "
+            f"gives rank {rank} {min(chunk, vocab - start)}: pass its local shard (weight.to_local()) with group= "
+            "and vocab_start="
+        )
+    return start
+
+
+def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int | None,
+              vocab_size: int | None) -> tuple[Tensor, Tensor | None, Any, int, int]:
+    """(local weight, local bias, group, vocab_start, vocab_total) from a Shard(0) DTensor or a local shard."""
+    if is_dtensor(weight):
+        if not is_vocab_sharded(weight):
+            raise ValueError(
+                f"weight is a DTensor with {describe_layout(weight)}; vocab_parallel_linear_cross_entropy takes one "
+                "sharded over the vocabulary, placements (Shard(0),) on a 1-D mesh. weight.full_tensor() gathers "
+                "it for the single-device fused_linear_cross_entropy (exact, but every rank holds all of it)"
+            )
+        if group is not None or vocab_start is not None or vocab_size is not None:
+            raise ValueError("group, vocab_start and vocab_size come from the DTensor weight's mesh and shape; "
+                             "pass them only with a plain local-shard weight")
+        mesh = weight.device_mesh
+        local = weight.to_local()
+        start = _shard0_offset(weight.shape[0], mesh.size(), mesh.get_local_rank(), local.shape[0])
+        local_bias = None
+        if bias is not None:
+            if not is_dtensor(bias) or tuple(bias.placements) != tuple(weight.placements):
+                raise ValueError("bias must be sharded like the weight: a DTensor with placements (Shard(0),)")
+            local_bias = bias.to_local()
+        return local, local_bias, mesh.get_group(), start, int(weight.shape[0])
+    if group is None:
+        raise ValueError(
+            "weight is a plain tensor, so the vocabulary-parallel op needs group= (the process group its rows are "
+            "sharded over); pass a DTensor with placements (Shard(0),) instead to take the group from its mesh"
+        )
+    if is_dtensor(bias):
+        raise ValueError("bias is a DTensor but weight is a local shard: pass bias's local shard (bias.to_local())")
+    v_local = weight.shape[0] if weight.dim() == 2 else 0
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    start = rank * v_local if vocab_start is None else int(vocab_start)
+    total = world * v_local if vocab_size is None else int(vocab_size)
+    if vocab_start is None and vocab_size is not None and vocab_size != world * v_local:
+        raise ValueError(f"vocab_size={vocab_size} is not {world} ranks x {v_local} rows: uneven shards need "
+                         "vocab_start= as well")
+    if not 0 <= start <= total - v_local:
+        raise ValueError(f"vocab_start={start} with {v_local} local rows lies outside the vocabulary [0, {total}): "
+                         "pass the shard's first class id as vocab_start and all classes as vocab_size")
+    return weight, bias, group, start, total
+
+
+def vocab_parallel_linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    group: Any = None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    ce_weight: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    z_loss: float = 0.0,
+    accum_dtype: torch.dtype | None = None,
+    precision: str = "exact",
+    config: FLCEConfig | Mapping[str, Any] | None = None,
+    return_logits: bool = False,
+    memory_budget_gb: float | None = None,
+) -> Tensor:
+    """``fused_linear_cross_entropy`` with the lm_head's weight sharded over the vocabulary across ranks.
+
+    Same loss and options as ``fused_linear_cross_entropy`` over the whole (V, H) weight; no rank forms more
+    than its own slice of the logits, a chunk at a time, and none is gathered.
+
+    Args:
+        input: (..., H), the same on every rank (a plain tensor, or a DTensor replicated on the mesh).
+        weight: either a DTensor with placements (Shard(0),) on a 1-D mesh (the group, the shard's offset and V
+            come from it), or this rank's contiguous block of rows (V_local, H) of the full weight with ``group``.
+        target: (...) class ids in [0, V), the same on every rank. bias: (V,) sharded like the weight, or None.
+        group: the process group of a plain local-shard weight. vocab_start, vocab_size: the shard's first class
+            and V; by default rank * V_local and world * V_local (equal, contiguous shards in rank order).
+        ce_weight: (V,) class weights over all classes, the same on every rank.
+        The other options are ``fused_linear_cross_entropy``'s. ``return_logits=True`` and ``memory_budget_gb``
+        raise NotImplementedError: the logits never exist whole, and the memory is fixed by the shard (one
+        chunk of local logits in forward, the "recompute" loop's buffers in backward).
+
+    Returns the loss, identical on every rank (a plain tensor): fp32, 0-dim, or shaped like ``target`` for
+    "none". Its gradient reaches ``input`` in full (every slice's share, all-reduced), and the weight and bias
+    shards with their own rows only (a Shard(0) DTensor gradient for a DTensor weight).
+    """
+    if return_logits:
+        raise NotImplementedError(
+            "return_logits=True is not supported by vocab_parallel_linear_cross_entropy: no rank ever holds the "
+            "whole logits. Compute the sharded logits with F.linear on the local shard if you need them"
+        )
+    if memory_budget_gb is not None:
+        raise NotImplementedError(
+            "memory_budget_gb is not supported by vocab_parallel_linear_cross_entropy: its memory is one chunk of "
+            "local logits and the recompute backward's buffers; pass config={'chunk_tokens': ..., 'vocab_block': "
+            "...} to make them smaller"
+        )
+    weight_local, bias_local, group, start, total = _shard_of(weight, bias, group, vocab_start, vocab_size)
+    input = _replicated_local(input, "input")
+    target = _replicated_local(target, "target")
+    ce_weight = _replicated_local(ce_weight, "ce_weight")
+    _validate(input, weight_local, target, bias_local, None, reduction, label_smoothing, softcap)
+    _validate_scalars(ignore_index, logit_scale, z_loss)
+    if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
+        raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the whole "
+                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype}")
+    forced = config_overrides(config)
+    input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
+    accum = _accum_dtype(accum_dtype, precision, weight_local.dtype)
+    hidden = weight_local.shape[1]
+    x2d = input.reshape(target.numel(), hidden)
+    params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),
+                        float(logit_scale), float(z_loss))
+    group_name = group.group_name
+    loss, _lse = vocab_parallel_cross_entropy_op(
+        x2d.contiguous(),
+        weight_local.contiguous(),
+        target.reshape(-1).long().contiguous(),
+        bias_local.contiguous() if bias_local is not None else None,
+        ce_weight.to(math_dtype(weight_local.dtype)).contiguous() if ce_weight is not None else None,
+        encode_params(params),
+        accum,
+        start,
+        total,
+        group_name,
+        json.dumps(forced, sort_keys=True) if forced else "",
+    )
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,477 @@
+"""The vocabulary-parallel op in two gloo processes on the CPU, against the unsharded eager formula in fp32.
+
+One spawn runs every case on both ranks and saves what each rank got (loss, the full input gradient, its own
+weight and bias shard gradients, error messages); the tests compare them here. Each rank holds the same input and
+target and a contiguous half of the weight's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+import zlib
+
+import pytest
+import torch
+
+import flce_compile as fc
+from tests.flce_reference import reference_loss
+
+N, H, V = 10, 8, 24
+FORCED = {"chunk_tokens": 4, "vocab_block": 5}  # several token chunks and vocabulary blocks per rank
+
+#: case -> options of both ops. Every case has ignored tokens and targets in both halves of the vocabulary.
+CASES = {
+    "mean": {},
+    "sum": {"reduction": "sum"},
+    "none": {"reduction": "none"},
+    "smoothing": {"label_smoothing": 0.2},
+    "z_loss": {"z_loss": 0.05},
+    "softcap": {"softcap": 1.5, "logit_scale": 1.7},
+    "ce_weight": {"ce_weight": True, "label_smoothing": 0.1},
+    "bias": {"bias": True},
+    "everything": {"bias": True, "ce_weight": True, "label_smoothing": 0.15, "z_loss": 0.02, "softcap": 3.0,
+                   "logit_scale": 0.8, "reduction": "sum"},
+    "ignore_index_7": {"ignore_index": 7},
+    "all_ignored": {"all_ignored": True},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(case: str, v: int = V):
+    """The full (unsharded) inputs of a case, the same on every rank (seeded)."""
+    opts = dict(CASES.get(case, {}))
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))  # stable across processes
+    x = torch.randn(N, H, generator=g)
+    w = torch.randn(v, H, generator=g) / H**0.5
+    b = torch.randn(v, generator=g) if opts.pop("bias", False) else None
+    t = torch.randint(0, v, (N,), generator=g)
+    t[0], t[1] = 1, v - 2  # one target in each half
+    ignore = opts.get("ignore_index", -100)
+    t[3] = ignore
+    if opts.pop("all_ignored", False):
+        t[:] = ignore
+    if opts.pop("ce_weight", False):
+        opts["ce_weight"] = torch.rand(v, generator=g) + 0.5
+    grad_out = torch.randn(N, generator=g) if opts.get("reduction") == "none" else None
+    return x, w, b, t, opts, grad_out
+
+
+def _shard(t: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | None:
+    return None if t is None else t.chunk(world)[rank].clone()
+
+
+def _run_case(case: str, rank: int, world: int, group) -> dict:
+    x, w, b, t, opts, grad_out = _inputs(case)
+    xs = x.clone().requires_grad_()
+    ws = _shard(w, rank, world).requires_grad_()
+    bs = _shard(b, rank, world)
+    if bs is not None:
+        bs.requires_grad_()
+    loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, bs, group=group, config=FORCED, **opts)
+    loss.backward(grad_out)
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": ws.grad, "db": bs.grad if bs is not None else None}
+
+
+def _run_dtensor(mesh, rank: int) -> dict:
+    """A DTensor weight and bias (Shard(0)) with an odd vocabulary (torch splits it 12 + 11)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, w, b, t, _opts, _g = _inputs("dtensor", v=V - 1)
+    b = torch.randn(V - 1, generator=torch.Generator().manual_seed(3))
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    bd = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+    xs = x.clone().requires_grad_()
+    loss = fc.vocab_parallel_linear_cross_entropy(xs, wd, t, bd, label_smoothing=0.1, config=FORCED)
+    loss.backward()
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": wd.grad.full_tensor(), "db": bd.grad.full_tensor(),
+            "dw_placements": [type(p).__name__ + str(getattr(p, "dim", "")) for p in wd.grad.placements],
+            "local_rows": wd.grad.to_local().shape[0]}
+
+
+def _run_compiled(rank: int, world: int, group) -> dict:
+    """The op called in a function compiled with torch.compile, fullgraph (the op's custom-op nodes). No config:
+    Dynamo does not trace the config's dataclass checks (the single-device op has the same limit)."""
+    import torch._dynamo
+
+    x, w, b, t, _opts, _g = _inputs("compiled")
+    xs, ws = x.clone().requires_grad_(), _shard(w, rank, world).requires_grad_()
+
+    def f(x, w, t):
+        return fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, z_loss=0.01) * 2.0
+
+    torch._dynamo.reset()
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(xs, ws, t)
+    loss.backward()
+    return {"loss": loss.detach() / 2, "dx": xs.grad / 2, "dw": ws.grad / 2, "db": None}
+
+
+class _TPHead(torch.nn.Module):
+    """An embedding, a tensor-parallel lm_head (ColwiseParallel, logits sharded over V) and the loss."""
+
+    def __init__(self, return_logits: bool = False) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.return_logits = return_logits
+
+    def forward(self, idx, labels=None):
+        logits = self.lm_head(torch.tanh(self.emb(idx)))
+        if labels is None:  # the loss is the caller's
+            return logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        return (loss, logits) if self.return_logits else loss
+
+
+def _tp_model(mesh, return_logits: bool = False) -> torch.nn.Module:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = _TPHead(return_logits)
+    return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
+                                                                       use_local_output=False)})
+
+
+def _run_tp_site(mesh) -> dict:
+    """The loss_parallel site compiled with backend="flce" (loss_parallel around the compiled call), against the
+    same model in eager; and explain's reports for it and for a model that also returns the logits."""
+    import torch._dynamo
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from flce_compile.compiler.tensor_parallel import flce_vocab_parallel_loss
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    labels[0, 0] = -100
+    model = _tp_model(mesh)
+    with loss_parallel():
+        ref = model(idx, labels)
+        ref.backward()
+    ref_grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                 for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    torch._dynamo.reset()
+    with loss_parallel():
+        report = [(r.path, r.reason) for r in fc.explain(model, idx, labels)]
+        escaped = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh, return_logits=True), idx, labels)]
+        lone = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh), idx)]
+        loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
+        loss.backward()
+    return {
+        "report": report, "escaped": escaped, "lone": lone, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
+        "loss_type": type(loss).__name__, "ref_grads": ref_grads,
+        "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                  for n, p in model.named_parameters()},
+        "fused": [n.target is flce_vocab_parallel_loss for gm in graphs for n in gm.graph.nodes].count(True),
+        "left": sorted({str(n.target) for gm in graphs for n in gm.graph.nodes
+                        if n.op in ("call_method", "call_function") and ("linear" in str(n.target)
+                                                                          or "redistribute" in str(n.target))}),
+    }
+
+
+def _run_compiled_dtensor(mesh) -> dict:
+    """The op on a Shard(0) DTensor weight in a function compiled with fullgraph=True."""
+    import torch._dynamo
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, w, _b, t, _opts, _g = _inputs("compiled_dtensor")
+    xs, wd = x.clone().requires_grad_(), distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w, t: fc.vocab_parallel_linear_cross_entropy(x, w, t, reduction="sum"),
+                      backend="aot_eager", fullgraph=True)
+    loss = f(xs, wd, t)
+    loss.backward()
+    return {"loss": loss.detach(), "dx": xs.grad, "dw": wd.grad.full_tensor(), "db": None}
+
+
+def _errors(mesh, group) -> dict:
+    """Each bad call's error message (or 'no error')."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, w, _b, t, _o, _g = _inputs("mean")
+    calls = {
+        "vp_shard1": lambda: fc.vocab_parallel_linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(1)]), t),
+        "vp_replicate": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, distribute_tensor(w, mesh, [Replicate()]), t),
+        "single_shard0": lambda: fc.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(0)]), t),
+        "single_replicate": lambda: fc.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), t),
+        "single_input": lambda: fc.fused_linear_cross_entropy(distribute_tensor(x, mesh, [Shard(0)]), w, t),
+        "hidden_mismatch": lambda: fc.vocab_parallel_linear_cross_entropy(x[:, :5], w[:12], t, group=group),
+        "target_shape": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t[:4], group=group),
+        "no_group": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t),
+        "bad_start": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=20,
+                                                                    vocab_size=24),
+        "ce_weight_shard": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                          ce_weight=torch.ones(12)),
+        "return_logits": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                        return_logits=True),
+        "memory_budget": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
+                                                                        memory_budget_gb=1.0),
+        "target_range": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t.clamp(max=V - 1) + 1,
+                                                                       group=group),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        group = mesh.get_group()
+        for case in CASES:
+            results[case] = _run_case(case, rank, world, group)
+        results["dtensor"] = _run_dtensor(mesh, rank)
+        results["compiled"] = _run_compiled(rank, world, group)
+        results["compiled_dtensor"] = _run_compiled_dtensor(mesh)
+        results["errors"] = _errors(mesh, group)
+        results["tp_site"] = _run_tp_site(mesh)
+    except Exception:  # noqa: BLE001 - reported by the test
+        results["crash"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results of one two-process run."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("vp")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for r in got:
+        assert "crash" not in r, r["crash"]
+    return got
+
+
+def _reference(case: str, v: int = V, **extra) -> dict:
+    x, w, b, t, opts, grad_out = _inputs(case, v)
+    opts.update(extra)
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    loss = reference_loss(x, w, t, b, **opts)
+    loss.backward(grad_out)
+    return {"loss": loss.detach(), "dx": x.grad, "dw": w.grad, "db": b.grad if b is not None else None}
+
+
+def _check(got_ranks: list[dict], ref: dict, sharded: bool = True) -> None:
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got_ranks[0]["loss"], ref["loss"], equal_nan=True, **tol)
+    # The same loss, bit for bit, on every rank; the full input gradient on every rank.
+    assert torch.equal(got_ranks[0]["loss"], got_ranks[1]["loss"]) or (
+        got_ranks[0]["loss"].isnan().all() and got_ranks[1]["loss"].isnan().all())
+    for got in got_ranks:
+        torch.testing.assert_close(got["dx"], ref["dx"], **tol)
+    if sharded:  # each rank's gradient is its own rows' only
+        for key in ("dw", "db"):
+            if ref[key] is None:
+                assert got_ranks[0][key] is None
+                continue
+            torch.testing.assert_close(torch.cat([g[key] for g in got_ranks]), ref[key], **tol)
+    else:
+        for key in ("dw", "db"):
+            torch.testing.assert_close(got_ranks[0][key], ref[key], **tol)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "all_ignored"])
+def test_matches_unsharded(ranks, case):
+    _check([r[case] for r in ranks], _reference(case))
+
+
+def test_all_ignored_mean_is_nan_with_zero_gradients(ranks):
+    for r in ranks:
+        got = r["all_ignored"]
+        assert got["loss"].isnan()
+        assert not got["dx"].any() and not got["dw"].any()
+
+
+def test_dtensor_weight_and_bias(ranks):
+    x, w, _b, t, _opts, _g = _inputs("dtensor", v=V - 1)
+    b = torch.randn(V - 1, generator=torch.Generator().manual_seed(3))
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    loss = reference_loss(xr, wr, t, br, label_smoothing=0.1)
+    loss.backward()
+    ref = {"loss": loss.detach(), "dx": xr.grad, "dw": wr.grad, "db": br.grad}
+    _check([r["dtensor"] for r in ranks], ref, sharded=False)
+    assert [r["dtensor"]["local_rows"] for r in ranks] == [12, 11]
+    assert ranks[0]["dtensor"]["dw_placements"] == ["Shard0"]
+
+
+def test_compiled_call(ranks):
+    _check([r["compiled"] for r in ranks], _reference("compiled", z_loss=0.01))
+
+
+def test_compiled_call_on_a_dtensor_weight(ranks):
+    _check([r["compiled_dtensor"] for r in ranks], _reference("compiled_dtensor", reduction="sum"), sharded=False)
+
+
+@pytest.mark.parametrize("name, fragments", [
+    ("vp_shard1", ["Shard(dim=1)", "(Shard(0),) on a 1-D mesh", ".full_tensor()"]),
+    ("vp_replicate", ["Replicate()", "(Shard(0),)", ".full_tensor()"]),
+    ("single_shard0", ["vocab_parallel_linear_cross_entropy", "FSDP", "full_tensor()"]),
+    ("single_replicate", ["weight is a DTensor", "weight.full_tensor()", "(Shard(0),) on a 1-D mesh"]),
+    ("single_input", ["input is a DTensor", "input.full_tensor()"]),
+    ("hidden_mismatch", ["hidden size 5"]),
+    ("target_shape", ["target shape (4,)"]),
+    ("no_group", ["group="]),
+    ("bad_start", ["vocab_start=20"]),
+    ("ce_weight_shard", ["ce_weight", "(24,)"]),
+    ("target_range", ["outside [0, 24)", "ignore_index"]),
+])
+def test_errors_name_the_fix(ranks, name, fragments):
+    for r in ranks:
+        message = r["errors"][name]
+        assert message.startswith("ValueError"), message
+        for fragment in fragments:
+            assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("name, option", [("return_logits", "return_logits=True"),
+                                          ("memory_budget", "memory_budget_gb")])
+def test_unsupported_options_raise_not_implemented(ranks, name, option):
+    for r in ranks:
+        message = r["errors"][name]
+        assert message.startswith(f"NotImplementedError: {option} is not supported"), message
+
+
+def test_stats_step_triton_matches_torch():
+    """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
+    pytest.importorskip("triton")
+    from flce_compile.params import LossParams
+    from flce_compile.plan.config import FLCEConfig
+    from flce_compile.strategies.ce_common import CEStepArgs
+    from flce_compile.strategies.ce_torch import ce_step_torch
+    from flce_compile.strategies.ce_triton import ce_step_triton
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, generator=g)
+    target = torch.tensor([0, 10, 14, 3, -100, 20])
+    ce_weight = torch.rand(24, generator=g)
+    p = LossParams(label_smoothing=0.1, softcap=2.0, logit_scale=1.3)
+    outs = []
+    for step in (ce_step_torch, ce_step_triton):
+        stats = torch.full((3, 6), float("nan"))
+        one = torch.ones(())
+        step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=ce_weight.sum(), ce_scale=one,
+                        z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False, class_offset=8,
+                        num_classes=24, stats_out=stats), p, FLCEConfig(block_v=4))
+        outs.append(stats)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    z = 2.0 * torch.tanh(1.3 * logits / 2.0)
+    torch.testing.assert_close(outs[0][0], torch.logsumexp(z, 1))
+    assert outs[0][1].tolist()[0] == 0.0 and outs[0][1][1] == z[1, 2]  # target 0 lies outside [8, 17)
+    torch.testing.assert_close(outs[0][2], z @ ce_weight[8:17])
+
+
+def test_compiled_tensor_parallel_site_is_rewritten(ranks):
+    """ColwiseParallel lm_head + loss_parallel cross-entropy, compiled with backend="flce": the site becomes the
+    vocabulary-parallel op (no lm_head GEMM, no redistribute left) and matches eager loss_parallel."""
+    for r in ranks:
+        got = r["tp_site"]
+        assert got["report"] == [("vocab_parallel", None)], got["report"]
+        assert got["fused"] == 1 and got["left"] == [], got["left"]
+        assert got["loss_type"] == "DTensor"
+        torch.testing.assert_close(got["loss"], got["ref_loss"], rtol=1e-5, atol=1e-6)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tensor_parallel_site_with_returned_logits_says_why(ranks):
+    (path, reason), = ranks[0]["tp_site"]["escaped"]
+    assert path == "unchanged"
+    assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
+    assert "used outside the loss" in reason
+
+
+def test_tensor_parallel_head_without_its_loss_says_why(ranks):
+    """The model returns the sharded logits and the caller takes the loss: nothing to fuse in the graph."""
+    (path, reason), = ranks[0]["tp_site"]["lone"]
+    assert path == "unchanged"
+    assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
+    assert "loss_parallel() around the compiled call" in reason
+
+
+def _gpu_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """bf16 on cuda:rank over NCCL: the Triton CE step's statistics mode and the recompute backward."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        x, w, t = _gpu_inputs(torch.device("cuda", rank))
+        xs, ws = x.clone().requires_grad_(), w.chunk(world)[rank].clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error")  # no host sync anywhere in forward or backward
+        loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, group=dist.group.WORLD, **GPU_OPTIONS)
+        loss.backward()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.save({"loss": loss.detach().cpu(), "dx": xs.grad.cpu(), "dw": ws.grad.cpu()},
+                   os.path.join(out_dir, f"gpu{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+GPU_OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0, "config": {"chunk_tokens": 512}}
+
+
+def _gpu_inputs(device: torch.device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2048, 256, device=device, generator=g).bfloat16()
+    w = (torch.randn(8192, 256, device=device, generator=g) / 16).bfloat16()
+    t = torch.randint(0, 8192, (2048,), device=device, generator=g)
+    t[::17] = -100
+    return x, w, t
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_the_single_device_op(tmp_path):
+    """NCCL over two GPUs, bf16, against the single-device op with the whole weight (both exact to eager's
+    error: a loose relative bound on dX and dW, the loss to fp32 rounding)."""
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    mp.spawn(_gpu_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"gpu{r}.pt") for r in range(2)]
+    x, w, t = _gpu_inputs(torch.device("cuda", 0))
+    x, w = x.requires_grad_(), w.requires_grad_()
+    ref = fc.fused_linear_cross_entropy(x, w, t, **GPU_OPTIONS)
+    ref.backward()
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert torch.equal(got[0]["loss"], got[1]["loss"])
+    torch.testing.assert_close(got[0]["loss"], ref.detach().cpu(), rtol=1e-5, atol=1e-5)
+    for r in got:
+        assert rel(r["dx"], x.grad.cpu()) < 1e-2
+    assert rel(torch.cat([r["dw"] for r in got]), w.grad.cpu()) < 1e-2
