@@ -4,7 +4,9 @@ Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (runni
 and the weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient
 is wanted, re-reads each block and writes dloss/dlogits to the gradient rows: the logits themselves (in place,
 the usual case) or a separate buffer when the logits must stay intact (they are returned to the caller). All
-math is fp32; the true-class term is formed in fp32 before the single rounding to the logits dtype.
+math is fp32; the true-class term is formed in fp32 before the single rounding to the gradient's dtype. The
+logits may be fp32 while the gradient rows are in the compute dtype (``FLCEConfig.fp32_logits``, the "precise"
+policy): every load is converted to fp32 and the store is the one rounding, so nothing here depends on it.
 
 A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
 (``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss

@@ -11,8 +11,10 @@ import torch
 class CEStepArgs:
     """One chunk's CE step.
 
-    logits: (rows, V) raw logits x W^T + b in the compute dtype, unit column stride and any row stride (rows
-        are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad`` and no ``grad_out``.
+    logits: (rows, V) raw logits x W^T + b in the compute dtype, or fp32 from bf16/fp16 operands
+        (``FLCEConfig.fp32_logits``; ``grad_out`` then holds the gradient), unit column stride and any row stride
+        (rows are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad`` and no
+        ``grad_out``.
     target: (rows,) int64 class ids.
     ce_weight: (V,) class weights or None; weight_sum: 0-dim sum of the class weights (V if None). These and
         every float below are fp32 (fp64 for fp64 logits).
@@ -20,8 +22,9 @@ class CEStepArgs:
         (for "mean", 1/sum of target weights and 1/valid tokens divided by the power of two that is applied
         after the GEMMs, see ``chunked._gradient_scales``; 1 for "sum"; grad_output for the per-token backward).
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass.
-    grad_out: (rows, V) in the logits dtype, unit column stride, that receives dloss/dlogits instead of the
-        logits (the keep path: the logits are returned to the caller and must stay intact); None = in place.
+    grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
+        logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
+        in place.
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
     """
 

@@ -54,7 +54,8 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         WRITE_LOSS=args.loss_out is not None,
         WRITE_LSE=args.lse_out is not None,
         WRITE_GRAD=args.write_grad,
-        EMULATE_BF16_RTNE=logits.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        # The rounding that matters is the gradient's (the logits may be fp32: FLCEConfig.fp32_logits).
+        EMULATE_BF16_RTNE=grad.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_V=block_v,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
