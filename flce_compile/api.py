@@ -154,9 +154,9 @@ def fused_linear_cross_entropy(
             ``precision="exact"``) is as exact as eager, the weight dtype (``precision="compact"``) saves V*H*4
             bytes at some accuracy cost. fp64 weights always accumulate in fp64.
         precision: "exact" (default: errors no larger than eager's), "compact" (accumulators in the weight
-            dtype) or "precise" (bf16/fp16: the logits stay fp32 into the CE step, so dX and dW errors are about
-            half of eager's, at the same three GEMMs and 3x the chunk buffer; see ``plan.precision``). It wins
-            over a config's ``fp32_logits``.
+            dtype) or "precise" (bf16/fp16: the logits stay fp32 into the CE step and each row's true-class
+            gradient rounding is added back, so dX and dW errors are about half of eager's, at the same three
+            GEMMs and 3x the chunk buffer; see ``plan.precision``). It wins over a config's ``fp32_logits``.
         memory_budget_gb: the most the op may use above its inputs and gradients (GiB, by its memory bound): the
             config is the first that fits, from the usual one with smaller chunks to the "recompute" strategy
             (four GEMMs, no V x H buffer); an error says when nothing fits.

@@ -48,10 +48,12 @@ def _fp32_logits_bytes(rows: sympy.Expr, columns: sympy.Expr, row_bytes: sympy.E
     """With fp32 logits: their chunk buffer (``rows`` rows of ``row_bytes`` in the compute dtype, so
     ``row_bytes / s`` fp32 values each), the fp32 bias, and the upcast operands of the GEMM where there is no
     mixed-dtype one (the CPU: ``rows`` x H and ``UPCAST_VOCAB_BLOCK`` x H fp32 values; counted on every device,
-    a bound).
-    The gradient goes into the usual compute-dtype buffer(s)."""
+    a bound). The gradient goes into the usual compute-dtype buffer(s). The true-class correction
+    (``strategies.true_class``) adds per row two fp32 residuals, its int64 row indices and, at once, the dX
+    addend (2 bytes per hidden unit) and the dW product (4)."""
     upcast = 4 * H * (rows + sympy.Min(columns, UPCAST_VOCAB_BLOCK))
-    return FP32L * (rows * row_bytes / S * 4 + columns * 4 + upcast)
+    true_class = rows * (6 * H + 2 * 4 + 4 * 8)
+    return FP32L * (rows * row_bytes / S * 4 + columns * 4 + upcast + true_class)
 
 
 @functools.cache

@@ -9,19 +9,28 @@ the tuner samples no field a policy sets, so it cannot trade accuracy for speed 
 - "compact": accumulators in the weight dtype. Saves the V x H fp32 accumulator; dW's error grows with the
   number of chunks.
 - "precise": "exact" plus ``FLCEConfig.fp32_logits``: the logits stay fp32 from the GEMM's accumulator into the
-  CE step, and the logit gradient G is rounded once, to the compute dtype, for the dX and dW GEMMs.
+  CE step, the logit gradient G is rounded once to the compute dtype for the dX and dW GEMMs, and what that
+  rounding took from each row's true-class entry is added back beside them (``strategies.true_class``).
 
-Why "precise" keeps the logits, not the gradient, in fp32. Eager's logit-gradient error has two sources: the
-logits rounded to bf16 before the softmax (at logits of std 3 a top logit near 8 moves by up to 2^-6, so its
-probability by up to 1.6%), and G rounded to bf16 (2^-9 relative). Measured on the CPU (512 x 256 x 8192 and
-1024 x 512 x 4096, bf16, logits of std 3; dX error against fp64 as a multiple of eager's): fp32 logits with G
-in bf16, 0.50x and 0.45x; G kept fp32-grade as a bf16 pair hi + lo (G = hi + lo, lo = bf16(G - hi), two more
-GEMMs) on bf16 logits, 0.98x and 0.99x; both together, 0.49x and 0.43x. What remains is dX's own rounding to
-bf16. So the split's two extra GEMMs buy 1-2% of eager's error and the fp32 logits the rest; an fp32 or tf32
-GEMM on an fp32 G would cost 2x (tf32) or more the time of the bf16 GEMMs for that same 1-2%. "precise" runs
-the three GEMMs of the floor: the logits GEMM writes fp32 (its output traffic doubles), and the CE step reads
-4-byte logits and writes a 2-byte gradient into a second chunk buffer (memory: 6 bytes per logit of a chunk
-instead of 2).
+Why this and not a split of G. Eager's logit-gradient error has three sources: the logits rounded to bf16 before
+the softmax (at logits of std 3 a top logit near 8 moves by up to 2^-6, its probability by up to 1.6%), G's
+rounding to bf16 (2^-9 relative, noise), and, within the latter, the true-class entry g_y = a (p_y - 1), which
+for a "mean" over a token count that is not a power of two rounds the same way in every row (a coherent error).
+Measured on the CPU (``benchmarks/results/precision_errors_cpu.md``, bf16, std-3 logits, dX / dW error as a
+multiple of eager's; the variants with a hi + lo split are emulated with explicit GEMMs):
+
+- G kept fp32-grade as a bf16 pair hi + lo (G = hi + lo, lo = bf16(G - hi); two more GEMMs) on bf16 logits:
+  0.96x-0.99x. The logits' rounding dominates, and the split cannot undo it.
+- fp32 logits alone: 0.44x-0.50x with every target valid, 0.47x-0.55x with 6% ignored; at 256 x 128 x 4096
+  with every 17th target ignored (``tests/test_op_numerics.py``'s peaky case) 0.81x, the coherent g_y rounding.
+- fp32 logits + the true-class residual ("precise"): 0.43x-0.50x, and 0.23x in that test case.
+- fp32 logits + hi + lo (five GEMMs): 0.01x below "precise". An fp32 or tf32 GEMM on an fp32 G would buy
+  the same at 2x (tf32) or more the time of the bf16 dX and dW GEMMs.
+
+What remains is dX's and dW's own rounding to bf16. So "precise" runs the three GEMMs of the floor: the logits
+GEMM writes fp32 (its output traffic doubles), the CE step reads 4-byte logits and writes a 2-byte gradient into
+a second chunk buffer (6 bytes per logit of a chunk instead of 2), and the correction is O(tokens x H) work.
+For fp32/fp64 inputs it runs as "exact" (their logits and gradient already are fp32/fp64).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ class CEStepArgs:
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
         in place.
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
+    residual_out: (rows,) fp32 or None: with ``write_grad``, receives what rounding the gradient to its dtype
+        took from each row's true-class entry, g_y - round(g_y) (0 where the target is not among the columns),
+        which the loop adds back beside the GEMMs (``strategies.true_class``; the "precise" policy).
     """
 
     logits: torch.Tensor
@@ -43,6 +46,7 @@ class CEStepArgs:
     #: them). A slice needs ``lse_in`` for its gradient; its loss cannot be computed (``loss_out`` None).
     class_offset: int = 0
     num_classes: int | None = None
+    residual_out: torch.Tensor | None = None
 
     def classes(self) -> int:
         """How many classes the loss is over (the columns, unless the logits hold a slice)."""

@@ -38,6 +38,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.loss_out if args.loss_out is not None else dummy,
         args.lse_out if args.lse_out is not None else dummy,
         args.lse_in if args.lse_in is not None else dummy,
+        args.residual_out if args.residual_out is not None else dummy,
         vocab,
         args.class_offset,
         args.classes(),
@@ -54,6 +55,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         WRITE_LOSS=args.loss_out is not None,
         WRITE_LSE=args.lse_out is not None,
         WRITE_GRAD=args.write_grad,
+        WRITE_RESIDUAL=args.write_grad and args.residual_out is not None,
         # The rounding that matters is the gradient's (the logits may be fp32: FLCEConfig.fp32_logits).
         EMULATE_BF16_RTNE=grad.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_V=block_v,

@@ -24,6 +24,7 @@ from ..plan.config import FLCEConfig
 from ..plan.layout import padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
+from . import true_class
 from .wide_logits import fp32_logits_into
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -313,8 +314,9 @@ def _run_chunks(
     ``logits_out``, the chunk is copied out, and the CE step overwrites the buffer with its gradient.
 
     With ``config.fp32_logits`` (bf16/fp16 inputs) the GEMM writes one fp32 chunk buffer instead, the CE step
-    reads it and writes the gradient into the compute-dtype chunk buffer, and ``logits_out`` receives the
-    logits rounded once, as eager's GEMM rounds them.
+    reads it and writes the gradient into the compute-dtype chunk buffer and each row's true-class rounding into
+    a vector that goes back into dX, dW and db (``true_class``), and ``logits_out`` receives the logits rounded
+    once, as eager's GEMM rounds them.
     """
     x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
     n, _hidden = x.shape
@@ -346,6 +348,9 @@ def _run_chunks(
     if wide and gemm_vocab != vocab:
         for buffer in buffers:
             buffer[:, vocab:].zero_()
+    # With fp32 logits, each row's true-class rounding is added back (``true_class``): one vector per gradient
+    # buffer, since the side stream's dW work reads it as it reads that buffer.
+    residuals = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in buffers] if wide and grads.any else []
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
@@ -376,17 +381,24 @@ def _run_chunks(
                 if logits_out is not None and not direct:
                     logits_out[rows].copy_(logits[:, :vocab])
                 separate_grad = (direct or wide) and grads.any
+                residual = residuals[slot][: stop - start] if residuals else None
                 ce_step(
                     step_rows.chunk(logits[:, :vocab], rows, write_grad=grads.any,
-                                    grad_out=grad[:, :vocab] if separate_grad else None),
+                                    grad_out=grad[:, :vocab] if separate_grad else None, residual_out=residual),
                     p,
                 )
                 if not grads.any:
                     continue
-                if dx is not None:
+                if dx is not None and residual is not None:
+                    addend = true_class.dx_addend(weight, true_class.target_rows(target[rows], 0, vocab), residual)
+                    torch.addmm(addend, grad, weight, out=dx[rows])
+                elif dx is not None:
                     torch.mm(grad, weight, out=dx[rows])
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
+                    if residual is not None:
+                        true_class.add_to_weight_grads(dw_acc.acc if dw_acc is not None else None, db_acc,
+                                                       true_class.target_rows(target[rows], 0, vocab), residual, x_c)
         finally:
             if overlap is not None:
                 overlap.join()  # also on an error: the buffers are freed when this frame unwinds
@@ -420,7 +432,7 @@ class _StepRows:
     lse_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
-              grad_out: torch.Tensor | None = None) -> CEStepArgs:
+              grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
             target=self.target[rows],
@@ -433,6 +445,7 @@ class _StepRows:
             lse_in=_rows_of(self.lse_in, rows),
             write_grad=write_grad,
             grad_out=grad_out,
+            residual_out=residual_out,
         )
 
 

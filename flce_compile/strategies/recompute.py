@@ -8,7 +8,8 @@ block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accu
 the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
 four GEMMs instead of three: the logits twice, then dX and dW. With ``FLCEConfig.fp32_logits`` (the "precise"
 policy) both logits GEMMs write fp32 (the forward through the chunk loop, the backward into an fp32 chunk x
-block buffer beside the gradient's), at no extra GEMM.
+block buffer beside the gradient's) and each row's true-class rounding goes back into the fp32 sums
+(``true_class``), at no extra GEMM.
 
 Every factor of the gradient (the reduction's scales and grad_output) goes into the logit gradient before its
 one rounding, as in eager PyTorch, so a loss scale reaches fp16 gradients before any underflow.
@@ -23,6 +24,7 @@ from ..plan.config import FLCEConfig
 from ..plan.layout import padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
+from . import true_class
 from .wide_logits import fp32_logits_into
 from .chunked import (
     ForwardResult, GradRequest, Grads, Operands, _ce_step, _reduction_scales, add_product,
@@ -94,6 +96,7 @@ def recompute_backward(
     wide = torch.empty(chunk, stride, dtype=torch.float32, device=device) if fp32_logits_on(
         config.fp32_logits, dtype) else None
     bias32 = bias.float() if wide is not None and bias is not None else None
+    residual = torch.empty(chunk, dtype=torch.float32, device=device) if wide is not None else None
     ce_step = _ce_step(config)
     per_row = ce_rows.dim() == 1
     with full_precision_gemm_reductions(device):
@@ -119,7 +122,7 @@ def recompute_backward(
                     weight_sum=weight_sum, ce_scale=ce_rows[rows] if per_row else ce_rows,
                     z_scale=z_rows[rows] if per_row else z_rows, loss_out=None, lse_out=None, lse_in=lse[rows],
                     write_grad=True, grad_out=logits if wide is not None else None, class_offset=v0,
-                    num_classes=vocab,
+                    num_classes=vocab, residual_out=residual[: t1 - t0] if residual is not None else None,
                 ), p)
                 if dx_sum is not None:
                     _add(dx_sum[rows], logits, w_b)
@@ -127,6 +130,11 @@ def recompute_backward(
                     _add(dw_sum, logits.t(), x_c)
                 if db_sum is not None:
                     db_sum.add_(logits.sum(dim=0, dtype=db_sum.dtype))
+                if residual is not None:  # the true-class roundings, back into the fp32 sums
+                    r, local = residual[: t1 - t0], true_class.target_rows(target[rows], v0, v1 - v0)
+                    if dx_sum is not None:
+                        dx_sum[rows].add_(w_b.index_select(0, local) * r[:, None])
+                    true_class.add_to_weight_grads(dw_sum, db_sum, local, r, x_c)
             if dw is not None:
                 dw[v0:v1].copy_(dw_sum)  # the block's one rounding
             if db is not None:
