@@ -13,9 +13,9 @@ errors of dX and dW; peaky logits (std ~3); ``--ignored-fraction`` sets that sha
     python benchmarks/precision_errors.py --device cuda        # 2048x4096x128256, with CUDA-event timings
 
 On a GPU (``--device cuda``) each policy is also timed (forward + backward with the op's default config, median
-of CUDA-event runs) against eager and the three-GEMM floor. ``--ablation`` adds emulated variants (explicit GEMMs, no op) that show where eager's error comes from.
-Prints the tables and writes them (markdown and JSON, with the device and versions) under
-benchmarks/results/ and $OUT when set.
+of CUDA-event runs) against eager and the three-GEMM floor. ``--ablation`` adds emulated variants (explicit
+GEMMs, no op) that show where eager's error comes from. Prints the tables and writes them (markdown and JSON,
+with the device and versions) under benchmarks/results/ and $OUT when set.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def ablation(x, w, t) -> dict[str, tuple[float, float]]:
             variants["bf16 logits + hi/lo G (+2 GEMMs)"] = (hi @ wf + lo @ wf, hi.T @ xf + lo.T @ xf)
     base = variants["eager (bf16 logits, bf16 G)"]
     base_err = (_error(rnd(base[0]), dx64), _error(rnd(base[1]), dw64))
-    return {k: (_error(rnd(a), dx64) / base_err[0], _error(rnd(b), dw64) / base_err[1]) for k, (a, b) in variants.items()}
+    return {k: (_error(rnd(a), dx64) / base_err[0], _error(rnd(b), dw64) / base_err[1])
+            for k, (a, b) in variants.items()}
 
 
 def _cuda_ms(fn, reps: int = 20) -> float:
@@ -186,7 +187,8 @@ def main() -> None:
     parser.add_argument("--ignored-fraction", type=float, nargs="+", default=[0.0],
                         help="share(s) of targets set to -100 (default 0)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ablation", action="store_true", help="add the emulated variants' error ratios")
     parser.add_argument("--no-timing", action="store_true", help="on a GPU, skip the timings")
     args = parser.parse_args()
