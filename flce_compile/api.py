@@ -20,6 +20,7 @@ from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_l
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
+from .plan.precision import PRECISIONS, accum_dtype_for, forced_by
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -99,32 +100,6 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
 
 
-#: Precision policies: "exact" accumulates dW (and the recompute strategy's dX) in fp32, so errors are no
-#: larger than eager's; "compact" accumulates in the weight dtype, which saves the V x H fp32 accumulator at an
-#: error that grows with the number of chunks (README, "Precision policies").
-PRECISIONS = ("exact", "compact")
-
-
-def _accum_dtype(accum_dtype: torch.dtype | None, precision: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The accumulators' dtype: from ``precision`` unless ``accum_dtype`` is given (then the two must agree),
-    checked against the compute dtype (the weight's, or autocast's). fp64 weights accumulate in fp64: an fp32
-    accumulator would only lose precision."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
-    implied = torch.float32 if precision == "exact" else compute_dtype
-    if accum_dtype is None:
-        accum_dtype = implied
-    elif precision == "compact" and accum_dtype != compute_dtype:
-        raise ValueError(f"precision='compact' accumulates in the weight dtype ({compute_dtype}); it contradicts "
-                         f"accum_dtype={accum_dtype}: pass one of the two")
-    if accum_dtype not in (torch.float32, compute_dtype):
-        raise TypeError(
-            f"accum_dtype={accum_dtype} is unsupported with {compute_dtype} weights: use torch.float32 (default) "
-            f"or the weight dtype ({compute_dtype}); an accumulator less precise than the weight only loses accuracy"
-        )
-    return compute_dtype if compute_dtype == torch.float64 else accum_dtype
-
-
 def _softcap_arg(softcap: float | None) -> float:
     """The op's softcap argument: 0 for no cap, which is also what an infinite cap means (its tanh is the
     identity; computed, it would be inf * 0 = nan)."""
@@ -179,10 +154,13 @@ def fused_linear_cross_entropy(
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (the default, from
             ``precision="exact"``) is as exact as eager, the weight dtype (``precision="compact"``) saves V*H*4
             bytes at some accuracy cost. fp64 weights always accumulate in fp64.
-        precision: "exact" (default: errors no larger than eager's) or "compact" (accumulators in the weight
-            dtype). memory_budget_gb: the most the op may use above its inputs and gradients (GiB, by its memory
-            bound): the config is the first that fits, from the usual one with smaller chunks to the
-            "recompute" strategy (four GEMMs, no V x H buffer); an error says when nothing fits.
+        precision: "exact" (default: errors no larger than eager's), "compact" (accumulators in the weight
+            dtype) or "precise" (bf16/fp16: the logits stay fp32 into the CE step and each row's true-class
+            gradient rounding is added back, so dX and dW errors are about half of eager's, at the same three
+            GEMMs and 3x the chunk buffer; see ``plan.precision``). It wins over a config's ``fp32_logits``.
+        memory_budget_gb: the most the op may use above its inputs and gradients (GiB, by its memory bound): the
+            config is the first that fits, from the usual one with smaller chunks to the "recompute" strategy
+            (four GEMMs, no V x H buffer); an error says when nothing fits.
         softcap: a cap > 0; None or inf for none. logit_scale: a constant (a tensor that requires grad is an
             error: it would get no gradient). z_loss: >= 0.
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
@@ -201,9 +179,9 @@ def fused_linear_cross_entropy(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
             "F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction='none') on the logits"
         )
-    forced = config_overrides(config)
+    forced = forced_by(precision, config_overrides(config))
     input, weight, bias = _autocast(input, weight, bias)
-    accum_dtype = _accum_dtype(accum_dtype, precision, weight.dtype)
+    accum_dtype = accum_dtype_for(precision, accum_dtype, weight.dtype)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]
     x2d = input.reshape(target.numel(), hidden)  # not -1: with hidden = 0 the row count would be ambiguous

@@ -124,6 +124,34 @@ def test_precision_and_memory_budget_reach_the_op():
     torch.testing.assert_close(loss, fn(x, t), rtol=1e-5, atol=1e-6)
     (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
     assert node.kwargs == {"precision": "compact", "memory_budget_gb": 0.5}
-    for bad, match in ((("flce.precision", "precise"), "flce.precision"), (("flce.memory_budget_gb", -1), "positive")):
+    for bad, match in ((("flce.precision", "fastest"), r"flce.precision.*'exact', 'compact', 'precise'"),
+                       (("flce.precision", None), "flce.precision"), (("flce.memory_budget_gb", -1), "positive")):
         with pytest.raises(ValueError, match=match):
             split_options(dict([bad]))
+
+
+def test_precise_precision_reaches_the_op():
+    """flce.precision="precise" is accepted and becomes the fused op's keyword argument; the compiled loss and
+    gradients match eager's (fp32 here: the policy changes nothing but the GEMM's output dtype)."""
+    lm_head = torch.nn.Linear(16, 64, bias=False)
+
+    def fn(x, t):
+        return F.cross_entropy(lm_head(x).view(-1, 64), t.view(-1))
+
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return gm.forward
+
+    x, t = torch.randn(2, 8, 16, requires_grad=True), torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    loss = torch.compile(fn, backend="flce", options={"flce.inner": capture, "flce.precision": "precise"})(x, t)
+    (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
+    assert node.kwargs == {"precision": "precise"}
+    (gx,) = torch.autograd.grad(loss, [x])
+    x_ref = x.detach().requires_grad_()
+    ref = fn(x_ref, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, x_ref.grad, rtol=1e-5, atol=1e-6)

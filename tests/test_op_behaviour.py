@@ -184,6 +184,42 @@ def test_accum_dtype_bf16_runs_and_is_close():
     assert (w.grad.float() - wr.grad.float()).norm() <= 2e-2 * wr.grad.float().norm()
 
 
+def _grads_of(precision, config, dtype=torch.bfloat16, **kw):
+    x, w, t = _inputs(n=40, h=16, v=96, dtype=dtype)
+    x.requires_grad_()
+    w.requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t, precision=precision, config=config, **kw)
+    loss.backward()
+    return loss, x.grad, w.grad
+
+
+def test_precision_policies_are_checked():
+    """"precise" is accepted; an unknown policy, or an accum_dtype that contradicts one, is an error that names
+    the argument and what to pass instead."""
+    x, w, t = _inputs(dtype=torch.bfloat16)
+    assert torch.isfinite(fused_linear_cross_entropy(x, w, t, precision="precise"))
+    with pytest.raises(ValueError, match=r"precision='fast' is unknown; use one of \('exact', 'compact', 'precise'\)"):
+        fused_linear_cross_entropy(x, w, t, precision="fast")
+    with pytest.raises(ValueError, match="precision='precise' accumulates in fp32.*drop accum_dtype"):
+        fused_linear_cross_entropy(x, w, t, precision="precise", accum_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="valid options"):
+        FusedLinearCrossEntropyLoss(precison="precise")
+    loss_fn = FusedLinearCrossEntropyLoss(precision="precise")
+    torch.testing.assert_close(loss_fn(x, w, t), fused_linear_cross_entropy(x, w, t, precision="precise"))
+
+
+def test_precise_policy_wins_over_the_config_field():
+    """precision="precise" is FLCEConfig.fp32_logits, laid over any config (an FLCEConfig forces every field,
+    fp32_logits=False included); the field alone runs the same thing; "exact" differs from both (bf16)."""
+    full = FLCEConfig(strategy="torch", chunk_tokens=16)
+    by_policy = _grads_of("precise", full)
+    by_field = _grads_of("exact", {"strategy": "torch", "chunk_tokens": 16, "fp32_logits": True})
+    exact = _grads_of("exact", full)
+    for a, b in zip(by_policy, by_field):
+        assert torch.equal(a, b)
+    assert not torch.equal(by_policy[2], exact[2])
+
+
 def test_module_form_and_option_check():
     x, w, t = _inputs()
     loss_fn = FusedLinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")

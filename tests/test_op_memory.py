@@ -23,25 +23,28 @@ def test_expression_names_its_symbols():
     assert isinstance(peak_bytes_expr(), sympy.Expr)
 
 
-@pytest.mark.parametrize("dtype, accum, softcap, v, pad", [
-    (torch.float32, torch.float32, None, 4096, False),
-    (torch.bfloat16, torch.float32, None, 4096, False),
-    (torch.bfloat16, torch.bfloat16, 5.0, 4096, False),
-    (torch.bfloat16, torch.float32, None, 4097, False),  # odd V: padded chunk rows
-    (torch.bfloat16, torch.float32, None, 8193, True),  # and a zero-padded weight copy
-    (torch.bfloat16, torch.bfloat16, None, 8193, True),
+@pytest.mark.parametrize("dtype, accum, softcap, v, pad, precision", [
+    (torch.float32, torch.float32, None, 4096, False, "exact"),
+    (torch.bfloat16, torch.float32, None, 4096, False, "exact"),
+    (torch.bfloat16, torch.bfloat16, 5.0, 4096, False, "exact"),
+    (torch.bfloat16, torch.float32, None, 4097, False, "exact"),  # odd V: padded chunk rows
+    (torch.bfloat16, torch.float32, None, 8193, True, "exact"),  # and a zero-padded weight copy
+    (torch.bfloat16, torch.bfloat16, None, 8193, True, "exact"),
+    (torch.bfloat16, torch.float32, None, 4096, False, "precise"),  # an fp32 chunk of logits besides
+    (torch.bfloat16, torch.float32, 5.0, 8193, True, "precise"),
 ])
-def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad):
+def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad, precision):
     n, chunk = 1024, 64
     h = 128 if pad else 64  # with pad, the weight copy (2.1 MB) outweighs the bound's 1 MB of slack
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g)
-    config = FLCEConfig(strategy="torch", chunk_tokens=chunk, pad_vocab=pad)
+    config = FLCEConfig(strategy="torch", chunk_tokens=chunk, pad_vocab=pad, fp32_logits=precision == "precise")
 
     def step():
-        loss = fused_linear_cross_entropy(x, w, t, softcap=softcap, accum_dtype=accum, config=config)
+        loss = fused_linear_cross_entropy(x, w, t, softcap=softcap, accum_dtype=accum, config=config,
+                                          precision=precision)
         loss.backward()
 
     step()  # warm-up: one-time allocations (autograd, profiler) stay out of the measurement
@@ -51,9 +54,10 @@ def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad):
     grads = (n * h + v * h) * itemsize  # the returned gradients are outputs, not overhead
     bound = peak_bytes(config, n, v, h, dtype, accum, need_dw=True, softcap=softcap is not None)
     assert measured - grads <= bound, f"measured {measured - grads} B above outputs > bound {bound} B"
-    # The bound must also mean something: the logits a plain implementation holds are several times larger.
+    # The bound must also mean something: the logits a plain implementation holds are several times larger
+    # (twice, with fp32 logits beside the gradient chunk and the torch step's fp32 copies of 1/16 of them).
     full_logits = n * v * (itemsize + 4)
-    assert bound < full_logits / 3
+    assert bound < full_logits / (3 if precision == "exact" else 2)
 
 
 @pytest.mark.parametrize("vocab, itemsize, padded", [
@@ -76,6 +80,43 @@ def test_bound_at_the_benchmark_shape():
     bf16 = peak_bytes(config, 16384, 128256, 4096, torch.bfloat16, torch.bfloat16)
     assert fp32 < 2.5e9 and bf16 < 0.3e9
     assert fp32 - bf16 == 128256 * 4096 * 4  # the fp32 dW accumulator
+
+
+def test_bound_counts_the_fp32_logits():
+    """precision="precise" (FLCEConfig.fp32_logits): one fp32 chunk of logits beside the bf16 gradient chunk,
+    the fp32 bias, the CPU's upcast operands and the true-class correction's per-row terms; nothing for fp32
+    inputs, whose logits already are fp32. The recompute strategy's forward (its larger half here) grows by
+    the same."""
+    n, v, h, chunk = 16384, 128256, 4096, 2048
+    for strategy in ("triton", "recompute"):
+        exact = FLCEConfig(strategy=strategy, chunk_tokens=chunk, vocab_block=4096)
+        precise = FLCEConfig(strategy=strategy, chunk_tokens=chunk, vocab_block=4096, fp32_logits=True)
+        grown = peak_bytes(precise, n, v, h, torch.bfloat16) - peak_bytes(exact, n, v, h, torch.bfloat16)
+        per_row = 6 * h + 8 + 32
+        assert grown == (chunk * padded_row_elements(v, 2) * 4 + 4 * v + 4 * h * (chunk + 1024) + chunk * per_row)
+        assert peak_bytes(precise, n, v, h, torch.float32) == peak_bytes(exact, n, v, h, torch.float32)
+    assert "fp32_logits" in {s.name for s in peak_bytes_expr().free_symbols}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["exact", "precise"])
+def test_gpu_peak_within_bound_by_precision(precision):
+    n, h, v = 8192, 2048, 65536
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    config = {"strategy": "triton", "chunk_tokens": 1024}
+    fused_linear_cross_entropy(x, w, t, config=config, precision=precision).backward()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_linear_cross_entropy(x, w, t, config=config, precision=precision).backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base - (n * h + v * h) * 2
+    bound = peak_bytes(FLCEConfig(strategy="triton", chunk_tokens=1024, fp32_logits=precision == "precise"),
+                       n, v, h, torch.bfloat16)
+    assert measured <= bound, (measured, bound)
 
 
 @pytest.mark.gpu

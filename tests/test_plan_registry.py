@@ -81,3 +81,13 @@ def test_registry_errors_and_lazy_steps():
         registry.register(registry.get("torch"))
     assert registry.get("triton").ce_step == "flce_compile.strategies.ce_triton:ce_step_triton"  # a name, not an import
     assert callable(registry.get("torch").step())
+
+
+def test_the_tuner_never_sets_a_precision_field():
+    """fp32_logits is the "precise" policy's, the user's choice: no strategy lists it among the fields the tuner
+    samples, and the search space resets it to the base config's value, so a tuned entry never changes the
+    numerics a user asked for (as with "compact", whose accumulator dtype the tuner does not sample either)."""
+    assert all("fp32_logits" not in registry.get(name).params for name in registry.names())
+    space = SearchSpace(tokens=4096, vocab=32000, hidden=1024)
+    for name in registry.names():
+        assert space.canonical(FLCEConfig(strategy=name, fp32_logits=True)).fp32_logits is False

@@ -164,3 +164,34 @@ def test_choose_config_with_a_budget():
     config, source = choose_config(*args, memory_budget_gb=0.5)
     assert config.strategy == "recompute" and source.endswith("fitted to 0.5 GiB")
     assert choose_config(*args, memory_budget_gb=100.0) == choose_config(*args)
+
+
+@pytest.mark.parametrize("backend", list(STEPS))
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.2, "softcap": 3.0}])
+def test_true_class_residual_is_the_rounding_of_g_y(backend, options):
+    """With fp32 logits and a bf16 gradient (precision="precise") both CE steps write, per row, what rounding
+    took from the true-class entry: g_y - bf16(g_y) of the step's own fp32 gradient (the kernel's and the torch
+    step's differ in fp32's last bits, and so would their residuals); 0 for an ignored row and for a slice that
+    does not hold the target."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 9, 70
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[2] = -100
+    p = LossParams(label_smoothing=options.get("label_smoothing", 0.0), softcap=options.get("softcap", 0.0))
+    z = p.softcap * torch.tanh(logits / p.softcap) if p.softcap else logits
+    lse = torch.logsumexp(z, dim=1)
+    config = FLCEConfig(strategy=backend, block_v=16, num_warps=1)
+    exact = torch.empty(rows, vocab)
+    STEPS[backend](_args(logits, target, None, lse, exact), p, config)  # the step's own fp32 gradient
+    for start, stop in ((0, vocab), (0, 24), (24, 70)):
+        grad, residual = torch.empty(rows, stop - start, dtype=torch.bfloat16), torch.full((rows,), 7.0)
+        args = _args(logits[:, start:stop], target, None, lse, grad, start, vocab)
+        args.residual_out = residual
+        STEPS[backend](args, p, config)
+        here = (target >= start) & (target < stop)
+        g_y = exact[torch.arange(rows), target.clamp(0)]
+        expected = torch.where(here, g_y - g_y.bfloat16().float(), 0.0)
+        torch.testing.assert_close(residual, expected, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(grad, exact[:, start:stop].bfloat16(), rtol=0, atol=0)
+        assert bool((expected != 0).any()) or not bool(here.any())

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..api import PRECISIONS
 from ..plan.config import config_overrides
+from ..plan.precision import check_precision
 
 PREFIX = "flce."
 #: Our option keys and what they mean (used in error messages, so keep the text short).
@@ -22,7 +22,8 @@ VALID_KEYS: dict[str, str] = {
     "flce.logits": '"keep" (default: logits outputs stay exact) or "drop" (logits outputs become None)',
     "flce.config": "force config fields for every fused site (FLCEConfig, or a dict / JSON string of some fields)",
     "flce.enabled": "False runs the inner compiler alone",
-    "flce.precision": '"exact" (default: errors no larger than eager\'s) or "compact" (accumulators in the weight dtype)',
+    "flce.precision": '"exact" (default: errors no larger than eager\'s), "compact" (accumulators in the weight '
+                      'dtype) or "precise" (fp32 logits into the CE step: dX/dW errors below eager\'s)',
     "flce.memory_budget_gb": "the most each fused site may use above its inputs and gradients (GiB), or None",
 }
 LOGITS_MODES = ("keep", "drop")
@@ -89,9 +90,7 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise TypeError(f"options['flce.enabled'] must be True or False, got {enabled!r}")
-    precision = raw.get("precision", "exact")
-    if precision not in PRECISIONS:
-        raise ValueError(f"options['flce.precision']={precision!r} is not valid; use one of {PRECISIONS}")
+    precision = check_precision(raw.get("precision", "exact"), "options['flce.precision']")
     budget = raw.get("memory_budget_gb")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):

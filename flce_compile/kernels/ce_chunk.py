@@ -4,7 +4,11 @@ Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (runni
 and the weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient
 is wanted, re-reads each block and writes dloss/dlogits to the gradient rows: the logits themselves (in place,
 the usual case) or a separate buffer when the logits must stay intact (they are returned to the caller). All
-math is fp32; the true-class term is formed in fp32 before the single rounding to the logits dtype.
+math is fp32; the true-class term is formed in fp32 before the single rounding to the gradient's dtype. The
+logits may be fp32 while the gradient rows are in the compute dtype (``FLCEConfig.fp32_logits``, the "precise"
+policy): every load is converted to fp32 and the store is the one rounding, so nothing here depends on it.
+With ``WRITE_RESIDUAL`` (that policy too) each row also writes what that rounding took from its true-class
+entry, g_y - round(g_y) in fp32 (0 when another slice holds the target), for the loop to add back.
 
 A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
 (``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss
@@ -60,6 +64,7 @@ def ce_chunk_kernel(
     lse_in_ptr,
     stats_ptr,
     stats_stride,
+    residual_ptr,
     vocab,
     class_offset,
     num_classes,
@@ -77,6 +82,7 @@ def ce_chunk_kernel(
     WRITE_LSE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     WRITE_STATS: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr,
     EMULATE_BF16_RTNE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -155,6 +161,7 @@ def ce_chunk_kernel(
         if HAS_Z_LOSS:
             coef += z_scale * 2.0 * z_loss * lse
         true_class = ce_scale * (1.0 - label_smoothing) * w_y
+        residual = 0.0
         for start in range(0, vocab, BLOCK_V):
             offs = start + cols
             mask = offs < vocab
@@ -174,6 +181,9 @@ def ce_chunk_kernel(
             # masked "mean" batch has infinite ones).
             g = tl.where(ignored, 0.0, g)
             g = tl.where(invalid, float("nan"), g)
-            if EMULATE_BF16_RTNE:
-                g = _round_bf16_rtne(g)
-            tl.store(grad_ptr + row * grad_stride_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+            stored = (_round_bf16_rtne(g) if EMULATE_BF16_RTNE else g).to(grad_ptr.dtype.element_ty)
+            if WRITE_RESIDUAL:
+                residual += tl.sum(tl.where(offs == target_col, g - stored.to(tl.float32), 0.0), axis=0)
+            tl.store(grad_ptr + row * grad_stride_row + offs, stored, mask=mask)
+        if WRITE_RESIDUAL:
+            tl.store(residual_ptr + row, residual)

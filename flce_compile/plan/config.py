@@ -38,6 +38,11 @@ class FLCEConfig:
     pad_vocab: bool = False
     #: Vocabulary rows per block of the "recompute" strategy's backward (its fp32 dW block is vocab_block x H).
     vocab_block: int = 4096
+    #: The logits GEMM writes fp32 (bf16/fp16 operands, fp32 accumulation: the same tensor-core work) and the CE
+    #: step reads them unrounded, writing the logit gradient into a buffer of its own in the compute dtype:
+    #: what ``precision="precise"`` runs (see ``plan.precision``). A no-op for fp32/fp64 inputs. Never tuned:
+    #: it is part of the precision the user chose, not of the speed.
+    fp32_logits: bool = False
 
     def __post_init__(self) -> None:
         if not registry.is_registered(self.strategy):
@@ -52,7 +57,7 @@ class FLCEConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"config.{name}={value} must be a power of two")
-        for name in ("streams", "pad_vocab"):
+        for name in ("streams", "pad_vocab", "fp32_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}={getattr(self, name)!r} must be True or False")
 

@@ -22,3 +22,8 @@ def vocab_needs_padding(vocab: int, itemsize: int) -> bool:
     """Whether ``pad_vocab`` changes anything for this V: its rows are not already a multiple of the padded
     row (GPT-2's 50257 is not; 128256 is)."""
     return padded_row_elements(vocab, itemsize) != vocab
+
+
+#: Weight rows upcast to fp32 at once by the fp32-logits GEMM where there is no mixed-dtype GEMM (the CPU;
+#: ``strategies.wide_logits``), which bounds the copy the memory bound counts.
+UPCAST_VOCAB_BLOCK = 1024

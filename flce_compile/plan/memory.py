@@ -13,7 +13,8 @@ import torch
 
 from . import registry
 from .config import FLCEConfig
-from .layout import ROW_ALIGN_BYTES, vocab_needs_padding
+from .layout import ROW_ALIGN_BYTES, UPCAST_VOCAB_BLOCK, vocab_needs_padding
+from .precision import fp32_logits_on
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
@@ -30,6 +31,9 @@ PAD = sympy.symbols("pad_vocab", integer=True, nonnegative=True)
 #: 0/1: dW accumulates in the weight dtype, in the buffer that is returned (acc = 0).
 IN_PLACE = sympy.symbols("acc_in_place", integer=True, nonnegative=True)
 
+#: 0/1: fp32 logits (``FLCEConfig.fp32_logits`` with bf16/fp16 inputs, the "precise" policy).
+FP32L = sympy.symbols("fp32_logits", integer=True, nonnegative=True)
+
 #: Per-token fp32 vectors (loss rows, lse) and int64/bool masks of one chunk, bytes per token.
 PER_TOKEN_BYTES = 8
 PER_CHUNK_ROW_BYTES = 64
@@ -40,10 +44,23 @@ SLACK_BYTES = 1 << 20
 SIDE_STREAM_WORKSPACE_BYTES = 64 << 20
 
 
+def _fp32_logits_bytes(rows: sympy.Expr, columns: sympy.Expr, row_bytes: sympy.Expr) -> sympy.Expr:
+    """With fp32 logits: their chunk buffer (``rows`` rows of ``row_bytes`` in the compute dtype, so
+    ``row_bytes / s`` fp32 values each), the fp32 bias, and the upcast operands of the GEMM where there is no
+    mixed-dtype one (the CPU: ``rows`` x H and ``UPCAST_VOCAB_BLOCK`` x H fp32 values; counted on every device,
+    a bound). The gradient goes into the usual compute-dtype buffer(s). The true-class correction
+    (``strategies.true_class``) adds per row two fp32 residuals, its int64 row indices and, at once, the dX
+    addend (2 bytes per hidden unit) and the dW product (4)."""
+    upcast = 4 * H * (rows + sympy.Min(columns, UPCAST_VOCAB_BLOCK))
+    true_class = rows * (6 * H + 2 * 4 + 4 * 8)
+    return FP32L * (rows * row_bytes / S * 4 + columns * 4 + upcast + true_class)
+
+
 @functools.cache
 def peak_bytes_expr() -> sympy.Expr:
-    """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries), the
-    dW/db accumulators, the padded weight copy (pad_vocab) and the per-token vectors. Nothing is BT x V."""
+    """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries; + an
+    fp32 chunk with fp32 logits), the dW/db accumulators, the padded weight copy (pad_vocab) and the per-token
+    vectors. Nothing is BT x V."""
     rows = sympy.Min(CHUNK, BT)
     row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES  # rows padded for aligned GEMMs
     pad_rows = row_bytes / S - V
@@ -60,8 +77,9 @@ def peak_bytes_expr() -> sympy.Expr:
     )
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
-    return (logits_chunk + ce_temporaries + dw_accumulator + db_accumulator + padding + per_token + side_stream
-            + SLACK_BYTES)
+    wide = _fp32_logits_bytes(rows, V + PAD * pad_rows, row_bytes)
+    return (logits_chunk + ce_temporaries + wide + dw_accumulator + db_accumulator + padding + per_token
+            + side_stream + SLACK_BYTES)
 
 
 #: The recompute strategy: vocabulary rows per backward block, 0/1 for dX wanted, and the itemsize of its block
@@ -83,9 +101,10 @@ def recompute_peak_bytes_expr() -> sympy.Expr:
     # they take later (the bound is the peak above inputs and gradients): a chunk of 4096 x 128256 bf16
     # logits (1.05 GB) fits under the 1.18 GB of dX + dW at 16384 x 4096 x 128256.
     returned = NEED_DX * BT * H * S + NEED_DW * V * H * S + NEED_DB * V * S
-    forward = rows * row_bytes + K32 * rows * V * 4 - returned
+    forward = rows * row_bytes + K32 * rows * V * 4 + _fp32_logits_bytes(rows, V, row_bytes) - returned
     backward = (NEED_DX * BT * H * ACC + NEED_DW * block * H * ACC_BLOCK + NEED_DB * block * 4
-                + rows * block_bytes + K32 * rows * block * 4)
+                + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
+                + FP32L * V * 4)  # the whole fp32 bias
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     return sympy.Max(forward, backward) + per_token + SLACK_BYTES
 
@@ -111,6 +130,7 @@ def peak_bytes(
             S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
             ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
             NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: strategy.fp32_temporaries(softcap),
+            FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
         }))
     separate_acc = need_dw and accum_dtype != dtype
     values = {
@@ -127,5 +147,6 @@ def peak_bytes(
         BUFFERS: 2 if config.streams else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc),
+        FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
     }
     return int(peak_bytes_expr().subs(values))

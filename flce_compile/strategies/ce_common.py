@@ -11,8 +11,10 @@ import torch
 class CEStepArgs:
     """One chunk's CE step.
 
-    logits: (rows, V) raw logits x W^T + b in the compute dtype, unit column stride and any row stride (rows
-        are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad`` and no ``grad_out``.
+    logits: (rows, V) raw logits x W^T + b in the compute dtype, or fp32 from bf16/fp16 operands
+        (``FLCEConfig.fp32_logits``; ``grad_out`` then holds the gradient), unit column stride and any row stride
+        (rows are padded for aligned GEMMs); overwritten with dloss/dlogits when ``write_grad`` and no
+        ``grad_out``.
     target: (rows,) int64 class ids.
     ce_weight: (V,) class weights or None; weight_sum: 0-dim sum of the class weights (V if None). These and
         every float below are fp32 (fp64 for fp64 logits).
@@ -20,13 +22,17 @@ class CEStepArgs:
         (for "mean", 1/sum of target weights and 1/valid tokens divided by the power of two that is applied
         after the GEMMs, see ``chunked._gradient_scales``; 1 for "sum"; grad_output for the per-token backward).
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass.
-    grad_out: (rows, V) in the logits dtype, unit column stride, that receives dloss/dlogits instead of the
-        logits (the keep path: the logits are returned to the caller and must stay intact); None = in place.
+    grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
+        logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
+        in place.
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
     stats_out: (3, rows) in the math dtype, or None: a slice's partial statistics, for a caller that combines
         the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the slice's own lse of z, row 1
         z at the target when the target lies in the slice (else 0), row 2 the smoothing sum sum_c w_c z_c over
         the slice (w_c = 1 without class weights; 0 without label smoothing). Needs no ``lse_in``.
+    residual_out: (rows,) fp32 or None: with ``write_grad``, receives what rounding the gradient to its dtype
+        took from each row's true-class entry, g_y - round(g_y) (0 where the target is not among the columns),
+        which the loop adds back beside the GEMMs (``strategies.true_class``; the "precise" policy).
     """
 
     logits: torch.Tensor
@@ -45,6 +51,7 @@ class CEStepArgs:
     class_offset: int = 0
     num_classes: int | None = None
     stats_out: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
 
     def classes(self) -> int:
         """How many classes the loss is over (the columns, unless the logits hold a slice)."""

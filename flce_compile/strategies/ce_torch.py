@@ -71,7 +71,12 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     if p.logit_scale != 1.0:
         g.mul_(p.logit_scale)
     g.masked_fill_(ignored[:, None], 0.0).masked_fill_(invalid[:, None], float("nan"))
-    (args.grad_out if args.grad_out is not None else logits).copy_(g)
+    out = args.grad_out if args.grad_out is not None else logits
+    if args.residual_out is not None:
+        g_y = g.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
+        rounding = g_y - g_y.to(out.dtype).to(g_y.dtype)
+        args.residual_out.copy_(torch.where(here, rounding, 0.0))
+    out.copy_(g)
 
 
 def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,

@@ -40,6 +40,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.lse_in if args.lse_in is not None else dummy,
         args.stats_out if args.stats_out is not None else dummy,
         args.stats_out.stride(0) if args.stats_out is not None else 0,
+        args.residual_out if args.residual_out is not None else dummy,
         vocab,
         args.class_offset,
         args.classes(),
@@ -57,7 +58,9 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         WRITE_LSE=args.lse_out is not None,
         WRITE_GRAD=args.write_grad,
         WRITE_STATS=args.stats_out is not None,
-        EMULATE_BF16_RTNE=logits.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        WRITE_RESIDUAL=args.write_grad and args.residual_out is not None,
+        # The rounding that matters is the gradient's (the logits may be fp32: FLCEConfig.fp32_logits).
+        EMULATE_BF16_RTNE=grad.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_V=block_v,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

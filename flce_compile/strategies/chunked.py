@@ -22,7 +22,10 @@ from ..params import LossParams, math_dtype
 from ..plan import registry
 from ..plan.config import FLCEConfig
 from ..plan.layout import padded_row_elements
+from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
+from . import true_class
+from .wide_logits import fp32_logits_into
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -309,6 +312,11 @@ def _run_chunks(
     CE step writes each chunk's gradient into a chunk buffer of its own. Otherwise an unaligned leading
     dimension would send cuBLAS to its slow kernels, so the GEMM writes the padded chunk buffer as without
     ``logits_out``, the chunk is copied out, and the CE step overwrites the buffer with its gradient.
+
+    With ``config.fp32_logits`` (bf16/fp16 inputs) the GEMM writes one fp32 chunk buffer instead, the CE step
+    reads it and writes the gradient into the compute-dtype chunk buffer and each row's true-class rounding into
+    a vector that goes back into dX, dW and db (``true_class``), and ``logits_out`` receives the logits rounded
+    once, as eager's GEMM rounds them.
     """
     x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
     n, _hidden = x.shape
@@ -324,13 +332,25 @@ def _run_chunks(
     if gemm_vocab != vocab:
         weight = _zero_padded_rows(weight, gemm_vocab)
         bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
+    wide = fp32_logits_on(config.fp32_logits, x.dtype)
     # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
     # the gradient, and are needed only when there is one.
-    direct = logits_out is not None and row_stride == vocab
+    direct = logits_out is not None and row_stride == vocab and not wide
     buffers = [
         torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
-        for _ in range((2 if overlap else 1) if grads.any or not direct else 0)
+        for _ in range((2 if overlap else 1) if grads.any or not (direct or wide) else 0)
     ]
+    # The fp32 logits: one buffer even with stream overlap, since only the main stream reads it (the side
+    # stream's GEMMs read the gradient buffers). The gradient buffers' padding columns are then written by no
+    # GEMM: zeroed once, so the padded dW/db rows stay exact zeros.
+    wide_buffer = torch.empty(chunk, row_stride, dtype=torch.float32, device=device)[:, :gemm_vocab] if wide else None
+    bias32 = bias.float() if wide and bias is not None else None
+    if wide and gemm_vocab != vocab:
+        for buffer in buffers:
+            buffer[:, vocab:].zero_()
+    # With fp32 logits, each row's true-class rounding is added back (``true_class``): one vector per gradient
+    # buffer, since the side stream's dW work reads it as it reads that buffer.
+    residuals = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in buffers] if wide and grads.any else []
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
@@ -350,24 +370,35 @@ def _run_chunks(
                 x_c = x[start:stop]
                 if overlap is not None:
                     overlap.wait_for_buffer(slot)
-                if bias is not None:
+                if wide_buffer is not None:
+                    logits = wide_buffer[: stop - start]
+                    fp32_logits_into(logits, x_c, weight, bias32)
+                elif bias is not None:
                     torch.addmm(bias, x_c, weight_t, out=logits)
                 else:
                     torch.mm(x_c, weight_t, out=logits)
                 rows = slice(start, stop)
                 if logits_out is not None and not direct:
                     logits_out[rows].copy_(logits[:, :vocab])
+                separate_grad = (direct or wide) and grads.any
+                residual = residuals[slot][: stop - start] if residuals else None
                 ce_step(
                     step_rows.chunk(logits[:, :vocab], rows, write_grad=grads.any,
-                                    grad_out=grad[:, :vocab] if direct and grads.any else None),
+                                    grad_out=grad[:, :vocab] if separate_grad else None, residual_out=residual),
                     p,
                 )
                 if not grads.any:
                     continue
-                if dx is not None:
+                if dx is not None and residual is not None:
+                    addend = true_class.dx_addend(weight, true_class.target_rows(target[rows], 0, vocab), residual)
+                    torch.addmm(addend, grad, weight, out=dx[rows])
+                elif dx is not None:
                     torch.mm(grad, weight, out=dx[rows])
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
+                    if residual is not None:
+                        true_class.add_to_weight_grads(dw_acc.acc if dw_acc is not None else None, db_acc,
+                                                       true_class.target_rows(target[rows], 0, vocab), residual, x_c)
         finally:
             if overlap is not None:
                 overlap.join()  # also on an error: the buffers are freed when this frame unwinds
@@ -401,7 +432,7 @@ class _StepRows:
     lse_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
-              grad_out: torch.Tensor | None = None) -> CEStepArgs:
+              grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
             target=self.target[rows],
@@ -414,6 +445,7 @@ class _StepRows:
             lse_in=_rows_of(self.lse_in, rows),
             write_grad=write_grad,
             grad_out=grad_out,
+            residual_out=residual_out,
         )
 
 

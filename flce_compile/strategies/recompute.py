@@ -6,7 +6,10 @@ forms the logit gradient from the saved lse (the CE step over a slice of the cla
 of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32, which are rounded once when the
 block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
 the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
-four GEMMs instead of three: the logits twice, then dX and dW.
+four GEMMs instead of three: the logits twice, then dX and dW. With ``FLCEConfig.fp32_logits`` (the "precise"
+policy) both logits GEMMs write fp32 (the forward through the chunk loop, the backward into an fp32 chunk x
+block buffer beside the gradient's) and each row's true-class rounding goes back into the fp32 sums
+(``true_class``), at no extra GEMM.
 
 Every factor of the gradient (the reduction's scales and grad_output) goes into the logit gradient before its
 one rounding, as in eager PyTorch, so a loss scale reaches fp16 gradients before any underflow.
@@ -19,7 +22,10 @@ import torch
 from ..params import LossParams, math_dtype
 from ..plan.config import FLCEConfig
 from ..plan.layout import padded_row_elements
+from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
+from . import true_class
+from .wide_logits import fp32_logits_into
 from .chunked import (
     ForwardResult, GradRequest, Grads, Operands, _ce_step, _reduction_scales, add_product,
     full_precision_gemm_reductions, fused_forward,
@@ -93,8 +99,14 @@ def recompute_backward(
     dx_sum = torch.zeros(n, hidden, dtype=acc_dtype, device=device) if grads.dx else None
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grads.dw else None
     db = torch.empty_like(bias) if grads.db and bias is not None else None
-    # One logits buffer, its rows padded to 128 bytes for aligned GEMMs.
-    buffer = torch.empty(chunk, padded_row_elements(block, x.element_size()), dtype=dtype, device=device)
+    # One logits buffer, its rows padded to 128 bytes for aligned GEMMs; with fp32 logits (the "precise"
+    # policy) the GEMM writes an fp32 buffer beside it and the CE step writes the gradient into this one.
+    stride = padded_row_elements(block, x.element_size())
+    buffer = torch.empty(chunk, stride, dtype=dtype, device=device)
+    wide = torch.empty(chunk, stride, dtype=torch.float32, device=device) if fp32_logits_on(
+        config.fp32_logits, dtype) else None
+    bias32 = bias.float() if wide is not None and bias is not None else None
+    residual = torch.empty(chunk, dtype=torch.float32, device=device) if wide is not None else None
     ce_step = _ce_step(config)
     per_row = ce_rows.dim() == 1
     with full_precision_gemm_reductions(device):
@@ -108,15 +120,19 @@ def recompute_backward(
                 rows = slice(t0, t1)
                 logits = buffer[: t1 - t0, : v1 - v0]
                 x_c = x[rows]
-                if b_b is not None:
+                if wide is not None:
+                    wide_logits = wide[: t1 - t0, : v1 - v0]
+                    fp32_logits_into(wide_logits, x_c, w_b, bias32[v0:v1] if bias32 is not None else None)
+                elif b_b is not None:
                     torch.addmm(b_b, x_c, w_b.t(), out=logits)
                 else:
                     torch.mm(x_c, w_b.t(), out=logits)
                 ce_step(CEStepArgs(
-                    logits=logits, target=target[rows], ce_weight=ce_weight, weight_sum=weight_sum,
-                    ce_scale=ce_rows[rows] if per_row else ce_rows, z_scale=z_rows[rows] if per_row else z_rows,
-                    loss_out=None, lse_out=None, lse_in=lse[rows], write_grad=True,
-                    class_offset=offset + v0, num_classes=total,
+                    logits=wide_logits if wide is not None else logits, target=target[rows], ce_weight=ce_weight,
+                    weight_sum=weight_sum, ce_scale=ce_rows[rows] if per_row else ce_rows,
+                    z_scale=z_rows[rows] if per_row else z_rows, loss_out=None, lse_out=None, lse_in=lse[rows],
+                    write_grad=True, grad_out=logits if wide is not None else None, class_offset=offset + v0,
+                    num_classes=total, residual_out=residual[: t1 - t0] if residual is not None else None,
                 ), p)
                 if dx_sum is not None:
                     _add(dx_sum[rows], logits, w_b)
@@ -124,6 +140,11 @@ def recompute_backward(
                     _add(dw_sum, logits.t(), x_c)
                 if db_sum is not None:
                     db_sum.add_(logits.sum(dim=0, dtype=db_sum.dtype))
+                if residual is not None:  # the true-class roundings, back into the fp32 sums
+                    r, local = residual[: t1 - t0], true_class.target_rows(target[rows], offset + v0, v1 - v0)
+                    if dx_sum is not None:
+                        dx_sum[rows].add_(w_b.index_select(0, local) * r[:, None])
+                    true_class.add_to_weight_grads(dw_sum, db_sum, local, r, x_c)
             if dw is not None:
                 dw[v0:v1].copy_(dw_sum)  # the block's one rounding
             if db is not None:
