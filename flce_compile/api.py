@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .dtensor import refuse_dtensors
 from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
-from .plan.choose import fit_budget, resolve_config
+from .plan.choose import budget_bytes, choose_config_within_budget, fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
 from .plan.precision import PRECISIONS, accum_dtype_for, forced_by
 
@@ -220,17 +220,20 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
                    bias: Tensor | None, accum_dtype: torch.dtype, params: LossParams, grad_on: bool) -> dict[str, Any]:
     """Every field of the config that fits ``budget_gb``, chosen now and forced: under torch.compile this runs
     while tracing, with the traced token count, so the loop (gradients in forward or, for "recompute", in
-    backward) is fixed in the graph, and only a config's numbers could change with the token count."""
-    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) \
-            or budget_gb <= 0:
-        raise ValueError(f"memory_budget_gb={budget_gb!r} must be a positive number of GiB (or None for no budget)")
+    backward) is fixed in the graph, and only a config's numbers could change with the token count. Without
+    forced fields the pick may be a tuning-DB entry tuned under a budget (``choose_config_within_budget``);
+    forced fields are laid over the plain pick, which is then fitted (``fit_budget``)."""
+    limit = budget_bytes(budget_gb)  # a ValueError names memory_budget_gb
     tokens = _size_hint(x2d.shape[0])
     vocab, hidden = weight.shape
+    needs = {"need_dx": grad_on and x2d.requires_grad, "need_dw": grad_on and weight.requires_grad,
+             "need_db": grad_on and bias is not None and bias.requires_grad, "softcap": bool(params.softcap)}
+    if not forced:
+        config, _source, _match = choose_config_within_budget(tokens, vocab, hidden, weight.dtype, weight.device,
+                                                              budget_gb, accum_dtype=accum_dtype, **needs)
+        return config.to_dict()
     base, _source = resolve_config(forced, tokens, vocab, hidden, weight.dtype, weight.device)
-    fitted = fit_budget(base, tokens, vocab, hidden, weight.dtype, accum_dtype, int(budget_gb * 2**30),
-                        need_dx=grad_on and x2d.requires_grad, need_dw=grad_on and weight.requires_grad,
-                        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap))
-    return fitted.to_dict()
+    return fit_budget(base, tokens, vocab, hidden, weight.dtype, accum_dtype, limit, **needs).to_dict()
 
 
 def _size_hint(n: Any) -> int:

@@ -79,11 +79,12 @@ def test_list_with_the_real_shipped_dir(tmp_path, monkeypatch, capsys):
     db.write_entries(user, [make_entry(), make_entry(tokens=16384, ms=30.0)])
     assert cli.main(["--list", "--db", str(user)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"]
-    assert any(l.split()[:5] == ["h200", "256000", "2304", "bf16", "8192"] and "user:" in l for l in lines)
-    for path in sorted((REPO / "tuning_db").glob("*.json")):  # shipped entries are listed too
+    assert lines[0].split() == ["device", "V", "H", "dtype", "tokens", "budget", "ms", "speedup", "source"]
+    assert any(l.split()[:6] == ["h200", "256000", "2304", "bf16", "8192", "-"] and "user:" in l for l in lines)
+    for path in sorted((REPO / "tuning_db").glob("*.json")):  # shipped entries are listed too, with their tier
         for e in db.read_file(path, strict=True):
-            assert any(l.split()[:5] == [e.device, str(e.vocab), str(e.hidden), e.dtype, str(e.tokens)] for l in lines)
+            assert any(l.split()[:6] == [e.device, str(e.vocab), str(e.hidden), e.dtype, str(e.tokens), cli._tier(e)]
+                       for l in lines)
 
 
 def test_arguments_and_modes_in_process(tmp_path, monkeypatch, capsys):
@@ -137,9 +138,50 @@ def test_shipped_h200_file_covers_every_shipped_shape_and_bucket():
     from flce_compile.tuning.cli import SHIPPED_SHAPES, SHIPPED_TOKENS
 
     entries = db.read_file(REPO / "tuning_db" / "h200.json", strict=True)
-    have = {(e.vocab, e.hidden, e.tokens) for e in entries if e.dtype == "bf16" and e.default_ms is not None}
+    have = {(e.vocab, e.hidden, e.tokens) for e in entries
+            if e.dtype == "bf16" and e.default_ms is not None and e.budget_tier_gb is None}
     want = {(v, h, t) for v, h, _ in SHIPPED_SHAPES for t in SHIPPED_TOKENS}
     assert sorted(want - have) == []
+
+
+def tier_gaps(entries: list[db.Entry]) -> list[tuple[float, int, int, int]]:
+    """(tier GiB, V, H, bucket) missing from a shipped set of budget-tier entries: for every tier and token bucket
+    it holds, each shipped (V, H) that some config of the tuner's space fits by the memory bound needs a bf16
+    entry (16384 x 8192 cannot fit 0.5 GiB: its fp32 dX sum alone is 0.5 GiB, so flce-tune skips it)."""
+    from flce_compile.tuning.cli import SHIPPED_SHAPES
+    from flce_compile.tuning.space import SearchSpace
+
+    tiers = [e for e in entries if e.budget_tier_gb is not None and e.dtype == "bf16"]
+    have = {(e.budget_tier_gb, e.vocab, e.hidden, e.tokens) for e in tiers}
+    gaps = []
+    for tier, bucket in sorted({(e.budget_tier_gb, e.tokens) for e in tiers}):
+        for v, h, _ in SHIPPED_SHAPES:
+            fits = SearchSpace(tokens=bucket, vocab=v, hidden=h).least_predicted_bytes() <= tier * 2**30
+            if fits and (tier, v, h, bucket) not in have:
+                gaps.append((tier, v, h, bucket))
+    return gaps
+
+
+def test_tier_gaps_finds_a_missing_shape():
+    from flce_compile.tuning.cli import SHIPPED_SHAPES
+
+    tight = [make_entry(vocab=v, hidden=h, tokens=16384, budget_tier_gb=0.5) for v, h, _ in SHIPPED_SHAPES
+             if (v, h) not in {(128256, 8192), (151936, 4096)}]  # Llama-3 70B cannot fit; Qwen3 8B is missing
+    assert tier_gaps(tight) == [(0.5, 151936, 4096, 16384)]
+    assert tier_gaps([make_entry(tokens=16384)]) == []  # no tier present: nothing to complete
+
+
+def test_shipped_budget_tiers_are_complete_and_fit():
+    """Whatever budget tiers tuning_db/h200.json holds, each (tier, bucket) covers every shipped shape that can fit
+    it, and each tier entry fits its tier: by the bound at its bucket and by its measured peak."""
+    from flce_compile.plan.memory import peak_bytes
+
+    entries = db.read_file(REPO / "tuning_db" / "h200.json", strict=True)
+    assert tier_gaps(entries) == []
+    for e in (e for e in entries if e.budget_tier_gb is not None):
+        budget = e.budget_tier_gb * 2**30
+        assert peak_bytes(e.config, e.tokens, e.vocab, e.hidden, db.torch_dtype(e.dtype)) <= budget, e.key
+        assert e.peak_gb is not None and e.peak_gb * 1e9 <= budget, e.key
 
 
 def test_wheel_ships_tuning_db(tmp_path):
@@ -266,12 +308,14 @@ def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     # V=256000 bf16: the default chunk is 1024 tokens -> predicted 1.024e9 bytes; + 0.5 GiB = 1.56e9 bytes, so
     # the 1.5x step 1536 fits and 2048 does not
     out = tmp_path / "relative.json"
-    base = ["--vocab", "256000", "--hidden", "2304", "--tokens", "8192", "--trials", "8", "--strategies", "torch"]
+    # 12 trials: the budget narrows the space to 7 chunks x dw_path x streams (within_budget), all measured
+    base = ["--vocab", "256000", "--hidden", "2304", "--tokens", "8192", "--trials", "12", "--strategies", "torch"]
     assert cli.main([*base, "--budget-over-default-gb", "0.5", "--out", str(out)]) == 0, capsys.readouterr().err
     (e,) = db.read_file(out, strict=True)
     assert e.extra["default_config"]["chunk_tokens"] == 1024
     assert e.config.chunk_tokens == 1536 and e.peak_gb == pytest.approx(1.536)
     assert e.extra["budget_over_default_gb"] == 0.5 and e.extra["budget_gb"] is None
+    assert e.budget_tier_gb is None  # a relative budget keeps writing plain entries
     assert e.extra["memory_gain_margin"] == 0.02  # the study's rule is recorded with its result
     assert max(measured) <= 1536  # over-budget chunks were pruned before running
     # neither flag: the same budget by default, and the run prints it
@@ -282,7 +326,9 @@ def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     # with --budget-gb as well, the smaller budget wins (1.2 GiB = 1.29e9 bytes: 1024 fits, 1536 does not)
     out = tmp_path / "both.json"
     assert cli.main([*base, "--budget-over-default-gb", "0.5", "--budget-gb", "1.2", "--out", str(out)]) == 0
-    assert db.read_file(out, strict=True)[0].config.chunk_tokens == 1024
+    (e,) = db.read_file(out, strict=True)
+    assert e.config.chunk_tokens == 1024
+    assert e.budget_tier_gb == 1.2  # an absolute budget makes a budget-tier entry, also with the relative one
     # no memory model: the relative budget is not applied, and the run says so
     monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
     out = tmp_path / "nomodel.json"

@@ -68,7 +68,8 @@ def test_round_trip_merge_and_replace(dbs):
     e1 = entry(tokens=8192)
     db.write_entries(user, [e1, entry(tokens=16384)])
     data = json.loads(user.read_text())
-    assert data["format"] == db.FORMAT and data["schema_version"] == db.SCHEMA_VERSION
+    # plain entries only: the version every reader understands (2 is for files with budget tiers)
+    assert data["format"] == db.FORMAT and data["schema_version"] == db.PLAIN_SCHEMA_VERSION == 1
     assert db.read_file(user, strict=True)[0] == e1
     # merge: same key replaced, new key added, others kept
     db.write_entries(user, [entry(tokens=8192, ms=5.0), entry(vocab=32000, hidden=1024)])

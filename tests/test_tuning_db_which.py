@@ -27,10 +27,10 @@ def test_each_source_is_what_the_op_would_pick_on_that_gpu(dbs, monkeypatch):
                                              entry(vocab=128256, tokens=8192, chunk=4096)])
     db.write_entries(user, [entry(vocab=32000, hidden=1024, chunk=512)])
     cases = {  # (tokens, vocab, hidden) -> (source, key of the entry it came from)
-        (16384, 32000, 1024): ("user exact", ("h200", 32000, 1024, "bf16", 16384)),
-        (16384, 151936, 4096): ("shipped exact", ("h200", 151936, 4096, "bf16", 16384)),
-        (2000, 151936, 4096): ("nearest bucket", ("h200", 151936, 4096, "bf16", 4096)),
-        (8192, 131072, 4096): ("nearest shape", ("h200", 128256, 4096, "bf16", 8192)),
+        (16384, 32000, 1024): ("user exact", ("h200", 32000, 1024, "bf16", 16384, None)),
+        (16384, 151936, 4096): ("shipped exact", ("h200", 151936, 4096, "bf16", 16384, None)),
+        (2000, 151936, 4096): ("nearest bucket", ("h200", 151936, 4096, "bf16", 4096, None)),
+        (8192, 131072, 4096): ("nearest shape", ("h200", 128256, 4096, "bf16", 8192, None)),
         (16384, 2000, 128): ("heuristic", None),
     }
     choices = {args: which_config(*args, gpu="h200") for args in cases}

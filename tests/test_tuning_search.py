@@ -99,7 +99,11 @@ def test_predicted_memory_prunes_before_running(monkeypatch):
 
     result = run_search(objective, small_space(), default=DEFAULT, n_trials=20, seed=0, budget_bytes=int(1.5e9))
     assert seen and all(c.chunk_tokens <= 1024 for c in seen)  # over-budget configs never ran
-    assert any(r.status == "pruned" and "memory bound" in r.message for r in result.records)
+    # the chunks that cannot fit left the space before the study (within_budget), so none was even proposed
+    assert all(r.config.chunk_tokens <= 1024 for r in result.records)
+    chunk_choices = {d.choices for t in result.study.trials for n, d in t.distributions.items()
+                     if n.endswith(".chunk_tokens")}
+    assert chunk_choices == {(512, 1024)}
     assert result.best.chunk_tokens <= 1024
 
 

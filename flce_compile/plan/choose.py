@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -143,13 +144,87 @@ def choose_config(
 ) -> tuple[FLCEConfig, str]:
     """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
     non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only). With ``memory_budget_gb`` the
-    pick is then fitted to that budget (``fit_budget``; gradients of input and weight, ``accum_dtype``
-    accumulators), and the source says so."""
-    config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
+    pick is ``choose_config_within_budget``'s (a budget-tier entry, or the plain pick fitted to the budget;
+    gradients of input and weight, ``accum_dtype`` accumulators), and the source says which."""
     if memory_budget_gb is None:
+        config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
         return config, source
-    fitted = fit_budget(config, num_tokens, vocab, hidden, dtype, accum_dtype, int(memory_budget_gb * 2**30))
-    return fitted, source if fitted == config else f"{source}, fitted to {memory_budget_gb:g} GiB"
+    config, source, _ = choose_config_within_budget(num_tokens, vocab, hidden, dtype, device, memory_budget_gb,
+                                                    accum_dtype=accum_dtype)
+    return config, source
+
+
+def budget_bytes(memory_budget_gb: float) -> int:
+    """``memory_budget_gb`` (GiB) in bytes; an error names the argument unless it is a positive finite number."""
+    if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, (int, float)) \
+            or not math.isfinite(memory_budget_gb) or memory_budget_gb <= 0:
+        raise ValueError(f"memory_budget_gb={memory_budget_gb!r} must be a positive number of GiB (or None for no "
+                         "budget)")
+    return int(memory_budget_gb * 2**30)
+
+
+def choose_config_within_budget(
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, memory_budget_gb: float, *,
+    accum_dtype: torch.dtype = torch.float32, need_dx: bool = True, need_dw: bool = True, need_db: bool = False,
+    softcap: bool = False, gpu: str | None = None,
+) -> tuple[FLCEConfig, str, tuning_db.Match | None]:
+    """The config of a call that may use ``memory_budget_gb`` GiB (by the memory bound at ``num_tokens``), its
+    source, and the tuning-DB match it came from (None for the heuristic).
+
+    Two candidates. The plain pick (``choose_config_match``: plain entry or heuristic), if its bound fits as it
+    is. The tuned low-memory pick: the first budget-tier entry (``tuning_db.find_budget_matches``: tier <= the
+    budget; exact bucket, then the nearest; the largest tier first) whose bound fits. The tier entry wins when
+    the plain pick does not fit, or when it measured faster than the plain pick at the same bucket (a budget
+    that does not bind keeps today's config unless a tier entry is known to beat it: a 100 GiB budget never
+    trades a fitting tuned config for a 0.5 GiB tier's recompute). Without a fitting tier entry, the plain
+    pick goes through ``fit_budget`` (smaller chunks, then "recompute"), as before tiers existed.
+    """
+    limit = budget_bytes(memory_budget_gb)
+
+    def bound(config: FLCEConfig) -> int:
+        from .memory import peak_bytes  # noqa: PLC0415 - sympy is imported only when a budget is given
+
+        return peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw, need_db=need_db,
+                          softcap=softcap, need_dx=need_dx)
+
+    plain, source, match = choose_config_match(num_tokens, vocab, hidden, dtype, device, gpu=gpu)
+    tuned = _fitting_tier_match(num_tokens, vocab, hidden, dtype, device, memory_budget_gb, gpu,
+                                lambda config: bound(config) <= limit)
+    if tuned is not None and (bound(plain) > limit or _measured_faster(tuned.entry, plain, match)):
+        logger.debug("config for V=%d H=%d tokens=%d within %g GiB from %s", vocab, hidden, num_tokens,
+                     memory_budget_gb, tuned.source)
+        return tuned.config, tuned.source, tuned
+    fitted = fit_budget(plain, num_tokens, vocab, hidden, dtype, accum_dtype, limit, need_dx=need_dx, need_dw=need_dw,
+                        need_db=need_db, softcap=softcap)
+    return fitted, source if fitted == plain else f"{source}, fitted to {memory_budget_gb:g} GiB", match
+
+
+def _fitting_tier_match(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                        memory_budget_gb: float, gpu: str | None,
+                        fits: Callable[[FLCEConfig], bool]) -> tuning_db.Match | None:
+    """The first budget-tier match whose config ``fits`` (a predicate on the bound); None on a device or dtype
+    the tuning DB does not answer for (the CPU, fp64), as in ``choose_config_match``."""
+    if device.type != "cuda" or dtype == torch.float64:
+        return None
+    matches = tuning_db.find_budget_matches(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
+                                            device=device if gpu is None else gpu, budget_gb=memory_budget_gb)
+    return next((m for m in matches if fits(m.config)), None)
+
+
+def _measured_faster(tier: tuning_db.Entry, plain: FLCEConfig, plain_match: tuning_db.Match | None) -> bool:
+    """Whether the tier entry measured faster than the plain pick, by times taken at the same token bucket on the
+    same GPU kind: the plain entry's own time, or, for the heuristic, the tier study's time of its default when
+    that default is this very config. False when nothing comparable was measured."""
+    if plain_match is not None:
+        other = plain_match.entry
+        return other.key[:5] == tier.key[:5] and plain_match.config == other.config and tier.ms < other.ms
+    if tier.default_ms is None:
+        return False
+    try:
+        default = FLCEConfig.from_dict({**FLCEConfig().to_dict(), **tier.extra.get("default_config", {})})
+    except (TypeError, ValueError):
+        return False
+    return default == plain and tier.ms < tier.default_ms
 
 
 def choose_config_match(
@@ -177,6 +252,22 @@ def choose_config_match(
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
 
 
+def budget_candidates(config: FLCEConfig, dtype: torch.dtype) -> list[FLCEConfig]:
+    """The configs ``fit_budget`` tries, in order: ``config`` itself; then ``config`` with halved chunks (down to
+    128 tokens), which keeps its speed longest; then each strategy of the "recompute" loop that runs ``dtype``,
+    larger chunks and vocabulary blocks first, which drop the V x H accumulator for one more GEMM. The tuner
+    walks the same list to find the default a budget-tier study measures against."""
+    candidates = [config]
+    chunk = config.chunk_tokens
+    while chunk > 128:
+        chunk //= 2
+        candidates.append(dataclasses.replace(config, chunk_tokens=chunk))
+    for strategy in (s for s in map(registry.get, registry.names()) if s.loop == "recompute" and s.supports(dtype)):
+        candidates += [dataclasses.replace(config, strategy=strategy.name, chunk_tokens=c, vocab_block=b)
+                       for c in (4096, 2048, 1024, 512, 256, 128) for b in (8192, 4096, 2048, 1024, 512)]
+    return candidates
+
+
 def fit_budget(
     config: FLCEConfig,
     num_tokens: int,
@@ -191,26 +282,16 @@ def fit_budget(
     need_db: bool = False,
     softcap: bool = False,
 ) -> FLCEConfig:
-    """The first config whose memory bound (``plan.memory.peak_bytes``) fits ``budget_bytes``: ``config`` itself;
-    then ``config`` with halved chunks (down to 128 tokens), which keeps its speed longest; then each strategy of
-    the "recompute" loop with larger chunks and vocabulary blocks first, which drop the V x H accumulator for
-    one more GEMM. An error names the budget and the least memory any of them needs when none fits."""
+    """The first of ``budget_candidates(config, dtype)`` whose memory bound (``plan.memory.peak_bytes``) fits
+    ``budget_bytes``. An error names the budget and the least memory any of them needs when none fits."""
     from .memory import peak_bytes
 
     def bound(candidate: FLCEConfig) -> int:
         return peak_bytes(candidate, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw,
                           need_db=need_db, softcap=softcap, need_dx=need_dx)
 
-    candidates = [config]
-    chunk = config.chunk_tokens
-    while chunk > 128:
-        chunk //= 2
-        candidates.append(dataclasses.replace(config, chunk_tokens=chunk))
-    for strategy in (s for s in map(registry.get, registry.names()) if s.loop == "recompute" and s.supports(dtype)):
-        candidates += [dataclasses.replace(config, strategy=strategy.name, chunk_tokens=c, vocab_block=b)
-                       for c in (4096, 2048, 1024, 512, 256, 128) for b in (8192, 4096, 2048, 1024, 512)]
     best = None
-    for candidate in candidates:
+    for candidate in budget_candidates(config, dtype):
         needed = bound(candidate)
         if needed <= budget_bytes:
             return candidate

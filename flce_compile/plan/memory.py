@@ -122,7 +122,17 @@ def peak_bytes(
     softcap: bool = False,
     need_dx: bool = True,
 ) -> int:
-    """Evaluate ``peak_bytes_expr`` for one call of the op with ``config``."""
+    """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``. Memoised:
+    a sympy evaluation takes about a millisecond, and a memory budget asks for the same bounds on every call
+    of the op and every proposal of the tuner."""
+    return _peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw, need_db, softcap, need_dx,
+                       registry.generation())
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
+                accum_dtype: torch.dtype, need_dw: bool, need_db: bool, softcap: bool, need_dx: bool,
+                generation: int) -> int:  # noqa: ARG001 - generation: a registry change misses the cache
     strategy = registry.get(config.strategy)
     if strategy.loop == "recompute":
         return int(recompute_peak_bytes_expr().subs({

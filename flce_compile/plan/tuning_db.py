@@ -12,12 +12,19 @@ Files. Every file has the same format (``FORMAT``, ``SCHEMA_VERSION``, a list of
 
   (the fields are those of ``Entry``; ``tuning_db/README.md`` describes each one).
 
+Budget tiers. An entry may carry ``"budget_tier_gb": G``: it was tuned under an absolute memory budget of G GiB
+(``flce-tune --budget-gb G``) and answers only calls that give a memory budget of at least G
+(``memory_budget_gb``). It sits beside the plain entry of the same (GPU, V, H, dtype, bucket), never over it:
+the tier is part of ``Entry.key``. A file holding such entries is written as schema version 2, because a
+version-1 reader would take them for plain entries; a file without them stays version 1, readable by older
+versions. This reader reads both.
+
 * Shipped files: ``tuning_db/<gpu kind>.json`` at the repository top level (one file per GPU kind); in a built
   wheel they are package data under ``flce_compile/tuning_db/``.
 * The user file: ``$FLCE_TUNING_DB`` or ``~/.cache/flce_compile/tuning_db.json`` (any number of GPU kinds);
   its entries override shipped ones.
 
-Lookup (``lookup``) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
+Lookup (``lookup``, plain entries only) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
 dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic). It sits on the op's hot
 path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The loaded index is
 re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime, size and inode),
@@ -49,9 +56,12 @@ from .config import FLCEConfig
 
 #: The value of the "format" key; a JSON file without it is foreign and ignored.
 FORMAT = "flce_compile.tuning_db"
-#: Bump when an existing reader could misread new files. Files with a larger version are ignored (with a
-#: warning) and never overwritten.
-SCHEMA_VERSION = 1
+#: The newest schema this reader understands. Bump when an existing reader could misread new files. Files with a
+#: larger version are ignored (with a warning) and never overwritten. Version 2 added budget tiers
+#: (``Entry.budget_tier_gb``); a file without tier entries is still written as ``PLAIN_SCHEMA_VERSION``.
+SCHEMA_VERSION = 2
+#: The version of a file that holds no budget-tier entries: what every reader since version 1 understands.
+PLAIN_SCHEMA_VERSION = 1
 #: Environment variable naming the user database file.
 ENV_USER_DB = "FLCE_TUNING_DB"
 #: Environment variable naming a directory of shipped-format files used *instead of* the packaged ones
@@ -155,9 +165,28 @@ def device_key(device: torch.device | str | int | None) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def schema_version_for(entries: Iterable["Entry"]) -> int:
+    """The schema version a file of ``entries`` is written with: 2 when any is a budget-tier entry (a version-1
+    reader would misread it as a plain one), else 1, so files without tiers stay readable by older versions."""
+    return SCHEMA_VERSION if any(e.budget_tier_gb is not None for e in entries) else PLAIN_SCHEMA_VERSION
+
+
+def _budget_tier(value: Any) -> float | None:
+    """A budget tier read from a file: None (a plain entry) or a positive finite number of GiB."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"budget_tier_gb={value!r} must be a number of GiB or null")
+    tier = float(value)
+    if not math.isfinite(tier) or tier <= 0:
+        raise ValueError(f"budget_tier_gb={value!r} must be a positive finite number of GiB or null")
+    return tier
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One measured result: the best config for (device, V, H, dtype, token bucket) and what it was worth."""
+    """One measured result: the best config for (device, V, H, dtype, token bucket), within a memory budget tier
+    when ``budget_tier_gb`` is set, and what it was worth."""
 
     device: str
     vocab: int
@@ -174,10 +203,19 @@ class Entry:
     triton: str | None = None
     date: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: The absolute memory budget (GiB) the entry was tuned under (``flce-tune --budget-gb``), or None for a
+    #: plain entry. A tier entry answers only calls with ``memory_budget_gb`` >= it (see ``find_budget_matches``).
+    budget_tier_gb: float | None = None
 
     @property
-    def key(self) -> tuple[str, int, int, str, int]:
-        return (self.device, self.vocab, self.hidden, self.dtype, self.tokens)
+    def key(self) -> tuple[str, int, int, str, int, float | None]:
+        """What a file holds one entry per: (device, V, H, dtype, token bucket, budget tier or None)."""
+        return (self.device, self.vocab, self.hidden, self.dtype, self.tokens, self.budget_tier_gb)
+
+    @property
+    def sort_key(self) -> tuple[str, int, int, str, int, float]:
+        """``key`` with plain entries (tier None) first: the order of entries in a written file."""
+        return (*self.key[:5], -1.0 if self.budget_tier_gb is None else self.budget_tier_gb)
 
     @property
     def speedup(self) -> float | None:
@@ -193,6 +231,8 @@ class Entry:
             "default_ms": self.default_ms, "default_peak_gb": self.default_peak_gb, "trials": self.trials,
             "torch": self.torch, "triton": self.triton, "date": self.date,
         }
+        if self.budget_tier_gb is not None:  # plain entries are written exactly as before tiers existed
+            data["budget_tier_gb"] = self.budget_tier_gb
         data.update({k: v for k, v in self.extra.items() if k not in data})
         return data
 
@@ -201,7 +241,7 @@ class Entry:
         """Parse one entry; raises ValueError/KeyError/TypeError/OverflowError on a malformed one (callers
         skip it)."""
         known = {"device", "vocab", "hidden", "dtype", "tokens", "config", "ms", "peak_gb", "default_ms",
-                 "default_peak_gb", "trials", "torch", "triton", "date"}
+                 "default_peak_gb", "trials", "torch", "triton", "date", "budget_tier_gb"}
         ms = float(data["ms"])
         if not math.isfinite(ms) or ms <= 0:
             raise ValueError(f"ms={data['ms']!r} must be a positive number")
@@ -224,6 +264,7 @@ class Entry:
             triton=data.get("triton"),
             date=data.get("date"),
             extra={k: v for k, v in data.items() if k not in known},
+            budget_tier_gb=_budget_tier(data.get("budget_tier_gb")),
         )
 
 
@@ -378,7 +419,9 @@ def shipped_files() -> list[Path]:
 # The loaded, indexed database and lookup
 # ----------------------------------------------------------------------------------------------------------
 
-_Key = tuple[str, int, int, str, int]
+_Key = tuple[str, int, int, str, int, "float | None"]
+#: (device, V, H, dtype): the shape a budget-tier lookup searches, over every bucket and tier.
+_ShapeKey = tuple[str, int, int, str]
 
 
 #: A loaded index is re-validated (both environment variables, and the user file's mtime, size and inode) at
@@ -408,8 +451,8 @@ class Match:
 
 
 class _Index:
-    """Both layers (user, shipped) indexed for dict lookups, per-device lists for the fallbacks, and the
-    memoised answers (misses included) for exactly this content."""
+    """Both layers (user, shipped) indexed for dict lookups, per-device lists of plain entries for the fallbacks,
+    per-shape lists of budget-tier entries, and the memoised answers (misses included) for exactly this content."""
 
     def __init__(self, user: list[Entry], shipped: list[Entry], signature: tuple[Any, ...]) -> None:
         self.user: dict[_Key, Entry] = {e.key: e for e in user}
@@ -418,13 +461,17 @@ class _Index:
         merged.update(self.user)  # user overrides shipped
         self.merged = merged
         self.by_device: dict[str, list[tuple[Entry, str]]] = {}
+        self.tiers: dict[_ShapeKey, list[tuple[Entry, str]]] = {}
         for key, entry in merged.items():
             layer = "user" if key in self.user else "shipped"
-            self.by_device.setdefault(entry.device, []).append((entry, layer))
+            if entry.budget_tier_gb is None:
+                self.by_device.setdefault(entry.device, []).append((entry, layer))
+            else:
+                self.tiers.setdefault(key[:4], []).append((entry, layer))
         self.signature = signature
         self.recheck_at = _clock() + RECHECK_S
         # The memo belongs to the index: a reload starts an empty one, so no stale answer can outlive its file.
-        self.memo: dict[tuple[Any, ...], Match | None] = {}
+        self.memo: dict[tuple[Any, ...], Any] = {}  # Match | None, or a tuple of budget-tier Matches
 
 
 _state_lock = threading.Lock()
@@ -492,7 +539,7 @@ def load_entries(*, layer: str = "merged") -> list[Entry]:
     table = {"user": index.user, "shipped": index.shipped, "merged": index.merged}.get(layer)
     if table is None:
         raise ValueError(f"layer={layer!r} is unknown; use 'user', 'shipped' or 'merged'")
-    return sorted(table.values(), key=lambda e: e.key)
+    return sorted(table.values(), key=lambda e: e.sort_key)
 
 
 def _chunk_grid_floor(limit: float) -> int:
@@ -511,7 +558,7 @@ def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCECo
 
 
 def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
-    key = (dev, vocab, hidden, dtype, bucket)
+    key = (dev, vocab, hidden, dtype, bucket, None)
     entry = index.user.get(key)
     if entry is not None:
         return Match(entry.config, "tuning_db:user_exact", "user exact", entry)
@@ -582,3 +629,56 @@ def lookup(
     """
     match = find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device)
     return None if match is None else (match.config, match.source)
+
+
+def _budget_match(entry: Entry, layer: str, bucket: int) -> Match:
+    """The Match of one budget-tier entry; its source names the tier ("tuning_db:shipped_exact(budget 0.5 GiB)")."""
+    tier = f"budget {entry.budget_tier_gb:g} GiB"
+    if entry.tokens == bucket:
+        return Match(entry.config, f"tuning_db:{layer}_exact({tier})", f"{layer} exact", entry)
+    return Match(entry.config, f"tuning_db:nearest_tokens({layer} tokens={entry.tokens}, {tier})", "nearest bucket",
+                 entry)
+
+
+def _budget_matches_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int,
+                             budget_gb: float) -> tuple[Match, ...]:
+    """Tier entries of this (GPU, V, H, dtype) tuned under at most ``budget_gb``, most preferred first: nearest
+    token bucket, then the largest tier (it had the most room), then the user layer, then the smaller bucket."""
+    log_bucket = math.log2(bucket)
+    fitting = [(e, layer) for e, layer in index.tiers.get((dev, vocab, hidden, dtype), [])
+               if e.budget_tier_gb is not None and e.budget_tier_gb <= budget_gb]
+    fitting.sort(key=lambda el: (abs(math.log2(el[0].tokens) - log_bucket), -(el[0].budget_tier_gb or 0.0),
+                                 el[1] != "user", el[0].tokens))
+    return tuple(_budget_match(e, layer, bucket) for e, layer in fitting)
+
+
+def find_budget_matches(
+    *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None,
+    budget_gb: float,
+) -> tuple[Match, ...]:
+    """The budget-tier entries a call with ``memory_budget_gb=budget_gb`` may use, most preferred first.
+
+    Only entries of the same GPU kind, V, H and dtype whose tier is at most ``budget_gb``: the exact token bucket
+    before the nearest ones, and within a bucket the largest tier (tuned with the most room) first. The caller
+    (``plan.choose``) takes the first whose memory bound at the real token count fits the budget. There is no
+    nearest-shape fallback: a tier entry's config is only known to fit its own shape. Memoised like ``lookup``,
+    and like it never raises (a problem is logged once and answered with no entries).
+    """
+    try:
+        index = _get_index()
+        bucket = token_bucket(int(tokens))
+        memo_key = ("budget", device, vocab, hidden, dtype, bucket, float(budget_gb))
+        hit = index.memo.get(memo_key, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
+        dev = device_key(device)
+        matches = _budget_matches_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket,
+                                           float(budget_gb))
+        logger.debug("tuning DB: %d budget-tier entries within %g GiB for %s V=%d H=%d %s tokens=%d", len(matches),
+                     budget_gb, dev, vocab, hidden, dtype, tokens)
+        index.memo[memo_key] = matches  # type: ignore[assignment]
+        return matches
+    except Exception as exc:  # noqa: BLE001 - the DB must never break the op
+        _warn_once("budget lookup", f"tuning DB budget lookup failed ({type(exc).__name__}: {exc}); using the "
+                                    "plain lookup")
+        return ()

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -53,8 +54,12 @@ examples:
   # tune one shape at two token counts (bf16), 40 measured trials each, into the user DB
   flce-tune --vocab 151936 --hidden 4096 --tokens 8192 16384
 
-  # at most 20 GB of extra GPU memory for the op, 10 minutes per study
+  # at most 20 GiB of extra GPU memory for the op, 10 minutes per study: a budget-tier entry, used by calls
+  # with memory_budget_gb >= 20 (the plain entry stays)
   flce-tune --vocab 128256 --hidden 4096 --budget-gb 20 --timeout 600
+
+  # the shipped low-memory tier: 0.5 GiB at 16384 tokens (only "recompute" fits at most shapes)
+  flce-tune --shipped-set --budget-gb 0.5 --tokens 16384 --trials 4 --out tuning_db/
 
   # tune the shipped shape list at 8192 tokens, 8 trials each, 400 s in total, into tuning_db/<gpu>.json;
   # run it again with --skip-existing to finish what a time-limited run left out
@@ -66,8 +71,10 @@ examples:
   flce-tune --show --vocab 151936
   flce-tune --export tuning_db/
 
-  # which config the op would run for a problem on an H200, and where it comes from (works without a GPU)
+  # which config the op would run for a problem on an H200, and where it comes from (works without a GPU);
+  # with --budget-gb, for a call with memory_budget_gb=0.5
   flce-tune --which --vocab 151936 --hidden 4096 --tokens 16384 --device-kind h200
+  flce-tune --which --vocab 128256 --hidden 4096 --tokens 16384 --device-kind h200 --budget-gb 0.5
 
   # Optuna's plots of each study (history, importances, chunk vs block size) into plots/; the last 20 studies
   # are kept beside the user DB, so their plots can be redrawn later (no GPU needed)
@@ -129,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{s.name}: {s.summary}" for s in map(registry.get, registry.names())))
     how = p.add_argument_group("how long / how much")
     how.add_argument("--trials", type=int, help="measured trials per study (default 40, 8 with --shipped-set)")
-    how.add_argument("--budget-gb", type=float, help="memory budget for the op (GiB, predicted and measured peak)")
+    how.add_argument("--budget-gb", type=float,
+                     help="memory budget for the op (GiB, predicted and measured peak). Each winner is written as a "
+                          "budget-tier entry tagged with it, beside the plain entry: the op uses it for calls with "
+                          "memory_budget_gb >= GB. With --which: answer for a call with this budget")
     how.add_argument("--budget-over-default-gb", type=float, metavar="GB",
                      help="per-study memory budget: the default config's predicted peak plus GB (GiB), so a "
                           "tuned entry never costs much more memory than the default (combines with --budget-gb; "
@@ -211,7 +221,7 @@ def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
 
     user_path = _user_path(args)
     user = db.read_file(user_path) if user_path is not None else []
-    user_keys = {e.key for e in user}
+    user_keys = {e.key for e in user}  # with the budget tier: a user tier entry overrides only that tier
     rows: list[tuple[Any, str]] = [(e, f"user:{user_path}") for e in user]
     for path in db.shipped_files():
         for e in db.read_file(path):
@@ -223,11 +233,16 @@ def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
                 and (args.device_kind is None or e.device == db.normalize_device_name(args.device_kind))
                 and (dtype is None or e.dtype == dtype))
 
-    return sorted((r for r in rows if keep(r[0])), key=lambda r: (r[0].key, r[1]))
+    return sorted((r for r in rows if keep(r[0])), key=lambda r: (r[0].sort_key, r[1]))
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _tier(entry: Any) -> str:
+    """An entry's budget tier for listings: "0.5GiB", or "-" for a plain entry."""
+    return "-" if entry.budget_tier_gb is None else f"{entry.budget_tier_gb:g}GiB"
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -247,12 +262,13 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
         print(f"user DB: {_user_path(args) or NO_USER_DB}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
     if not detailed:
-        _print_table(("device", "V", "H", "dtype", "tokens", "ms", "speedup", "source"),
-                     [(e.device, e.vocab, e.hidden, e.dtype, e.tokens, _fmt(e.ms, ".3f"), _fmt(e.speedup, ".2f") + "x",
-                       src) for e, src in rows])
+        _print_table(("device", "V", "H", "dtype", "tokens", "budget", "ms", "speedup", "source"),
+                     [(e.device, e.vocab, e.hidden, e.dtype, e.tokens, _tier(e), _fmt(e.ms, ".3f"),
+                       _fmt(e.speedup, ".2f") + "x", src) for e, src in rows])
         return 0
     for e, src in rows:
-        print(f"{e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}  [{src}]")
+        tier = "" if e.budget_tier_gb is None else f" budget {_tier(e)}"
+        print(f"{e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}{tier}  [{src}]")
         print(f"  config:  {e.config.to_json()}")
         print(f"  tuned:   {_fmt(e.ms, '.3f')} ms, peak {_fmt(e.peak_gb, '.2f')} GB")
         print(f"  default: {_fmt(e.default_ms, '.3f')} ms, peak {_fmt(e.default_peak_gb, '.2f')} GB"
@@ -296,7 +312,8 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dtype = args.dtype or "bf16"
     for tokens in args.tokens:
         try:
-            choice = which_config(tokens, args.vocab, args.hidden, dtype, gpu=args.device_kind)
+            choice = which_config(tokens, args.vocab, args.hidden, dtype, gpu=args.device_kind,
+                                  memory_budget_gb=args.budget_gb)
         except ValueError as exc:
             p.error(str(exc))
         print(f"V={args.vocab} H={args.hidden} {dtype} tokens={tokens} on {choice}")
@@ -563,6 +580,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     dtype = db.torch_dtype(args.dtype)
     trials = args.trials or (8 if args.shipped_set else 40)
     budget_bytes = int(args.budget_gb * 2**30) if args.budget_gb else None
+    tier = args.budget_gb  # an absolute budget makes every entry of this run a budget-tier entry
     studies = _studies(args)
     deadline = started + args.time_budget_s if args.time_budget_s else None
     target = args.out if args.out is not None else _user_path(args)
@@ -573,7 +591,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
         target = args.out / f"{kind}.json"
     keep_dir = _studies_dir(args) if args.keep_studies > 0 else None
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
-          f"writing to {target}" + (f", keeping the last {args.keep_studies} studies in {keep_dir}" if keep_dir else ""),
+          + (f"budget-tier entries for {tier:g} GiB, " if tier is not None else "") + f"writing to {target}" + (f", keeping the last {args.keep_studies} studies in {keep_dir}" if keep_dir else ""),
           file=sys.stderr)
 
     summary: list[tuple[str, ...]] = []
@@ -582,7 +600,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     for index, (vocab, hidden, tokens) in enumerate(studies):
         label = f"V={vocab} H={hidden} T={tokens}"
         remaining_studies = len(studies) - index
-        if args.skip_existing and (kind, vocab, hidden, args.dtype, db.token_bucket(tokens)) in {
+        if args.skip_existing and (kind, vocab, hidden, args.dtype, db.token_bucket(tokens), tier) in {
                 e.key for e in db.read_file(target)}:
             summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", "skipped (exists)"))
             continue
@@ -601,9 +619,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
         study_name, storage = _begin_study(keep_dir, kind, vocab, hidden, args.dtype, tokens)
         try:
             problem = Problem(tokens=tokens, vocab=vocab, hidden=hidden, dtype=dtype, device=device, seed=args.seed)
-            objective = make_objective(problem, warmup=args.warmup, min_reps=args.reps, max_reps=max(50, args.reps))
             default = heuristic_config(tokens, vocab, hidden, dtype, device)
-            found = db.lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device_name)
+            found = _db_seed(vocab, hidden, dtype, tokens, device_name, tier)
             space_kwargs: dict[str, Any] = {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": dtype,
                                             "base": default}
             if args.strategies:
@@ -617,8 +634,23 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                 print(f"flce-tune: {label}: memory budget {study_budget / 2**30:.2f} GiB"
                       + ("" if budget_bytes is not None and study_budget == budget_bytes else
                          f" (the default's predicted peak + {over_default:g} GiB)"), file=sys.stderr)
+                try:
+                    space = replace(space, budget_bytes=study_budget).within_budget()
+                except ValueError as exc:  # a property of the shape, not a failure: 16384 x 8192 needs 0.53 GiB
+                    progress.close()
+                    _drop_study(keep_dir, study_name)
+                    print(f"flce-tune: {label}: {exc}; skipped", file=sys.stderr)
+                    summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0",
+                                    "skipped (nothing fits the budget)"))
+                    continue
+                default = space.fit_default(default)
+                if tier is not None:
+                    print(f"flce-tune: {label}: strategies {', '.join(space.strategies)} fit; measured against "
+                          f"{default.strategy} chunk_tokens={default.chunk_tokens}", file=sys.stderr)
+            # made after the space: a budget nothing fits skips the study before the GPU holds its inputs
+            objective = make_objective(problem, warmup=args.warmup, min_reps=args.reps, max_reps=max(50, args.reps))
             timeout = None if study_timeout is None else max(1.0, study_timeout - (time.monotonic() - study_start))
-            result = run_search(objective, space, default=default, db_config=found[0] if found else None,
+            result = run_search(objective, space, default=default, db_config=found,
                                 n_trials=trials, timeout_s=timeout, seed=args.seed, budget_bytes=study_budget,
                                 confirm=not args.no_confirm, on_trial=progress.update,
                                 memory_gain_margin=margin, storage=storage, study_name=study_name)
@@ -652,6 +684,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                 default_ms=None if result.default_ms is None else round(result.default_ms, 5),
                 default_peak_gb=None if result.default_peak_bytes is None else round(result.default_peak_bytes / 1e9, 4),
                 trials=result.n_measured, torch=versions["torch"], triton=versions["triton"], date=db.now_iso(),
+                budget_tier_gb=tier,
                 extra={"device_name": device_name, "default_config": result.default.to_dict(),
                        "budget_gb": args.budget_gb, "budget_over_default_gb": args.budget_over_default_gb,
                        "memory_gain_margin": margin,
@@ -688,6 +721,21 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     _print_table(("V", "H", "tokens", "default ms", "best ms", "speedup", "default GB", "best GB", "trials", "status"), summary)
     print(f"\n{written} entries written to {target} ({time.monotonic() - started:.0f} s)")
     return status
+
+
+def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str, tier: float | None) -> Any:
+    """The config a study enqueues as the database's current answer: for a budget-tier study the entry of the
+    same tier and bucket (a re-tune starts from it), else the plain lookup's answer; None when there is none."""
+    from . import db  # noqa: PLC0415
+
+    if tier is not None:
+        same = [m for m in db.find_budget_matches(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens,
+                                                  device=device_name, budget_gb=tier)
+                if m.entry.budget_tier_gb == tier and m.entry.tokens == db.token_bucket(tokens)]
+        if same:
+            return same[0].config
+    found = db.lookup(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device_name)
+    return found[0] if found else None
 
 
 def _install_sigterm() -> None:

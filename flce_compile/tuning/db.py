@@ -23,6 +23,7 @@ from ..plan.tuning_db import (
     FORMAT,
     MATCH_KINDS,
     MAX_SHAPE_DISTANCE,
+    PLAIN_SCHEMA_VERSION,
     RESCALE_TOLERANCE,
     SCHEMA_VERSION,
     DBCorruptError,
@@ -30,6 +31,7 @@ from ..plan.tuning_db import (
     Entry,
     Match,
     device_key,
+    find_budget_matches,
     find_match,
     invalidate_cache,
     load_entries,
@@ -38,6 +40,7 @@ from ..plan.tuning_db import (
     normalize_dtype,
     parse_file,
     read_file,
+    schema_version_for,
     shipped_dirs,
     shipped_files,
     token_bucket,
@@ -48,9 +51,9 @@ from . import atomic
 
 __all__ = [  # the read side's public names, then the writer's
     "ENV_SHIPPED_DIR", "ENV_USER_DB", "FORMAT", "MATCH_KINDS", "MAX_SHAPE_DISTANCE", "RESCALE_TOLERANCE",
-    "SCHEMA_VERSION", "DBCorruptError", "DBFileError", "Entry", "Match", "device_key", "find_match",
-    "invalidate_cache", "load_entries", "lookup", "normalize_device_name", "normalize_dtype", "parse_file",
-    "read_file", "shipped_dirs", "shipped_files", "token_bucket", "torch_dtype", "user_db_path",
+    "PLAIN_SCHEMA_VERSION", "SCHEMA_VERSION", "DBCorruptError", "DBFileError", "Entry", "Match", "device_key",
+    "find_budget_matches", "find_match", "invalidate_cache", "load_entries", "lookup", "normalize_device_name",
+    "normalize_dtype", "parse_file", "read_file", "schema_version_for", "shipped_dirs", "shipped_files", "token_bucket", "torch_dtype", "user_db_path",
     "export_shipped", "now_iso", "versions", "write_entries",
 ]
 
@@ -71,8 +74,11 @@ def now_iso() -> str:
 
 
 def _dump(entries: Iterable[Entry]) -> str:
-    ordered = sorted(entries, key=lambda e: e.key)
-    payload = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "entries": [e.to_dict() for e in ordered]}
+    """The file's text: entries in key order (plain before tiers), under the lowest schema version that holds
+    them (``schema_version_for``)."""
+    ordered = sorted(entries, key=lambda e: e.sort_key)
+    payload = {"format": FORMAT, "schema_version": schema_version_for(ordered),
+               "entries": [e.to_dict() for e in ordered]}
     return json.dumps(payload, indent=1, sort_keys=False) + "\n"
 
 
@@ -98,8 +104,8 @@ def _entries_to_keep(path: Path) -> list[Entry]:
 def write_entries(
     path: str | os.PathLike[str], entries: Sequence[Entry], *, replace: bool = False, lock_timeout: float = 60.0
 ) -> Path:
-    """Merge ``entries`` into the file at ``path`` (new entries replace old ones with the same key) and return
-    the path. With ``replace=True`` the file holds exactly ``entries``.
+    """Merge ``entries`` into the file at ``path`` (new entries replace old ones with the same key: a budget-tier
+    entry replaces only the entry of its own tier, never the plain one) and return the path. With ``replace=True`` the file holds exactly ``entries``.
 
     Safe with several writers and with writers killed mid-write: see ``atomic``. The read-merge-write happens
     under a file lock, temporary files a killed writer left are swept first, and the file is replaced

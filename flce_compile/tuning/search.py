@@ -164,8 +164,10 @@ def run_search(
       config that runs like one already tried: ``SearchSpace.run_key``). The study also
       stops after ``timeout_s`` seconds, or after ``max_idle`` proposals in a row that measured nothing (the
       legal space is exhausted).
-    * ``budget_bytes``: configs whose predicted bound exceeds it are pruned before running; measured ones
-      carry ``max(measured, predicted) - budget`` as an Optuna constraint and only feasible ones can win.
+    * ``budget_bytes``: the space is first narrowed to what can fit it (``SearchSpace.within_budget``: a
+      ValueError when nothing can); configs whose predicted bound exceeds it are pruned before running;
+      measured ones carry ``max(measured, predicted) - budget`` as an Optuna constraint and only feasible ones
+      can win.
     * ``confirm``: the winner and the default are measured once more, interleaved, and the winner is kept only
       if it is still faster (guards against a lucky measurement); a winner that takes more memory than the
       default must be faster by ``memory_gain_margin`` (a fraction of the default's time) or the default stays.
@@ -184,13 +186,15 @@ def run_search(
         raise ValueError(f"budget_bytes={budget_bytes} must be positive (or None for no budget)")
     if budget_bytes is not None and space.budget_bytes != budget_bytes:
         space = dataclasses.replace(space, budget_bytes=budget_bytes)
+    space = space.within_budget()  # a tight budget leaves fewer strategies and values to sample
     default = space.canonical(default)
     db_config = space.canonical(db_config) if db_config is not None else None
     seeds: list[FLCEConfig] = [default]
     if db_config is not None and db_config != default:
         seeds.append(db_config)
     if seed_neighbours:
-        seeds.extend(c for c in space.neighbours(default) if c not in seeds)
+        # Neighbours over the budget would only be pruned, and would widen the narrowed space back.
+        seeds.extend(c for c in space.neighbours(default) if c not in seeds and space.over_budget(c) is None)
     space = space.including(seeds)
 
     result = SearchResult(best=None, best_ms=None, best_peak_bytes=None, default=default, default_ms=None,

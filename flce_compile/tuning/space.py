@@ -202,6 +202,94 @@ class SearchSpace:
             return f"memory bound {predicted / 2**30:.2f} GiB > budget {self.budget_bytes / 2**30:.2f} GiB"
         return None
 
+    def within_budget(self) -> "SearchSpace":
+        """This space less what cannot fit ``budget_bytes``: the strategies none of whose configs fit, and the
+        chunk_tokens and vocab_block values that fit with none, so a tight budget leaves a small space whose
+        proposals are mostly measured rather than pruned (at 16384 x 4096 x 128256 bf16 and 0.5 GiB only
+        "recompute" remains). The bound never shrinks as chunk_tokens or vocab_block grow or as streams,
+        dw_path "mm_add" or pad_vocab are switched on, so a value that fails with the leanest choices of every
+        other field fails with all. Unchanged without a budget or a memory model; an error names the budget and
+        the least any config needs when nothing fits."""
+        if self.budget_bytes is None:
+            return self
+        kept: list[str] = []
+        chunks: set[int] = set()
+        blocks: set[int] = set()
+        least: tuple[int, FLCEConfig] | None = None
+        for name in self.strategies:
+            lean = self._leanest(name)
+            needed = self.predicted_bytes(lean)
+            if needed is None:
+                return self  # no memory model: only measured peaks are checked
+            if needed > self.budget_bytes:
+                least = min(least or (needed, lean), (needed, lean), key=lambda pair: pair[0])
+                continue
+            kept.append(name)
+            params = registry.get(name).params
+            if "chunk_tokens" in params:
+                chunks |= {c for c in self.legal_chunks() if self._fits(dataclasses.replace(lean, chunk_tokens=c))}
+            if "vocab_block" in params:
+                blocks |= {b for b in self.choices("vocab_block")
+                           if self._fits(dataclasses.replace(lean, vocab_block=b))}
+        if not kept:
+            assert least is not None
+            hint = "" if "recompute" in self.strategies else " or search the \"recompute\" strategy too"
+            raise ValueError(
+                f"memory budget {self.budget_bytes / 2**30:.3g} GiB: no config of strategies {self.strategies} fits "
+                f"{self.tokens} tokens x V={self.vocab} x H={self.hidden}; the least any needs is "
+                f"{least[0] / 2**30:.3g} GiB ({least[1].strategy}, chunk_tokens={least[1].chunk_tokens}); raise the "
+                f"budget (--budget-gb){hint}")
+        changes: dict[str, Any] = {"strategies": tuple(kept), "chunk_tokens": tuple(sorted(chunks))}
+        if blocks:
+            changes["vocab_block"] = tuple(sorted(blocks))
+        narrowed = dataclasses.replace(self, **changes)
+        logger.debug("memory budget %.3g GiB leaves strategies %s, chunk_tokens %s, vocab_block %s",
+                     self.budget_bytes / 2**30, narrowed.strategies, narrowed.chunk_tokens, narrowed.vocab_block)
+        return narrowed
+
+    def least_predicted_bytes(self) -> int | None:
+        """The least memory bound of any config in this space (the leanest config of each strategy), or None
+        without a memory model: a budget below it leaves nothing to search."""
+        bounds = [self.predicted_bytes(self._leanest(name)) for name in self.strategies]
+        return None if any(b is None for b in bounds) else min(b for b in bounds if b is not None)
+
+    def fit_default(self, config: FLCEConfig) -> FLCEConfig:
+        """The config the op would run for this problem under ``budget_bytes`` without a tuned entry for it: the
+        first of ``plan.choose.budget_candidates(config)`` (``config``, then it with halved chunks, then
+        "recompute") that is in this search and fits by the predicted bound. A budget study measures its
+        winner against this default, so a budget-tier entry is never slower than what the op ran before it.
+        ``config`` itself without a budget, without a memory model, or when no candidate fits."""
+        from ..plan.choose import budget_candidates  # noqa: PLC0415 - plan.choose imports the tuning DB
+
+        if self.budget_bytes is None:
+            return config
+        for candidate in budget_candidates(config, self.dtype):
+            if candidate.strategy not in self.strategies:
+                continue
+            predicted = self.predicted_bytes(candidate)
+            if predicted is None:
+                return config
+            if predicted <= self.budget_bytes:
+                return self.canonical(candidate)
+        return config
+
+    def _leanest(self, strategy: str) -> FLCEConfig:
+        """The config of ``strategy`` with the least memory bound in this space: the smallest legal chunk and
+        vocabulary block, no streams, dw_path "addmm" and no padding where those are choices."""
+        def least(name: str, order: tuple[Any, ...]) -> Any:
+            choices = self.choices(name)
+            return next((v for v in order if v in choices), choices[0])
+
+        return self.canonical(dataclasses.replace(
+            self.base, strategy=strategy, chunk_tokens=min(self.legal_chunks()),
+            vocab_block=min(self.choices("vocab_block")), streams=least("streams", (False,)),
+            dw_path=least("dw_path", ("addmm",)), pad_vocab=least("pad_vocab", (False,))))
+
+    def _fits(self, config: FLCEConfig) -> bool:
+        """Whether the predicted bound of ``config`` is within ``budget_bytes`` (True without a model)."""
+        predicted = self.predicted_bytes(config)
+        return predicted is None or self.budget_bytes is None or predicted <= self.budget_bytes
+
     def neighbours(self, config: FLCEConfig) -> list[FLCEConfig]:
         """A few configs next to ``config`` worth measuring early when the trial budget is small, most promising
         first: the padding switch where V needs it, larger chunks (fewer, larger GEMMs are the usual win over

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan.choose import choose_config_match
+from ..plan.choose import choose_config_match, choose_config_within_budget
 from ..plan.config import FLCEConfig
 from . import db
 
@@ -26,22 +26,28 @@ class ConfigChoice:
     config: FLCEConfig
     #: One of SOURCES: "user exact", "shipped exact", "nearest bucket", "nearest shape" or "heuristic".
     source: str
-    #: The op's own source string ("tuning_db:nearest_tokens(shipped tokens=4096)", "heuristic", ...).
+    #: The op's own source string ("tuning_db:nearest_tokens(shipped tokens=4096)", "heuristic", ...); with a
+    #: memory budget it names a budget-tier entry's tier ("tuning_db:shipped_exact(budget 0.5 GiB)") or says
+    #: that the plain pick was fitted ("heuristic, fitted to 0.5 GiB").
     detail: str
     #: What the answer is for: a GPU kind ("h200") or a device type ("cpu").
     target: str
     #: The tuning-DB entry the config was taken from (its ``key``, timings, date ...); None for the heuristic.
     entry: db.Entry | None = None
+    #: The memory budget the answer is for (GiB), or None.
+    memory_budget_gb: float | None = None
 
     def __str__(self) -> str:
         # The CPU detail already begins with "heuristic"; a DB detail names the entry the answer came from.
         how = self.detail if self.detail.startswith(self.source) else f"{self.source} ({self.detail})"
-        lines = [f"{self.target}: {how}", f"  config: {self.config.to_json()}"]
+        budget = "" if self.memory_budget_gb is None else f" within {self.memory_budget_gb:g} GiB"
+        lines = [f"{self.target}{budget}: {how}", f"  config: {self.config.to_json()}"]
         e = self.entry
         if e is not None:
             speedup = "" if e.speedup is None else f", {e.speedup:.2f}x over the default"
-            lines.append(f"  entry:  {e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}: {e.ms:.3f} ms"
-                         f"{speedup}, {e.trials} trials, {e.date or 'undated'}")
+            tier = "" if e.budget_tier_gb is None else f" budget {e.budget_tier_gb:g} GiB"
+            lines.append(f"  entry:  {e.device} V={e.vocab} H={e.hidden} {e.dtype} tokens={e.tokens}{tier}: "
+                         f"{e.ms:.3f} ms{speedup}, {e.trials} trials, {e.date or 'undated'}")
         return "\n".join(lines)
 
 
@@ -58,6 +64,7 @@ def which_config(
     dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str | int | None = None,
     gpu: str | None = None,
+    memory_budget_gb: float | None = None,
 ) -> ConfigChoice:
     """The config the op would run for ``tokens`` x ``hidden`` inputs against a ``vocab`` x ``hidden`` weight,
     and its source: user exact, shipped exact, nearest bucket, nearest shape, or heuristic.
@@ -66,6 +73,8 @@ def which_config(
     device, or the CPU without one. ``gpu``: a GPU kind or name ("h200", "NVIDIA H200") to answer for instead,
     which needs no such GPU here (CI asks what an H200 would run). On the CPU the answer is the heuristic: the
     tuning DB holds GPU measurements only. Like the op, it reads ``$FLCE_TUNING_DB`` and the shipped files.
+    ``memory_budget_gb``: answer for a call with that budget (``choose_config_within_budget``, the op's path,
+    for fwd+bwd with dX and dW and fp32 accumulators): a budget-tier entry, or the plain pick fitted to it.
     """
     for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
         _positive_int(name, value)
@@ -80,6 +89,12 @@ def which_config(
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         target = db.device_key(dev) if dev.type == "cuda" else dev.type
-    config, detail, match = choose_config_match(tokens, vocab, hidden, torch_dtype, dev, gpu=target if gpu else None)
+    kind = target if gpu else None
+    if memory_budget_gb is None:
+        config, detail, match = choose_config_match(tokens, vocab, hidden, torch_dtype, dev, gpu=kind)
+    else:
+        config, detail, match = choose_config_within_budget(tokens, vocab, hidden, torch_dtype, dev,
+                                                            memory_budget_gb, gpu=kind)
     return ConfigChoice(config=config, source="heuristic" if match is None else match.kind, detail=detail,
-                        target=target, entry=None if match is None else match.entry)
+                        target=target, entry=None if match is None else match.entry,
+                        memory_budget_gb=memory_budget_gb)
