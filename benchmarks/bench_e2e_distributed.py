@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ MODES = ("ddp", "fsdp2")
 VARIANTS = ("flce", "flce-drop", "liger-flce", "eager", "inductor")
 DEFAULT_VARIANTS = ("flce", "liger-flce")  # both modes, both mask modes: one command under 10 minutes
 RESULTS = Path(__file__).resolve().parent / "results"
+EXIT_GRACE_S = 30.0  # how long ranks that have written their numbers get to exit before they are ended
 
 
 def rank_ids(rank: int, seq: int, vocab: int) -> torch.Tensor:
@@ -121,6 +123,9 @@ def _worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A rank still running near the row's timeout prints every thread's stack to stderr before the launcher
+    # ends it: a hung collective or lock then shows where it hangs.
+    faulthandler.dump_traceback_later(max(1.0, spec["timeout"] - 5), exit=False)
     # Ranks share the host's cores: one full-width intra-op pool per rank would oversubscribe them (the model's
     # CPU initialisation, and every CPU op on --device cpu).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -186,9 +191,19 @@ def _worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's status
         out.update(status=_status(exc), traceback=traceback.format_exc()[-4000:])
         _write_json(Path(out_dir) / f"rank{rank}.json", out)
-        os._exit(3)  # no clean-up: a collective a peer waits in would block it
+        _leave(3)  # no clean-up: a collective a peer waits in would block it
     _write_json(Path(out_dir) / f"rank{rank}.json", out)
-    dist.destroy_process_group()
+    # Every collective of the row has completed on every rank (each step ends with the last one done), so a
+    # rank can leave without tearing down the process group; doing so has once hung forked CPU ranks after
+    # their numbers were written (an exit-time hang costs a whole row's timeout).
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -216,8 +231,12 @@ def launch(spec: dict, world: int, timeout_s: float, start_method: str = "spawn"
         launch_error = None
         try:
             while not ctx.join(timeout=2):
+                written = all((Path(tmp) / f"rank{r}.json").exists() for r in range(world))
+                if written:  # the numbers are in: only the exits are left
+                    deadline = min(deadline, time.monotonic() + EXIT_GRACE_S)
                 if time.monotonic() > deadline:
-                    launch_error = f"timeout: no result within {timeout_s:.0f} s"
+                    launch_error = (f"ranks ended {EXIT_GRACE_S:.0f} s after writing their numbers" if written
+                                    else f"timeout: no result within {timeout_s:.0f} s")
                     for proc in ctx.processes:  # ours: started above
                         if proc.is_alive():
                             proc.kill()
@@ -230,9 +249,15 @@ def launch(spec: dict, world: int, timeout_s: float, start_method: str = "spawn"
             path = Path(tmp) / f"rank{rank}.json"
             ranks.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "status": "no result"})
     row["ranks"] = ranks
-    failed = [r["status"] for r in ranks if r["status"] != "ok"]
-    written = [s for s in failed if s != "no result"]
-    row["status"] = written[0] if written else launch_error or (failed[0] if failed else "ok")
+    failures = [r["status"] for r in ranks if r["status"] not in ("ok", "no result")]
+    if failures:
+        row["status"] = failures[0]  # the rank's own account beats the launcher's
+    elif any(r["status"] == "no result" for r in ranks):
+        row["status"] = launch_error or "no result"
+    else:
+        row["status"] = "ok"
+        if launch_error:
+            row["launch_note"] = launch_error  # every rank's numbers are in; the row stands
     if row["status"] == "ok":
         row.update(step_ms=max(r["step_ms"] for r in ranks), first_step_s=max(r["first_step_s"] for r in ranks),
                    loss=ranks[0]["first_loss"], losses=[r["first_loss"] for r in ranks])
