@@ -61,16 +61,29 @@ MASK_MODES = {"as-is": "as users run it: installed transformers, nothing patched
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def build_model():
+def llama_config(vocab: int = 128256, hidden: int = 2048, layers: int = 16):
+    """Llama-3.2-1B's config (the defaults), or the same shape family at other sizes: MLP 4 x hidden, 64-wide
+    heads, 4 query heads per KV head (bench_e2e_distributed.py and its CPU test shrink the model this way)."""
     import transformers
 
+    heads = max(1, hidden // 64)
     cfg = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True,
     )
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **shape):
+    """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
+    device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
+    ``shape``: llama_config's vocab / hidden / layers."""
+    import transformers
+
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -102,32 +115,46 @@ def allow_causal_skip_under_compile() -> None:
     masking_utils.find_packed_sequence_indices = lambda position_ids: None  # one sequence per row, never packed
 
 
-def prepare(variant: str, model):
-    """A callable (input_ids, labels) -> loss for one variant, or raise RuntimeError('unavailable: ...')."""
-    torch._dynamo.reset()
-    if variant == "eager":
-        fn = model
-    elif variant in ("inductor", "aot_eager", "dynamo-eager"):
-        fn = torch.compile(model, backend=variant.removeprefix("dynamo-"))
-    elif variant in LIGER_VARIANTS:
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        except ImportError as exc:
-            raise RuntimeError(f"unavailable: liger_kernel not importable ({exc})") from exc
-        # The patch is in place (main() runs the Liger variants last, so the others see the unpatched model),
-        # once per variant: prepare() runs again for every sequence length.
-        applied = model.__dict__.setdefault("_bench_liger_applied", set())
-        if variant not in applied:
-            _apply_liger_kernel_to_instance(model=model, **LIGER_VARIANTS[variant])
-            applied.add(variant)
-        fn = model
-    elif variant in FLCE_OPTIONS:
+def apply_liger(variant: str, model) -> None:
+    """Liger's patch of a Liger variant, in place on the HF model (before any DDP / FSDP wrapper), once per
+    variant; raise RuntimeError('unavailable: ...') without liger-kernel."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise RuntimeError(f"unavailable: liger_kernel not importable ({exc})") from exc
+    # main() runs the Liger variants last, so the others see the unpatched model; prepare() runs again for
+    # every sequence length.
+    applied = model.__dict__.setdefault("_bench_liger_applied", set())
+    if variant not in applied:
+        _apply_liger_kernel_to_instance(model=model, **LIGER_VARIANTS[variant])
+        applied.add(variant)
+
+
+def compile_variant(variant: str, module, flce_inner: str | None = None):
+    """``module`` (the HF model, or its DDP / FSDP2 wrapper) as the variant runs it: as it is (eager, Liger,
+    whose patch apply_liger has made), or ``torch.compile``d with the variant's backend and options.
+    ``flce_inner`` overrides the flce variants' inner compiler (CPU tests skip Inductor's C++ build with it)."""
+    if variant == "eager" or variant in LIGER_VARIANTS:
+        return module
+    if variant in ("inductor", "aot_eager", "dynamo-eager"):
+        return torch.compile(module, backend=variant.removeprefix("dynamo-"))
+    if variant in FLCE_OPTIONS:
         import flce_compile.compiler  # noqa: F401  (registers backend="flce" when not installed)
 
         options = FLCE_OPTIONS[variant]
-        fn = torch.compile(model, backend="flce", options=options) if options else torch.compile(model, backend="flce")
-    else:
-        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+        if flce_inner is not None:
+            options = {**(options or {}), "flce.inner": flce_inner}
+        return (torch.compile(module, backend="flce", options=options) if options
+                else torch.compile(module, backend="flce"))
+    raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+
+
+def prepare(variant: str, model):
+    """A callable (input_ids) -> loss for one variant, or raise RuntimeError('unavailable: ...')."""
+    torch._dynamo.reset()
+    if variant in LIGER_VARIANTS:
+        apply_liger(variant, model)
+    fn = compile_variant(variant, model)
     return lambda ids: fn(input_ids=ids, labels=ids).loss
 
 
