@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .api import _accum_dtype, _autocast, _softcap_arg, _validate, _validate_scalars
+from .api import _autocast, _softcap_arg, _validate, _validate_scalars
+from .plan.precision import accum_dtype_for, check_precision
 from .dtensor import describe_layout, is_dtensor, is_vocab_sharded
 from .log import logger
 from .op import _check_first_order, check_targets, op_context
@@ -377,9 +378,16 @@ def vocab_parallel_linear_cross_entropy(
     if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
         raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the whole "
                          f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype}")
+    if check_precision(precision) == "precise":
+        # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
+        raise NotImplementedError(
+            "precision='precise' is not supported by vocab_parallel_linear_cross_entropy: its forward combines "
+            "the ranks' statistics of compute-dtype logits; use 'exact' (errors no larger than eager's) or "
+            "'compact'"
+        )
     forced = config_overrides(config)
     input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
-    accum = _accum_dtype(accum_dtype, precision, weight_local.dtype)
+    accum = accum_dtype_for(precision, accum_dtype, weight_local.dtype)
     hidden = weight_local.shape[1]
     x2d = input.reshape(target.numel(), hidden)
     params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),

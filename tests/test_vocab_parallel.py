@@ -222,6 +222,7 @@ def _errors(mesh, group) -> dict:
                                                                         return_logits=True),
         "memory_budget": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
                                                                         memory_budget_gb=1.0),
+        "precise": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, precision="precise"),
         "target_range": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t.clamp(max=V - 1) + 1,
                                                                        group=group),
     }
@@ -359,7 +360,8 @@ def test_errors_name_the_fix(ranks, name, fragments):
 
 
 @pytest.mark.parametrize("name, option", [("return_logits", "return_logits=True"),
-                                          ("memory_budget", "memory_budget_gb")])
+                                          ("memory_budget", "memory_budget_gb"),
+                                          ("precise", "precision='precise'")])
 def test_unsupported_options_raise_not_implemented(ranks, name, option):
     for r in ranks:
         message = r["errors"][name]
