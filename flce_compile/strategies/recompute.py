@@ -109,12 +109,16 @@ def recompute_backward(
     residual = torch.empty(chunk, dtype=torch.float32, device=device) if wide is not None else None
     ce_step = _ce_step(config)
     per_row = ce_rows.dim() == 1
+    # One block's sums, allocated once and zeroed per block: a fresh tensor per block would be allocated
+    # while the previous block's is still referenced, two blocks at the peak.
+    dw_block = torch.empty(block, hidden, dtype=acc_dtype, device=device) if dw is not None else None
+    db_block = torch.empty(block, dtype=lse.dtype, device=device) if db is not None else None
     with full_precision_gemm_reductions(device):
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             w_b, b_b = weight[v0:v1], bias[v0:v1] if bias is not None else None
-            dw_sum = torch.zeros(v1 - v0, hidden, dtype=acc_dtype, device=device) if dw is not None else None
-            db_sum = torch.zeros(v1 - v0, dtype=lse.dtype, device=device) if db is not None else None
+            dw_sum = dw_block[: v1 - v0].zero_() if dw_block is not None else None
+            db_sum = db_block[: v1 - v0].zero_() if db_block is not None else None
             for t0 in range(0, n, chunk):
                 t1 = min(t0 + chunk, n)
                 rows = slice(t0, t1)
