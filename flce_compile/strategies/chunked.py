@@ -109,29 +109,41 @@ def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradReques
 _mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
 
 
-def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm") -> None:
-    """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products).
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm", *,
+                overwrite: bool = False) -> None:
+    """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products);
+    with ``overwrite``, ``acc = a @ b`` (``acc``'s old contents, uninitialised memory included, are never read:
+    the GEMM runs with beta = 0, so the accumulator needs no zeroing before the first chunk).
 
     On CUDA, bf16/fp16 operands can add straight into an fp32 accumulator (cuBLAS with an fp32 C, through
     ``out_dtype``); where that is missing, or with path="mm_add", the product goes through a temporary. On
     the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
     global _mixed_addmm_ok
+    beta = 0 if overwrite else 1
     if acc.device.type != "cuda":
         if path == "mm_add":
-            acc.add_(torch.mm(a, b))
+            _store(acc, torch.mm(a, b), overwrite)
         else:
-            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
     elif path == "addmm" and _mixed_addmm_ok is not False:
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
             _mixed_addmm_ok = True
         except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
             _mixed_addmm_ok = False
             logger.warning("fp32-output addmm unavailable (%s); fp32 sums go through a temporary", exc)
-            acc.add_(torch.mm(a, b))
+            _store(acc, torch.mm(a, b), overwrite)
     else:
-        acc.add_(torch.mm(a, b))
+        _store(acc, torch.mm(a, b), overwrite)
+
+
+def _store(acc: torch.Tensor, product: torch.Tensor, overwrite: bool) -> None:
+    """``acc = product`` or ``acc += product``, in acc's dtype."""
+    if overwrite:
+        acc.copy_(product)
+    else:
+        acc.add_(product)
 
 
 class _DwAccumulator:
@@ -140,19 +152,27 @@ class _DwAccumulator:
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype
-        self.acc = torch.zeros(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
+        # (154 MB in fp32 at GPT-2's 50304 x 768), GPU time and one more launch.
+        self.acc = torch.empty(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        self.written = False
         self.dw_path = dw_path
-        self.on_cuda = weight.device.type == "cuda"
 
     def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
+        first, self.written = not self.written, True
         if not self.separate:
-            self.acc.addmm_(grad_t, x)
+            if first:
+                torch.mm(grad_t, x, out=self.acc)
+            else:
+                self.acc.addmm_(grad_t, x)
         else:
-            add_product(self.acc, grad_t, x, self.dw_path)
+            add_product(self.acc, grad_t, x, self.dw_path, overwrite=first)
 
     def result(self, rows: int) -> torch.Tensor:
         """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
         into the padded accumulator would keep the padding alive and is not a valid custom-op output."""
+        if not self.written:  # no chunk ran (no tokens): dW is 0
+            self.acc.zero_()
         if self.separate:
             return self.acc[:rows].to(self.dtype)
         return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
@@ -245,17 +265,18 @@ def _reduction_scales(
 
     Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
     """
-    one = torch.ones((), dtype=dtype, device=target.device)
     if p.reduction != "mean":
+        one = torch.ones((), dtype=dtype, device=target.device)
         return one, one
     valid = target != p.ignore_index
-    n_valid = valid.sum(dtype=dtype)
+    # reciprocal is the IEEE division 1 / x, as exact as ``one / x`` without the ``one`` (each op is a launch,
+    # and at small shapes the op is bound by launches).
+    z_scale = torch.reciprocal(valid.sum(dtype=dtype))
     if ce_weight is None:
-        denom = n_valid
-    else:
-        safe = torch.where(valid, target, torch.zeros_like(target)).clamp_(0, vocab - 1)
-        denom = torch.where(valid, ce_weight[safe], torch.zeros((), dtype=dtype, device=target.device)).sum()
-    return one / denom, one / n_valid
+        return z_scale, z_scale  # the same tensor: _gradient_scales and _reduced_loss reuse its work
+    safe = torch.where(valid, target, 0).clamp_(0, vocab - 1)
+    denom = torch.where(valid, ce_weight[safe], 0.0).sum()
+    return torch.reciprocal(denom), z_scale
 
 
 class GradientScales(NamedTuple):
@@ -265,9 +286,12 @@ class GradientScales(NamedTuple):
     ce: torch.Tensor
     z: torch.Tensor
     post: torch.Tensor
+    #: isfinite of the CE factor before the split, when it came for free (it is the z-loss factor: no class
+    #: weights); else None and ``_reduced_loss`` computes it.
+    ce_finite: torch.Tensor | None = None
 
 
-def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor) -> GradientScales:
+def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: str = "mean") -> GradientScales:
     """Split the mean's 1/count out of the logit gradient as a power of two, applied after the GEMMs.
 
     Folded into an fp16 gradient, 1/count flushes every p/count below fp16's smallest subnormal to 0 before
@@ -277,15 +301,22 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor) -> GradientS
     results and loss values are bit for bit those of folding the whole factor in; applying all of 1/count
     afterwards would round dX/dW a second time. With no valid token (z_scale = inf) every factor is 0: the
     gradients come out exactly 0, never 0 * inf.
+
+    For "sum" and "none" (``_reduction_scales`` gives 1 for both) every factor is 1: the same tensor, no work.
     """
+    if reduction != "mean":
+        return GradientScales(ce=ce_scale, z=z_scale, post=z_scale)
     mantissa, _ = torch.frexp(z_scale)  # z_scale = m * 2^e with m in [0.5, 1)
-    post = z_scale / (2.0 * mantissa)  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
+    two_m = mantissa * 2.0  # = z_scale / post, exactly
+    post = z_scale / two_m  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
     finite = torch.isfinite(z_scale)
-    zero = torch.zeros((), dtype=z_scale.dtype, device=z_scale.device)
+    z = torch.where(finite, two_m, 0.0)
+    same = ce_scale is z_scale
     return GradientScales(
-        ce=torch.where(finite, ce_scale / post, zero),
-        z=torch.where(finite, z_scale / post, zero),
-        post=torch.where(finite, post, zero),
+        ce=z if same else torch.where(finite, ce_scale / post, 0.0),
+        z=z,
+        post=torch.where(finite, post, 0.0),
+        ce_finite=finite if same else None,
     )
 
 
@@ -318,7 +349,9 @@ def _run_chunks(
     step_rows = _StepRows(target, ce_weight, _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device), ce_scale,
                           z_scale, loss_rows, lse_rows, lse_in)
     chunk = max(1, min(config.chunk_tokens, n))
-    overlap = _stream_overlap(config, device, grads)
+    # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
+    # stream switch, two events and a second chunk buffer would be pure cost.
+    overlap = _stream_overlap(config, device, grads) if chunk < n else None
     row_stride = padded_row_elements(vocab, x.element_size())
     gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
     if gemm_vocab != vocab:
@@ -460,7 +493,7 @@ def fused_forward(
     dtype = math_dtype(ops.x.dtype)
     per_token = p.reduction == "none"
     ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
-    scales = _gradient_scales(ce_scale, z_scale)
+    scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
@@ -480,7 +513,8 @@ def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: Gradi
     so is ours."""
     loss = loss_rows.sum() * scales.post
     if p.reduction == "mean":
-        loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
+        finite = scales.ce_finite if scales.ce_finite is not None else torch.isfinite(ce_scale)
+        loss = torch.where(finite, loss, float("nan"))
     return loss
 
 
