@@ -239,6 +239,12 @@ def cpu_breakdown(shape: str, config: dict, calls: int, reps: int) -> dict[str, 
     try:
         out["fwd+bwd, CE step a no-op"] = _best_us(step, calls // 4 or 1, reps)
         out["ATen ops per fwd+bwd outside the CE step"] = count_aten_ops(step)
+        from flce_compile import op
+
+        if hasattr(op, "direct_call_ok"):  # the same call through the dispatcher, for comparison
+            patched.append((op, "direct_call_ok", op.direct_call_ok))
+            op.direct_call_ok = lambda *tensors: False
+            out["fwd+bwd, CE step a no-op, through the dispatcher"] = _best_us(step, calls // 4 or 1, reps)
     finally:
         _restore(patched)
     return out

@@ -173,3 +173,61 @@ def test_cached_encodings_change_with_the_options():
     summed = flce_compile.fused_linear_cross_entropy(x, w, t, reduction="sum")
     assert len({float(base), float(smoothed), float(summed)}) == 3
     assert encode_params(LossParams(label_smoothing=0.1)) != encode_params(LossParams())
+
+
+@pytest.mark.parametrize("valid", [0, 1, 3, 7, 1000, 1023, 1025, 3000])
+def test_scales_kernel_equals_the_torch_scales(valid):
+    """kernels.scales (the GPU's one-launch factors; here in the Triton interpreter) writes exactly the factors
+    of the torch ops, all-ignored batches included."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        device = "cpu"
+    else:
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from flce_compile.kernels.scales import mean_scales
+    from flce_compile.strategies import chunked
+
+    n = max(valid, 1) + 37
+    t = torch.randint(0, 50, (n,), device=device)
+    t[valid:] = -7
+    t = t[torch.randperm(n, device=device)]
+    p = LossParams(ignore_index=-7)
+    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50)
+    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32))
+    for got, want in ((z, expected.ce), (z, expected.z), (post, expected.post)):
+        assert got.item() == want.item()
+    assert weight_sum.item() == 50.0
+    assert (loss_factor.isnan().item() if valid == 0 else loss_factor.item() == post.item())
+    assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
+
+
+@pytest.mark.parametrize("valid", [0, 5])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_logits, monkeypatch):
+    """The Triton strategy (interpreter on the CPU) with the kernel's factors gives the loss and gradients of the
+    torch ops' factors, bit for bit, a fully masked batch included."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from flce_compile.strategies import chunked
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 16, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(64, 16, generator=g).to(device, torch.bfloat16)
+    t = torch.randint(0, 64, (13,), generator=g).to(device)
+    t[valid:] = -100
+
+    def run(kernel: bool):
+        monkeypatch.setattr(chunked, "_use_scales_kernel", lambda dev: kernel)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = flce_compile.fused_linear_cross_entropy(xg, wg, t, config={"strategy": "triton", "chunk_tokens": 5},
+                                                      return_logits=return_logits)
+        loss = out[0] if return_logits else out
+        loss.backward()
+        return loss, xg.grad, wg.grad
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

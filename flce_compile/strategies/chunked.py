@@ -289,6 +289,9 @@ class GradientScales(NamedTuple):
     #: isfinite of the CE factor before the split, when it came for free (it is the z-loss factor: no class
     #: weights); else None and ``_reduced_loss`` computes it.
     ce_finite: torch.Tensor | None = None
+    #: What the loss rows' sum is multiplied by: post, or nan where the loss is nan (``kernels.scales``); None:
+    #: ``_reduced_loss`` forms it.
+    loss_factor: torch.Tensor | None = None
 
 
 def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: str = "mean") -> GradientScales:
@@ -333,6 +336,7 @@ def _run_chunks(
     lse_rows: torch.Tensor | None,
     lse_in: torch.Tensor | None,
     logits_out: torch.Tensor | None = None,
+    weight_sum: torch.Tensor | None = None,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
 
@@ -346,8 +350,9 @@ def _run_chunks(
     vocab = weight.shape[0]
     device = x.device
     ce_step = _ce_step(config)
-    step_rows = _StepRows(target, ce_weight, _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device), ce_scale,
-                          z_scale, loss_rows, lse_rows, lse_in)
+    if weight_sum is None:
+        weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
+    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, lse_in)
     chunk = max(1, min(config.chunk_tokens, n))
     # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
     # stream switch, two events and a second chunk buffer would be pure cost.
@@ -378,9 +383,9 @@ def _run_chunks(
             for index, start in enumerate(range(0, n, chunk)):
                 stop = min(start + chunk, n)
                 slot = index % max(1, len(buffers))
-                grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
-                logits = logits_out[start:stop] if direct else grad
-                x_c = x[start:stop]
+                grad = _take(buffers[slot], 0, stop - start) if buffers else None  # padding columns stay 0
+                logits = _take(logits_out, start, stop) if direct else grad
+                x_c = _take(x, start, stop)
                 if overlap is not None:
                     overlap.wait_for_buffer(slot)
                 if bias is not None:
@@ -389,16 +394,16 @@ def _run_chunks(
                     torch.mm(x_c, weight_t, out=logits)
                 rows = slice(start, stop)
                 if logits_out is not None and not direct:
-                    logits_out[rows].copy_(logits[:, :vocab])
+                    logits_out[rows].copy_(_columns(logits, vocab))
                 ce_step(
-                    step_rows.chunk(logits[:, :vocab], rows, write_grad=grads.any,
-                                    grad_out=grad[:, :vocab] if direct and grads.any else None),
+                    step_rows.chunk(_columns(logits, vocab), rows, write_grad=grads.any,
+                                    grad_out=_columns(grad, vocab) if direct and grads.any else None),
                     p,
                 )
                 if not grads.any:
                     continue
                 if dx is not None:
-                    torch.mm(grad, weight, out=dx[rows])
+                    torch.mm(grad, weight, out=_take(dx, start, stop))
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
         finally:
@@ -416,7 +421,18 @@ def _weight_sum(ce_weight: torch.Tensor | None, vocab: int, dtype: torch.dtype, 
 
 def _rows_of(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     """A per-row tensor's ``rows``; a 0-dim factor (one for all rows) or None as it is."""
-    return t[rows] if t is not None and t.dim() else t
+    return _take(t, rows.start, rows.stop) if t is not None and t.dim() else t
+
+
+def _take(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``t[start:stop]``, or ``t`` itself when that is all of it: a one-chunk call then slices nothing (each
+    slice is an op call, ~2 us of host time, and a one-chunk call is the host-bound case)."""
+    return t if start == 0 and stop >= t.shape[0] else t[start:stop]
+
+
+def _columns(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """``t[:, :columns]``, or ``t`` itself when it has no more columns."""
+    return t if t.shape[1] == columns else t[:, :columns]
 
 
 @dataclass(frozen=True)
@@ -437,7 +453,7 @@ class _StepRows:
               grad_out: torch.Tensor | None = None) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
-            target=self.target[rows],
+            target=_take(self.target, rows.start, rows.stop),
             ce_weight=self.ce_weight,
             weight_sum=self.weight_sum,
             ce_scale=_rows_of(self.ce_scale, rows),
@@ -482,6 +498,12 @@ class ForwardResult(NamedTuple):
     grad_scale: torch.Tensor
 
 
+def _use_scales_kernel(device: torch.device) -> bool:
+    """Whether a "mean" without class weights takes its factors from ``kernels.scales`` (one launch) rather than
+    from torch ops (ten): on CUDA, where launches are what a small call waits for. The values are the same."""
+    return device.type == "cuda"
+
+
 def fused_forward(
     ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest,
     *, keep_logits: bool = False, keep_lse: bool = False,
@@ -492,14 +514,22 @@ def fused_forward(
     vocab = ops.weight.shape[0]
     dtype = math_dtype(ops.x.dtype)
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
-    scales = _gradient_scales(ce_scale, z_scale, p.reduction)
+    weight_sum = None
+    if p.reduction == "mean" and ops.ce_weight is None and dtype == torch.float32 and _use_scales_kernel(ops.x.device):
+        from ..kernels.scales import mean_scales
+
+        z, post, loss_factor, weight_sum = mean_scales(ops.target, p.ignore_index, vocab)
+        ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
+    else:
+        ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
+        scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
+        weight_sum=weight_sum,
     )
     if per_token:
         return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
@@ -511,6 +541,8 @@ def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: Gradi
     """The mean/sum loss from rows formed with ``scales.ce``/``scales.z``: their sum times ``scales.post``
     (exact: a power of two). An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and
     so is ours."""
+    if scales.loss_factor is not None:
+        return loss_rows.sum() * scales.loss_factor
     loss = loss_rows.sum() * scales.post
     if p.reduction == "mean":
         finite = scales.ce_finite if scales.ce_finite is not None else torch.isfinite(ce_scale)
