@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py) and the memory tests:
-the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions and the CPU peak-memory measurement.
+"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py) and the memory
+tests: the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions
+and the CPU peak-memory measurement.
 
 Importing this module imports torch only; the peers and triton are imported when asked for.
 """

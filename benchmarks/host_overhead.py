@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_SHAPE = "2048x768x50304"
@@ -241,6 +240,19 @@ def cpu_breakdown(shape: str, config: dict, calls: int, reps: int) -> dict[str, 
         out["ATen ops per fwd+bwd outside the CE step"] = count_aten_ops(step)
         from flce_compile import op
 
+        if hasattr(chunked, "_use_scales_kernel"):  # what the GPU path launches: the factors' kernel, no target check
+            from flce_compile.kernels import scales
+
+            patched += [(chunked, "_use_scales_kernel", chunked._use_scales_kernel),
+                        (op, "check_targets", op.check_targets), (scales, "mean_scales_kernel", scales.mean_scales_kernel)]
+            chunked._use_scales_kernel = lambda device: True
+            op.check_targets = lambda *args: None
+            # Launches nothing (the interpreter's own tensor traffic would be counted otherwise).
+            scales.mean_scales_kernel = {(1,): lambda *args, **kwargs: None}
+            gpu_path = "ATen ops per fwd+bwd outside the CE step, GPU path (+ the factors' Triton launch)"
+            out[gpu_path] = count_aten_ops(step)
+            _restore(patched)
+            _null_ce_step(patched)
         if hasattr(op, "direct_call_ok"):  # the same call through the dispatcher, for comparison
             patched.append((op, "direct_call_ok", op.direct_call_ok))
             op.direct_call_ok = lambda *tensors: False
@@ -270,6 +282,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, float]] = {}
     for name, loss_fn in _losses(names, config, cuda and args.reduce_overhead).items():
         step = _step(loss_fn, x, w, t, "reduce-overhead" in name)
+        if "compile" in name:
+            # Each compiled variant compiles afresh: two torch.compile wrappers of one function share Dynamo's
+            # per-code cache, and one mode must not run the other's graph.
+            torch._dynamo.reset()
         for _ in range(args.warmup):
             step()
         row = {"host_ms": host_ms(step, args.calls, cuda)}
@@ -350,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.flce_path:
         sys.path.insert(0, str(Path(args.flce_path).resolve()))
     torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # Triton kernels (the GPU path's, counted in the breakdown) run in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda needs a CUDA GPU")
     result = run(args)
