@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py) and the memory tests: the inputs,
-the eager reference, the peers (Liger, CCE), the package versions and the CPU peak-memory measurement.
+"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py) and the memory
+tests: the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions
+and the CPU peak-memory measurement.
 
 Importing this module imports torch only; the peers and triton are imported when asked for.
 """
@@ -46,6 +47,53 @@ def cce_loss() -> LossFn:
     from cut_cross_entropy import linear_cross_entropy
 
     return lambda x, w, t: linear_cross_entropy(x, w, t)
+
+
+def native_loss(path: str | None = None) -> LossFn:
+    """PyTorch's own chunked ``F.linear_cross_entropy`` (torch >= 2.13) with default ``LinearCrossEntropyOptions``.
+
+    Where the installed torch lacks it, ``path`` may name its Python implementation from a newer torch, loaded at
+    run time (nothing of it is copied here): the file ``torch/nn/modules/linear_cross_entropy.py`` or its folder,
+    with ``linear_cross_entropy_options.py`` beside it. The call then does what ``F.linear_cross_entropy`` does
+    for a 2-D input, int64 targets, mean, no smoothing: resolve the options for the call (``_adjust``) and run
+    the chunked op. Raises ImportError, saying why, when neither is available.
+    """
+    function = getattr(F, "linear_cross_entropy", None)
+    options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if function is not None and options_cls is not None:
+        options = options_cls()
+        return lambda x, w, t: function(x, w, t, options=options)
+    if path is None:
+        raise ImportError(f"torch {torch.__version__} has no F.linear_cross_entropy with LinearCrossEntropyOptions; "
+                          "pass --native-from PATH (torch/nn/modules/linear_cross_entropy.py of torch >= 2.13)")
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    modules = {}
+    for stem in ("linear_cross_entropy_options", "linear_cross_entropy"):
+        file = folder / f"{stem}.py"
+        if not file.is_file():
+            raise ImportError(f"{file} not found: --native-from names linear_cross_entropy.py of torch >= 2.13 "
+                              "(or its folder), with linear_cross_entropy_options.py beside it")
+        spec = importlib.util.spec_from_file_location(f"_native_{stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - a newer torch's file may need what this torch lacks
+            raise ImportError(f"{file} does not load under torch {torch.__version__}: {exc}") from exc
+        modules[stem] = module
+    options = modules["linear_cross_entropy_options"].LinearCrossEntropyOptions()
+    chunked = modules["linear_cross_entropy"]._linear_cross_entropy_batch_chunked
+
+    def loss(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        o = options._adjust(num_batches=x.shape[0], in_features=x.shape[1], num_classes=w.shape[0], dtype=x.dtype,
+                            device=x.device)
+        grad = torch.is_grad_enabled()
+        return chunked(x, w, t, None, None, "mean", -100, 0.0, o.batch_chunk_size, o.acc_policy, o.acc_dtype,
+                       o.allow_retain_graph, grad and x.requires_grad, grad and w.requires_grad, False)[0]
+
+    return loss
 
 
 def versions() -> dict[str, str]:

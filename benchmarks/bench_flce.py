@@ -1,9 +1,14 @@
-"""Fused linear + cross-entropy, side by side on one GPU: eager, torch.compile, Liger, CCE, flce, and the
-three-GEMM floor. bf16, forward + backward, mean reduction, ~6% ignored targets.
+"""Fused linear + cross-entropy, side by side on one GPU: eager, torch.compile, Liger, CCE, PyTorch's native
+chunked F.linear_cross_entropy, flce, and the three-GEMM floor. bf16, forward + backward, mean reduction, ~6%
+ignored targets.
 
-Prints a table (median ms over CUDA-event timings, peak GB above inputs and gradients, ratio to the floor)
-and the errors of loss, dX and dW against fp64 at one smaller shape; writes both, with the GPU name and
-versions, to benchmarks/results/ (and to $OUT when set).
+Prints a table (median ms over CUDA-event timings, peak GB above inputs and gradients, ratio to the floor),
+the host (CPU) time to issue one call and the end-to-end time per call at a small, host-sensitive shape
+(--small-shape, GPT-2 small's 2048 x 768 x 50304), and the errors of loss, dX and dW against fp64 at one
+smaller shape; writes them, with the GPU name and versions, to benchmarks/results/ (and to $OUT when set).
+
+The native peer needs torch >= 2.13; on an older torch, --native-from PATH loads its Python implementation
+(torch/nn/modules/linear_cross_entropy.py of a newer torch) at run time, else it is skipped with a note.
 
     python benchmarks/bench_flce.py [--shapes 16384x4096x128256 ...] [--variants flce eager ...]
 """
@@ -23,20 +28,23 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cce_loss, eager_loss, liger_loss, make_inputs, versions  # noqa: E402
+from benchmarks._common import cce_loss, eager_loss, liger_loss, make_inputs, native_loss, versions  # noqa: E402
+from benchmarks.host_overhead import e2e_ms, host_ms  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 ERROR_SHAPE = (2048, 4096, 128256)
+SMALL_SHAPE = "2048x768x50304"  # GPT-2 small, one micro-batch: where host overhead shows
 GB = 1e9
 
 
 #: Names accepted by --variants (the table shows Liger, CCE, ... under their display names).
-VARIANTS = ("eager", "compile", "liger", "cce", "flce", "flce-bf16acc", "flce-streams")
+VARIANTS = ("eager", "compile", "liger", "cce", "native", "flce", "flce-bf16acc", "flce-streams")
+NATIVE = "torch native chunked"
 
 
-def variants(selected: list[str]) -> dict[str, Callable]:
+def variants(selected: list[str], native_from: str | None = None) -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     if "eager" in selected:
         out["eager"] = eager_loss
@@ -52,6 +60,11 @@ def variants(selected: list[str]) -> dict[str, Callable]:
             out["CCE"] = cce_loss()
         except ImportError:
             print("cut-cross-entropy not installed: skipped")
+    if "native" in selected:
+        try:
+            out[NATIVE] = native_loss(native_from)
+        except ImportError as exc:
+            print(f"{NATIVE} skipped: {exc}")
     if "flce" in selected:
         out["flce"] = lambda x, w, t: fused_linear_cross_entropy(x, w, t)
     if "flce-bf16acc" in selected:
@@ -88,6 +101,28 @@ def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
     peak = (torch.cuda.max_memory_allocated() - base - grads) / GB
     ms = do_bench(step, warmup=200, rep=1000, return_mode="median")
     return ms, peak
+
+
+def time_host(fns: dict[str, Callable], shape: str, calls: int = 200) -> dict[str, dict[str, float]]:
+    """Per variant at ``shape``: host ms (CPU wall time to issue one forward + backward call on an idle GPU,
+    median) and e2e ms (back-to-back calls, CUDA events, per call); see host_overhead.py."""
+    n, h, v = (int(s) for s in shape.split("x"))
+    x, w, t = make_inputs(n, h, v)
+    xg, wg = x.requires_grad_(), w.requires_grad_()
+    out = {}
+    for name, fn in fns.items():
+        def step(fn=fn):
+            xg.grad = wg.grad = None
+            fn(xg, wg, t).backward()
+
+        try:
+            for _ in range(20):
+                step()
+            out[name] = {"host_ms": host_ms(step, calls, cuda=True), "e2e_ms": e2e_ms(step, calls)}
+        except torch.OutOfMemoryError:
+            out[name] = {"error": "OOM"}
+        print(f"{shape} {name}: {out[name]}", flush=True)
+    return out
 
 
 def time_floor(x, w) -> float:
@@ -137,11 +172,16 @@ def main() -> None:
     parser.add_argument("--flce-configs", nargs="*", default=[], metavar="JSON",
                         help='extra flce variants with forced config fields, e.g. \'{"chunk_tokens": 2048}\'')
     parser.add_argument("--no-errors", action="store_true")
+    parser.add_argument("--small-shape", default=SMALL_SHAPE, help="shape of the host / end-to-end columns")
+    parser.add_argument("--no-host", action="store_true", help="skip the host / end-to-end columns")
+    parser.add_argument("--native-from", metavar="PATH", help="load PyTorch's native chunked linear_cross_entropy "
+                        "from this file (torch/nn/modules/linear_cross_entropy.py of torch >= 2.13) when the "
+                        "installed torch lacks it")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_flce.py needs a CUDA GPU")
-    fns = variants(args.variants)
+    fns = variants(args.variants, args.native_from)
     for text in args.flce_configs:
         fields = json.loads(text)
         accum = torch.bfloat16 if fields.pop("accum", "fp32") == "bf16" else torch.float32
@@ -172,11 +212,14 @@ def main() -> None:
         write_results(stem, env, list(fns), rows, {})  # after every shape: a cut-short run keeps its rows
         del x, w, t
         torch.cuda.empty_cache()
+    host = {} if args.no_host else {"shape": args.small_shape, "results": time_host(fns, args.small_shape)}
+    write_results(stem, env, list(fns), rows, {}, host)
     errs = {} if args.no_errors else errors({k: v for k, v in fns.items()})
-    print(write_results(stem, env, list(fns), rows, errs))
+    print(write_results(stem, env, list(fns), rows, errs, host))
 
 
-def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs: dict) -> str:
+def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs: dict, host: dict | None = None
+                  ) -> str:
     """Write the markdown table and the JSON under benchmarks/results/ (and $OUT when set); return the table."""
     lines = [f"# bench_flce: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", "",
              "bf16 forward + backward, mean, ~6% ignored. ms = median (CUDA events), GB = peak above inputs "
@@ -189,6 +232,15 @@ def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs
             r = row["results"].get(name)
             cells.append("-" if r is None else r.get("error") or f"{r['ms']:.1f} / {r['gb']:.3f} / {r['x_floor']:.2f}x")
         lines.append(f"| {row['shape']} | {row['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+    if host:
+        lines += ["", f"Host and end-to-end time per forward + backward call at {host['shape']} (host = CPU wall "
+                  "time to issue one call on an idle GPU, median; e2e = back-to-back calls, CUDA events):", "",
+                  "| variant | host ms | e2e ms |", "|---|---|---|"]
+        for name in names:
+            r = host["results"].get(name)
+            cells = "- | -" if r is None else (r["error"] + " | -" if "error" in r else
+                                               f"{r['host_ms']:.3f} | {r['e2e_ms']:.3f}")
+            lines.append(f"| {name} | {cells} |")
     if errs:
         lines += ["", f"Relative error vs fp64 at {'x'.join(map(str, ERROR_SHAPE))} (peaky softmax):", "",
                   "| variant | loss | dX | dW |", "|---|---|---|---|"]
@@ -197,7 +249,8 @@ def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs
     for folder in filter(None, [Path(__file__).parent / "results", os.environ.get("OUT")]):
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{stem}.md").write_text(table + "\n")
-        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, "errors": errs}, indent=1))
+        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, "errors": errs,
+                                                               "host": host or {}}, indent=1))
     return table
 
 

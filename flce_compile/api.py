@@ -16,11 +16,11 @@ import torch
 from torch import Tensor, nn
 
 from .dtensor import refuse_dtensors
-from .op import fused_linear_cross_entropy_op, fused_linear_cross_entropy_with_logits_op
+from .op import call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import budget_bytes, choose_config_within_budget, fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
-from .plan.precision import PRECISIONS, accum_dtype_for, forced_by
+from .plan.precision import PRECISIONS, accum_dtype_for, check_precision, forced_by
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -179,7 +179,11 @@ def fused_linear_cross_entropy(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
             "F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction='none') on the logits"
         )
-    forced = forced_by(precision, config_overrides(config))
+    fast_config = memory_budget_gb is None and check_precision(precision) != "precise"
+    if fast_config:  # the memoised argument: nothing is laid over the caller's fields
+        config_text = config_arg(config)
+    else:
+        forced = forced_by(precision, config_overrides(config))
     input, weight, bias = _autocast(input, weight, bias)
     accum_dtype = accum_dtype_for(precision, accum_dtype, weight.dtype)
     grad_on = torch.is_grad_enabled()
@@ -195,8 +199,10 @@ def fused_linear_cross_entropy(
                         float(logit_scale), float(z_loss))
     if memory_budget_gb is not None:
         forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on)
-    op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
-    loss, second, _dx, _dw, _db, _grad_scale = op(
+    if not fast_config:
+        config_text = json.dumps(forced, sort_keys=True) if forced else ""
+    loss, second, _dx, _dw, _db, _grad_scale = call_fused(
+        return_logits,
         x2d,
         weight.contiguous(),
         t1d.contiguous(),
@@ -207,13 +213,59 @@ def fused_linear_cross_entropy(
         grad_on and input.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
-        json.dumps(forced, sort_keys=True) if forced else "",
+        config_text,
     )
     if return_logits:
         return loss, second.view(*input.shape[:-1], weight.shape[0])
     if reduction == "none":
         return loss.view(target.shape)
     return loss
+
+
+#: ``config_arg``'s answers by ``_config_key``.
+_CONFIG_ARGS: dict[tuple[Any, ...], str] = {}
+_CONFIG_ARGS_SIZE = 256
+
+
+def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
+    """The op's ``config`` argument for a caller's ``config``: the JSON of the fields it forces, validated
+    (``config_overrides``), "" for none.
+
+    Memoised by value (``_config_key``): validating a dict builds two FLCEConfigs and encoding it is a
+    ``json.dumps``, about 30 us per call on the CPU, for an argument that is the same in every call of a
+    training run. A config that fails validation raises every time (nothing is stored). Not memoised while
+    Dynamo traces: there a global cache would be traced too, and the trace runs once anyway.
+    """
+    if config is None:
+        return ""
+    key = None if torch.compiler.is_compiling() else _config_key(config)
+    if key is not None:
+        hit = _CONFIG_ARGS.get(key)
+        if hit is not None:
+            return hit
+    forced = config_overrides(config)
+    text = json.dumps(forced, sort_keys=True) if forced else ""
+    if key is not None:
+        if len(_CONFIG_ARGS) >= _CONFIG_ARGS_SIZE:
+            _CONFIG_ARGS.clear()
+        _CONFIG_ARGS[key] = text
+    return text
+
+
+def _config_key(config: Any) -> tuple[Any, ...] | None:
+    """A hashable key that equals another only for configs that validate and encode alike, or None (not
+    memoised). Values carry their type: ``{"streams": 1}`` (an error) must not hit ``{"streams": True}``, which
+    equals it in Python."""
+    if isinstance(config, (FLCEConfig, str)):
+        return (type(config), config)
+    if not isinstance(config, Mapping):
+        return None
+    try:
+        key = tuple(sorted((name, type(value), value) for name, value in config.items()))
+        hash(key)
+    except TypeError:  # an unhashable value, or keys that do not sort: validation will say what is wrong
+        return None
+    return (dict, key)
 
 
 def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor, weight: Tensor,

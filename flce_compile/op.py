@@ -6,7 +6,9 @@ grad_scale (a power of two, 0 for a fully masked "mean"), and backward only scal
 grad_output; for "none" the forward returns the per-token loss and lse and backward calls
 ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
-the real token count, so a varying token count never recompiles.
+the real token count, so a varying token count never recompiles. In eager mode ``call_fused`` runs the same
+body and autograd formula without the dispatcher's Python round trip when nothing could tell the difference
+(``direct_call_ok``): at small shapes the op is bound by host work.
 
 Every op takes the loss options as one string, ``params`` (``params.encode_params`` of a ``LossParams``), and
 the config as the JSON of the fields the caller forces, ``config`` ("" for none). Both are decoded through
@@ -75,12 +77,13 @@ def op_context(device: torch.device) -> Iterator[None]:
     lm_head on the last GPU) fails in the kernel launch.
     """
     device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with torch.autocast(device.type, enabled=False), device_guard:
+    # Entering autocast costs a few microseconds per call; when it is off there is nothing to turn off.
+    autocast_on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    with torch.autocast(device.type, enabled=False) if autocast_on else contextlib.nullcontext(), device_guard:
         yield
 
 
-@torch.library.custom_op("flce::fused_linear_cross_entropy", mutates_args=())
-def fused_linear_cross_entropy_op(
+def _fused_forward_body(
     input: Tensor,
     weight: Tensor,
     target: Tensor,
@@ -104,6 +107,10 @@ def fused_linear_cross_entropy_op(
         )
     lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
     return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
+
+
+fused_linear_cross_entropy_op = torch.library.custom_op("flce::fused_linear_cross_entropy",
+                                                        mutates_args=())(_fused_forward_body)
 
 
 def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
@@ -135,8 +142,7 @@ def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) 
     return dx, dw, db
 
 
-@torch.library.custom_op("flce::fused_linear_cross_entropy_with_logits", mutates_args=())
-def fused_linear_cross_entropy_with_logits_op(
+def _with_logits_body(
     input: Tensor,
     weight: Tensor,
     target: Tensor,
@@ -166,6 +172,10 @@ def fused_linear_cross_entropy_with_logits_op(
     return (r.loss, r.logits) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
+fused_linear_cross_entropy_with_logits_op = torch.library.custom_op(
+    "flce::fused_linear_cross_entropy_with_logits", mutates_args=())(_with_logits_body)
+
+
 @fused_linear_cross_entropy_with_logits_op.register_fake
 def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, params, accum_dtype,
                                                  compute_dx, compute_dw, compute_db, config):
@@ -177,8 +187,7 @@ def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce
     return (loss, logits) + grads + (input.new_empty((), dtype=dtype),)
 
 
-@torch.library.custom_op("flce::fused_linear_cross_entropy_backward", mutates_args=())
-def fused_linear_cross_entropy_backward_op(
+def _backward_body(
     input: Tensor,
     weight: Tensor,
     target: Tensor,
@@ -206,6 +215,10 @@ def fused_linear_cross_entropy_backward_op(
         else:
             dx, dw, db = fused_backward_per_token(ops, lse, grad_rows, p, cfg, accum_dtype, grads)
     return _grads_or_empty(input, weight, dx, dw, db)
+
+
+fused_linear_cross_entropy_backward_op = torch.library.custom_op(
+    "flce::fused_linear_cross_entropy_backward", mutates_args=())(_backward_body)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
@@ -288,7 +301,7 @@ def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
     if (type(t) is Tensor and type(g) is Tensor and t.device.type == "cuda"
             and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
             and g.dim() == 0 and g.dtype == torch.float32):
-        from .kernels.scale import scale_in_place
+        from .kernels.scale_grads import scale_in_place
 
         return scale_in_place(t, g)
     return t.mul_(g)
@@ -312,10 +325,10 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_sca
         return _input_grads(ctx, None, None, None)
     if grads_in_backward(decode_params(a["params"]), a["config"]):
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
-        dx, dw, db = fused_linear_cross_entropy_backward_op(
-            input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], need_x, need_w,
-            bool(need_b and ctx.has_bias), a["config"],
-        )
+        args = (input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], need_x, need_w,
+                bool(need_b and ctx.has_bias), a["config"])
+        dx, dw, db = (_backward_body(*args) if direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss)
+                      else fused_linear_cross_entropy_backward_op(*args))
     else:
         dx, dw, db = _scaled_forward_grads(ctx, grad_loss)
     return _input_grads(ctx, dx, dw, db)
@@ -367,3 +380,86 @@ def _add(acc: Tensor | None, extra: Tensor | None) -> Tensor | None:
 torch.library.register_autograd(
     "flce::fused_linear_cross_entropy_with_logits", _backward_with_logits, setup_context=_setup_context_with_logits
 )
+
+
+# -- the direct call: the same op without the dispatcher round trip, where nothing could tell the two apart --------
+
+
+class _FusedFunction(torch.autograd.Function):
+    """``flce::fused_linear_cross_entropy`` as a plain autograd.Function: the op's own body, setup_context and
+    backward (see ``call_fused``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        # ctx-style forward, not a separate setup_context: with one, Function.apply binds the arguments through
+        # inspect.signature on every call (~20 us).
+        output = _fused_forward_body(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
+
+class _WithLogitsFunction(torch.autograd.Function):
+    """``flce::fused_linear_cross_entropy_with_logits`` as a plain autograd.Function (see ``call_fused``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _with_logits_body(*args)
+        _setup_context_with_logits(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward_with_logits(ctx, *grads)
+
+
+_DIRECT_DEVICES = ("cpu", "cuda")
+#: Tensor types the direct call takes: plain tensors and parameters (an lm_head's weight), which dispatch alike.
+_DIRECT_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def direct_call_ok(*tensors: Tensor | None) -> bool:
+    """Whether a call on ``tensors`` may skip the dispatcher and run the op's body (and autograd formula)
+    directly: plain CPU/CUDA tensors, eager mode, and nothing that intercepts operators (no torch-function or
+    torch-dispatch mode, no functorch transform, no JIT trace, no Dynamo trace). Anything else, fake, meta and
+    subclass tensors included, goes through the registered op, which those systems know.
+
+    Why: the custom op's Python dispatch path (``torch.library``'s autograd wrapper, its ``fill_defaults`` over
+    the 11-argument schema, the redispatch) cost about 100-200 us per forward + backward on the CPU, more than
+    the rest of the op's host work at small shapes.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _DIRECT_TYPES or t.device.type not in _DIRECT_DEVICES):
+            return False
+    return True
+
+
+def call_fused(return_logits: bool, *args) -> tuple[Tensor, ...]:
+    """Call ``fused_linear_cross_entropy_op`` (or ``..._with_logits_op`` when ``return_logits``) on ``args``:
+    directly (``direct_call_ok``) or through the dispatcher. Both run the same body and autograd formula, so the
+    results are identical. The direct path names itself in a profiler trace as the op would."""
+    op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
+    if not direct_call_ok(*args[:5]):
+        return op(*args)
+    body, function = (_with_logits_body, _WithLogitsFunction) if return_logits else (_fused_forward_body,
+                                                                                     _FusedFunction)
+    with _profiled(op):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+            return function.apply(*args)
+        return body(*args)
+
+
+def _profiled(op) -> contextlib.AbstractContextManager:
+    """A profiler range named after the op while a profiler runs (free otherwise), so traces look the same."""
+    if torch.autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(op._qualname)
+    return contextlib.nullcontext()

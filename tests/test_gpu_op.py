@@ -356,7 +356,7 @@ def test_recompute_strategy_on_gpu():
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_grad_output_not_a_power_of_two_is_rounded_once(return_logits):
     """(loss / 3).backward(): each gradient is the fp32 product of the forward-computed gradient and
-    grad_scale * grad_output, rounded once to bf16 (kernels/scale.py). CUDA's ``mul_`` with a 0-dim CUDA
+    grad_scale * grad_output, rounded once to bf16 (kernels/scale_grads.py). CUDA's ``mul_`` with a 0-dim CUDA
     tensor would round the factor 1/3 to bf16 first."""
     torch.manual_seed(0)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)

@@ -518,11 +518,11 @@ def test_grad_scale_output_rebuilds_the_gradient():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scale_kernel_rounds_once(dtype, monkeypatch):
-    """The backward scale by grad_scale * grad_output (kernels/scale.py): one rounding of the fp32 product,
+    """The backward scale by grad_scale * grad_output (kernels/scale_grads.py): one rounding of the fp32 product,
     where CUDA's ``mul_`` with a 0-dim CUDA tensor would round the factor to bf16 first. Run through the
     Triton interpreter on the CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from flce_compile.kernels.scale import scale_in_place
+    from flce_compile.kernels.scale_grads import scale_in_place
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(5000, generator=gen).to(dtype)

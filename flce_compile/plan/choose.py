@@ -43,10 +43,37 @@ def resolve_config(
     return _resolve(forced, num_tokens, vocab, hidden, dtype, device)
 
 
+#: The op's resolved configs, by ``_op_config_key``. Bounded: a run whose token count varies call by call adds an
+#: entry per count, and dropping them all is cheap (each costs one ``_resolve`` to rebuild).
+_OP_CONFIGS: dict[tuple[Any, ...], FLCEConfig] = {}
+OP_CONFIG_CACHE_SIZE = 4096
+
+
+def _op_config_key(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Any, ...]:
+    """What decides an op's config: its arguments, the strategy registry and, on CUDA (the only device that
+    reads it), the loaded tuning DB, whose generation changes when a rewritten file is reloaded."""
+    db = tuning_db.generation() if device.type == "cuda" else 0
+    return (config, num_tokens, vocab, hidden, dtype, device, registry.generation(), db)
+
+
 def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
               device: torch.device) -> FLCEConfig:
-    """``resolve_config`` for the op's ``config`` argument: the JSON of the forced fields ("" for none)."""
-    return _resolve(forced_fields(config), num_tokens, vocab, hidden, dtype, device)[0]
+    """``resolve_config`` for the op's ``config`` argument: the JSON of the forced fields ("" for none).
+
+    Memoised as a whole, by everything that decides it (``_op_config_key``): it runs in every call of the op,
+    which is host-bound at small shapes, and the chain of memoised steps it replaces (forced fields, DB lookup,
+    heuristic, overlay) cost ~10 us of Python per call on the CPU, one dict lookup ~1 us. Errors (a config
+    string that is not JSON, a strategy that cannot run the dtype) are raised every time: they are not cached.
+    """
+    key = _op_config_key(config, num_tokens, vocab, hidden, dtype, device)
+    cached = _OP_CONFIGS.get(key)
+    if cached is None:
+        cached = _resolve(forced_fields(config), num_tokens, vocab, hidden, dtype, device)[0]
+        if len(_OP_CONFIGS) >= OP_CONFIG_CACHE_SIZE:
+            _OP_CONFIGS.clear()
+        _OP_CONFIGS[key] = cached
+    return cached
 
 
 def _resolve(forced: Forced, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,

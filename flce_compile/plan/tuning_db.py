@@ -39,6 +39,7 @@ layer. ``lookup`` never raises.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -470,12 +471,16 @@ class _Index:
                 self.tiers.setdefault(key[:4], []).append((entry, layer))
         self.signature = signature
         self.recheck_at = _clock() + RECHECK_S
+        #: Distinct for every loaded index: callers that memoise answers derived from lookups key them on it
+        #: (``generation``), so a reloaded DB misses their caches.
+        self.generation = next(_index_generations)
         # The memo belongs to the index: a reload starts an empty one, so no stale answer can outlive its file.
         self.memo: dict[tuple[Any, ...], Any] = {}  # Match | None, or a tuple of budget-tier Matches
 
 
 _state_lock = threading.Lock()
 _index: _Index | None = None
+_index_generations = itertools.count(1)
 _MISS = object()
 
 
@@ -531,6 +536,14 @@ def _get_index() -> _Index:
         logger.debug("tuning DB loaded: %d user entries (%s), %d shipped entries", len(user),
                      user_path or "no user DB: no home directory and no $" + ENV_USER_DB, len(shipped))
         return _index
+
+
+def generation() -> int:
+    """A number that changes whenever the loaded content may have changed (a reload after ``RECHECK_S`` found
+    a changed file or environment variable, or ``invalidate_cache``): part of the key of any answer memoised
+    outside this module (``choose.op_config``). As cheap as a lookup's own validation: one clock read until
+    ``RECHECK_S`` has passed."""
+    return _get_index().generation
 
 
 def load_entries(*, layer: str = "merged") -> list[Entry]:

@@ -112,29 +112,41 @@ def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradReques
 _mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
 
 
-def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm") -> None:
-    """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products).
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm", *,
+                overwrite: bool = False) -> None:
+    """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products);
+    with ``overwrite``, ``acc = a @ b`` (``acc``'s old contents, uninitialised memory included, are never read:
+    the GEMM runs with beta = 0, so the accumulator needs no zeroing before the first chunk).
 
     On CUDA, bf16/fp16 operands can add straight into an fp32 accumulator (cuBLAS with an fp32 C, through
     ``out_dtype``); where that is missing, or with path="mm_add", the product goes through a temporary. On
     the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
     global _mixed_addmm_ok
+    beta = 0 if overwrite else 1
     if acc.device.type != "cuda":
         if path == "mm_add":
-            acc.add_(torch.mm(a, b))
+            _store(acc, torch.mm(a, b), overwrite)
         else:
-            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
     elif path == "addmm" and _mixed_addmm_ok is not False:
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
             _mixed_addmm_ok = True
         except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
             _mixed_addmm_ok = False
             logger.warning("fp32-output addmm unavailable (%s); fp32 sums go through a temporary", exc)
-            acc.add_(torch.mm(a, b))
+            _store(acc, torch.mm(a, b), overwrite)
     else:
-        acc.add_(torch.mm(a, b))
+        _store(acc, torch.mm(a, b), overwrite)
+
+
+def _store(acc: torch.Tensor, product: torch.Tensor, overwrite: bool) -> None:
+    """``acc = product`` or ``acc += product``, in acc's dtype."""
+    if overwrite:
+        acc.copy_(product)
+    else:
+        acc.add_(product)
 
 
 class _DwAccumulator:
@@ -143,19 +155,27 @@ class _DwAccumulator:
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype
-        self.acc = torch.zeros(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
+        # (154 MB in fp32 at GPT-2's 50304 x 768), GPU time and one more launch.
+        self.acc = torch.empty(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        self.written = False
         self.dw_path = dw_path
-        self.on_cuda = weight.device.type == "cuda"
 
     def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
+        first, self.written = not self.written, True
         if not self.separate:
-            self.acc.addmm_(grad_t, x)
+            if first:
+                torch.mm(grad_t, x, out=self.acc)
+            else:
+                self.acc.addmm_(grad_t, x)
         else:
-            add_product(self.acc, grad_t, x, self.dw_path)
+            add_product(self.acc, grad_t, x, self.dw_path, overwrite=first)
 
     def result(self, rows: int) -> torch.Tensor:
         """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
         into the padded accumulator would keep the padding alive and is not a valid custom-op output."""
+        if not self.written:  # no chunk ran (no tokens): dW is 0
+            self.acc.zero_()
         if self.separate:
             return self.acc[:rows].to(self.dtype)
         return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
@@ -248,17 +268,18 @@ def _reduction_scales(
 
     Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
     """
-    one = torch.ones((), dtype=dtype, device=target.device)
     if p.reduction != "mean":
+        one = torch.ones((), dtype=dtype, device=target.device)
         return one, one
     valid = target != p.ignore_index
-    n_valid = valid.sum(dtype=dtype)
+    # reciprocal is the IEEE division 1 / x, as exact as ``one / x`` without the ``one`` (each op is a launch,
+    # and at small shapes the op is bound by launches).
+    z_scale = torch.reciprocal(valid.sum(dtype=dtype))
     if ce_weight is None:
-        denom = n_valid
-    else:
-        safe = torch.where(valid, target, torch.zeros_like(target)).clamp_(0, vocab - 1)
-        denom = torch.where(valid, ce_weight[safe], torch.zeros((), dtype=dtype, device=target.device)).sum()
-    return one / denom, one / n_valid
+        return z_scale, z_scale  # the same tensor: _gradient_scales and _reduced_loss reuse its work
+    safe = torch.where(valid, target, 0).clamp_(0, vocab - 1)
+    denom = torch.where(valid, ce_weight[safe], 0.0).sum()
+    return torch.reciprocal(denom), z_scale
 
 
 class GradientScales(NamedTuple):
@@ -268,9 +289,15 @@ class GradientScales(NamedTuple):
     ce: torch.Tensor
     z: torch.Tensor
     post: torch.Tensor
+    #: isfinite of the CE factor before the split, when it came for free (it is the z-loss factor: no class
+    #: weights); else None and ``_reduced_loss`` computes it.
+    ce_finite: torch.Tensor | None = None
+    #: What the loss rows' sum is multiplied by: post, or nan where the loss is nan (``kernels.scales``); None:
+    #: ``_reduced_loss`` forms it.
+    loss_factor: torch.Tensor | None = None
 
 
-def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor) -> GradientScales:
+def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: str = "mean") -> GradientScales:
     """Split the mean's 1/count out of the logit gradient as a power of two, applied after the GEMMs.
 
     Folded into an fp16 gradient, 1/count flushes every p/count below fp16's smallest subnormal to 0 before
@@ -280,15 +307,22 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor) -> GradientS
     results and loss values are bit for bit those of folding the whole factor in; applying all of 1/count
     afterwards would round dX/dW a second time. With no valid token (z_scale = inf) every factor is 0: the
     gradients come out exactly 0, never 0 * inf.
+
+    For "sum" and "none" (``_reduction_scales`` gives 1 for both) every factor is 1: the same tensor, no work.
     """
+    if reduction != "mean":
+        return GradientScales(ce=ce_scale, z=z_scale, post=z_scale)
     mantissa, _ = torch.frexp(z_scale)  # z_scale = m * 2^e with m in [0.5, 1)
-    post = z_scale / (2.0 * mantissa)  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
+    two_m = mantissa * 2.0  # = z_scale / post, exactly
+    post = z_scale / two_m  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
     finite = torch.isfinite(z_scale)
-    zero = torch.zeros((), dtype=z_scale.dtype, device=z_scale.device)
+    z = torch.where(finite, two_m, 0.0)
+    same = ce_scale is z_scale
     return GradientScales(
-        ce=torch.where(finite, ce_scale / post, zero),
-        z=torch.where(finite, z_scale / post, zero),
-        post=torch.where(finite, post, zero),
+        ce=z if same else torch.where(finite, ce_scale / post, 0.0),
+        z=z,
+        post=torch.where(finite, post, 0.0),
+        ce_finite=finite if same else None,
     )
 
 
@@ -305,6 +339,7 @@ def _run_chunks(
     lse_rows: torch.Tensor | None,
     lse_in: torch.Tensor | None,
     logits_out: torch.Tensor | None = None,
+    weight_sum: torch.Tensor | None = None,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
 
@@ -323,10 +358,13 @@ def _run_chunks(
     vocab = weight.shape[0]
     device = x.device
     ce_step = _ce_step(config)
-    step_rows = _StepRows(target, ce_weight, _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device), ce_scale,
-                          z_scale, loss_rows, lse_rows, lse_in)
+    if weight_sum is None:
+        weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
+    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, lse_in)
     chunk = max(1, min(config.chunk_tokens, n))
-    overlap = _stream_overlap(config, device, grads)
+    # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
+    # stream switch, two events and a second chunk buffer would be pure cost.
+    overlap = _stream_overlap(config, device, grads) if chunk < n else None
     row_stride = padded_row_elements(vocab, x.element_size())
     gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
     if gemm_vocab != vocab:
@@ -365,9 +403,9 @@ def _run_chunks(
             for index, start in enumerate(range(0, n, chunk)):
                 stop = min(start + chunk, n)
                 slot = index % max(1, len(buffers))
-                grad = buffers[slot][: stop - start] if buffers else None  # padding columns stay exact zeros
-                logits = logits_out[start:stop] if direct else grad
-                x_c = x[start:stop]
+                grad = _take(buffers[slot], 0, stop - start) if buffers else None  # padding columns stay 0
+                logits = _take(logits_out, start, stop) if direct else grad
+                x_c = _take(x, start, stop)
                 if overlap is not None:
                     overlap.wait_for_buffer(slot)
                 if wide_buffer is not None:
@@ -379,21 +417,22 @@ def _run_chunks(
                     torch.mm(x_c, weight_t, out=logits)
                 rows = slice(start, stop)
                 if logits_out is not None and not direct:
-                    logits_out[rows].copy_(logits[:, :vocab])
+                    logits_out[rows].copy_(_columns(logits, vocab))
                 separate_grad = (direct or wide) and grads.any
                 residual = residuals[slot][: stop - start] if residuals else None
                 ce_step(
-                    step_rows.chunk(logits[:, :vocab], rows, write_grad=grads.any,
-                                    grad_out=grad[:, :vocab] if separate_grad else None, residual_out=residual),
+                    step_rows.chunk(_columns(logits, vocab), rows, write_grad=grads.any,
+                                    grad_out=_columns(grad, vocab) if separate_grad else None,
+                                    residual_out=residual),
                     p,
                 )
                 if not grads.any:
                     continue
                 if dx is not None and residual is not None:
                     addend = true_class.dx_addend(weight, true_class.target_rows(target[rows], 0, vocab), residual)
-                    torch.addmm(addend, grad, weight, out=dx[rows])
+                    torch.addmm(addend, grad, weight, out=_take(dx, start, stop))
                 elif dx is not None:
-                    torch.mm(grad, weight, out=dx[rows])
+                    torch.mm(grad, weight, out=_take(dx, start, stop))
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
                     _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
                     if residual is not None:
@@ -414,7 +453,18 @@ def _weight_sum(ce_weight: torch.Tensor | None, vocab: int, dtype: torch.dtype, 
 
 def _rows_of(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     """A per-row tensor's ``rows``; a 0-dim factor (one for all rows) or None as it is."""
-    return t[rows] if t is not None and t.dim() else t
+    return _take(t, rows.start, rows.stop) if t is not None and t.dim() else t
+
+
+def _take(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``t[start:stop]``, or ``t`` itself when that is all of it: a one-chunk call then slices nothing (each
+    slice is an op call, ~2 us of host time, and a one-chunk call is the host-bound case)."""
+    return t if start == 0 and stop >= t.shape[0] else t[start:stop]
+
+
+def _columns(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """``t[:, :columns]``, or ``t`` itself when it has no more columns."""
+    return t if t.shape[1] == columns else t[:, :columns]
 
 
 @dataclass(frozen=True)
@@ -435,7 +485,7 @@ class _StepRows:
               grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
-            target=self.target[rows],
+            target=_take(self.target, rows.start, rows.stop),
             ce_weight=self.ce_weight,
             weight_sum=self.weight_sum,
             ce_scale=_rows_of(self.ce_scale, rows),
@@ -481,6 +531,12 @@ class ForwardResult(NamedTuple):
     grad_scale: torch.Tensor
 
 
+def _use_scales_kernel(device: torch.device) -> bool:
+    """Whether a "mean" without class weights takes its factors from ``kernels.scales`` (one launch) rather than
+    from torch ops (ten): on CUDA, where launches are what a small call waits for. The values are the same."""
+    return device.type == "cuda"
+
+
 def fused_forward(
     ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest,
     *, keep_logits: bool = False, keep_lse: bool = False,
@@ -491,14 +547,22 @@ def fused_forward(
     vocab = ops.weight.shape[0]
     dtype = math_dtype(ops.x.dtype)
     per_token = p.reduction == "none"
-    ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
-    scales = _gradient_scales(ce_scale, z_scale)
+    weight_sum = None
+    if p.reduction == "mean" and ops.ce_weight is None and dtype == torch.float32 and _use_scales_kernel(ops.x.device):
+        from ..kernels.scales import mean_scales
+
+        z, post, loss_factor, weight_sum = mean_scales(ops.target, p.ignore_index, vocab)
+        ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
+    else:
+        ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
+        scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
+        weight_sum=weight_sum,
     )
     if per_token:
         return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
@@ -510,9 +574,12 @@ def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: Gradi
     """The mean/sum loss from rows formed with ``scales.ce``/``scales.z``: their sum times ``scales.post``
     (exact: a power of two). An all-ignored batch has a zero denominator: torch's mean is then 0/0 = nan, and
     so is ours."""
+    if scales.loss_factor is not None:
+        return loss_rows.sum() * scales.loss_factor
     loss = loss_rows.sum() * scales.post
     if p.reduction == "mean":
-        loss = torch.where(torch.isfinite(ce_scale), loss, torch.full_like(loss, float("nan")))
+        finite = scales.ce_finite if scales.ce_finite is not None else torch.isfinite(ce_scale)
+        loss = torch.where(finite, loss, float("nan"))
     return loss
 
 

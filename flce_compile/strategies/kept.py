@@ -64,7 +64,7 @@ def kept_forward(logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Te
     dtype = math_dtype(logits.dtype)
     n = target.shape[0]
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, logits.shape[-1], dtype)
-    scales = _gradient_scales(ce_scale, z_scale)
+    scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     loss_rows = torch.empty(n, dtype=dtype, device=logits.device)
     lse = torch.empty(n, dtype=dtype, device=logits.device)
     weight_sum = _weight_sum(ce_weight, logits.shape[-1], dtype, logits.device)
@@ -81,7 +81,7 @@ def kept_backward(logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.T
     rounded once; a fully masked "mean" gets exact zeros."""
     dtype = math_dtype(logits.dtype)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, logits.shape[-1], dtype)
-    scales = _gradient_scales(ce_scale, z_scale)
+    scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     g = grad_loss.reshape(-1).to(dtype) if p.reduction == "none" else grad_loss.to(dtype) * scales.post
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     weight_sum = _weight_sum(ce_weight, logits.shape[-1], dtype, logits.device)

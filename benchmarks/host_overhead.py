@@ -1,0 +1,385 @@
+"""Host (CPU) overhead of the fused op, next to eager and compiled PyTorch (issue #13).
+
+What it measures, per forward + backward call of a mean loss:
+
+* host ms: the CPU wall time of issuing one call. On CUDA each call starts on an idle GPU (a synchronize
+  before it, not timed), so a full launch queue never blocks the host and inflates the number.
+* e2e ms (CUDA): calls back to back, timed with CUDA events, per call.
+* GPU idle (CUDA, ``--idle-shapes``): for one call of our op under torch.profiler, 1 - (union of the GPU's busy
+  intervals) / (first kernel start to last kernel end). A host-bound op leaves the GPU waiting between kernels.
+* On the CPU (no GPU here): the same host time at a tiny shape; the op once more with its CE step replaced by a
+  no-op (the GPU runs that step as one Triton launch, so this is the host work the GPU path shares with the CPU
+  path); the ATen ops it launches outside the CE step; and the cost of each piece of Python in isolation.
+
+Variants: flce (our op), eager (F.linear + F.cross_entropy on fp32 logits), compile (that, torch.compile'd),
+flce-in-compile (our op inside torch.compile), and with --reduce-overhead on CUDA the two compiled ones with
+mode="reduce-overhead" (CUDA graphs).
+
+    python benchmarks/host_overhead.py                      # CUDA: 2048x768x50304 bf16 + GPU idle at 6 shapes
+    python benchmarks/host_overhead.py --device cpu         # CPU: 64x16x64 fp32 in 2 chunks, with the breakdown
+    python benchmarks/host_overhead.py --flce-path /tmp/old # another checkout's flce_compile (before/after)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TIMING_SHAPE = "2048x768x50304"
+IDLE_SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257",
+               "65536x4096x128256", TIMING_SHAPE]
+CPU_SHAPE = "64x16x64"
+VARIANTS = ("flce", "eager", "compile", "flce-in-compile")
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    n, h, v = (int(s) for s in text.split("x"))
+    return n, h, v
+
+
+def _inputs(shape: str, device: str, dtype: torch.dtype):
+    from benchmarks._common import make_inputs
+
+    n, h, v = _shape(shape)
+    x, w, t = make_inputs(n, h, v, device=device, dtype=dtype)
+    return x.requires_grad_(), w.requires_grad_(), t
+
+
+def _losses(names: list[str], config: dict | None, reduce_overhead: bool) -> dict[str, Callable]:
+    from benchmarks._common import eager_loss
+    from flce_compile import fused_linear_cross_entropy
+
+    def flce(x, w, t):
+        return fused_linear_cross_entropy(x, w, t, config=config)
+
+    table: dict[str, Callable] = {}
+    for name in names:
+        if name == "flce":
+            table[name] = flce
+        elif name == "eager":
+            table[name] = eager_loss
+        elif name == "compile":
+            table[name] = torch.compile(eager_loss, dynamic=False)
+        elif name == "flce-in-compile":
+            table[name] = torch.compile(flce, dynamic=False)
+    if reduce_overhead:
+        if "compile" in names:
+            table["compile (reduce-overhead)"] = torch.compile(eager_loss, dynamic=False, mode="reduce-overhead")
+        if "flce-in-compile" in names:
+            table["flce-in-compile (reduce-overhead)"] = torch.compile(flce, dynamic=False, mode="reduce-overhead")
+    return table
+
+
+def _step(loss_fn: Callable, x, w, t, graphs: bool) -> Callable[[], None]:
+    def step() -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        x.grad = w.grad = None
+        loss_fn(x, w, t).backward()
+
+    return step
+
+
+def host_ms(step: Callable[[], None], calls: int, cuda: bool) -> float:
+    """Median CPU wall time of issuing one call; on CUDA the GPU is drained before each call, untimed."""
+    times = []
+    for _ in range(calls):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def e2e_ms(step: Callable[[], None], calls: int, reps: int = 5) -> float:
+    """Median over ``reps`` of the CUDA-event time of ``calls`` back-to-back calls, per call."""
+    per_call = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            step()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return statistics.median(per_call)
+
+
+def gpu_idle_share(step: Callable[[], None], reps: int = 3) -> dict[str, float]:
+    """Median over ``reps`` profiled calls of 1 - busy / span, the GPU's busy time being the union of its
+    kernel, memcpy and memset intervals and the span the first start to the last end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shares, spans = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        intervals = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                           if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+        if not intervals:
+            raise RuntimeError("the profiler recorded no GPU activity")
+        busy, cur_start, cur_end = 0, *intervals[0]
+        for start, end in intervals[1:]:
+            if start > cur_end:
+                busy += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        busy += cur_end - cur_start
+        span = max(end for _, end in intervals) - intervals[0][0]
+        shares.append(1.0 - busy / span)
+        spans.append(span / 1e6)
+    return {"idle_share": statistics.median(shares), "span_ms": statistics.median(spans)}
+
+
+# -- the CPU breakdown ----------------------------------------------------------------------------------------
+
+
+def _best_us(fn: Callable[[], Any], calls: int, reps: int) -> float:
+    """Least mean time per call over ``reps`` runs of ``calls`` calls (the CPU is shared: the least is the one
+    least disturbed by other processes)."""
+    for _ in range(max(10, calls // 4)):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def _null_ce_step(monkeypatch: list) -> None:
+    """Replace every strategy's CE step by a no-op (undone by ``_restore``)."""
+    from flce_compile.strategies import chunked
+
+    original = chunked._ce_step
+    chunked._ce_step = lambda config: (lambda args, p: None)
+    monkeypatch.append((chunked, "_ce_step", original))
+
+
+def _restore(monkeypatch: list) -> None:
+    for module, name, value in reversed(monkeypatch):
+        setattr(module, name, value)
+    monkeypatch.clear()
+
+
+def count_aten_ops(step: Callable[[], None]) -> int:
+    """ATen ops one call launches at the top level (not counting ops inside other ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def top(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and top(e))
+
+
+def cpu_breakdown(shape: str, config: dict, calls: int, reps: int) -> dict[str, float | int | None]:
+    """The op's host work at ``shape`` (fp32, CPU), piece by piece, each timed alone (us per call)."""
+    import flce_compile.api as api
+    from flce_compile.params import LossParams, decode_params, encode_params
+    from flce_compile.plan.choose import op_config
+    from flce_compile.strategies import chunked
+
+    x, w, t = _inputs(shape, "cpu", torch.float32)
+    n, h, v = _shape(shape)
+    p = LossParams()
+    text = encode_params(p)
+    config_text = json.dumps(config, sort_keys=True)
+    flce = _losses(["flce"], config, False)["flce"]
+    step = _step(flce, x, w, t, False)
+    out: dict[str, float | int | None] = {}
+
+    def config_encoding() -> str:  # what the API does with a config dict, whichever version is loaded
+        if hasattr(api, "config_arg"):
+            return api.config_arg(config)
+        forced = api.config_overrides(config)
+        return json.dumps(forced, sort_keys=True) if forced else ""
+
+    pieces: dict[str, Callable[[], Any]] = {
+        "validate arguments": lambda: (api._validate(x, w, t, None, None, "mean", 0.0, None),
+                                       api._validate_scalars(-100, 1.0, 0.0)),
+        "encode loss options": lambda: encode_params(LossParams(-100, "mean", 0.0, 0.0, 1.0, 0.0)),
+        "encode config dict": config_encoding,
+        "decode loss options": lambda: decode_params(text),
+        "choose config (op_config)": lambda: op_config(config_text, n, v, h, x.dtype, x.device),
+        "loss scales (mean)": lambda: chunked._gradient_scales(
+            *chunked._reduction_scales(t, None, p, v, torch.float32)),
+    }
+    for name, fn in pieces.items():
+        out[name] = _best_us(fn, calls, reps)
+    out["fwd+bwd, whole call"] = _best_us(step, calls // 4 or 1, reps)
+    patched: list = []
+    _null_ce_step(patched)
+    try:
+        out["fwd+bwd, CE step a no-op"] = _best_us(step, calls // 4 or 1, reps)
+        out["ATen ops per fwd+bwd outside the CE step"] = count_aten_ops(step)
+        from flce_compile import op
+
+        if hasattr(chunked, "_use_scales_kernel"):  # what the GPU path launches: the factors' kernel, no target check
+            from flce_compile.kernels import scales
+
+            patched += [(chunked, "_use_scales_kernel", chunked._use_scales_kernel),
+                        (op, "check_targets", op.check_targets), (scales, "mean_scales_kernel", scales.mean_scales_kernel)]
+            chunked._use_scales_kernel = lambda device: True
+            op.check_targets = lambda *args: None
+            # Launches nothing (the interpreter's own tensor traffic would be counted otherwise).
+            scales.mean_scales_kernel = {(1,): lambda *args, **kwargs: None}
+            gpu_path = "ATen ops per fwd+bwd outside the CE step, GPU path (+ the factors' Triton launch)"
+            out[gpu_path] = count_aten_ops(step)
+            _restore(patched)
+            _null_ce_step(patched)
+        if hasattr(op, "direct_call_ok"):  # the same call through the dispatcher, for comparison
+            patched.append((op, "direct_call_ok", op.direct_call_ok))
+            op.direct_call_ok = lambda *tensors: False
+            out["fwd+bwd, CE step a no-op, through the dispatcher"] = _best_us(step, calls // 4 or 1, reps)
+    finally:
+        _restore(patched)
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+def environment(device: str) -> dict[str, str]:
+    from benchmarks._common import versions
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": name, "date": datetime.date.today().isoformat(), **versions()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = args.shape or (TIMING_SHAPE if cuda else CPU_SHAPE)
+    config = json.loads(args.config) if args.config else (None if cuda else {"chunk_tokens": _shape(shape)[0] // 2})
+    names = [v for v in args.variants if cuda or v in ("flce", "eager")] if not args.cpu_compile else args.variants
+    x, w, t = _inputs(shape, args.device, dtype)
+    rows: dict[str, dict[str, float]] = {}
+    for name, loss_fn in _losses(names, config, cuda and args.reduce_overhead).items():
+        step = _step(loss_fn, x, w, t, "reduce-overhead" in name)
+        if "compile" in name:
+            # Each compiled variant compiles afresh: two torch.compile wrappers of one function share Dynamo's
+            # per-code cache, and one mode must not run the other's graph.
+            torch._dynamo.reset()
+        for _ in range(args.warmup):
+            step()
+        row = {"host_ms": host_ms(step, args.calls, cuda)}
+        if cuda:
+            row["e2e_ms"] = e2e_ms(step, args.calls)
+        rows[name] = row
+        print(f"{name}: {row}", flush=True)
+    result: dict[str, Any] = {"env": environment(args.device), "shape": shape, "dtype": str(dtype),
+                              "config": config, "timings": rows}
+    if cuda:
+        idle = {}
+        flce = _losses(["flce"], None, False)["flce"]
+        for idle_shape in args.idle_shapes:
+            try:
+                xs, ws, ts = _inputs(idle_shape, "cuda", dtype)
+                step = _step(flce, xs, ws, ts, False)
+                for _ in range(3):
+                    step()
+                idle[idle_shape] = gpu_idle_share(step)
+                print(f"GPU idle at {idle_shape}: {idle[idle_shape]}", flush=True)
+                del xs, ws, ts
+            except torch.OutOfMemoryError:
+                idle[idle_shape] = {"error": "OOM"}
+            torch.cuda.empty_cache()
+        result["gpu_idle"] = idle
+    else:
+        result["breakdown_us"] = cpu_breakdown(shape, config, args.breakdown_calls, args.reps)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    env = result["env"]
+    lines = [f"# host_overhead: {env['device']}, torch {env['torch']}, {env['date']}", "",
+             f"Forward + backward, mean, {result['dtype']}, {result['shape']} (BT x H x V), config "
+             f"{result['config'] or 'the op default'}. host = CPU wall time to issue one call (median; on CUDA the "
+             "GPU is drained before each call); e2e = per call, back to back, CUDA events.", "",
+             "| variant | host ms | e2e ms |", "|---|---|---|"]
+    for name, row in result["timings"].items():
+        e2e = f"{row['e2e_ms']:.3f}" if "e2e_ms" in row else "-"
+        lines.append(f"| {name} | {row['host_ms']:.3f} | {e2e} |")
+    if result.get("gpu_idle"):
+        lines += ["", "GPU idle share of one call of our op (torch.profiler; 1 - busy / first-to-last span):", "",
+                  "| BT x H x V | idle | span ms |", "|---|---|---|"]
+        for shape, r in result["gpu_idle"].items():
+            lines.append(f"| {shape} | " + (r["error"] + " | - |" if "error" in r else
+                                           f"{100 * r['idle_share']:.2f}% | {r['span_ms']:.3f} |"))
+    if result.get("breakdown_us"):
+        lines += ["", "Pieces of the op's host work, each timed alone (us per call, least of several runs):", "",
+                  "| piece | us |", "|---|---|"]
+        for name, value in result["breakdown_us"].items():
+            lines.append(f"| {name} | " + ("-" if value is None else
+                                          f"{value:d}" if isinstance(value, int) else f"{value:.1f}") + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", help=f"BT x H x V of the timing table (default {TIMING_SHAPE} on CUDA, "
+                        f"{CPU_SHAPE} on the CPU)")
+    parser.add_argument("--idle-shapes", nargs="*", default=IDLE_SHAPES, help="shapes of the GPU-idle measurement")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--no-reduce-overhead", dest="reduce_overhead", action="store_false",
+                        help="skip the mode='reduce-overhead' rows (CUDA)")
+    parser.add_argument("--cpu-compile", action="store_true", help="also time the compiled variants on the CPU")
+    parser.add_argument("--config", help="config fields forced on our op, JSON (default: none on CUDA; two "
+                        "chunks on the CPU)")
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per variant")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--breakdown-calls", type=int, default=400, help="calls per run of each breakdown piece")
+    parser.add_argument("--reps", type=int, default=15, help="runs per breakdown piece (the least counts)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (1: the host work itself)")
+    parser.add_argument("--flce-path", help="import flce_compile from this directory (another checkout)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder of the .md and .json")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.flce_path:
+        sys.path.insert(0, str(Path(args.flce_path).resolve()))
+    torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # Triton kernels (the GPU path's, counted in the breakdown) run in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda needs a CUDA GPU")
+    result = run(args)
+    text = table(result)
+    print(text)
+    stem = f"host_overhead_{'cpu' if args.device == 'cpu' else result['env']['device'].replace(' ', '_')}{args.tag}"
+    for folder in filter(None, [args.out, os.environ.get("OUT")]):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{stem}.md").write_text(text + "\n")
+        (Path(folder) / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

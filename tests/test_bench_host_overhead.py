@@ -1,0 +1,81 @@
+"""benchmarks/host_overhead.py and the host columns / native peer of benchmarks/bench_flce.py, on the CPU at tiny
+shapes (the GPU numbers come from the same code on a GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import _common, host_overhead
+
+TORCH_MODULES = Path(torch.__file__).parent / "nn" / "modules"
+
+
+def test_host_overhead_runs_on_the_cpu(tmp_path):
+    result = host_overhead.main(["--device", "cpu", "--shape", "16x8x32", "--calls", "5", "--warmup", "2",
+                                 "--breakdown-calls", "8", "--reps", "2", "--out", str(tmp_path)])
+    assert set(result["timings"]) == {"flce", "eager"}
+    assert all(row["host_ms"] > 0 for row in result["timings"].values())
+    breakdown = result["breakdown_us"]
+    assert breakdown["fwd+bwd, whole call"] > 0 and breakdown["choose config (op_config)"] > 0
+    # the op launches some ATen ops outside its CE step, and fewer than the CPU-path CE step adds per chunk
+    assert 10 < breakdown["ATen ops per fwd+bwd outside the CE step"] < 100
+    saved = json.loads((tmp_path / "host_overhead_cpu.json").read_text())
+    assert saved["env"]["device"] == "cpu" and saved["env"]["torch"] == torch.__version__
+    table = (tmp_path / "host_overhead_cpu.md").read_text()
+    assert "| flce |" in table and "| eager |" in table and "validate arguments" in table
+
+
+def test_no_op_ce_step_is_restored():
+    from flce_compile.strategies import chunked
+
+    original = chunked._ce_step
+    patched: list = []
+    host_overhead._null_ce_step(patched)
+    assert chunked._ce_step is not original
+    host_overhead._restore(patched)
+    assert chunked._ce_step is original
+
+
+def _grads(fn, x, w, t):
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fn(xg, wg, t)
+    loss.backward()
+    return loss, xg.grad, wg.grad
+
+
+@pytest.mark.skipif(not (TORCH_MODULES / "linear_cross_entropy.py").is_file(),
+                    reason="this torch has no linear_cross_entropy.py to load")
+def test_native_peer_loaded_from_a_file_matches_eager():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 8, generator=g), torch.randn(50, 8, generator=g)
+    t = torch.randint(0, 50, (40,), generator=g)
+    t[::6] = -100
+    loaded = _common.native_loss(str(TORCH_MODULES / "linear_cross_entropy.py"))
+    for got, expected in zip(_grads(loaded, x, w, t), _grads(_common.eager_loss, x, w, t)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_native_peer_says_why_it_is_missing(tmp_path, monkeypatch):
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy", raising=False)
+    with pytest.raises(ImportError, match="--native-from"):
+        _common.native_loss(None)
+    with pytest.raises(ImportError, match="not found"):
+        _common.native_loss(str(tmp_path))
+
+
+def test_bench_flce_writes_the_host_columns(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    import benchmarks.bench_flce as bench
+
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench_flce.py"))
+    env = {"gpu": "GPU", "torch": "2.x", "triton": "3.x", "date": "today"}
+    host = {"shape": "2048x768x50304", "results": {"flce": {"host_ms": 0.25, "e2e_ms": 0.9},
+                                                   "eager": {"error": "OOM"}}}
+    table = bench.write_results("stem", env, ["flce", "eager", bench.NATIVE], [], {}, host)
+    assert "| flce | 0.250 | 0.900 |" in table and "| eager | OOM | - |" in table
+    assert f"| {bench.NATIVE} | - | - |" in table
+    assert json.loads((tmp_path / "results" / "stem.json").read_text())["host"] == host

@@ -1,0 +1,233 @@
+"""The caches of the op's host path (issue #13): each answers only for what decides its answer, and the tuning DB
+changing (rewritten file, registry change) is still honoured; the direct call (no dispatcher round trip) gives
+the dispatcher's results and steps aside wherever something intercepts operators."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flce_compile
+from flce_compile import api, op
+from flce_compile.params import LossParams, encode_params
+from flce_compile.plan import choose, registry, tuning_db
+from flce_compile.plan.config import FLCEConfig
+from flce_compile.tuning import db
+
+CUDA = torch.device("cuda")
+
+
+def entry(chunk: int, tokens: int = 16384, vocab: int = 151936, hidden: int = 4096) -> db.Entry:
+    return db.Entry(device="h200", vocab=vocab, hidden=hidden, dtype="bf16", tokens=tokens,
+                    config=FLCEConfig(strategy="triton", chunk_tokens=chunk, block_v=8192, num_warps=8), ms=10.0)
+
+
+@pytest.fixture
+def dbs(tmp_path, monkeypatch):
+    """A private user DB and an empty shipped directory; the CUDA device is an H200 by name only (the lookup
+    needs no GPU)."""
+    user = tmp_path / "user" / "tuning_db.json"
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv(db.ENV_USER_DB, str(user))
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    db.invalidate_cache()
+    yield user
+    db.invalidate_cache()
+
+
+def op_config(config: str = "", tokens: int = 16384, vocab: int = 151936, hidden: int = 4096,
+              dtype: torch.dtype = torch.bfloat16, device: torch.device = CUDA) -> FLCEConfig:
+    return choose.op_config(config, tokens, vocab, hidden, dtype, device)
+
+
+def test_op_config_is_cached_and_keyed_by_everything_that_decides_it(dbs, monkeypatch):
+    db.write_entries(dbs, [entry(512), entry(4096, vocab=32000, hidden=2048)])
+    assert op_config().chunk_tokens == 512
+    calls = []
+    resolve = choose._resolve
+    monkeypatch.setattr(choose, "_resolve", lambda *a: calls.append(a) or resolve(*a))
+    assert op_config() == op_config() and calls == []  # cached: no second resolution
+    # Each argument is part of the key: a different one is resolved afresh, to its own answer.
+    assert op_config(vocab=32000, hidden=2048).chunk_tokens == 4096
+    assert op_config(dtype=torch.float64).strategy == "torch"  # no fp64 in the DB, no Triton for fp64
+    assert op_config(device=torch.device("cpu")).strategy == "torch"  # the CPU heuristic
+    assert op_config('{"chunk_tokens": 1024}').chunk_tokens == 1024
+    assert op_config(tokens=100, vocab=999, hidden=64).chunk_tokens == 256  # heuristic: no entry near
+    assert len(calls) == 5
+    assert op_config().chunk_tokens == 512 and len(calls) == 5
+
+
+def test_op_config_follows_a_rewritten_db(dbs, monkeypatch):
+    """A user DB rewritten by another process is picked up by the op's cache once the DB notices (RECHECK_S),
+    and at once after invalidate_cache."""
+    now = [1000.0]
+    monkeypatch.setattr(tuning_db, "_clock", lambda: now[0])
+    db.write_entries(dbs, [entry(512)])
+    assert op_config().chunk_tokens == 512
+    # Rewritten behind the reader's back (no invalidate_cache: as by another process), with a new mtime.
+    dbs.write_text(dbs.read_text().replace('"chunk_tokens": 512', '"chunk_tokens": 2048'))
+    os.utime(dbs, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert op_config().chunk_tokens == 512  # within RECHECK_S: the DB itself has not looked yet
+    now[0] += tuning_db.RECHECK_S + 0.001
+    assert op_config().chunk_tokens == 2048
+    db.write_entries(dbs, [entry(1024)])  # the writer invalidates: seen at once
+    assert op_config().chunk_tokens == 1024
+
+
+def test_op_config_follows_the_registry(dbs):
+    """A strategy registered after a config was cached changes the heuristic's pick (here: a toy one that names
+    the CPU), so the cache must miss."""
+    cpu = torch.device("cpu")
+    assert op_config(device=cpu).strategy == "torch"
+    toy = registry.Strategy(name="toy_cpu", summary="toy", params=("chunk_tokens",),
+                            ce_step="flce_compile.strategies.ce_torch:ce_step_torch",
+                            fp32_temporaries=lambda softcap: 2, devices=("cpu",))
+    registry.register(toy)
+    try:
+        assert op_config(device=cpu).strategy == "toy_cpu"
+    finally:
+        registry.unregister("toy_cpu")
+    assert op_config(device=cpu).strategy == "torch"
+
+
+def test_config_arg_is_keyed_by_value_and_type():
+    assert api.config_arg(None) == ""
+    assert api.config_arg({"chunk_tokens": 64}) == '{"chunk_tokens": 64}'
+    assert api.config_arg({"chunk_tokens": 64}) == '{"chunk_tokens": 64}'  # cached
+    assert api.config_arg({"chunk_tokens": 128}) == '{"chunk_tokens": 128}'
+    assert api.config_arg({"streams": True}) == '{"streams": true}'
+    # Equal in Python, but 1 is not a bool: the cached answer for True must not hide the error.
+    with pytest.raises(ValueError, match="must be True or False"):
+        api.config_arg({"streams": 1})
+    with pytest.raises(ValueError, match="must be True or False"):
+        api.config_arg({"streams": 1})  # errors are not cached either
+    full = FLCEConfig(chunk_tokens=32)
+    assert api.config_arg(full) == full.to_json()
+    assert api.config_arg('{"chunk_tokens": 8}') == '{"chunk_tokens": 8}'
+    with pytest.raises(ValueError):  # unhashable: not cached, validated (and refused) every time
+        api.config_arg({"chunk_tokens": [1]})
+
+
+def _inputs(n=12, h=8, v=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    return x, w, t
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_direct_call_equals_the_dispatcher(reduction, return_logits, monkeypatch):
+    """The direct call and the registered op run the same body: identical losses and gradients, bit for bit."""
+    if return_logits and reduction == "none":
+        pytest.skip("return_logits needs mean or sum")
+    x, w, t = _inputs()
+
+    def run():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = flce_compile.fused_linear_cross_entropy(xg, wg, t, reduction=reduction, config={"chunk_tokens": 5},
+                                                      return_logits=return_logits)
+        loss = out[0] if return_logits else out
+        (loss.sum() + (out[1].square().mean() if return_logits else 0)).backward()
+        return loss, xg.grad, wg.grad
+
+    direct = run()
+    monkeypatch.setattr(op, "direct_call_ok", lambda *tensors: False)
+    dispatched = run()
+    for a, b in zip(direct, dispatched):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_direct_call_steps_aside_for_modes_and_meta():
+    x, w, t = _inputs()
+    assert op.direct_call_ok(x, w, t, None, None)
+    assert op.direct_call_ok(x, torch.nn.Parameter(w), t, None, None)  # an lm_head's weight
+    assert not op.direct_call_ok(x.to("meta"), w, t, None, None)
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        assert not op.direct_call_ok(x, w, t, None, None)
+        flce_compile.fused_linear_cross_entropy(x, w, t)
+    assert any("flce.fused_linear_cross_entropy" in name for name in seen)  # the mode saw the op, as before
+
+
+def test_cached_encodings_change_with_the_options():
+    """Different loss options give different op arguments (a stale cached encoding would compute another loss)."""
+    x, w, t = _inputs()
+    base = flce_compile.fused_linear_cross_entropy(x, w, t)
+    smoothed = flce_compile.fused_linear_cross_entropy(x, w, t, label_smoothing=0.1)
+    summed = flce_compile.fused_linear_cross_entropy(x, w, t, reduction="sum")
+    assert len({float(base), float(smoothed), float(summed)}) == 3
+    assert encode_params(LossParams(label_smoothing=0.1)) != encode_params(LossParams())
+
+
+@pytest.mark.parametrize("valid", [0, 1, 3, 7, 1000, 1023, 1025, 3000])
+def test_scales_kernel_equals_the_torch_scales(valid):
+    """kernels.scales (the GPU's one-launch factors; here in the Triton interpreter) writes exactly the factors
+    of the torch ops, all-ignored batches included."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        device = "cpu"
+    else:
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from flce_compile.kernels.scales import mean_scales
+    from flce_compile.strategies import chunked
+
+    n = max(valid, 1) + 37
+    t = torch.randint(0, 50, (n,), device=device)
+    t[valid:] = -7
+    t = t[torch.randperm(n, device=device)]
+    p = LossParams(ignore_index=-7)
+    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50)
+    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32))
+    for got, want in ((z, expected.ce), (z, expected.z), (post, expected.post)):
+        assert got.item() == want.item()
+    assert weight_sum.item() == 50.0
+    assert (loss_factor.isnan().item() if valid == 0 else loss_factor.item() == post.item())
+    assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
+
+
+@pytest.mark.parametrize("valid", [0, 5])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_logits, monkeypatch):
+    """The Triton strategy (interpreter on the CPU) with the kernel's factors gives the loss and gradients of the
+    torch ops' factors, bit for bit, a fully masked batch included."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from flce_compile.strategies import chunked
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 16, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(64, 16, generator=g).to(device, torch.bfloat16)
+    t = torch.randint(0, 64, (13,), generator=g).to(device)
+    t[valid:] = -100
+
+    def run(kernel: bool):
+        monkeypatch.setattr(chunked, "_use_scales_kernel", lambda dev: kernel)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = flce_compile.fused_linear_cross_entropy(xg, wg, t, config={"strategy": "triton", "chunk_tokens": 5},
+                                                      return_logits=return_logits)
+        loss = out[0] if return_logits else out
+        loss.backward()
+        return loss, xg.grad, wg.grad
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
