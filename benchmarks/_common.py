@@ -8,6 +8,7 @@ Importing this module imports torch only; the peers and triton are imported when
 from __future__ import annotations
 
 import platform
+import sys
 from typing import Callable
 
 import torch
@@ -78,6 +79,7 @@ def native_loss(path: str | None = None) -> LossFn:
                               "(or its folder), with linear_cross_entropy_options.py beside it")
         spec = importlib.util.spec_from_file_location(f"_native_{stem}", file)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there while the class is built
         try:
             spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - a newer torch's file may need what this torch lacks

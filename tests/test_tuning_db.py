@@ -127,7 +127,7 @@ def _writer(args):
 
 def test_concurrent_writers(tmp_path):
     path = tmp_path / "concurrent.json"
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     with ctx.Pool(6) as pool:
         assert sorted(pool.map(_writer, [(str(path), w) for w in range(6)])) == list(range(6))
     entries = db.read_file(path, strict=True)

@@ -133,7 +133,7 @@ def test_a_user_file_rewritten_by_another_process_is_noticed(dbs, clock, monkeyp
     user, _ = dbs
     db.write_entries(user, [entry(chunk=512)])
     assert find()[0].chunk_tokens == 512
-    proc = mp.get_context("fork").Process(target=_rewrite, args=(str(user),))
+    proc = mp.get_context("spawn").Process(target=_rewrite, args=(str(user),))
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0
@@ -169,7 +169,7 @@ def test_a_failing_write_leaves_no_temporary_file(dbs, monkeypatch):
 def _killed_writer(path: str) -> None:
     import flce_compile.tuning.db as dbm
 
-    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # die with the temp file written (a forked child)
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # die with the temp file written (a child process)
     dbm.write_entries(path, [entry(chunk=4096)])
 
 
@@ -177,7 +177,7 @@ def test_temporary_files_of_killed_writers_are_swept(dbs):
     user, _ = dbs
     db.write_entries(user, [entry(chunk=512)])
     for _ in range(3):
-        proc = mp.get_context("fork").Process(target=_killed_writer, args=(str(user),))
+        proc = mp.get_context("spawn").Process(target=_killed_writer, args=(str(user),))
         proc.start()
         proc.join(60)
         assert proc.exitcode == -signal.SIGKILL
