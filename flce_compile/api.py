@@ -20,7 +20,7 @@ from .op import call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import budget_bytes, choose_config_within_budget, fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
-from .plan.precision import PRECISIONS, accum_dtype_for, check_precision, forced_by
+from .plan.precision import accum_dtype_for, check_precision, forced_by
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT64 = (-(2**63), 2**63 - 1)

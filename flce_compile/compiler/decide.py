@@ -25,8 +25,8 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
-from .patterns import Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
-from .tensor_parallel import ADVICE, is_tensor_parallel, vocab_parallel_obstacle
+from .patterns import ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
+from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
 

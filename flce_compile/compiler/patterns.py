@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..dtensor import is_dtensor
+
 # ---------------------------------------------------------------------------------------------------------------
 # op tables (functions, methods and modules that Dynamo may leave in the graph)
 
@@ -90,6 +92,29 @@ def meta_value(node: Any) -> Any:
     if tm is not None:
         return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
     return None
+
+
+#: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
+ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
+
+
+def redistribute_step_ok(node: fx.Node) -> str | None:
+    """None when ``node`` is ``logits.redistribute(...)`` to the vocabulary-sharded layout the loss_parallel
+    loss reads (the logits as every rank's slice of the last dim); else why it stops the logits chain."""
+    placements = node.kwargs.get("placements", node.args[2] if len(node.args) > 2 else None)
+    val, src = meta_value(node), meta_value(node.args[0])
+    if not (is_dtensor(val) and is_dtensor(src)) or placements is None:
+        return f"call_method redistribute without DTensor information; {ADVICE}"
+    placements = tuple(placements)
+    if len(placements) != 1 or not _is_last_dim_shard(placements[0], val.dim()):
+        return f"redistribute to {placements} (only Shard(-1), the vocabulary, can be fused); {ADVICE}"
+    return None
+
+
+def _is_last_dim_shard(placement: Any, ndim: int) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
 
 
 def _is_number(x: Any) -> bool:
@@ -305,8 +330,6 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
         return f"in-place {node.op} {name} on the logits"
 
     if _is_method(node, ("redistribute",)):  # a DTensor lm_head's output hook (``tensor_parallel``)
-        from .tensor_parallel import redistribute_step_ok
-
         problem = redistribute_step_ok(node)
         if problem is not None:
             return problem

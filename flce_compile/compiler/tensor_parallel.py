@@ -22,37 +22,15 @@ torch.Tensor and DTensor") before any backend sees the graph.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import fx
 
 from ..dtensor import describe_layout, is_dtensor, is_vocab_sharded
-from .patterns import Site, meta_value
+from .patterns import ADVICE, Site, meta_value
 
 #: What ``explain`` and the logs say about a tensor-parallel lm_head the pass does not rewrite.
-ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
-
-
-def redistribute_step_ok(node: fx.Node) -> str | None:
-    """None when ``node`` is ``logits.redistribute(...)`` to the vocabulary-sharded layout the loss_parallel
-    loss reads (the logits as every rank's slice of the last dim); else why it stops the logits chain."""
-    placements = node.kwargs.get("placements", node.args[2] if len(node.args) > 2 else None)
-    val, src = meta_value(node), meta_value(node.args[0])
-    if not (is_dtensor(val) and is_dtensor(src)) or placements is None:
-        return f"call_method redistribute without DTensor information; {ADVICE}"
-    placements = tuple(placements)
-    if len(placements) != 1 or not _is_last_dim_shard(placements[0], val.dim()):
-        return f"redistribute to {placements} (only Shard(-1), the vocabulary, can be fused); {ADVICE}"
-    return None
-
-
-def _is_last_dim_shard(placement: Any, ndim: int) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
-
-
 def returned_through_redistribute(node: fx.Node) -> bool:
     """Whether the lm_head ``node``'s logits leave the graph through the output hook's ``redistribute`` (a
     tensor-parallel lm_head whose loss is computed outside the compiled graph)."""
