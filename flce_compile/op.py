@@ -433,6 +433,8 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     """
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
+    if torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op's answer, as before
+        return False
     if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:

@@ -306,6 +306,9 @@ def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     start = rank * v_local if vocab_start is None else int(vocab_start)
     total = world * v_local if vocab_size is None else int(vocab_size)
+    if vocab_start is not None and vocab_size is None:
+        # Inferring the total from this rank's rows would let uneven shards disagree on it and hang the others.
+        raise ValueError(f"vocab_start={vocab_start} needs vocab_size= too (the number of classes over all ranks)")
     if vocab_start is None and vocab_size is not None and vocab_size != world * v_local:
         raise ValueError(f"vocab_size={vocab_size} is not {world} ranks x {v_local} rows: uneven shards need "
                          "vocab_start= as well")
@@ -386,6 +389,11 @@ def vocab_parallel_linear_cross_entropy(
             "'compact'"
         )
     forced = config_overrides(config)
+    if forced and forced.get("fp32_logits"):
+        raise NotImplementedError(
+            "config fp32_logits=True is not supported by vocab_parallel_linear_cross_entropy (its forward combines "
+            "the ranks' statistics of compute-dtype logits); leave it out"
+        )
     input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
     accum = accum_dtype_for(precision, accum_dtype, weight_local.dtype)
     hidden = weight_local.shape[1]

@@ -231,3 +231,36 @@ def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_l
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_forward_ad_goes_through_the_registered_op():
+    """Dual tensors (forward-mode AD) take the dispatcher path, as before the direct call: the direct body's
+    out= GEMMs would raise on them."""
+    import torch.autograd.forward_ad as fwAD
+
+    from flce_compile import fused_linear_cross_entropy
+    from flce_compile.op import direct_call_ok
+
+    x, w = torch.randn(8, 4), torch.randn(10, 4)
+    t = torch.randint(0, 10, (8,))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        assert not direct_call_ok(dual, w, t)
+        loss = fused_linear_cross_entropy(dual, w, t)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(x @ w.t(), t))
+    assert direct_call_ok(x, w, t)
+
+
+def test_a_db_pick_of_a_recompute_strategy_runs_the_heuristic_unless_forced(monkeypatch):
+    """The loop is fixed at trace time from the forced fields, so an unforced call must not get a strategy of
+    the recompute loop from the tuning DB; a forced one keeps it."""
+    from flce_compile.plan import choose
+    from flce_compile.plan.config import FLCEConfig
+
+    picked = FLCEConfig(strategy="recompute", chunk_tokens=256, vocab_block=512)
+    monkeypatch.setattr(choose, "_resolve", lambda forced, *a: (
+        FLCEConfig(**{**picked.to_dict(), **dict(forced)}), "tuning_db:test"))
+    monkeypatch.setattr(choose, "_OP_CONFIGS", {})
+    args = (4096, 32000, 1024, torch.bfloat16, torch.device("cpu"))
+    assert choose.op_config("", *args).strategy != "recompute"
+    assert choose.op_config('{"strategy": "recompute"}', *args).strategy == "recompute"

@@ -216,6 +216,7 @@ def _errors(mesh, group) -> dict:
         "no_group": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t),
         "bad_start": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=20,
                                                                     vocab_size=24),
+        "start_no_size": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=0),
         "ce_weight_shard": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
                                                                           ce_weight=torch.ones(12)),
         "return_logits": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group,
@@ -348,6 +349,7 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("target_shape", ["target shape (4,)"]),
     ("no_group", ["group="]),
     ("bad_start", ["vocab_start=20"]),
+    ("start_no_size", ["vocab_start=0 needs vocab_size="]),
     ("ce_weight_shard", ["ce_weight", "(24,)"]),
     ("target_range", ["outside [0, 24)", "ignore_index"]),
 ])

@@ -192,9 +192,16 @@ def run_pass(
     fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
     for res in results:
+        if res.fused and res.path == "vocab_parallel" and precision == "precise":
+            # The vocabulary-parallel op refuses it when the graph runs; decide here, where the site can stay.
+            res.path, res.reason = "unchanged", ("flce.precision='precise' is not supported by the "
+                                                 "vocabulary-parallel op; use 'exact' or 'compact'")
         if not res.fused:
             logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
             continue
+        if res.path == "vocab_parallel" and memory_budget_gb is not None:
+            logger.info("flce: loss %s: flce.memory_budget_gb does not apply to the vocabulary-parallel op "
+                        "(its memory is one chunk of its slice of the logits)", res.site.loss_node.name)
         try:
             dead += _rewrite(gm, res, config, fake_mode, fixup, _op_kwargs(precision, memory_budget_gb))
         except Exception as exc:  # noqa: BLE001 - the pass must never break a compile
