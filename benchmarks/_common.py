@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py) and the memory
-tests: the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions
-and the CPU peak-memory measurement.
+tests: the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions,
+the CPU peak-memory measurement and the median timing of a step.
 
 Importing this module imports torch only; the peers and triton are imported when asked for.
 """
@@ -8,7 +8,9 @@ Importing this module imports torch only; the peers and triton are imported when
 from __future__ import annotations
 
 import platform
+import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -137,3 +139,21 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
         live += event.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def median_ms(step: Callable[[], object], reps: int, device: str) -> float:
+    """Median wall time of ``reps`` runs of ``step`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)

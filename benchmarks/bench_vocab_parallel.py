@@ -28,9 +28,7 @@ import datetime
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cpu_peak_bytes, make_inputs, versions  # noqa: E402
+from benchmarks._common import cpu_peak_bytes, make_inputs, median_ms, versions  # noqa: E402
 
 VARIANTS = ("flce-vp", "loss_parallel", "flce-1gpu")
 GB = 1e9
@@ -107,26 +105,13 @@ def _measure(step, device: torch.device, iters: int, warmup: int) -> dict:
         loss = step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - _grad_bytes(step.leaves)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
     else:
         for leaf in step.leaves:
             leaf.grad = None
         out: list[torch.Tensor] = []
         peak = cpu_peak_bytes(lambda: out.append(step())) - _grad_bytes(step.leaves)
         loss = out[0]
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "gb": peak / GB, "loss": float(loss)}
+    return {"ms": median_ms(step, iters, device.type), "gb": peak / GB, "loss": float(loss)}
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:

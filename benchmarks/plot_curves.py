@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +60,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._common import (  # noqa: E402
-    LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, versions)
+    LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, median_ms, versions)
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import resolve_config  # noqa: E402
@@ -264,24 +263,6 @@ def peak_bytes_above_inputs(step: Callable[[], None], params: Sequence[torch.Ten
     with silenced_stderr():
         peak = cpu_peak_bytes(step)
     return peak - returned_bytes(params)
-
-
-def median_ms(step: Callable[[], None], reps: int, device: str) -> float:
-    """Median wall time of ``reps`` runs of ``step``: CUDA events on the GPU, perf_counter on the CPU."""
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
 
 
 def measure(fn: LossFn, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sweep: Sweep) -> dict[str, Any]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import median_ms  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 
@@ -126,15 +126,7 @@ def _cuda_ms(fn, reps: int = 20) -> float:
     """Median ms of ``fn`` over CUDA-event timings, after a warm-up."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, reps, "cuda")
 
 
 def timings(x, w, t) -> dict[str, float]:
