@@ -288,19 +288,34 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
     ctx.grads = None
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
-    in_place = not torch.compiler.is_compiling()
-    return tuple((_scale_in_place(t, g) if in_place else t * g) if t.numel() else t for t in grads)
+    if torch.compiler.is_compiling():
+        return tuple(t * g if t.numel() else t for t in grads)
+    present = [t for t in grads if t.numel()]
+    if _kernel_scales(present, g):  # one launch for all of them
+        from .kernels.scale_grads import scale_all_in_place
+
+        scale_all_in_place(present, g)
+        return grads
+    return tuple(_scale_in_place(t, g) if t.numel() else t for t in grads)
+
+
+def _kernel_scales(tensors: list[Tensor], g: Tensor) -> bool:
+    """Whether ``tensors *= g`` goes through the Triton kernel: real CUDA bf16/fp16 tensors of one dtype,
+    contiguous, and a 0-dim fp32 factor. On the CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's
+    CUDA kernels first cast a 0-dim CUDA tensor to the tensor's dtype, which would round a bf16/fp16 gradient
+    twice when grad_output is not a power of two, so there the kernel does it (no host sync)."""
+    # Only real tensors: AOT autograd traces the backward with fake/functional tensors (and
+    # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
+    if not tensors or type(g) is not Tensor or g.dim() != 0 or g.dtype != torch.float32:
+        return False
+    dtype = tensors[0].dtype
+    return dtype in (torch.bfloat16, torch.float16) and all(
+        type(t) is Tensor and t.device.type == "cuda" and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
-    """``t *= g`` with a single rounding. On the CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's
-    CUDA kernels first cast a 0-dim CUDA tensor to ``t``'s dtype, which would round a bf16/fp16 gradient twice
-    when grad_output is not a power of two, so there a small Triton kernel does it (no host sync)."""
-    # Only real tensors: AOT autograd traces the backward with fake/functional tensors (and
-    # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
-    if (type(t) is Tensor and type(g) is Tensor and t.device.type == "cuda"
-            and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
-            and g.dim() == 0 and g.dtype == torch.float32):
+    """``t *= g`` with a single rounding (see ``_kernel_scales``)."""
+    if _kernel_scales([t], g):
         from .kernels.scale_grads import scale_in_place
 
         return scale_in_place(t, g)

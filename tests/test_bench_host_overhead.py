@@ -79,3 +79,19 @@ def test_bench_flce_writes_the_host_columns(tmp_path, monkeypatch):
     assert "| flce | 0.250 | 0.900 |" in table and "| eager | OOM | - |" in table
     assert f"| {bench.NATIVE} | - | - |" in table
     assert json.loads((tmp_path / "results" / "stem.json").read_text())["host"] == host
+
+
+def test_kernel_breakdown_kinds_and_union():
+    """benchmarks/kernel_breakdown.py: kernel names sort into kinds, and busy time is the union of intervals."""
+    from benchmarks import kernel_breakdown as kb
+
+    assert kb.kind_of("ce_chunk_kernel") == "CE step"
+    assert kb.kind_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
+    assert kb.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "GEMM"
+    assert kb.kind_of("scale_kernel") == "scale factors"
+    assert kb.kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "other"
+    assert kb._union_ns([(0, 10), (5, 20), (30, 40)]) == 30
+    rows = [{"shape": "8x4x16", "floor_ms": 1.0, "span_ms": 2.0, "busy_ms": 1.5,
+             "kinds": {"GEMM": {"ms": 1.2, "count": 3}, "CE step": {"ms": 0.3, "count": 1}}}]
+    text = kb.table(rows)
+    assert "| 8x4x16 | 1.00 | 2.00 | 1.50 | 0.30 (1) | 1.20 (3) |" in text

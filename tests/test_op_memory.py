@@ -23,18 +23,20 @@ def test_expression_names_its_symbols():
     assert isinstance(peak_bytes_expr(), sympy.Expr)
 
 
-@pytest.mark.parametrize("dtype, accum, softcap, v, pad, precision", [
-    (torch.float32, torch.float32, None, 4096, False, "exact"),
-    (torch.bfloat16, torch.float32, None, 4096, False, "exact"),
-    (torch.bfloat16, torch.bfloat16, 5.0, 4096, False, "exact"),
-    (torch.bfloat16, torch.float32, None, 4097, False, "exact"),  # odd V: padded chunk rows
-    (torch.bfloat16, torch.float32, None, 8193, True, "exact"),  # and a zero-padded weight copy
-    (torch.bfloat16, torch.bfloat16, None, 8193, True, "exact"),
-    (torch.bfloat16, torch.float32, None, 4096, False, "precise"),  # an fp32 chunk of logits besides
-    (torch.bfloat16, torch.float32, 5.0, 8193, True, "precise"),
+@pytest.mark.parametrize("dtype, accum, softcap, v, pad, precision, chunk", [
+    (torch.float32, torch.float32, None, 4096, False, "exact", 64),
+    (torch.bfloat16, torch.float32, None, 4096, False, "exact", 64),
+    (torch.bfloat16, torch.bfloat16, 5.0, 4096, False, "exact", 64),
+    (torch.bfloat16, torch.float32, None, 4097, False, "exact", 64),  # odd V: padded chunk rows
+    (torch.bfloat16, torch.float32, None, 8193, True, "exact", 64),  # and a zero-padded weight copy
+    (torch.bfloat16, torch.bfloat16, None, 8193, True, "exact", 64),
+    (torch.bfloat16, torch.float32, None, 4096, False, "precise", 64),  # an fp32 chunk of logits besides
+    (torch.bfloat16, torch.float32, 5.0, 8193, True, "precise", 64),
+    (torch.bfloat16, torch.float32, None, 4096, False, "exact", 1024),  # one chunk: dW in bf16, no fp32 sums
+    (torch.bfloat16, torch.float32, None, 8193, True, "exact", 2048),
 ])
-def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad, precision):
-    n, chunk = 1024, 64
+def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad, precision, chunk):
+    n = 1024
     h = 128 if pad else 64  # with pad, the weight copy (2.1 MB) outweighs the bound's 1 MB of slack
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
@@ -56,8 +58,34 @@ def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad, precision):
     assert measured - grads <= bound, f"measured {measured - grads} B above outputs > bound {bound} B"
     # The bound must also mean something: the logits a plain implementation holds are several times larger
     # (twice, with fp32 logits beside the gradient chunk and the torch step's fp32 copies of 1/16 of them).
-    full_logits = n * v * (itemsize + 4)
-    assert bound < full_logits / (3 if precision == "exact" else 2)
+    if chunk < n:
+        full_logits = n * v * (itemsize + 4)
+        assert bound < full_logits / (3 if precision == "exact" else 2)
+
+
+def test_one_chunk_keeps_no_fp32_dw_sums():
+    """A call that fits in one chunk writes dW straight in the weight dtype (the GEMM sums in fp32 inside), so an
+    fp32 accumulator request costs it nothing: the same peak as bf16 accumulation, and the same dW bits."""
+    n, h, v = 256, 64, 4096
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    config = FLCEConfig(strategy="torch", chunk_tokens=n)
+    peaks, grads = {}, {}
+    for accum in (torch.float32, torch.bfloat16):
+        def step():
+            fused_linear_cross_entropy(x, w, t, accum_dtype=accum, config=config).backward()
+
+        step()
+        x.grad = w.grad = None
+        peaks[accum] = cpu_peak_bytes(step)
+        grads[accum] = w.grad
+        x.grad = w.grad = None
+    assert peaks[torch.float32] == peaks[torch.bfloat16]
+    assert torch.equal(grads[torch.float32], grads[torch.bfloat16])
+    assert peak_bytes(config, n, v, h, torch.bfloat16, torch.float32) == peak_bytes(config, n, v, h, torch.bfloat16,
+                                                                                   torch.bfloat16)
 
 
 @pytest.mark.parametrize("vocab, itemsize, padded", [

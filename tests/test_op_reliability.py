@@ -536,6 +536,32 @@ def test_scale_kernel_rounds_once(dtype, monkeypatch):
         scale_in_place(t.clone(), factor.double())
 
 
+def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
+    """dX, dW and db are scaled by one launch (kernels/scale_grads.scale_all_in_place): every element of each,
+    across the block boundaries between them, rounded once; an empty tensor and bad arguments are handled."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flce_compile.kernels import scale_grads
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (5000, 4096, 37)]
+    factor = torch.tensor(1 / 3, dtype=torch.float32)
+    expected = [(t.float() * factor).to(torch.bfloat16) for t in tensors]
+    launches = []
+    kernel = scale_grads.scale_kernel
+    monkeypatch.setattr(scale_grads, "scale_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: (launches.append(grid), kernel[grid])[1]})())
+    out = scale_grads.scale_all_in_place([t.clone() for t in tensors], factor)
+    assert len(launches) == 1
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want)
+    two = scale_grads.scale_all_in_place([tensors[2].clone(), torch.empty(0, dtype=torch.bfloat16)], factor)
+    assert torch.equal(two[0], expected[2]) and two[1].numel() == 0
+    with pytest.raises(ValueError, match="one dtype"):
+        scale_grads.scale_all_in_place([tensors[0], tensors[1].half()], factor)
+    with pytest.raises(ValueError, match="1 to 3 tensors"):
+        scale_grads.scale_all_in_place(tensors + tensors[:1], factor)
+
+
 def test_backward_scale_traces_with_fake_cuda_tensors():
     """AOT autograd traces the op's backward with fake CUDA tensors (is_compiling() is False there): the
     scale must stay a traceable ``mul_``, never a Triton launch on a fake tensor."""

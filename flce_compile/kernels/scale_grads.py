@@ -1,10 +1,11 @@
-"""Triton kernel: scale a bf16/fp16 tensor in place by an fp32 factor held in a 0-dim tensor.
+"""Triton kernel: scale bf16/fp16 tensors in place by an fp32 factor held in a 0-dim tensor.
 
 Backward multiplies the forward-computed dX/dW/db by grad_scale * grad_output. In eager CUDA ``t.mul_(g)``
 with a 0-dim fp32 CUDA tensor ``g`` first casts ``g`` to ``t``'s dtype (only CPU scalars keep their
 precision in PyTorch's CUDA binary kernels), so a grad_output that is not a power of two (a loss divided by
 3 accumulation steps, say) would be rounded twice. Here the factor is read in fp32 and each element is
-rounded once; the factor stays on the GPU, so there is no host sync.
+rounded once; the factor stays on the GPU, so there is no host sync. dX, dW and db are scaled in one launch
+(``scale_all_in_place``): at small shapes the op is bound by the host, and each launch costs ~20 us of it.
 """
 
 from __future__ import annotations
@@ -19,27 +20,55 @@ from .ce_chunk import _round_bf16_rtne
 
 
 @triton.jit
-def scale_kernel(x_ptr, factor_ptr, numel, BLOCK: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _scale_block(x_ptr, block, numel, factor, BLOCK: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    factor = tl.load(factor_ptr).to(tl.float32)
     y = tl.load(x_ptr + offsets, mask=mask).to(tl.float32) * factor
     if EMULATE_BF16_RTNE:
         y = _round_bf16_rtne(y)
     tl.store(x_ptr + offsets, y.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def scale_kernel(a_ptr, a_numel, a_blocks, b_ptr, b_numel, b_blocks, c_ptr, c_numel, factor_ptr,
+                 BLOCK: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+    """Blocks [0, a_blocks) scale tensor a, the next b_blocks tensor b, the rest tensor c."""
+    pid = tl.program_id(0)
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if pid < a_blocks:
+        _scale_block(a_ptr, pid, a_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+    elif pid < a_blocks + b_blocks:
+        _scale_block(b_ptr, pid - a_blocks, b_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+    else:
+        _scale_block(c_ptr, pid - a_blocks - b_blocks, c_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+
+
 _BLOCK = 4096
+#: Tensors one launch scales.
+MAX_TENSORS = 3
+
+
+def scale_all_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
+    """``t *= factor`` for each of up to three ``tensors`` in one launch, each element rounded once: contiguous
+    tensors of one dtype, bf16/fp16, on a GPU (or on the CPU under TRITON_INTERPRET=1); ``factor`` a 0-dim fp32
+    tensor on the same device. Returns ``tensors``."""
+    if not 0 < len(tensors) <= MAX_TENSORS:
+        raise ValueError(f"scale_all_in_place takes 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
+    if factor.dim() != 0 or factor.dtype != torch.float32:
+        raise ValueError("scale_all_in_place needs a 0-dim fp32 factor")
+    dtype = tensors[0].dtype
+    if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):
+        raise ValueError("scale_all_in_place needs contiguous tensors of one dtype")
+    a, b, c = (tensors + [tensors[0].new_empty(0)] * MAX_TENSORS)[:MAX_TENSORS]
+    a_blocks, b_blocks, c_blocks = (triton.cdiv(t.numel(), _BLOCK) for t in (a, b, c))
+    if a_blocks + b_blocks + c_blocks:
+        scale_kernel[(a_blocks + b_blocks + c_blocks,)](
+            a, a.numel(), a_blocks, b, b.numel(), b_blocks, c, c.numel(), factor, BLOCK=_BLOCK,
+            EMULATE_BF16_RTNE=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        )
+    return tensors
 
 
 def scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``t *= factor`` with one rounding: ``t`` contiguous bf16/fp16 on a GPU (or on the CPU under
-    TRITON_INTERPRET=1), ``factor`` a 0-dim fp32 tensor on the same device."""
-    if not t.is_contiguous() or factor.dim() != 0 or factor.dtype != torch.float32:
-        raise ValueError("scale_in_place needs a contiguous tensor and a 0-dim fp32 factor")
-    if t.numel():
-        scale_kernel[(triton.cdiv(t.numel(), _BLOCK),)](
-            t, factor, t.numel(), BLOCK=_BLOCK,
-            EMULATE_BF16_RTNE=t.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        )
-    return t
+    """``t *= factor`` with one rounding (``scale_all_in_place`` for one tensor)."""
+    return scale_all_in_place([t], factor)[0]

@@ -142,7 +142,10 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
             NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: strategy.fp32_temporaries(softcap),
             FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
         }))
-    separate_acc = need_dw and accum_dtype != dtype
+    wide = fp32_logits_on(config.fp32_logits, dtype)
+    # One chunk (the loop's own test) writes dW in the weight dtype and has nothing to overlap (chunked.py).
+    single_chunk = config.chunk_tokens >= num_tokens
+    separate_acc = need_dw and accum_dtype != dtype and not (single_chunk and not wide)
     values = {
         BT: max(num_tokens, 1),
         V: vocab,
@@ -154,9 +157,9 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
         K32: registry.get(config.strategy).fp32_temporaries(softcap),
-        BUFFERS: 2 if config.streams else 1,
+        BUFFERS: 2 if config.streams and not single_chunk else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc),
-        FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
+        FP32L: int(wide),
     }
     return int(peak_bytes_expr().subs(values))

@@ -150,11 +150,18 @@ def _store(acc: torch.Tensor, product: torch.Tensor, overwrite: bool) -> None:
 
 
 class _DwAccumulator:
-    """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 (``add_product``) or in the weight dtype."""
+    """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 (``add_product``) or in the weight dtype.
 
-    def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str) -> None:
+    With ``single_chunk`` there is nothing to accumulate: the one GEMM sums over all tokens in fp32 inside
+    cuBLAS and writes dW in the weight dtype, rounded once, as eager's dW GEMM does. An fp32 accumulator there
+    would only add a V x H fp32 write, its read and a conversion (at GPT-2's 50304 x 768: 385 MB of traffic
+    and a launch, in the calls that are bound by the host).
+    """
+
+    def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
+                 single_chunk: bool = False) -> None:
         self.dtype = weight.dtype
-        self.separate = accum_dtype != weight.dtype
+        self.separate = accum_dtype != weight.dtype and not single_chunk
         # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
         # (154 MB in fp32 at GPT-2's 50304 x 768), GPU time and one more launch.
         self.acc = torch.empty(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
@@ -391,7 +398,10 @@ def _run_chunks(
     residuals = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in buffers] if wide and grads.any else []
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
-    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path) if grads.dw else None
+    # One chunk writes dW straight in the weight dtype; not with fp32 logits, whose true-class correction is
+    # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice).
+    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path, single_chunk=chunk >= n and not wide) \
+        if grads.dw else None
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
     )
