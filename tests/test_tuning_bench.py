@@ -153,3 +153,31 @@ def test_a_tuned_config_equal_to_the_default_is_noise_not_a_slowdown(bench):
     assert never_slower == "PASS (1 row whose tuned config is the default not judged; that config timed twice spans 0.971x-0.971x)"
     _, _, never_slower = bench.summarize([noisy, slower])
     assert never_slower.startswith("FAIL: V=151936 H=4096 T=8192 (0.97x) (1 row")
+
+
+def test_budget_tier_rows_and_the_liger_check(bench):
+    """A budget-tier entry's row is labelled and not judged against the unbudgeted default (its config fits a
+    budget the default breaks); the default-vs-Liger check takes the plain rows, strictly, and names the losers."""
+    plain = fake_row(ENTRIES[2], default_ms=3.0, tuned_ms=2.0)
+    tier = {**fake_row(ENTRIES[2], default_ms=3.0, tuned_ms=4.0), "budget_tier_gb": 0.5, "vs_liger": 0.5}
+    lines, _, never_slower = bench.summarize([plain, tier])
+    assert never_slower == "PASS (1 budget-tier row not judged)"
+    assert any("16384 (<= 0.5 GiB)" in line for line in lines)
+    assert bench.never_slower_than_liger([plain, tier]) == "NOT MEASURED (no Liger timings)"
+    faster = {**plain, "vs_liger": 1.01}
+    slower = {**fake_row(ENTRIES[3]), "vs_liger": 0.995}
+    assert bench.never_slower_than_liger([faster, tier]) == "PASS (1 shape)"
+    assert bench.never_slower_than_liger([faster, slower, tier]) == (
+        "FAIL at 1 of 2 shapes: V=151936 H=4096 T=8192 (0.995x)")
+
+
+def test_resume_labels_older_rows_with_their_tier(bench):
+    """Rows of a run made before rows carried their tier get it from the entry whose config they timed."""
+    tier_entry = db.Entry(device="h200", vocab=256000, hidden=2304, dtype="bf16", tokens=16384,
+                          config=FLCEConfig(strategy="recompute", chunk_tokens=1024), ms=9.0, default_ms=3.0,
+                          trials=5, budget_tier_gb=0.5)
+    entries = [ENTRIES[2], tier_entry]
+    rows = [{**fake_row(e), "tuned_config": e.config.to_dict()} for e in entries]
+    kept, rest = bench.resume_state({"meta": META, "rows": rows}, META, entries + [ENTRIES[3]])
+    assert [r["budget_tier_gb"] for r in kept] == [None, 0.5]
+    assert rest == [ENTRIES[3]]
