@@ -197,8 +197,9 @@ def resume_state(payload: dict[str, Any], meta: dict[str, Any], entries: Sequenc
             match = [e for e in entries if (e.vocab, e.hidden, e.tokens) == (r["vocab"], r["hidden"], r["tokens"])
                      and e.config.to_dict() == r.get("tuned_config")]
             r["budget_tier_gb"] = match[0].budget_tier_gb if len(match) == 1 else None
-    done = {(r["vocab"], r["hidden"], r["tokens"]) for r in rows}
-    return rows, [e for e in entries if (e.vocab, e.hidden, e.tokens) not in done]
+    # A plain entry and its budget tier share (V, H, tokens): the tier tells them apart.
+    done = {(r["vocab"], r["hidden"], r["tokens"], r["budget_tier_gb"]) for r in rows}
+    return rows, [e for e in entries if (e.vocab, e.hidden, e.tokens, e.budget_tier_gb) not in done]
 
 
 def runs_the_default(r: dict[str, Any]) -> bool:

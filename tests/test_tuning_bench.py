@@ -181,3 +181,6 @@ def test_resume_labels_older_rows_with_their_tier(bench):
     kept, rest = bench.resume_state({"meta": META, "rows": rows}, META, entries + [ENTRIES[3]])
     assert [r["budget_tier_gb"] for r in kept] == [None, 0.5]
     assert rest == [ENTRIES[3]]
+    # Only the plain entry measured: its tier sibling, same (V, H, tokens), is still to measure.
+    kept, rest = bench.resume_state({"meta": META, "rows": rows[:1]}, META, entries)
+    assert rest == [tier_entry]
