@@ -141,6 +141,30 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
+def cuda_events(prof) -> list:
+    """The GPU activity (kernels, memcpys, memsets) a finished ``torch.profiler.profile`` recorded, each with a
+    positive duration; raises when there is none (an idle share or a breakdown of nothing would mean nothing)."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    if not events:
+        raise RuntimeError("the profiler recorded no GPU activity")
+    return events
+
+
+def busy_and_span_ns(events: list) -> tuple[int, int]:
+    """(length of the union of the events' intervals, first start to last end), in ns."""
+    intervals = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events)
+    busy, cur_start, cur_end = 0, *intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(end for _, end in intervals) - intervals[0][0]
+
+
 def median_ms(step: Callable[[], object], reps: int, device: str) -> float:
     """Median wall time of ``reps`` runs of ``step`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
     times = []

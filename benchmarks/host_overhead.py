@@ -124,25 +124,15 @@ def gpu_idle_share(step: Callable[[], None], reps: int = 3) -> dict[str, float]:
     kernel, memcpy and memset intervals and the span the first start to the last end."""
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks._common import busy_and_span_ns, cuda_events
+
     shares, spans = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        intervals = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
-                           if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
-        if not intervals:
-            raise RuntimeError("the profiler recorded no GPU activity")
-        busy, cur_start, cur_end = 0, *intervals[0]
-        for start, end in intervals[1:]:
-            if start > cur_end:
-                busy += cur_end - cur_start
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        busy += cur_end - cur_start
-        span = max(end for _, end in intervals) - intervals[0][0]
+        busy, span = busy_and_span_ns(cuda_events(prof))
         shares.append(1.0 - busy / span)
         spans.append(span / 1e6)
     return {"idle_share": statistics.median(shares), "span_ms": statistics.median(spans)}

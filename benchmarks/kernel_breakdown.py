@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import make_inputs, median_ms, versions  # noqa: E402
+from benchmarks._common import busy_and_span_ns, cuda_events, make_inputs, median_ms, versions  # noqa: E402
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,18 +47,6 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Total length of the union of ``intervals`` (start, end)."""
-    busy, cur_start, cur_end = 0, *intervals[0]
-    for start, end in intervals[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    return busy + cur_end - cur_start
-
-
 def profile_call(step, reps: int = 3) -> dict[str, Any]:
     """Median over ``reps`` profiled calls of ``step``: span and busy ms, and per kind the summed ms and count."""
     from torch.profiler import ProfilerActivity, profile
@@ -70,18 +57,14 @@ def profile_call(step, reps: int = 3) -> dict[str, Any]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        events = [e for e in prof.profiler.kineto_results.events()
-                  if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
-        if not events:
-            raise RuntimeError("the profiler recorded no GPU activity")
-        intervals = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events)
+        events = cuda_events(prof)
+        busy, span = busy_and_span_ns(events)
         kinds: dict[str, list[float]] = {}
         for e in events:
             entry = kinds.setdefault(kind_of(e.name()), [0.0, 0])
             entry[0] += e.duration_ns() / 1e6
             entry[1] += 1
-        runs.append({"span_ms": (intervals[-1][1] - intervals[0][0]) / 1e6, "busy_ms": _union_ns(intervals) / 1e6,
-                     "kinds": kinds})
+        runs.append({"span_ms": span / 1e6, "busy_ms": busy / 1e6, "kinds": kinds})
     best = sorted(runs, key=lambda r: r["span_ms"])[len(runs) // 2]
     return {"span_ms": best["span_ms"], "busy_ms": best["busy_ms"],
             "kinds": {k: {"ms": v[0], "count": v[1]} for k, v in sorted(best["kinds"].items())}}

@@ -90,7 +90,16 @@ def test_kernel_breakdown_kinds_and_union():
     assert kb.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "GEMM"
     assert kb.kind_of("scale_kernel") == "scale factors"
     assert kb.kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "other"
-    assert kb._union_ns([(0, 10), (5, 20), (30, 40)]) == 30
+    from types import SimpleNamespace
+
+    from benchmarks._common import busy_and_span_ns
+
+    def event(start, end):
+        return SimpleNamespace(start_ns=lambda: start, duration_ns=lambda: end - start)
+
+    # busy is the union; the span ends at the latest end, not at the last-started interval's end
+    assert busy_and_span_ns([event(0, 10), event(5, 50), event(30, 40)]) == (50, 50)
+    assert busy_and_span_ns([event(30, 40), event(0, 10), event(5, 20)]) == (30, 40)
     rows = [{"shape": "8x4x16", "floor_ms": 1.0, "span_ms": 2.0, "busy_ms": 1.5,
              "kinds": {"GEMM": {"ms": 1.2, "count": 3}, "CE step": {"ms": 0.3, "count": 1}}}]
     text = kb.table(rows)

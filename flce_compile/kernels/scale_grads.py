@@ -59,11 +59,13 @@ def scale_all_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> lis
     dtype = tensors[0].dtype
     if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):
         raise ValueError("scale_all_in_place needs contiguous tensors of one dtype")
-    a, b, c = (tensors + [tensors[0].new_empty(0)] * MAX_TENSORS)[:MAX_TENSORS]
-    a_blocks, b_blocks, c_blocks = (triton.cdiv(t.numel(), _BLOCK) for t in (a, b, c))
+    # Absent tensors are the first one with 0 elements and 0 blocks: no placeholder allocation on this hot path.
+    a, b, c = (tensors + [tensors[0]] * MAX_TENSORS)[:MAX_TENSORS]
+    a_numel, b_numel, c_numel = ([t.numel() for t in tensors] + [0] * MAX_TENSORS)[:MAX_TENSORS]
+    a_blocks, b_blocks, c_blocks = (triton.cdiv(numel, _BLOCK) for numel in (a_numel, b_numel, c_numel))
     if a_blocks + b_blocks + c_blocks:
         scale_kernel[(a_blocks + b_blocks + c_blocks,)](
-            a, a.numel(), a_blocks, b, b.numel(), b_blocks, c, c.numel(), factor, BLOCK=_BLOCK,
+            a, a_numel, a_blocks, b, b_numel, b_blocks, c, c_numel, factor, BLOCK=_BLOCK,
             EMULATE_BF16_RTNE=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         )
     return tensors
