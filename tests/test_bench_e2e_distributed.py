@@ -109,3 +109,12 @@ def test_ddp_and_fsdp2_rows_match_one_process(tmp_path):
             assert bench.fused_sites(row) == "1/1", (name, row["flce_sites"])
             assert "-> fused_keep" in row["flce_sites"][0], name  # no options: the logits are kept
             assert row["dynamo"]["graphs"] >= 1, name
+
+
+def test_ddp_peak_needs_the_bucket_rebuild_warmed_up():
+    """On CUDA, DDP rows refuse --warmup < 2: step 2 rebuilds the gradient buckets and its peak is not a steady
+    step's. The check comes before any GPU is looked at, so it runs here."""
+    bench = _bench()
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--modes", "ddp", "--warmup", "1"])
+    assert info.value.code == 2

@@ -1,0 +1,162 @@
+"""The CE step's launch tiles (block_v, num_warps) timed alone, on one chunk of logits, through the op's own path.
+
+The CE kernel is memory-bound: it reads a chunk's logits twice (lse, then the gradient) and writes the gradient
+once, in place. Its tiles barely move the whole op's time at the tuner's noise (a few percent of the call is the
+CE step), so flce-tune's whole-call trials cannot tell them apart; timed alone they can. Each tile runs
+``ce_step_triton`` (what the chunk loop launches: loss + in-place gradient, mean over the rows) on a fresh copy
+of the same random bf16 logits, and its loss is checked against ``F.cross_entropy`` in fp32 before it is timed.
+A copy of the logits (one read + one write) is timed beside the tiles: three passes at that bandwidth bound the
+kernel from below.
+
+    python benchmarks/ce_kernel_tiles.py                      # rows 4096; V 50304, 128256, 151936, 256000
+    python benchmarks/ce_kernel_tiles.py --vocabs 128256 --tiles 4096:8 4096:16
+
+On the CPU (what tests/test_bench_ce_tiles.py runs, Triton's interpreter at tiny shapes):
+
+    TRITON_INTERPRET=1 python benchmarks/ce_kernel_tiles.py --device cpu --rows 4 --vocabs 300 --tiles 128:4 \\
+        --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import median_ms, versions  # noqa: E402
+from flce_compile.params import LossParams  # noqa: E402
+from flce_compile.plan import registry  # noqa: E402
+from flce_compile.plan.choose import heuristic_config  # noqa: E402
+from flce_compile.strategies.ce_common import CEStepArgs  # noqa: E402
+from flce_compile.strategies.ce_triton import ce_step_triton  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCABS = (50304, 128256, 151936, 256000)
+TILES = ("2048:4", "2048:8", "4096:8", "4096:16", "8192:16", "8192:32", "16384:32")
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """'block_v:num_warps' -> (block_v, num_warps)."""
+    try:
+        block_v, num_warps = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tile {text!r}: expected BLOCK_V:NUM_WARPS, e.g. 4096:8") from None
+    return block_v, num_warps
+
+
+def time_tiles(rows: int, vocab: int, tiles: list[tuple[int, int]], device: str, reps: int) -> dict[str, Any]:
+    """One vocabulary size: ms per tile (None where the registry rejects the tile), the copy's ms, the loss
+    error of each tile against fp32 torch, and the default tile (heuristic_config's)."""
+    gen = torch.Generator(device=device).manual_seed(vocab)
+    source = (torch.randn(rows, vocab, device=device, generator=gen) * 3).to(torch.bfloat16)
+    logits = torch.empty_like(source)
+    target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    reference = torch.nn.functional.cross_entropy(source.float(), target, reduction="none")
+    loss = torch.empty(rows, device=device)
+    one = torch.ones((), device=device)
+    args = CEStepArgs(logits=logits, target=target, ce_weight=None, weight_sum=torch.tensor(float(vocab), device=device),
+                      ce_scale=one / rows, z_scale=one / rows, loss_out=loss, lse_out=None, lse_in=None,
+                      write_grad=True)
+    params = LossParams()
+    base = heuristic_config(rows, vocab, 1, torch.bfloat16, torch.device(device))
+    base = dataclasses.replace(base, strategy="triton")
+    out: dict[str, Any] = {"vocab": vocab, "rows": rows, "gb": source.numel() * source.element_size() / 1e9,
+                           "default_tile": f"{base.block_v}:{base.num_warps}", "ms": {}, "loss_err": {}}
+    scratch = torch.empty_like(source)
+    out["copy_ms"] = median_ms(lambda: scratch.copy_(source), reps, device)
+    for block_v, num_warps in tiles:
+        config = dataclasses.replace(base, block_v=block_v, num_warps=num_warps)
+        name = f"{block_v}:{num_warps}"
+        if registry.get("triton").check(config, vocab) is not None:
+            out["ms"][name] = None
+            continue
+        logits.copy_(source)
+        ce_step_triton(args, params, config)  # compiles the tile
+        out["loss_err"][name] = float((loss * rows - reference).abs().max())  # ce_scale = 1/rows: undone
+        out["ms"][name] = _step_ms(lambda config=config: ce_step_triton(args, params, config),
+                                   lambda: logits.copy_(source), reps, device)
+    timed = {k: v for k, v in out["ms"].items() if v is not None}
+    out["best_tile"] = min(timed, key=timed.get) if timed else None
+    return out
+
+
+def _step_ms(step, refill, reps: int, device: str) -> float:
+    """Median ms of ``step`` alone, each run on logits that ``refill`` has just restored (the gradient is written
+    in place): CUDA events around the step on the GPU, perf_counter on the CPU."""
+    times = []
+    for _ in range(reps + 2):  # two warm-up runs
+        refill()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times[2:])
+
+
+def table(results: list[dict[str, Any]], tiles: list[str]) -> str:
+    lines = ["| rows x V | GB | copy ms | 3 x copy / 2 | " + " | ".join(tiles) + " | best | default | default / best | max loss err |",
+             "|" + "---|" * (8 + len(tiles))]
+    for r in results:
+        cells = [("-" if r["ms"].get(t) is None else f"{r['ms'][t]:.3f}") for t in tiles]
+        best, default = r["best_tile"], r["default_tile"]
+        ratio = (f"{r['ms'][default] / r['ms'][best]:.2f}x"
+                 if best and r["ms"].get(default) and r["ms"][best] else "-")
+        lines.append(f"| {r['rows']}x{r['vocab']} | {r['gb']:.2f} | {r['copy_ms']:.3f} | {1.5 * r['copy_ms']:.3f} | "
+                     + " | ".join(cells) + f" | {best} | {default} | {ratio} | {max(r['loss_err'].values(), default=0.0):.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4096, help="token rows of the chunk")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS))
+    parser.add_argument("--tiles", type=parse_tile, nargs="+", default=[parse_tile(t) for t in TILES],
+                        help="BLOCK_V:NUM_WARPS pairs")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", type=Path, default=None, help="folder of the .md / .json (default: results/)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ce_kernel_tiles.py: no CUDA GPU (use --device cpu with TRITON_INTERPRET=1)")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("ce_kernel_tiles.py --device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
+    if args.rows < 1 or args.reps < 1:
+        parser.error("--rows and --reps must be >= 1")
+    results = [time_tiles(args.rows, v, args.tiles, args.device, args.reps) for v in args.vocabs]
+    names = [f"{b}:{w}" for b, w in args.tiles]
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    env = {"device": gpu, "date": datetime.date.today().isoformat(), **versions()}
+    md = (f"# ce_kernel_tiles: {gpu}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n"
+          "The CE step alone on one bf16 chunk (loss + in-place gradient), ms per tile BLOCK_V:NUM_WARPS (median of "
+          f"{args.reps}, each on freshly refilled logits); '-' = a tile the registry rejects for that V. copy = one read "
+          "and one write of the chunk; the kernel's three passes at that bandwidth take 1.5x it. default = "
+          "heuristic_config's tile; max loss err: the largest |loss - fp32 torch| over the tiles.\n\n" + table(results, names) + "\n")
+    print(md)
+    stem = f"ce_kernel_tiles_{gpu.replace(' ', '_')}{args.tag}"
+    for folder in filter(None, [args.out or RESULTS, os.environ.get("OUT")]):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+        (Path(folder) / f"{stem}.md").write_text(md)
+    return results
+
+
+if __name__ == "__main__":
+    main()
