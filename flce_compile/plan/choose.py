@@ -154,7 +154,7 @@ def _heuristic(chunk: int, device_type: str, dtype: torch.dtype, pad_vocab: bool
         strategy=registry.default_for(device_type, dtype).name,
         chunk_tokens=chunk,
         block_v=4096 if on_gpu else 1024,
-        # 8 warps: the CE step alone ran 15-20% faster than with 16 at V = 50304-256000 on an H200
+        # 8 warps: the CE step alone took 15-18% less time than with 16 at V = 50304-256000 on an H200
         # (benchmarks/results/ce_kernel_tiles_NVIDIA_H200.md).
         num_warps=8 if on_gpu else 4,
         num_stages=1,
