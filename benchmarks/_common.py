@@ -165,10 +165,14 @@ def busy_and_span_ns(events: list) -> tuple[int, int]:
     return busy, max(end for _, end in intervals) - intervals[0][0]
 
 
-def median_ms(step: Callable[[], object], reps: int, device: str) -> float:
-    """Median wall time of ``reps`` runs of ``step`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
+def median_ms(step: Callable[[], object], reps: int, device: str,
+              before: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``reps`` runs of ``step`` in ms: CUDA events on the GPU, perf_counter on the CPU.
+    ``before`` runs ahead of each run, untimed (e.g. restoring inputs the step overwrites)."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

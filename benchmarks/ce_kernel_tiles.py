@@ -24,9 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,31 +81,13 @@ def time_tiles(rows: int, vocab: int, tiles: list[tuple[int, int]], device: str,
         logits.copy_(source)
         ce_step_triton(args, params, config)  # compiles the tile
         out["loss_err"][name] = float((loss * rows - reference).abs().max())  # ce_scale = 1/rows: undone
-        out["ms"][name] = _step_ms(lambda config=config: ce_step_triton(args, params, config),
-                                   lambda: logits.copy_(source), reps, device)
+        # Each run on freshly refilled logits (the gradient is written in place); two untimed warm-up runs.
+        step = lambda config=config: ce_step_triton(args, params, config)  # noqa: E731
+        median_ms(step, 2, device, before=lambda: logits.copy_(source))
+        out["ms"][name] = median_ms(step, reps, device, before=lambda: logits.copy_(source))
     timed = {k: v for k, v in out["ms"].items() if v is not None}
     out["best_tile"] = min(timed, key=timed.get) if timed else None
     return out
-
-
-def _step_ms(step, refill, reps: int, device: str) -> float:
-    """Median ms of ``step`` alone, each run on logits that ``refill`` has just restored (the gradient is written
-    in place): CUDA events around the step on the GPU, perf_counter on the CPU."""
-    times = []
-    for _ in range(reps + 2):  # two warm-up runs
-        refill()
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times[2:])
 
 
 def table(results: list[dict[str, Any]], tiles: list[str]) -> str:
