@@ -66,6 +66,12 @@ examples:
   flce-tune --shipped-set --tokens 8192 --trials 8 --time-budget-s 400 --out tuning_db/
   flce-tune --shipped-set --tokens 8192 16384 --trials 8 --time-budget-s 400 --out tuning_db/ --skip-existing
 
+  # after a change to the CE kernel: re-pick the CE tile of every entry of this GPU in the shipped file (the
+  # CE step timed alone, then the whole call against the default); a time-limited run resumes with
+  # --skip-existing
+  flce-tune --retune-ce-tiles --out tuning_db/ --time-budget-s 500
+  flce-tune --retune-ce-tiles --out tuning_db/ --skip-existing
+
   # what is in the databases, and copy the user DB into shipped-format files
   flce-tune --list
   flce-tune --show --vocab 151936
@@ -171,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--show", action="store_true", help="show DB entries with configs and timings")
     db.add_argument("--export", type=Path, metavar="PATH", help="write the user DB's entries in shipped format "
                                                                  "(a directory: one <gpu>.json per GPU kind)")
+    db.add_argument("--retune-ce-tiles", action="store_true",
+                    help="re-pick the CE kernel's tile (block_v, num_warps, num_stages) of the entries of this GPU "
+                         "in --out FILE/DIR (or the user DB), filtered by --vocab/--hidden/--tokens: the CE step "
+                         "timed alone per tile, then the whole call measured against the default and the entry "
+                         "rewritten (triton-strategy plain entries; others are listed as kept)")
     db.add_argument("--which", action="store_true",
                     help="print the config the op would run for --vocab/--hidden/--tokens (and --dtype) and its "
                          "source: user exact, shipped exact, nearest bucket, nearest shape or heuristic")
@@ -550,6 +561,14 @@ def _drop_study(keep_dir: Path | None, name: str) -> None:
         studies.discard(keep_dir, name)
 
 
+def _output_file(args: argparse.Namespace, kind: str) -> Path | None:
+    """The DB file results go to: --out (a .json file, or <dir>/<GPU kind>.json), else the user DB; None when
+    there is neither."""
+    if args.out is None:
+        return _user_path(args)
+    return args.out if args.out.suffix == ".json" else args.out / f"{kind}.json"
+
+
 def cmd_tune(args: argparse.Namespace, started: float) -> int:
     import torch  # noqa: PLC0415
 
@@ -583,12 +602,10 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     tier = args.budget_gb  # an absolute budget makes every entry of this run a budget-tier entry
     studies = _studies(args)
     deadline = started + args.time_budget_s if args.time_budget_s else None
-    target = args.out if args.out is not None else _user_path(args)
+    target = _output_file(args, kind)
     if target is None:
         print(f"flce-tune: nowhere to write the results: {NO_USER_DB} (or --out DIR)", file=sys.stderr)
         return 2
-    if args.out is not None and args.out.suffix != ".json":
-        target = args.out / f"{kind}.json"
     keep_dir = _studies_dir(args) if args.keep_studies > 0 else None
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
           + (f"budget-tier entries for {tier:g} GiB, " if tier is not None else "") + f"writing to {target}" + (f", keeping the last {args.keep_studies} studies in {keep_dir}" if keep_dir else ""),
@@ -723,6 +740,38 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     return status
 
 
+def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, started: float) -> int:
+    """--retune-ce-tiles: see ``cli_retune``; this prints its table."""
+    import torch  # noqa: PLC0415
+
+    from .cli_retune import COLUMNS, retune_ce_tiles  # noqa: PLC0415
+
+    _validate_shape_args(p, args)
+    if args.reps < 10:
+        p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.time_budget_s is not None and not (math.isfinite(args.time_budget_s) and args.time_budget_s > 0):
+        p.error(f"--time-budget-s must be a positive finite number of seconds, got {args.time_budget_s}")
+    if not torch.cuda.is_available():
+        print("flce-tune: --retune-ce-tiles times the CE kernel on a GPU, and there is none "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from . import db  # noqa: PLC0415
+
+    target = _output_file(args, db.normalize_device_name(torch.cuda.get_device_name()))
+    if target is None:
+        print(f"flce-tune: --retune-ce-tiles: {NO_USER_DB} (or --out FILE/DIR)", file=sys.stderr)
+        return 2
+    _install_sigterm()
+    status, rows, written = retune_ce_tiles(args, target, started)
+    if rows:
+        print()
+        _print_table(COLUMNS, rows)
+        print(f"\n{written} entries rewritten in {target} ({time.monotonic() - started:.0f} s)")
+    return status
+
+
 def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str, tier: float | None) -> Any:
     """The config a study enqueues as the database's current answer: for a budget-tier study the entry of the
     same tier and bucket (a re-tune starts from it), else the plain lookup's answer; None when there is none."""
@@ -761,9 +810,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         db.invalidate_cache()  # lookups re-check the environment only once a second
     modes = sum(bool(x) for x in (args.list, args.show, args.export is not None, args.which, args.list_studies,
-                                  args.replot is not None))
+                                  args.replot is not None, args.retune_ce_tiles))
     if modes > 1:
-        parser.error("--list, --show, --export, --which, --list-studies and --replot are separate modes; give one")
+        parser.error("--list, --show, --export, --which, --list-studies, --replot and --retune-ce-tiles are "
+                     "separate modes; give one")
     if args.plot is not None and modes and args.replot is None:
         parser.error("--plot DIR goes with tuning or --replot; drop it here")
     if args.list or args.show:
@@ -775,6 +825,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_which(parser, args)
     if args.list_studies:
         return cmd_list_studies(args)
+    if args.retune_ce_tiles:
+        return cmd_retune_ce_tiles(parser, args, started)
     if args.replot is not None and args.plot is None:
         parser.error("--replot needs --plot DIR, where the redrawn plots go; e.g. --plot plots/ --replot")
     if args.replot is None:

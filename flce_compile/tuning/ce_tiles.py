@@ -1,0 +1,239 @@
+"""Re-pick the CE kernel's launch tile (block_v, num_warps, num_stages) of stored tuning entries, timing the CE
+step alone (``flce-tune --retune-ce-tiles``).
+
+Why alone: the CE step is a few percent of a call (4.9 of 80 ms at 16384 x 4096 x 128256 on an H200), so the
+tile barely moves a whole call at the tuner's noise, and whole-call trials could not tell tiles apart; the
+entries in ``tuning_db/h200.json`` kept the 16 warps they were seeded with although 8 warps run the step 15-18%
+faster there. Timed alone, on the chunk the entry's config launches it on (``min(chunk_tokens, tokens)`` rows
+by V), the tiles separate clearly. The tile changes nothing else: not the GEMMs, not the memory.
+
+After the pick, the whole call is measured again, the entry's config and the current default side by side in
+the same process (``measure.make_objective``, which also checks the result against an fp32 reference), so an
+entry's ``ms`` and ``default_ms`` always describe the code that wrote them. Where the default comes out faster
+the entry takes the default, as a search's confirmation does.
+
+Only the "triton" strategy's entries without a budget tier are re-picked: the recompute strategy launches its
+kernel on other shapes in backward (vocabulary blocks), and a budget tier's default is fitted to the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..log import logger
+from ..params import LossParams
+from ..plan import registry
+from ..plan.config import FLCEConfig
+from ..plan.layout import padded_row_elements
+from ..plan.tuning_db import Entry, torch_dtype
+
+#: The tiles the search space samples (``SearchSpace``'s defaults): every legal combination is timed.
+BLOCK_V = (1024, 2048, 4096, 8192, 16384)
+NUM_WARPS = (4, 8, 16, 32)
+NUM_STAGES = (1, 2, 3)
+#: A new tile must run the CE step at least this much faster than the entry's own (a fraction of its time), or
+#: the entry keeps its tile: timings of one tile repeat within about 1% on an H200.
+MIN_GAIN = 0.02
+#: Where the default's whole call is faster than the entry's by more than this fraction, the entry takes the
+#: default (the search keeps the default on a tie; 1% is the whole-call noise the tuner sees).
+DEFAULT_WINS_BY = 0.01
+#: The strategy whose entries are re-picked (its CE step runs on the chunk rows, see the module docstring).
+STRATEGY = "triton"
+
+Tile = tuple[int, int, int]
+
+
+def tile_of(config: FLCEConfig) -> Tile:
+    return (config.block_v, config.num_warps, config.num_stages)
+
+
+def tile_name(tile: Tile) -> str:
+    """'block_v:num_warps:num_stages', as the records and the CLI print it."""
+    return ":".join(map(str, tile))
+
+
+def legal_tiles(vocab: int) -> list[Tile]:
+    """The tiles the triton strategy's launch rules accept for ``vocab``, in a stable order."""
+    rules = registry.get(STRATEGY).check
+    out = []
+    for block_v, num_warps, num_stages in itertools.product(BLOCK_V, NUM_WARPS, NUM_STAGES):
+        config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+        if rules(config, vocab) is None:
+            out.append((block_v, num_warps, num_stages))
+    return out
+
+
+def retunable(entry: Entry) -> str | None:
+    """Why ``entry`` is not re-picked, or None when it is."""
+    if entry.config.strategy != STRATEGY:
+        return f"strategy {entry.config.strategy} (its kernel runs on vocabulary blocks in backward)"
+    if entry.budget_tier_gb is not None:
+        return f"budget tier {entry.budget_tier_gb:g} GiB (its default is fitted to the budget)"
+    return None
+
+
+def ce_rows(entry: Entry) -> int:
+    """The rows of the chunk the entry's config launches the CE step on."""
+    return max(1, min(entry.config.chunk_tokens, entry.tokens))
+
+
+#: times a CE step: (rows, vocab, dtype, tile) -> median ms
+CETimer = Callable[[int, int, torch.dtype, Tile], float]
+
+
+def ce_step_timer(device: torch.device, reps: int = 20, seed: int = 0, warmup: int = 2) -> CETimer:
+    """Times ``ce_step_triton`` alone on one (rows, V) chunk of random logits, as the chunk loop launches it
+    (loss rows + in-place gradient, mean scales, rows at the loop's padded stride). Each run starts from
+    freshly refilled logits (the step overwrites them) and only the step is timed: CUDA events on a GPU,
+    ``perf_counter`` on the CPU (Triton's interpreter: the tests). ``warmup`` untimed runs first (the first
+    compiles). Inputs are made once per (rows, V, dtype) and kept for the next tile."""
+    from ..strategies.ce_common import CEStepArgs  # noqa: PLC0415 - imports the kernel path only when timing
+    from ..strategies.ce_triton import ce_step_triton  # noqa: PLC0415
+
+    cache: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor, Any]] = {}
+    params = LossParams()
+
+    def inputs(rows: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        key = (rows, vocab, dtype)
+        if key not in cache:
+            cache.clear()  # one chunk at a time: a 4096 x 262144 bf16 chunk is 2 GiB, twice with its copy
+            gen = torch.Generator(device=device).manual_seed(seed)
+            # Rows at the chunk loop's padded stride: an odd V (GPT-2's 50257) in unpadded rows misaligns the
+            # kernel's loads, a layout the op never runs (4096:8 then took 1.73x the time of 8192:32 on an H200).
+            stride = padded_row_elements(vocab, dtype.itemsize)
+            source = torch.randn(rows, stride, device=device, generator=gen).mul_(3).to(dtype)[:, :vocab]
+            logits = torch.empty(rows, stride, dtype=dtype, device=device)[:, :vocab]  # empty_like: contiguous
+            target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+            scale = torch.full((), 1.0 / rows, device=device)
+            args = CEStepArgs(logits=logits, target=target, ce_weight=None,
+                              weight_sum=torch.full((), float(vocab), device=device), ce_scale=scale,
+                              z_scale=scale, loss_out=torch.empty(rows, device=device), lse_out=None,
+                              lse_in=None, write_grad=True)
+            cache[key] = (source, logits, args)
+        return cache[key]
+
+    def time_tile(rows: int, vocab: int, dtype: torch.dtype, tile: Tile) -> float:
+        source, logits, args = inputs(rows, vocab, dtype)
+        block_v, num_warps, num_stages = tile
+        config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+        times = []
+        for run in range(reps + warmup):
+            logits.copy_(source)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                ce_step_triton(args, params, config)
+                end.record()
+                torch.cuda.synchronize(device)
+                elapsed = start.elapsed_time(end)
+            else:
+                began = time.perf_counter()
+                ce_step_triton(args, params, config)
+                elapsed = (time.perf_counter() - began) * 1e3
+            if run >= warmup:
+                times.append(elapsed)
+        return statistics.median(times)
+
+    return time_tile
+
+
+@dataclass
+class TilePick:
+    """The CE-step timings of one (rows, V, dtype) chunk and the tile an entry gets from them."""
+
+    rows: int
+    vocab: int
+    current: Tile
+    chosen: Tile
+    ms: dict[str, float] = field(default_factory=dict)  # tile name -> CE step ms; a failed tile is absent
+    failed: dict[str, str] = field(default_factory=dict)  # tile name -> why it could not run
+
+    @property
+    def changed(self) -> bool:
+        return self.chosen != self.current
+
+    def record(self) -> dict[str, Any]:
+        """What the entry stores about the pick (its ``extra["ce_tile_retune"]``): the two tiles and their CE
+        step times, not all of them (60 tiles a chunk would be most of the shipped file)."""
+        own, chosen = self.ms.get(tile_name(self.current)), self.ms.get(tile_name(self.chosen))
+        return {"rows": self.rows, "from": tile_name(self.current), "to": tile_name(self.chosen),
+                "from_ms": None if own is None else round(own, 4),
+                "to_ms": None if chosen is None else round(chosen, 4), "tiles_timed": len(self.ms)}
+
+
+def pick_tile(timer: CETimer, rows: int, vocab: int, dtype: torch.dtype, current: Tile,
+              timings: dict[tuple[int, int, torch.dtype], tuple[dict[str, float], dict[str, str]]] | None = None,
+              min_gain: float = MIN_GAIN) -> TilePick:
+    """Time every legal tile on a (rows, V) chunk (memoised in ``timings`` across entries that share it) and
+    choose the fastest, unless it beats ``current`` by less than ``min_gain`` (or ``current`` could not be
+    timed and nothing could)."""
+    key = (rows, vocab, dtype)
+    if timings is not None and key in timings:
+        ms, failed = timings[key]
+    else:
+        ms, failed = {}, {}
+        for tile in legal_tiles(vocab):
+            try:
+                ms[tile_name(tile)] = timer(rows, vocab, dtype, tile)
+            except Exception as exc:  # noqa: BLE001 - out of resources for one tile must not end the pick
+                failed[tile_name(tile)] = f"{type(exc).__name__}: {exc}"
+                logger.debug("CE tile %s on %dx%d failed: %s", tile_name(tile), rows, vocab, exc)
+        if timings is not None:
+            timings[key] = (ms, failed)
+    chosen = current
+    if ms:
+        best_name = min(ms, key=ms.get)
+        best = tuple(int(v) for v in best_name.split(":"))
+        own = ms.get(tile_name(current))
+        if own is None or ms[best_name] < own * (1 - min_gain):
+            chosen = best  # type: ignore[assignment]
+    return TilePick(rows=rows, vocab=vocab, current=current, chosen=chosen, ms=ms, failed=failed)
+
+
+#: Measures the whole call of a config for one entry's problem: (entry, config) -> (ms, peak bytes).
+WholeCall = Callable[[Entry, FLCEConfig], "tuple[float, int]"]
+
+
+@dataclass
+class Retuned:
+    """One entry after the re-pick: the new entry to write (None: not re-picked, see ``skipped``)."""
+
+    old: Entry
+    new: Entry | None
+    pick: TilePick | None = None
+    skipped: str | None = None
+    took_default: bool = False
+
+
+def retune_entry(entry: Entry, timer: CETimer, whole_call: WholeCall, default: FLCEConfig,
+                 timings: dict | None = None, *, stamp: dict[str, Any] | None = None) -> Retuned:
+    """Re-pick ``entry``'s CE tile, then measure its whole call and the default's (``default``: the
+    heuristic's config for the entry's problem) and build the entry to write. ``stamp`` holds the fields of
+    the run (torch, triton, date) the new entry carries."""
+    why = retunable(entry)
+    if why is not None:
+        return Retuned(old=entry, new=None, skipped=why)
+    dtype = torch_dtype(entry.dtype)
+    pick = pick_tile(timer, ce_rows(entry), entry.vocab, dtype, tile_of(entry.config), timings)
+    block_v, num_warps, num_stages = pick.chosen
+    config = dataclasses.replace(entry.config, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+    ms, peak = whole_call(entry, config)
+    default_ms, default_peak = (ms, peak) if default == config else whole_call(entry, default)
+    took_default = default_ms < ms * (1 - DEFAULT_WINS_BY)
+    if took_default:
+        config, ms, peak = default, default_ms, default_peak
+    extra = {**entry.extra, "default_config": default.to_dict(),
+             "ce_tile_retune": {**pick.record(), "took_default": took_default}}
+    new = dataclasses.replace(
+        entry, config=config, ms=round(ms, 5), peak_gb=round(peak / 1e9, 4),
+        default_ms=round(default_ms, 5), default_peak_gb=round(default_peak / 1e9, 4),
+        extra=extra, **(stamp or {}))
+    return Retuned(old=entry, new=new, pick=pick, took_default=took_default)
+

@@ -1,0 +1,191 @@
+"""``flce-tune --retune-ce-tiles``: which tiles are timed, how a tile is picked, how an entry is rewritten (the
+CE-step timer and the whole call are faked on CPU), the CLI flow with a fake GPU, and the real timer on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flce_compile.plan.config import FLCEConfig
+from flce_compile.plan.registry import MAX_ELEMENTS_PER_THREAD
+from flce_compile.tuning import ce_tiles, db
+
+from test_tuning_cli import _fake_gpu, _private_env, make_entry  # noqa: F401 - _private_env: autouse fixture
+
+
+def test_legal_tiles_follow_the_launch_rules():
+    tiles = ce_tiles.legal_tiles(128256)
+    assert (4096, 8, 1) in tiles and (16384, 32, 3) in tiles
+    for block_v, num_warps, _ in tiles:
+        threads = 32 * num_warps
+        assert threads <= block_v and block_v // threads <= MAX_ELEMENTS_PER_THREAD
+    # a small vocabulary rules out blocks above its next power of two
+    assert max(b for b, _, _ in ce_tiles.legal_tiles(1000)) == 1024
+
+
+def _timer(times: dict[tuple[int, int, int], float], calls: list | None = None):
+    def timer(rows, vocab, dtype, tile):
+        if calls is not None:
+            calls.append((rows, vocab, tile))
+        if tile not in times:
+            raise RuntimeError("out of resource: shared memory")
+        return times[tile]
+    return timer
+
+
+def test_pick_tile_takes_the_fastest_and_memoises():
+    times = {t: 2.0 for t in ce_tiles.legal_tiles(128256)}
+    times[(4096, 8, 1)] = 1.0
+    del times[(16384, 32, 3)]  # fails to launch: recorded, not fatal
+    calls: list = []
+    memo: dict = {}
+    pick = ce_tiles.pick_tile(_timer(times, calls), 4096, 128256, torch.bfloat16, (4096, 16, 1), memo)
+    assert pick.chosen == (4096, 8, 1) and pick.changed
+    assert "16384:32:3" in pick.failed and "16384:32:3" not in pick.ms
+    assert pick.record()["from"] == "4096:16:1" and pick.record()["to"] == "4096:8:1"
+    n = len(calls)
+    again = ce_tiles.pick_tile(_timer(times, calls), 4096, 128256, torch.bfloat16, (8192, 16, 1), memo)
+    assert len(calls) == n and again.chosen == (4096, 8, 1)  # same chunk: no new timing
+
+
+def test_pick_tile_keeps_the_current_tile_within_the_noise():
+    times = {t: 2.0 for t in ce_tiles.legal_tiles(50304)}
+    times[(4096, 16, 1)] = 1.000
+    times[(2048, 4, 1)] = 0.990  # 1% faster: below MIN_GAIN
+    pick = ce_tiles.pick_tile(_timer(times), 4096, 50304, torch.bfloat16, (4096, 16, 1))
+    assert pick.chosen == (4096, 16, 1) and not pick.changed
+    times[(2048, 4, 1)] = 0.97
+    assert ce_tiles.pick_tile(_timer(times), 4096, 50304, torch.bfloat16, (4096, 16, 1)).chosen == (2048, 4, 1)
+
+
+def _fast_tile_timer():
+    times = {t: 2.0 for t in ce_tiles.legal_tiles(256000)}
+    times[(4096, 8, 1)] = 1.0
+    return _timer(times)
+
+
+def test_retune_entry_rewrites_config_and_both_timings():
+    entry = make_entry(config=FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=16),
+                       extra={"measured_tokens": 8192, "device_name": "NVIDIA H200"})
+    default = FLCEConfig(strategy="triton", chunk_tokens=1024, block_v=4096, num_warps=8)
+    seen = []
+
+    def whole_call(e, config):
+        seen.append(config)
+        return (10.0, 2_000_000_000) if config.chunk_tokens == 2048 else (12.0, 1_000_000_000)
+
+    result = ce_tiles.retune_entry(entry, _fast_tile_timer(), whole_call, default,
+                                   stamp={"torch": "t", "triton": "tr", "date": "d"})
+    new = result.new
+    assert new.config == dataclasses.replace(entry.config, block_v=4096, num_warps=8, num_stages=1)
+    assert seen == [new.config, default]
+    assert (new.ms, new.peak_gb, new.default_ms, new.default_peak_gb) == (10.0, 2.0, 12.0, 1.0)
+    assert (new.torch, new.triton, new.date) == ("t", "tr", "d")
+    assert new.extra["ce_tile_retune"]["from"] == "8192:16:1" and new.extra["device_name"] == "NVIDIA H200"
+    assert new.extra["default_config"] == default.to_dict() and new.key == entry.key
+    assert result.pick.rows == 2048  # the CE step runs on chunk_tokens rows
+
+
+def test_retune_entry_takes_a_faster_default_and_skips_what_it_cannot_pick():
+    entry = make_entry(config=FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=16))
+    default = FLCEConfig(strategy="triton", chunk_tokens=1024, block_v=4096, num_warps=8)
+    result = ce_tiles.retune_entry(entry, _fast_tile_timer(),
+                                   lambda e, c: (10.0, 1) if c == default else (11.0, 1), default)
+    assert result.took_default and result.new.config == default and result.new.ms == result.new.default_ms == 10.0
+    # the default measured once when it is the entry's own config
+    calls = []
+    same = make_entry(config=default)
+    ce_tiles.retune_entry(same, _fast_tile_timer(), lambda e, c: calls.append(c) or (5.0, 1), default)
+    assert calls == [default]
+    recompute = make_entry(config=FLCEConfig(strategy="recompute", chunk_tokens=2048), budget_tier_gb=0.5)
+    assert "strategy recompute" in ce_tiles.retune_entry(recompute, None, None, default).skipped
+    tier = make_entry(budget_tier_gb=0.5)
+    assert "budget tier" in ce_tiles.retune_entry(tier, None, None, default).skipped
+
+
+def test_cli_retunes_a_file_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    """The mode end to end on CPU: every plain triton entry is rewritten as it is done, the others are listed as
+    kept, --skip-existing resumes, and the measured problem is the entry's own."""
+    from flce_compile.tuning import cli, measure
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(ce_tiles, "ce_step_timer", lambda device, **kw: _fast_tile_timer())
+    problems = []
+
+    def fake_make_objective(problem, **kw):
+        problems.append((problem.tokens, problem.vocab, problem.hidden, problem.device.index))
+        return lambda config: (3.0 if config.num_warps == 8 else 4.0, 1_000_000)
+
+    monkeypatch.setattr(measure, "make_objective", fake_make_objective)
+    path = tmp_path / "h200.json"
+    plain = make_entry(config=FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=16),
+                       extra={"measured_tokens": 6000})
+    tier = make_entry(config=FLCEConfig(strategy="recompute", chunk_tokens=2048), budget_tier_gb=0.5)
+    other_gpu = make_entry(device="a100")
+    db.write_entries(path, [plain, tier, other_gpu])
+    code = cli.main(["--retune-ce-tiles", "--out", str(path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert problems == [(6000, 256000, 2304, 0)]  # inputs and reference once per entry
+    by_key = {e.key: e for e in db.read_file(path, strict=True)}
+    assert by_key[plain.key].config.num_warps == 8 and by_key[plain.key].ms == 3.0
+    assert by_key[tier.key] == tier and by_key[other_gpu.key] == other_gpu
+    assert "1 entries rewritten" in captured.out and "kept: strategy recompute" in captured.out
+    code = cli.main(["--retune-ce-tiles", "--out", str(path), "--skip-existing"])
+    assert code == 0 and "skipped (done)" in capsys.readouterr().out
+
+
+def test_cli_retune_errors(tmp_path, monkeypatch, capsys):
+    from flce_compile.tuning import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--retune-ce-tiles", "--out", str(tmp_path / "x.json")]) == 2
+    assert "there is none" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--retune-ce-tiles", "--list"])
+    assert "separate modes" in capsys.readouterr().err
+    _fake_gpu(monkeypatch)
+    assert cli.main(["--retune-ce-tiles", "--out", str(tmp_path / "empty.json")]) == 1
+    assert "has no h200 entries" in capsys.readouterr().err
+
+
+def test_the_timer_runs_the_kernel_on_padded_rows(monkeypatch):
+    """The real timer through Triton's interpreter (conftest sets TRITON_INTERPRET=1) at a tiny odd V: the step
+    sees V columns at the chunk loop's padded row stride, refilled before each run, and the loss it writes is
+    right."""
+    import os
+
+    from flce_compile.strategies import ce_triton
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    seen = []
+    real = ce_triton.ce_step_triton
+
+    def spy(args, p, config):
+        seen.append((args.logits.shape, args.logits.stride(), args.logits.clone(), config.num_warps))
+        real(args, p, config)
+        spy.args = args
+
+    monkeypatch.setattr(ce_triton, "ce_step_triton", spy)
+    timer = ce_tiles.ce_step_timer(torch.device("cpu"), reps=2, warmup=1)
+    ms = timer(3, 301, torch.bfloat16, (128, 4, 1))
+    assert ms > 0 and len(seen) == 3 and seen[0][3] == 4
+    assert {s[:2] for s in seen} == {((3, 301), (320, 1))}  # 301 bf16 columns padded to 640 bytes
+    assert all(torch.equal(s[2], seen[0][2]) for s in seen)  # every run starts from the same refilled logits
+    # the loss rows of the last run: the fp32 cross-entropy of those logits, times ce_scale = 1/rows
+    expected = torch.nn.functional.cross_entropy(seen[0][2].float(), spy.args.target, reduction="none") / 3
+    torch.testing.assert_close(spy.args.loss_out, expected, rtol=1e-5, atol=1e-6)
+    timer(3, 301, torch.bfloat16, (256, 4, 1))  # another tile on the same chunk: the same inputs
+    assert torch.equal(seen[-1][2], seen[0][2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ce_step_timer_times_real_tiles():
+    timer = ce_tiles.ce_step_timer(torch.device("cuda", torch.cuda.current_device()), reps=3)
+    pick = ce_tiles.pick_tile(timer, 256, 50304, torch.bfloat16, (4096, 16, 1))
+    assert pick.ms and all(ms > 0 for ms in pick.ms.values())
+    assert ce_tiles.tile_name(pick.chosen) in pick.ms
