@@ -137,6 +137,30 @@ def test_cli_retunes_a_file_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert code == 0 and "skipped (done)" in capsys.readouterr().out
 
 
+def test_cli_retune_interrupted_keeps_what_it_wrote(tmp_path, monkeypatch, capsys):
+    from flce_compile.tuning import cli, measure
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(ce_tiles, "ce_step_timer", lambda device, **kw: _fast_tile_timer())
+    calls = []
+
+    def fake_make_objective(problem, **kw):
+        calls.append(problem.tokens)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("signal 15")
+        return lambda config: (3.0, 1_000_000)
+
+    monkeypatch.setattr(measure, "make_objective", fake_make_objective)
+    path = tmp_path / "h200.json"
+    first, second = make_entry(tokens=4096), make_entry(tokens=8192)
+    db.write_entries(path, [first, second])
+    assert cli.main(["--retune-ce-tiles", "--out", str(path)]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted during V=256000 H=2304 T=8192" in captured.err and "interrupted" in captured.out
+    by_key = {e.key: e for e in db.read_file(path, strict=True)}
+    assert "ce_tile_retune" in by_key[first.key].extra and by_key[second.key] == second
+
+
 def test_cli_retune_errors(tmp_path, monkeypatch, capsys):
     from flce_compile.tuning import cli
 
@@ -149,6 +173,11 @@ def test_cli_retune_errors(tmp_path, monkeypatch, capsys):
     _fake_gpu(monkeypatch)
     assert cli.main(["--retune-ce-tiles", "--out", str(tmp_path / "empty.json")]) == 1
     assert "has no h200 entries" in capsys.readouterr().err
+    assert cli.main(["--retune-ce-tiles", "--out", str(tmp_path / "x.json"), "--device", "cpu"]) == 2
+    assert "not a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--retune-ce-tiles", "--reps", "3"])
+    assert "--reps must be >= 10" in capsys.readouterr().err
 
 
 def test_the_timer_runs_the_kernel_on_padded_rows(monkeypatch):

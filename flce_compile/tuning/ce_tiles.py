@@ -2,9 +2,9 @@
 step alone (``flce-tune --retune-ce-tiles``).
 
 Why alone: the CE step is a few percent of a call (4.9 of 80 ms at 16384 x 4096 x 128256 on an H200), so the
-tile barely moves a whole call at the tuner's noise, and whole-call trials could not tell tiles apart; the
-entries in ``tuning_db/h200.json`` kept the 16 warps they were seeded with although 8 warps run the step 15-18%
-faster there. Timed alone, on the chunk the entry's config launches it on (``min(chunk_tokens, tokens)`` rows
+tile barely moves a whole call at the tuner's noise, and whole-call trials could not tell tiles apart: until
+this command re-picked them, the entries in ``tuning_db/h200.json`` kept the 16 warps they were seeded with,
+although 8 warps run the step 15-18% faster there. Timed alone, on the chunk the entry's config launches it on (``min(chunk_tokens, tokens)`` rows
 by V), the tiles separate clearly. The tile changes nothing else: not the GEMMs, not the memory.
 
 After the pick, the whole call is measured again, the entry's config and the current default side by side in

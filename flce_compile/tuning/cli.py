@@ -757,6 +757,9 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
         print("flce-tune: --retune-ce-tiles times the CE kernel on a GPU, and there is none "
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    if torch.device(args.device).type != "cuda":
+        print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
+        return 2
     from . import db  # noqa: PLC0415
 
     target = _output_file(args, db.normalize_device_name(torch.cuda.get_device_name()))

@@ -83,6 +83,11 @@ def retune_ce_tiles(args: argparse.Namespace, target: Path, started: float) -> t
                                        db.torch_dtype(entry.dtype), device)
             result = ce_tiles.retune_entry(entry, timer, whole_call, default, timings,
                                            stamp={**stamp, "date": db.now_iso()})
+        except KeyboardInterrupt:  # also SIGTERM (``timeout``): what is written stays; say where it stopped
+            print(f"flce-tune: interrupted during {label}; entries rewritten so far are kept (resume with "
+                  f"--skip-existing)", file=sys.stderr)
+            rows.append((label, "-", "-", "-", "-", "interrupted"))
+            return 130, rows, written
         except Exception as exc:  # noqa: BLE001 - one entry's failure (e.g. a wrong result) must not end the run
             print(f"flce-tune: {label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             rows.append((label, "-", "-", "-", "-", f"failed: {type(exc).__name__}"))
