@@ -175,10 +175,11 @@ def test_cached_encodings_change_with_the_options():
     assert encode_params(LossParams(label_smoothing=0.1)) != encode_params(LossParams())
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("valid", [0, 1, 3, 7, 1000, 1023, 1025, 3000])
-def test_scales_kernel_equals_the_torch_scales(valid):
+def test_scales_kernel_equals_the_torch_scales(valid, split):
     """kernels.scales (the GPU's one-launch factors; here in the Triton interpreter) writes exactly the factors
-    of the torch ops, all-ignored batches included."""
+    of the torch ops, all-ignored batches included, with the mean's power of two split out (fp16) or not."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         device = "cuda"
@@ -194,12 +195,14 @@ def test_scales_kernel_equals_the_torch_scales(valid):
     t[valid:] = -7
     t = t[torch.randperm(n, device=device)]
     p = LossParams(ignore_index=-7)
-    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50)
-    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32))
+    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50, split=split)
+    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32), "mean", split)
     for got, want in ((z, expected.ce), (z, expected.z), (post, expected.post)):
         assert got.item() == want.item()
     assert weight_sum.item() == 50.0
     assert (loss_factor.isnan().item() if valid == 0 else loss_factor.item() == post.item())
+    if not split:  # the whole 1/count in the gradient: grad_scale is 1 (backward's scale is skipped)
+        assert post.item() == 1.0 and z.item() == torch.tensor(1 / max(valid, 1) if valid else 0.0).item()
     assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
 
 

@@ -516,6 +516,30 @@ def test_grad_scale_output_rebuilds_the_gradient():
     assert torch.ops.flce.fused_linear_cross_entropy(*_op_args(x, w, t, "sum"))[5].item() == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_mean_folds_its_whole_factor_into_the_gradient_except_in_fp16(dtype, monkeypatch):
+    """bf16/fp32: the whole 1/count goes into the gradient, grad_scale is 1 (and backward's scale is skipped on
+    the GPU); fp16 keeps a power of two apart (its gradients would flush, see ``_gradient_scales``). The
+    folded gradients are bit for bit the split ones times that power of two."""
+    from flce_compile.strategies import chunked
+
+    x, w, t = _inputs()
+    x, w = x.to(dtype), w.to(dtype)
+    t[3] = -100  # 11 valid tokens: 1/11 is not a power of two
+    out = torch.ops.flce.fused_linear_cross_entropy(*_op_args(x, w, t))
+    scale = out[5].item()
+    if dtype == torch.float16:
+        assert scale == 2.0 ** -4  # 1/11 = (16/11) * 2^-4
+        return
+    assert scale == 1.0
+    monkeypatch.setattr(chunked, "keeps_power_of_two_apart", lambda dtype: True)
+    split = torch.ops.flce.fused_linear_cross_entropy(*_op_args(x, w, t))
+    assert split[5].item() == 2.0 ** -4
+    assert torch.equal(out[0], split[0])  # the loss
+    for folded, apart in zip(out[2:4], split[2:4]):  # dX, dW
+        assert torch.equal(folded, (apart.float() * split[5]).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scale_kernel_rounds_once(dtype, monkeypatch):
     """The backward scale by grad_scale * grad_output (kernels/scale_grads.py): one rounding of the fp32 product,
@@ -556,6 +580,9 @@ def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
         assert torch.equal(got, want)
     two = scale_grads.scale_all_in_place([tensors[2].clone(), torch.empty(0, dtype=torch.bfloat16)], factor)
     assert torch.equal(two[0], expected[2]) and two[1].numel() == 0
+    one = [t.clone() for t in tensors]
+    scale_grads.scale_all_in_place(one, torch.tensor(1.0))  # a factor of 1: every program returns at once
+    assert all(torch.equal(a, b) for a, b in zip(one, tensors))
     with pytest.raises(ValueError, match="one dtype"):
         scale_grads.scale_all_in_place([tensors[0], tensors[1].half()], factor)
     with pytest.raises(ValueError, match="1 to 3 tensors"):

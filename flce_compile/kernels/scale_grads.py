@@ -5,7 +5,9 @@ with a 0-dim fp32 CUDA tensor ``g`` first casts ``g`` to ``t``'s dtype (only CPU
 precision in PyTorch's CUDA binary kernels), so a grad_output that is not a power of two (a loss divided by
 3 accumulation steps, say) would be rounded twice. Here the factor is read in fp32 and each element is
 rounded once; the factor stays on the GPU, so there is no host sync. dX, dW and db are scaled in one launch
-(``scale_all_in_place``): at small shapes the op is bound by the host, and each launch costs ~20 us of it.
+(``scale_all_in_place``): at small shapes the op is bound by the host, and each launch costs ~20 us of it. A
+factor of exactly 1 leaves the tensors untouched without reading them (what ``loss.backward()`` of a bf16/fp32
+"mean" or "sum" gives: see ``chunked.keeps_power_of_two_apart``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ def scale_kernel(a_ptr, a_numel, a_blocks, b_ptr, b_numel, b_blocks, c_ptr, c_nu
     """Blocks [0, a_blocks) scale tensor a, the next b_blocks tensor b, the rest tensor c."""
     pid = tl.program_id(0)
     factor = tl.load(factor_ptr).to(tl.float32)
-    if pid < a_blocks:
-        _scale_block(a_ptr, pid, a_numel, factor, BLOCK, EMULATE_BF16_RTNE)
-    elif pid < a_blocks + b_blocks:
-        _scale_block(b_ptr, pid - a_blocks, b_numel, factor, BLOCK, EMULATE_BF16_RTNE)
-    else:
-        _scale_block(c_ptr, pid - a_blocks - b_blocks, c_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+    # A factor of 1 (grad_output 1 and the whole mean in the gradient, the usual loss.backward()) changes
+    # nothing: each program returns without reading or writing its block. The branch is on a device value, so
+    # the host neither knows nor waits.
+    if factor != 1.0:
+        if pid < a_blocks:
+            _scale_block(a_ptr, pid, a_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+        elif pid < a_blocks + b_blocks:
+            _scale_block(b_ptr, pid - a_blocks, b_numel, factor, BLOCK, EMULATE_BF16_RTNE)
+        else:
+            _scale_block(c_ptr, pid - a_blocks - b_blocks, c_numel, factor, BLOCK, EMULATE_BF16_RTNE)
 
 
 _BLOCK = 4096
