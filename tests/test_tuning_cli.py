@@ -286,6 +286,19 @@ def test_tune_flow_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert "skipped (time budget)" in captured.out
 
 
+def test_time_budget_is_shared_by_work():
+    """--time-budget-s: each study gets the time left in proportion to its V x H x tokens among the studies
+    still to run, at least MIN_STUDY_S, at most what is left."""
+    from flce_compile.tuning import cli
+
+    big, small = (262144, 2560, 65536), (32064, 3072, 65536)
+    share = cli._time_share(300.0, [big, small])
+    assert share == pytest.approx(300.0 * 262144 * 2560 / (262144 * 2560 + 32064 * 3072))
+    assert cli._time_share(300.0, [small, big]) == pytest.approx(300.0 - share)
+    assert cli._time_share(300.0, [small] + [big] * 100) == cli.MIN_STUDY_S
+    assert cli._time_share(3.0, [small, big]) == 3.0
+
+
 def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     """--budget-over-default-gb: each study's budget is the default config's predicted peak plus GB (GiB), the
     smaller one wins with --budget-gb, and without a memory model it is not applied (with a warning)."""
