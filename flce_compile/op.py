@@ -3,8 +3,9 @@
 ``flce::fused_linear_cross_entropy`` takes 2-D input and 1-D target and returns (loss, lse, dx, dw, db,
 grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
 grad_scale (1, or for an fp16 "mean" a power of two, 0 when fully masked: ``chunked._gradient_scales``), and
-backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and lse and backward calls
-``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
+backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and
+lse and backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by
+chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles. In eager mode ``call_fused`` runs the same
 body and autograd formula without the dispatcher's Python round trip when nothing could tell the difference

@@ -484,6 +484,35 @@ def _validate_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error(f"--tokens must be positive integers, got {args.tokens}")
 
 
+def _validate_timing_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+                          positive: Sequence[tuple[str, str]]) -> None:
+    """--warmup and --reps (tuning and --retune-ce-tiles), and the ``positive`` (option, unit) pairs: a positive
+    finite number where given."""
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.reps < 10:
+        p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
+    # "not (x > 0)" rather than "x <= 0": NaN compares false both ways and must not pass
+    for name, unit in positive:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} must be a positive finite number of {unit}, got {value}")
+
+
+def _cuda_device(args: argparse.Namespace) -> Any:
+    """--device as an indexed CUDA device, made current; None after saying why when it is not a CUDA device."""
+    import torch  # noqa: PLC0415
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
+        return None
+    if device.index is None:  # torch 2.11's set_device rejects a device without an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
 def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     chosen = sum(bool(x) for x in (args.shipped_set, args.shapes, args.vocab is not None or args.hidden is not None))
     if chosen != 1:
@@ -493,15 +522,7 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     _validate_shape_args(p, args)
     if args.trials is not None and args.trials < 1:
         p.error(f"--trials must be >= 1, got {args.trials}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
-    if args.reps < 10:
-        p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
-    # "not (x > 0)" rather than "x <= 0": NaN compares false both ways and must not pass
-    for name, unit in (("budget_gb", "GiB"), ("timeout", "seconds"), ("time_budget_s", "seconds")):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            p.error(f"--{name.replace('_', '-')} must be a positive finite number of {unit}, got {value}")
+    _validate_timing_args(p, args, (("budget_gb", "GiB"), ("timeout", "seconds"), ("time_budget_s", "seconds")))
     if args.budget_over_default_gb is not None and not (math.isfinite(args.budget_over_default_gb)
                                                         and args.budget_over_default_gb >= 0):
         p.error(f"--budget-over-default-gb must be >= 0 (GiB, finite), got {args.budget_over_default_gb}")
@@ -597,13 +618,9 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
 
     margin = MEMORY_GAIN_MARGIN if args.memory_gain_margin is None else args.memory_gain_margin
 
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
+    device = _cuda_device(args)
+    if device is None:
         return 2
-    if device.index is None:  # torch 2.11's set_device rejects a device without an index
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
     device_name = torch.cuda.get_device_name(device)
     kind = db.normalize_device_name(device_name)
     args.dtype = args.dtype or "bf16"
@@ -758,27 +775,22 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
     from .cli_retune import COLUMNS, retune_ce_tiles  # noqa: PLC0415
 
     _validate_shape_args(p, args)
-    if args.reps < 10:
-        p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
-    if args.time_budget_s is not None and not (math.isfinite(args.time_budget_s) and args.time_budget_s > 0):
-        p.error(f"--time-budget-s must be a positive finite number of seconds, got {args.time_budget_s}")
+    _validate_timing_args(p, args, (("time_budget_s", "seconds"),))
     if not torch.cuda.is_available():
         print("flce-tune: --retune-ce-tiles times the CE kernel on a GPU, and there is none "
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    if torch.device(args.device).type != "cuda":
-        print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
+    device = _cuda_device(args)
+    if device is None:
         return 2
     from . import db  # noqa: PLC0415
 
-    target = _output_file(args, db.normalize_device_name(torch.cuda.get_device_name()))
+    target = _output_file(args, db.normalize_device_name(torch.cuda.get_device_name(device)))
     if target is None:
         print(f"flce-tune: --retune-ce-tiles: {NO_USER_DB} (or --out FILE/DIR)", file=sys.stderr)
         return 2
     _install_sigterm()
-    status, rows, written = retune_ce_tiles(args, target, started)
+    status, rows, written = retune_ce_tiles(args, target, device, started)
     if rows:
         print()
         _print_table(COLUMNS, rows)

@@ -28,19 +28,17 @@ def _already_retuned(entry: Any, versions: dict[str, str | None]) -> bool:
 COLUMNS = ("entry", "tile", "CE step ms", "call ms", "default ms", "status")
 
 
-def retune_ce_tiles(args: argparse.Namespace, target: Path, started: float) -> tuple[int, list[tuple[str, ...]], int]:
-    """Re-pick the CE tiles of ``target``'s entries for this GPU kind (filtered by --vocab/--hidden/--tokens).
-    Returns (exit status, one row per entry under ``COLUMNS``, entries rewritten); progress goes to stderr."""
+def retune_ce_tiles(args: argparse.Namespace, target: Path, device: Any,
+                    started: float) -> tuple[int, list[tuple[str, ...]], int]:
+    """Re-pick the CE tiles of ``target``'s entries for the GPU kind of ``device`` (an indexed CUDA device, made
+    current by the caller), filtered by --vocab/--hidden/--tokens. Returns (exit status, one row per entry under
+    ``COLUMNS``, entries rewritten); progress goes to stderr."""
     import torch  # noqa: PLC0415
 
     from ..plan.choose import heuristic_config  # noqa: PLC0415
     from . import ce_tiles, db  # noqa: PLC0415
     from .measure import Problem, make_objective  # noqa: PLC0415
 
-    device = torch.device(args.device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
     device_name = torch.cuda.get_device_name(device)
     kind = db.normalize_device_name(device_name)
     entries = [e for e in db.read_file(target) if e.device == kind
