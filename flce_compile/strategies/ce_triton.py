@@ -42,6 +42,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.stats_out.stride(0) if args.stats_out is not None else 0,
         args.residual_out if args.residual_out is not None else dummy,
         vocab,
+        vocab - vocab % block_v,  # the whole blocks: without a mask when UNMASKED_BLOCKS (the kernel says why)
         args.class_offset,
         args.classes(),
         p.ignore_index,
@@ -61,6 +62,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         WRITE_RESIDUAL=args.write_grad and args.residual_out is not None,
         # The rounding that matters is the gradient's (the logits may be fp32: FLCEConfig.fp32_logits).
         EMULATE_BF16_RTNE=grad.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UNMASKED_BLOCKS=vocab % 16 != 0,
         BLOCK_V=block_v,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -1,0 +1,64 @@
+"""The CE kernel's two ways of walking a row (TRITON_INTERPRET=1 on the CPU).
+
+At a vocabulary that is not a multiple of 16 (GPT-2's 50257) the kernel walks ``vocab - vocab % BLOCK_V``
+columns without a mask and the last, partial block with one, so that its loads stay vectorized; at a multiple of
+16 it keeps one masked loop. Each must give the torch step's loss, lse and gradient and leave the row padding
+alone: a multiple of 16 (48), whole blocks and a tail (53), a row shorter than one block (11, only the tail),
+with and without the options whose terms are summed per block (class weights with smoothing, softcap, z-loss),
+in place or into a separate gradient buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flce_compile.params import LossParams  # noqa: E402
+from flce_compile.plan.config import FLCEConfig  # noqa: E402
+from flce_compile.strategies.ce_common import CEStepArgs  # noqa: E402
+from flce_compile.strategies.ce_torch import ce_step_torch  # noqa: E402
+from flce_compile.strategies.ce_triton import ce_step_triton  # noqa: E402
+
+BLOCK_V = 16
+
+
+def _step(step, store: torch.Tensor, vocab: int, target: torch.Tensor, ce_weight, p: LossParams,
+          separate_grad: bool):
+    """One CE step on a copy of ``store``'s first ``vocab`` columns (its row stride kept): loss, lse, the
+    gradient, and the copy (whose padding columns the step must leave alone)."""
+    buffer = store.clone()
+    logits = buffer[:, :vocab]
+    raw = logits
+    grad = torch.full_like(raw, float("nan")) if separate_grad else None
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.tensor(float(raw.shape[1]))
+    scale = torch.tensor(1.0 / target.numel())
+    loss, lse = torch.empty(target.numel()), torch.empty(target.numel())
+    step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=scale,
+                    z_scale=scale, loss_out=loss, lse_out=lse, lse_in=None, write_grad=True, grad_out=grad),
+         p, FLCEConfig(block_v=BLOCK_V))
+    return loss, lse, grad if separate_grad else logits, buffer
+
+
+@pytest.mark.parametrize("vocab", [48, 53, 11], ids=["whole-blocks", "blocks-and-tail", "tail-only"])
+@pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap"])
+@pytest.mark.parametrize("separate_grad", [False, True], ids=["in-place", "grad-out"])
+def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: bool):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 5
+    # Rows padded to a multiple of 8 columns, as the chunk loop lays them out; the padding must stay untouched.
+    stride = -(-vocab // 8) * 8 + 8
+    store = torch.randn(rows, stride, generator=g) * 3
+    target = torch.tensor([0, vocab - 1, vocab // 2, -100, vocab - 2])
+    ce_weight, p = None, LossParams()
+    if options != "plain":
+        ce_weight = torch.rand(vocab, generator=g) + 0.5
+        p = LossParams(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
+    want = _step(ce_step_torch, store, vocab, target, ce_weight, p, separate_grad)
+    got = _step(ce_step_triton, store, vocab, target, ce_weight, p, separate_grad)
+    for name, a, b in zip(("loss", "lse", "grad"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.isfinite(got[2]).all()  # every column of every row written, the tail's included
+    assert got[2].stride(0) == (vocab if separate_grad else store.stride(0))
+    torch.testing.assert_close(got[3][:, vocab:], store[:, vocab:], rtol=0, atol=0)
