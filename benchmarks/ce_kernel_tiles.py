@@ -4,7 +4,9 @@ The CE kernel is memory-bound: it reads a chunk's logits twice (lse, then the gr
 once, in place. Its tiles barely move the whole op's time at the tuner's noise (a few percent of the call is the
 CE step), so flce-tune's whole-call trials cannot tell them apart; timed alone they can. Each tile runs
 ``ce_step_triton`` (what the chunk loop launches: loss + in-place gradient, mean over the rows) on a fresh copy
-of the same random bf16 logits, and its loss is checked against ``F.cross_entropy`` in fp32 before it is timed.
+of the same random bf16 logits, timed by the library's ``flce_compile.tuning.ce_tiles.CEStepTimer`` (the one
+``flce-tune --retune-ce-tiles`` uses; rows at the chunk loop's padded stride), and its last run's loss is checked
+against ``F.cross_entropy`` in fp32.
 A copy of the logits (one read + one write) is timed beside the tiles: three passes at that bandwidth bound the
 kernel from below.
 
@@ -32,11 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median_ms, versions  # noqa: E402
-from flce_compile.params import LossParams  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import heuristic_config  # noqa: E402
-from flce_compile.strategies.ce_common import CEStepArgs  # noqa: E402
-from flce_compile.strategies.ce_triton import ce_step_triton  # noqa: E402
+from flce_compile.tuning.ce_tiles import ce_step_timer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCABS = (50304, 128256, 151936, 256000)
@@ -54,37 +54,27 @@ def parse_tile(text: str) -> tuple[int, int]:
 
 def time_tiles(rows: int, vocab: int, tiles: list[tuple[int, int]], device: str, reps: int) -> dict[str, Any]:
     """One vocabulary size: ms per tile (None where the registry rejects the tile), the copy's ms, the loss
-    error of each tile against fp32 torch, and the default tile (heuristic_config's)."""
-    gen = torch.Generator(device=device).manual_seed(vocab)
-    source = (torch.randn(rows, vocab, device=device, generator=gen) * 3).to(torch.bfloat16)
-    logits = torch.empty_like(source)
-    target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
-    reference = torch.nn.functional.cross_entropy(source.float(), target, reduction="none")
-    loss = torch.empty(rows, device=device)
-    one = torch.ones((), device=device)
-    args = CEStepArgs(logits=logits, target=target, ce_weight=None, weight_sum=torch.tensor(float(vocab), device=device),
-                      ce_scale=one / rows, z_scale=one / rows, loss_out=loss, lse_out=None, lse_in=None,
-                      write_grad=True)
-    params = LossParams()
+    error of each tile against fp32 torch, and the default tile (heuristic_config's). The tiles are timed by
+    the library's own ``CEStepTimer`` (what ``flce-tune --retune-ce-tiles`` times), rows at the chunk loop's
+    padded stride, two untimed runs per tile."""
+    timer = ce_step_timer(torch.device(device), reps=reps, seed=vocab, warmup=2)
+    chunk = timer.chunk(rows, vocab, torch.bfloat16)
+    reference = torch.nn.functional.cross_entropy(chunk.source.float(), chunk.args.target, reduction="none")
     base = heuristic_config(rows, vocab, 1, torch.bfloat16, torch.device(device))
     base = dataclasses.replace(base, strategy="triton")
-    out: dict[str, Any] = {"vocab": vocab, "rows": rows, "gb": source.numel() * source.element_size() / 1e9,
+    out: dict[str, Any] = {"vocab": vocab, "rows": rows, "gb": chunk.source.numel() * chunk.source.element_size() / 1e9,
                            "default_tile": f"{base.block_v}:{base.num_warps}", "ms": {}, "loss_err": {}}
-    scratch = torch.empty_like(source)
-    out["copy_ms"] = median_ms(lambda: scratch.copy_(source), reps, device)
+    scratch = torch.empty_like(chunk.source)
+    out["copy_ms"] = median_ms(lambda: scratch.copy_(chunk.source), reps, device)
     for block_v, num_warps in tiles:
         config = dataclasses.replace(base, block_v=block_v, num_warps=num_warps)
         name = f"{block_v}:{num_warps}"
         if registry.get("triton").check(config, vocab) is not None:
             out["ms"][name] = None
             continue
-        logits.copy_(source)
-        ce_step_triton(args, params, config)  # compiles the tile
-        out["loss_err"][name] = float((loss * rows - reference).abs().max())  # ce_scale = 1/rows: undone
-        # Each run on freshly refilled logits (the gradient is written in place); two untimed warm-up runs.
-        step = lambda config=config: ce_step_triton(args, params, config)  # noqa: E731
-        median_ms(step, 2, device, before=lambda: logits.copy_(source))
-        out["ms"][name] = median_ms(step, reps, device, before=lambda: logits.copy_(source))
+        out["ms"][name] = timer(rows, vocab, torch.bfloat16, (block_v, num_warps, base.num_stages))
+        # The last run's loss rows; ce_scale = 1/rows is undone.
+        out["loss_err"][name] = float((chunk.args.loss_out * rows - reference).abs().max())
     timed = {k: v for k, v in out["ms"].items() if v is not None}
     out["best_tile"] = min(timed, key=timed.get) if timed else None
     return out
@@ -125,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     env = {"device": gpu, "date": datetime.date.today().isoformat(), **versions()}
     md = (f"# ce_kernel_tiles: {gpu}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n"
-          "The CE step alone on one bf16 chunk (loss + in-place gradient), ms per tile BLOCK_V:NUM_WARPS (median of "
+          "The CE step alone on one bf16 chunk (loss + in-place gradient; rows at the chunk loop's padded stride), ms per tile BLOCK_V:NUM_WARPS (median of "
           f"{args.reps}, each on freshly refilled logits); '-' = a tile the registry rejects for that V. copy = one read "
           "and one write of the chunk; the kernel's three passes at that bandwidth take 1.5x it. default = "
           "heuristic_config's tile; max loss err: the largest |loss - fp32 torch| over the tiles.\n\n" + table(results, names) + "\n")

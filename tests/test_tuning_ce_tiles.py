@@ -209,6 +209,8 @@ def test_the_timer_runs_the_kernel_on_padded_rows(monkeypatch):
     torch.testing.assert_close(spy.args.loss_out, expected, rtol=1e-5, atol=1e-6)
     timer(3, 301, torch.bfloat16, (256, 4, 1))  # another tile on the same chunk: the same inputs
     assert torch.equal(seen[-1][2], seen[0][2])
+    chunk = timer.chunk(3, 301, torch.bfloat16)  # what the benchmark checks losses on: the timed inputs
+    assert chunk.args is spy.args and torch.equal(chunk.source, seen[0][2]) and chunk.logits.stride() == (320, 1)
 
 
 @pytest.mark.gpu

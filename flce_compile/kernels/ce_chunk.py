@@ -54,19 +54,23 @@ def _round_bf16_rtne(x):
 
 
 @triton.jit
+def _load_block(ptr, offs, vocab, MASKED: tl.constexpr):
+    """``ptr[offs]`` as loaded by a block: masked against ``vocab`` (0 beyond it) only when MASKED."""
+    if MASKED:
+        return tl.load(ptr + offs, mask=offs < vocab, other=0.0)
+    return tl.load(ptr + offs)
+
+
+@triton.jit
 def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, running_max, running_sum, weighted_z, logit_scale,
                    softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                    MASKED: tl.constexpr):
     """One block of pass 1: the online max/sum (and the smoothing sum) updated with the logits at ``offs``.
     MASKED: the block may run past ``vocab`` (see the module's docstring for when a block is not)."""
-    if MASKED:
-        mask = offs < vocab
-        raw = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    else:
-        raw = tl.load(row_ptr + offs)
+    raw = _load_block(row_ptr, offs, vocab, MASKED)
     z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)  # finite where masked (raw = 0)
     if MASKED:
-        z_max = tl.where(mask, z, -float("inf"))
+        z_max = tl.where(offs < vocab, z, -float("inf"))
     else:
         z_max = z
     new_max = tl.maximum(running_max, tl.max(z_max, axis=0))
@@ -76,13 +80,9 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, running_max, running_
     running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
     if HAS_SMOOTHING:
         if HAS_CE_WEIGHT:
-            if MASKED:
-                w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0)
-            else:
-                w = tl.load(class_weight_ptr + offs)
-            weighted_z += tl.sum(z * w, axis=0)
+            weighted_z += tl.sum(z * _load_block(class_weight_ptr, offs, vocab, MASKED), axis=0)
         elif MASKED:
-            weighted_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            weighted_z += tl.sum(tl.where(offs < vocab, z, 0.0), axis=0)
         else:
             weighted_z += tl.sum(z, axis=0)
     return new_max, running_sum, weighted_z
@@ -95,20 +95,12 @@ def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, target
                     WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, MASKED: tl.constexpr):
     """One block of pass 2: dloss/dlogits at ``offs`` stored to the gradient row; returns the running residual.
     MASKED as in ``_softmax_block``."""
-    if MASKED:
-        mask = offs < vocab
-        raw = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    else:
-        raw = tl.load(row_ptr + offs)
+    raw = _load_block(row_ptr, offs, vocab, MASKED)
     z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP)
     g = coef * tl.exp(z - lse) - tl.where(offs == target_col, true_class, 0.0)
     if HAS_SMOOTHING:
         if HAS_CE_WEIGHT:
-            if MASKED:
-                w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0)
-            else:
-                w = tl.load(class_weight_ptr + offs)
-            g -= ce_scale * smooth_per_class * w
+            g -= ce_scale * smooth_per_class * _load_block(class_weight_ptr, offs, vocab, MASKED)
         else:
             g -= ce_scale * smooth_per_class
     if HAS_SOFTCAP:
@@ -122,7 +114,7 @@ def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, target
     if WRITE_RESIDUAL:
         residual += tl.sum(tl.where(offs == target_col, g - stored.to(tl.float32), 0.0), axis=0)
     if MASKED:
-        tl.store(grad_row_ptr + offs, stored, mask=mask)
+        tl.store(grad_row_ptr + offs, stored, mask=offs < vocab)
     else:
         tl.store(grad_row_ptr + offs, stored)
     return residual

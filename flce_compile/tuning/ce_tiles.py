@@ -23,7 +23,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -88,23 +88,38 @@ def ce_rows(entry: Entry) -> int:
 CETimer = Callable[[int, int, torch.dtype, Tile], float]
 
 
-def ce_step_timer(device: torch.device, reps: int = 20, seed: int = 0, warmup: int = 2) -> CETimer:
+class CEChunk(NamedTuple):
+    """The inputs a ``CEStepTimer`` times tiles on: ``source`` the random logits, ``logits`` the buffer each run
+    refills from it and the step overwrites (both at the chunk loop's padded row stride), ``args`` the step's
+    arguments, whose ``loss_out`` holds the last run's loss rows (times ``ce_scale`` = 1 / rows)."""
+
+    source: torch.Tensor
+    logits: torch.Tensor
+    args: Any
+
+
+class CEStepTimer:
     """Times ``ce_step_triton`` alone on one (rows, V) chunk of random logits, as the chunk loop launches it
     (loss rows + in-place gradient, mean scales, rows at the loop's padded stride). Each run starts from
     freshly refilled logits (the step overwrites them) and only the step is timed: CUDA events on a GPU,
     ``perf_counter`` on the CPU (Triton's interpreter: the tests). ``warmup`` untimed runs first (the first
-    compiles). Inputs are made once per (rows, V, dtype) and kept for the next tile."""
-    from ..strategies.ce_common import CEStepArgs  # noqa: PLC0415 - imports the kernel path only when timing
-    from ..strategies.ce_triton import ce_step_triton  # noqa: PLC0415
+    compiles). Inputs are made once per (rows, V, dtype) and kept for the next tile; ``chunk`` hands them out
+    (``benchmarks/ce_kernel_tiles.py`` checks each tile's loss on them)."""
 
-    cache: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor, Any]] = {}
-    params = LossParams()
+    def __init__(self, device: torch.device, reps: int = 20, seed: int = 0, warmup: int = 2) -> None:
+        self.device, self.reps, self.seed, self.warmup = device, reps, seed, warmup
+        self._cache: dict[tuple[int, int, torch.dtype], CEChunk] = {}
+        self._params = LossParams()
 
-    def inputs(rows: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def chunk(self, rows: int, vocab: int, dtype: torch.dtype) -> CEChunk:
+        """The (rows, V, dtype) chunk the tiles are timed on, made on first use."""
+        from ..strategies.ce_common import CEStepArgs  # noqa: PLC0415 - imports the kernel path only when timing
+
         key = (rows, vocab, dtype)
-        if key not in cache:
-            cache.clear()  # one chunk at a time: a 4096 x 262144 bf16 chunk is 2 GiB, twice with its copy
-            gen = torch.Generator(device=device).manual_seed(seed)
+        if key not in self._cache:
+            self._cache.clear()  # one chunk at a time: a 4096 x 262144 bf16 chunk is 2 GiB, twice with its copy
+            device = self.device
+            gen = torch.Generator(device=device).manual_seed(self.seed)
             # Rows at the chunk loop's padded stride: an odd V (GPT-2's 50257) in unpadded rows misaligns the
             # kernel's loads, a layout the op never runs (4096:8 then took 1.73x the time of 8192:32 on an H200).
             stride = padded_row_elements(vocab, dtype.itemsize)
@@ -116,32 +131,38 @@ def ce_step_timer(device: torch.device, reps: int = 20, seed: int = 0, warmup: i
                               weight_sum=torch.full((), float(vocab), device=device), ce_scale=scale,
                               z_scale=scale, loss_out=torch.empty(rows, device=device), lse_out=None,
                               lse_in=None, write_grad=True)
-            cache[key] = (source, logits, args)
-        return cache[key]
+            self._cache[key] = CEChunk(source, logits, args)
+        return self._cache[key]
 
-    def time_tile(rows: int, vocab: int, dtype: torch.dtype, tile: Tile) -> float:
-        source, logits, args = inputs(rows, vocab, dtype)
+    def __call__(self, rows: int, vocab: int, dtype: torch.dtype, tile: Tile) -> float:
+        """Median ms of the CE step with ``tile`` on the (rows, V, dtype) chunk."""
+        from ..strategies.ce_triton import ce_step_triton  # noqa: PLC0415
+
+        source, logits, args = self.chunk(rows, vocab, dtype)
         block_v, num_warps, num_stages = tile
         config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
         times = []
-        for run in range(reps + warmup):
+        for run in range(self.reps + self.warmup):
             logits.copy_(source)
-            if device.type == "cuda":
+            if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                ce_step_triton(args, params, config)
+                ce_step_triton(args, self._params, config)
                 end.record()
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(self.device)
                 elapsed = start.elapsed_time(end)
             else:
                 began = time.perf_counter()
-                ce_step_triton(args, params, config)
+                ce_step_triton(args, self._params, config)
                 elapsed = (time.perf_counter() - began) * 1e3
-            if run >= warmup:
+            if run >= self.warmup:
                 times.append(elapsed)
         return statistics.median(times)
 
-    return time_tile
+
+def ce_step_timer(device: torch.device, reps: int = 20, seed: int = 0, warmup: int = 2) -> CEStepTimer:
+    """The CE-step timer ``retune_entry`` uses (a ``CEStepTimer``; tests put a fake in its place)."""
+    return CEStepTimer(device, reps=reps, seed=seed, warmup=warmup)
 
 
 @dataclass
