@@ -3,6 +3,7 @@ and the CPU path of the real objective's correctness check. No GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -123,6 +124,31 @@ def test_db_config_enqueued_and_never_slower_than_default():
     assert calls[1] == small_space().canonical(db_cfg)
     assert result.best == small_space().canonical(DEFAULT)
     assert result.speedup == pytest.approx(1.0)
+
+
+def test_larger_chunk_neighbours_carry_the_db_entrys_tile():
+    """The default's larger-chunk neighbours are measured with the CE tile of the DB entry (the tile
+    flce-tune --retune-ce-tiles picked for it), not the default's; neighbours that move the tile themselves, and
+    every neighbour when the DB entry runs another strategy, are as before."""
+    sp = small_space()
+    db_cfg = FLCEConfig(strategy="triton", chunk_tokens=1024, block_v=8192, num_warps=8, num_stages=2)
+    calls: list[FLCEConfig] = []
+
+    def tracked(c):
+        calls.append(c)
+        return cost(c)
+
+    run_search(tracked, sp, default=DEFAULT, db_config=db_cfg, n_trials=5, seed=0, confirm=False)
+    assert calls[:2] == [sp.canonical(DEFAULT), sp.canonical(db_cfg)]
+    # chunk x2 with the entry's tile is the entry itself (not measured twice); x4 and x8 carry its tile
+    assert FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=8, num_stages=2) in calls
+    assert all((c.block_v, c.num_warps, c.num_stages) != (4096, 16, 1) for c in calls[2:] if c.chunk_tokens > 512)
+    assert FLCEConfig(strategy="triton", chunk_tokens=512, block_v=8192, num_warps=16, num_stages=1) in calls  # its own move
+
+    calls.clear()
+    run_search(tracked, sp, default=DEFAULT, db_config=FLCEConfig(strategy="torch", chunk_tokens=2048), n_trials=4,
+               seed=0, confirm=False)
+    assert calls[2] == sp.canonical(dataclasses.replace(DEFAULT, chunk_tokens=1024))  # the default's own tile
 
 
 def test_failed_trials_are_recorded_and_never_chosen():

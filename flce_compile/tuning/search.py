@@ -137,6 +137,25 @@ def memory_constraints(trial: Any) -> list[float]:
     return [float(trial.user_attrs.get("memory_excess_gib", 0.0))]
 
 
+#: The CE kernel's launch tile: what ``flce-tune --retune-ce-tiles`` picks for a DB entry.
+_TILE_FIELDS = ("block_v", "num_warps", "num_stages")
+
+
+def _with_tile_of(neighbour: FLCEConfig, db_config: FLCEConfig | None, default: FLCEConfig,
+                  space: SearchSpace) -> FLCEConfig:
+    """A larger-chunk neighbour of the default with the DB entry's CE tile, where the entry runs the same
+    strategy and its tile is legal here; any other neighbour as it is. The tile is about the walk along a row of
+    V, not the rows, so the tile the entry's chunk ran best with is the likelier winner at a larger chunk too,
+    and a re-tune with a small trial budget should not trade a re-picked tile for the default's (it did on the
+    H200: five 65536-token entries went back to 4096:8)."""
+    if (db_config is None or db_config.strategy != neighbour.strategy
+            or neighbour.chunk_tokens == default.chunk_tokens
+            or any(getattr(neighbour, f) != getattr(default, f) for f in _TILE_FIELDS)):
+        return neighbour
+    tiled = space.canonical(dataclasses.replace(neighbour, **{f: getattr(db_config, f) for f in _TILE_FIELDS}))
+    return tiled if space.check(tiled) is None else neighbour
+
+
 def run_search(
     objective: Objective,
     space: SearchSpace,
@@ -158,8 +177,8 @@ def run_search(
     """Search for the fastest correct config that fits the memory budget.
 
     * TPE, seeded. The heuristic ``default`` and ``db_config`` (the current DB answer) are enqueued first, then
-      (``seed_neighbours``) a few larger-chunk neighbours of the default; so the default is always measured and
-      the result is never worse than it.
+      (``seed_neighbours``) a few larger-chunk neighbours of the default, with the DB answer's CE tile where it
+      runs the same strategy; so the default is always measured and the result is never worse than it.
     * ``n_trials`` counts configs actually measured; pruned and duplicate proposals are free (a duplicate is a
       config that runs like one already tried: ``SearchSpace.run_key``). The study also
       stops after ``timeout_s`` seconds, or after ``max_idle`` proposals in a row that measured nothing (the
@@ -194,7 +213,8 @@ def run_search(
         seeds.append(db_config)
     if seed_neighbours:
         # Neighbours over the budget would only be pruned, and would widen the narrowed space back.
-        seeds.extend(c for c in space.neighbours(default) if c not in seeds and space.over_budget(c) is None)
+        neighbours = (_with_tile_of(c, db_config, default, space) for c in space.neighbours(default))
+        seeds.extend(c for c in neighbours if c not in seeds and space.over_budget(c) is None)
     space = space.including(seeds)
 
     result = SearchResult(best=None, best_ms=None, best_peak_bytes=None, default=default, default_ms=None,
