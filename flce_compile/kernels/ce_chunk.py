@@ -20,7 +20,8 @@ A mask against a ``vocab`` that is not a multiple of 16 stops Triton from vector
 (GPT-2's 50257 ran the kernel at half its bandwidth), so with ``UNMASKED_BLOCKS`` both passes walk the
 ``vocab_full`` columns of whole blocks without a mask and only the last, partial block with one. A multiple of 16
 keeps the one masked loop: it vectorizes as it is, and the unmasked loop costs registers (52 against 32 per
-thread at 16384:32 on sm_90, half the programs per SM: 27% slower at Gemma's 256000).
+thread at 16384:32, Triton 3.9 compiling for sm_90: half the programs per SM; on an H200 that tile ran 27%
+slower at Gemma's 256000).
 """
 
 from __future__ import annotations
