@@ -4,8 +4,8 @@ At a vocabulary that is not a multiple of 16 (GPT-2's 50257) the kernel walks ``
 columns without a mask and the last, partial block with one, so that its loads stay vectorized; at a multiple of
 16 it keeps one masked loop. Each must give the torch step's loss, lse and gradient and leave the row padding
 alone: a multiple of 16 (48), whole blocks and a tail (53), a row shorter than one block (11, only the tail),
-with and without the options whose terms are summed per block (class weights with smoothing, softcap, z-loss),
-in place or into a separate gradient buffer.
+whole blocks without a tail (8, which clamps the block to 8), with and without the options whose terms are
+summed per block (class weights with smoothing, softcap, z-loss), in place or into a separate gradient buffer.
 """
 
 from __future__ import annotations
@@ -27,24 +27,43 @@ BLOCK_V = 16
 def _step(step, store: torch.Tensor, vocab: int, target: torch.Tensor, ce_weight, p: LossParams,
           separate_grad: bool):
     """One CE step on a copy of ``store``'s first ``vocab`` columns (its row stride kept): loss, lse, the
-    gradient, and the copy (whose padding columns the step must leave alone)."""
+    gradient, the copy and the separate gradient's buffer (whose padding columns the step must leave alone)."""
     buffer = store.clone()
     logits = buffer[:, :vocab]
-    raw = logits
-    grad = torch.full_like(raw, float("nan")) if separate_grad else None
-    weight_sum = ce_weight.sum() if ce_weight is not None else torch.tensor(float(raw.shape[1]))
+    # A separate gradient buffer at the same padded stride, NaN-filled: a stray write past V lands in its padding.
+    grad_buffer = torch.full_like(store, float("nan"))
+    grad = grad_buffer[:, :vocab] if separate_grad else None
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.tensor(float(vocab))
     scale = torch.tensor(1.0 / target.numel())
     loss, lse = torch.empty(target.numel()), torch.empty(target.numel())
     step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=scale,
                     z_scale=scale, loss_out=loss, lse_out=lse, lse_in=None, write_grad=True, grad_out=grad),
          p, FLCEConfig(block_v=BLOCK_V))
-    return loss, lse, grad if separate_grad else logits, buffer
+    return loss, lse, grad if separate_grad else logits, buffer, grad_buffer
 
 
-@pytest.mark.parametrize("vocab", [48, 53, 11], ids=["whole-blocks", "blocks-and-tail", "tail-only"])
+#: V -> whether the kernel walks whole blocks unmasked (V not a multiple of 16; BLOCK_V is min(16, next_pow2(V))).
+WALKS = {48: False, 53: True, 11: True, 8: True}
+
+
+@pytest.mark.parametrize("vocab", list(WALKS), ids=["multiple-of-16", "blocks-and-tail", "tail-only",
+                                                     "whole-blocks-no-tail"])
 @pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap"])
 @pytest.mark.parametrize("separate_grad", [False, True], ids=["in-place", "grad-out"])
-def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: bool):
+def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: bool, monkeypatch):
+    from flce_compile.kernels import ce_chunk
+
+    walks = []
+    real = ce_chunk.ce_chunk_kernel
+
+    class Spy:  # records which walk each launch takes
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                walks.append(kwargs["UNMASKED_BLOCKS"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(ce_chunk, "ce_chunk_kernel", Spy())
     g = torch.Generator().manual_seed(vocab)
     rows = 5
     # Rows padded to a multiple of 8 columns, as the chunk loop lays them out; the padding must stay untouched.
@@ -59,6 +78,8 @@ def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: 
     got = _step(ce_step_triton, store, vocab, target, ce_weight, p, separate_grad)
     for name, a, b in zip(("loss", "lse", "grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert walks == [WALKS[vocab]]
     assert torch.isfinite(got[2]).all()  # every column of every row written, the tail's included
-    assert got[2].stride(0) == (vocab if separate_grad else store.stride(0))
-    torch.testing.assert_close(got[3][:, vocab:], store[:, vocab:], rtol=0, atol=0)
+    assert got[2].stride(0) == store.stride(0)
+    torch.testing.assert_close(got[3][:, vocab:], store[:, vocab:], rtol=0, atol=0)  # logits' padding untouched
+    assert torch.isnan(got[4][:, vocab:]).all()  # and the separate gradient's
