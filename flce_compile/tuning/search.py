@@ -147,7 +147,7 @@ def _with_tile_of(neighbour: FLCEConfig, db_config: FLCEConfig | None, default: 
     strategy and its tile is legal here; any other neighbour as it is. The tile is about the walk along a row of
     V, not the rows, so the tile the entry's chunk ran best with is the likelier winner at a larger chunk too,
     and a re-tune with a small trial budget should not trade a re-picked tile for the default's (it did on the
-    H200: five 65536-token entries went back to 4096:8)."""
+    H200: six 32768- and 65536-token entries went back to 4096:8:1)."""
     if (db_config is None or db_config.strategy != neighbour.strategy
             or neighbour.chunk_tokens == default.chunk_tokens
             or any(getattr(neighbour, f) != getattr(default, f) for f in _TILE_FIELDS)):
