@@ -54,6 +54,12 @@ def tile_of(config: FLCEConfig) -> Tile:
     return (config.block_v, config.num_warps, config.num_stages)
 
 
+def with_tile(config: FLCEConfig, tile: Tile) -> FLCEConfig:
+    """``config`` launching its CE kernel with ``tile``."""
+    block_v, num_warps, num_stages = tile
+    return dataclasses.replace(config, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+
+
 def tile_name(tile: Tile) -> str:
     """'block_v:num_warps:num_stages', as the records and the CLI print it."""
     return ":".join(map(str, tile))
@@ -243,8 +249,7 @@ def retune_entry(entry: Entry, timer: CETimer, whole_call: WholeCall, default: F
         return Retuned(old=entry, new=None, skipped=why)
     dtype = torch_dtype(entry.dtype)
     pick = pick_tile(timer, ce_rows(entry), entry.vocab, dtype, tile_of(entry.config), timings)
-    block_v, num_warps, num_stages = pick.chosen
-    config = dataclasses.replace(entry.config, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+    config = with_tile(entry.config, pick.chosen)
     ms, peak = whole_call(entry, config)
     default_ms, default_peak = (ms, peak) if default == config else whole_call(entry, default)
     took_default = default_ms < ms * (1 - DEFAULT_WINS_BY)

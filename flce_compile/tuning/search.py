@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ..plan.config import FLCEConfig
 from ..log import logger
+from .ce_tiles import tile_of, with_tile
 from .space import SearchSpace
 
 #: The objective: measure one config, return (median ms, peak bytes), or raise.
@@ -137,22 +138,19 @@ def memory_constraints(trial: Any) -> list[float]:
     return [float(trial.user_attrs.get("memory_excess_gib", 0.0))]
 
 
-#: The CE kernel's launch tile: what ``flce-tune --retune-ce-tiles`` picks for a DB entry.
-_TILE_FIELDS = ("block_v", "num_warps", "num_stages")
-
-
 def _with_tile_of(neighbour: FLCEConfig, db_config: FLCEConfig | None, default: FLCEConfig,
                   space: SearchSpace) -> FLCEConfig:
-    """A larger-chunk neighbour of the default with the DB entry's CE tile, where the entry runs the same
+    """A larger-chunk neighbour of the default with the DB entry's CE tile (what ``flce-tune --retune-ce-tiles``
+    picks for an entry), where the entry runs the same
     strategy and its tile is legal here; any other neighbour as it is. The tile is about the walk along a row of
     V, not the rows, so the tile the entry's chunk ran best with is the likelier winner at a larger chunk too,
     and a re-tune with a small trial budget should not trade a re-picked tile for the default's (it did on the
     H200: six 32768- and 65536-token entries went back to 4096:8:1)."""
     if (db_config is None or db_config.strategy != neighbour.strategy
             or neighbour.chunk_tokens == default.chunk_tokens
-            or any(getattr(neighbour, f) != getattr(default, f) for f in _TILE_FIELDS)):
+            or tile_of(neighbour) != tile_of(default)):
         return neighbour
-    tiled = space.canonical(dataclasses.replace(neighbour, **{f: getattr(db_config, f) for f in _TILE_FIELDS}))
+    tiled = space.canonical(with_tile(neighbour, tile_of(db_config)))
     return tiled if space.check(tiled) is None else neighbour
 
 
