@@ -11,9 +11,11 @@ What it measures, per forward + backward call of a mean loss:
   no-op (the GPU runs that step as one Triton launch, so this is the host work the GPU path shares with the CPU
   path); the ATen ops it launches outside the CE step; and the cost of each piece of Python in isolation.
 
-Variants: flce (our op), eager (F.linear + F.cross_entropy on fp32 logits), compile (that, torch.compile'd),
-flce-in-compile (our op inside torch.compile), and with --reduce-overhead on CUDA the two compiled ones with
-mode="reduce-overhead" (CUDA graphs).
+Variants: flce (our op as users call it: on CUDA its small calls replay a CUDA graph, ``graph_replay``),
+flce-uncaptured (the same with graph replay off: the Python chunk loop), eager (F.linear + F.cross_entropy on
+fp32 logits), compile (that, torch.compile'd), flce-in-compile (our op called inside torch.compile's Inductor),
+flce-backend (eager's code compiled with backend="flce", which rewrites it into our op), and unless
+--no-reduce-overhead on CUDA the compiled ones with mode="reduce-overhead" (Inductor's CUDA graphs).
 
     python benchmarks/host_overhead.py                      # CUDA: 2048x768x50304 bf16 + GPU idle at 6 shapes
     python benchmarks/host_overhead.py --device cpu         # CPU: 64x16x64 fp32 in 2 chunks, with the breakdown
@@ -39,7 +41,7 @@ TIMING_SHAPE = "2048x768x50304"
 IDLE_SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257",
                "65536x4096x128256", TIMING_SHAPE]
 CPU_SHAPE = "64x16x64"
-VARIANTS = ("flce", "eager", "compile", "flce-in-compile")
+VARIANTS = ("flce", "flce-uncaptured", "eager", "compile", "flce-in-compile", "flce-backend")
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -62,10 +64,22 @@ def _losses(names: list[str], config: dict | None, reduce_overhead: bool) -> dic
     def flce(x, w, t):
         return fused_linear_cross_entropy(x, w, t, config=config)
 
+    def flce_uncaptured(x, w, t):
+        from flce_compile import graph_replay
+
+        with graph_replay.disabled():
+            return flce(x, w, t)
+
     table: dict[str, Callable] = {}
     for name in names:
         if name == "flce":
             table[name] = flce
+        elif name == "flce-uncaptured":
+            table[name] = flce_uncaptured
+        elif name == "flce-backend":  # what users run: torch.compile(model, backend="flce") on plain PyTorch
+            import flce_compile.compiler  # noqa: F401  (registers backend="flce" without the installed entry point)
+
+            table[name] = torch.compile(eager_loss, backend="flce", dynamic=False)
         elif name == "eager":
             table[name] = eager_loss
         elif name == "compile":
@@ -77,6 +91,9 @@ def _losses(names: list[str], config: dict | None, reduce_overhead: bool) -> dic
             table["compile (reduce-overhead)"] = torch.compile(eager_loss, dynamic=False, mode="reduce-overhead")
         if "flce-in-compile" in names:
             table["flce-in-compile (reduce-overhead)"] = torch.compile(flce, dynamic=False, mode="reduce-overhead")
+        if "flce-backend" in names:  # registered above
+            table["flce-backend (reduce-overhead)"] = torch.compile(eager_loss, backend="flce", dynamic=False,
+                                                                    mode="reduce-overhead")
     return table
 
 

@@ -4,6 +4,7 @@
 from typing import Any
 
 from .api import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from .graph_replay import cuda_graphs_mode, set_cuda_graphs
 from .plan.choose import choose_config
 from .plan.config import FLCEConfig
 from .plan.memory import peak_bytes, peak_bytes_expr
@@ -18,9 +19,11 @@ __all__ = [
     "with_options",
     "FusedLinearCrossEntropyLoss",
     "choose_config",
+    "cuda_graphs_mode",
     "fused_linear_cross_entropy",
     "peak_bytes",
     "peak_bytes_expr",
+    "set_cuda_graphs",
     "vocab_parallel_linear_cross_entropy",
     "which_config",
 ]

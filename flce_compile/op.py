@@ -29,11 +29,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import graph_replay
 from .params import LossParams, decode_params, math_dtype
 from .plan import registry
 from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
-from .strategies import GradRequest, Operands, fused_backward_per_token, fused_forward
+from .plan.memory import peak_bytes
+from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per_token, fused_forward
 from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
@@ -102,16 +104,35 @@ def _fused_forward_body(
     check_targets(target, weight.shape[0], p.ignore_index)
     later = grads_in_backward(p, config)
     with op_context(input.device):
-        r = fused_forward(
-            Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
-            GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db), keep_lse=later,
+        ops, cfg = Operands(input, weight, target, bias, ce_weight), _config(config, input, weight)
+        grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db)
+
+        def run(o: Operands) -> ForwardResult:
+            return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
+
+        r = graph_replay.replayed_forward(
+            ops, (params, accum_dtype, cfg, grads), run, grads_in_forward=not later,
+            estimated_bytes=lambda: _graph_bytes(ops, p, cfg, accum_dtype, grads),
         )
+        if r is None:
+            r = run(ops)
     lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
     return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
 fused_linear_cross_entropy_op = torch.library.custom_op("flce::fused_linear_cross_entropy",
                                                         mutates_args=())(_fused_forward_body)
+
+
+def _graph_bytes(ops: Operands, p: LossParams, cfg: FLCEConfig, accum_dtype: torch.dtype, grads: GradRequest) -> int:
+    """What a CUDA graph of this forward would hold: the loop's working set (``peak_bytes``), the gradients it
+    returns and its copies of the hidden states and targets."""
+    n, h = ops.x.shape
+    vocab, size = ops.weight.shape[0], ops.x.element_size()
+    working = peak_bytes(cfg, n, vocab, h, ops.x.dtype, accum_dtype, need_dw=grads.dw,
+                         need_db=grads.db and ops.bias is not None, softcap=p.softcap > 0, need_dx=grads.dx)
+    returned = (grads.dx * n * h + grads.dw * vocab * h + (grads.db and ops.bias is not None) * vocab) * size
+    return working + returned + ops.x.nbytes + ops.target.nbytes
 
 
 def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, Tensor, Tensor]:
@@ -277,27 +298,40 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
             "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
             "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
-    grads = ctx.grads
+    grads, grad_scale = ctx.grads, ctx.grad_scale
     # One factor in the loss's dtype (fp32, fp64 for fp64), applied so that each element is rounded once
     # (``_scale_in_place``). grad_scale is a power of two, so the factor is as exact as grad_output; with
     # GradScaler's power-of-two scales it is exact.
-    g = grad_loss.to(ctx.grad_scale.dtype) * ctx.grad_scale
     if grads[0].dtype == torch.float64:
         # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
         # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
+        g = grad_loss.to(grad_scale.dtype) * grad_scale
         return tuple(t * g if t.numel() else t for t in grads)
-    ctx.grads = None
+    # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
+    # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
+    ctx.grads = ctx.grad_scale = None
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
     if torch.compiler.is_compiling():
+        g = grad_loss.to(grad_scale.dtype) * grad_scale
         return tuple(t * g if t.numel() else t for t in grads)
+    # A replayed forward's outputs are scaled by a replayed graph too (two launches instead of a multiply and
+    # a Triton launch: at small shapes backward is host-bound as well).
+    if not graph_replay.scaled_by_graph(grad_scale, grad_loss, _scale_present):
+        _scale_present(grads, grad_loss.to(grad_scale.dtype) * grad_scale)
+    return grads
+
+
+def _scale_present(grads: tuple[Tensor, Tensor, Tensor], g: Tensor) -> None:
+    """``t *= g`` for each non-empty gradient of ``grads``, each element rounded once."""
     present = [t for t in grads if t.numel()]
     if _kernel_scales(present, g):  # one launch for all of them
         from .kernels.scale_grads import scale_all_in_place
 
         scale_all_in_place(present, g)
-        return grads
-    return tuple(_scale_in_place(t, g) if t.numel() else t for t in grads)
+    else:
+        for t in present:
+            _scale_in_place(t, g)
 
 
 def _kernel_scales(tensors: list[Tensor], g: Tensor) -> bool:
@@ -375,7 +409,7 @@ def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad
         _scaled_forward_grads(ctx, grad_loss) if grad_loss is not None else (None, None, None)
     )
     if grad_loss is None:
-        ctx.grads = None
+        ctx.grads = ctx.grad_scale = None
     if grad_logits is not None:
         input, weight = ctx.saved_tensors
         g = grad_logits.to(weight.dtype)
@@ -470,10 +504,15 @@ def call_fused(return_logits: bool, *args) -> tuple[Tensor, ...]:
         return op(*args)
     body, function = (_with_logits_body, _WithLogitsFunction) if return_logits else (_fused_forward_body,
                                                                                      _FusedFunction)
-    with _profiled(op):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
-            return function.apply(*args)
-        return body(*args)
+    # The eager call may replay CUDA graphs (``graph_replay``): nothing here can be inside another graph's warm-up.
+    previous = graph_replay.allow(True)
+    try:
+        with _profiled(op):
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+                return function.apply(*args)
+            return body(*args)
+    finally:
+        graph_replay.allow(previous)
 
 
 def _profiled(op) -> contextlib.AbstractContextManager:

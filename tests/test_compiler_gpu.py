@@ -14,6 +14,18 @@ import flce_compile.compiler  # noqa: E402,F401  (registers backend="flce" in de
 V, S = 32768, 4096
 
 
+@pytest.fixture(autouse=True)
+def no_graph_replay():
+    """These tests compare one call's transient memory across modes; a replayed CUDA graph holds its memory
+    between calls instead (test_gpu_graph_replay.py covers it), so graph replay is off here."""
+    from flce_compile import graph_replay, set_cuda_graphs
+
+    set_cuda_graphs("off")
+    yield
+    set_cuda_graphs("auto")
+    graph_replay.clear()
+
+
 @pytest.fixture(scope="module")
 def llama():
     if not torch.cuda.is_available():

@@ -14,6 +14,7 @@ import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy
 from flce_compile.params import LossParams, encode_params
+from cuda_capture import plain_and_captured
 from flce_reference import reference_loss
 
 pytestmark = pytest.mark.gpu
@@ -76,16 +77,7 @@ def test_cuda_graph_capture_of_the_op():
     args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, True, True, False,
             FLCEConfig(strategy="triton", chunk_tokens=512, streams=True).to_json())
     op = torch.ops.flce.fused_linear_cross_entropy
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        expected = op(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = op(*args)
-    graph.replay()
-    torch.cuda.synchronize()
+    expected, captured = plain_and_captured(lambda: op(*args))
     for a, b in zip(expected, captured):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

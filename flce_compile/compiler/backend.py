@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from .. import graph_replay
 from ..log import logger
 from .options import FLCEOptions, split_options
 
@@ -36,18 +37,56 @@ def flce_backend(
     """
     opts, inner_options = split_options(options)
     inner = _inner_compiler(opts, mode, inner_options, kwargs)
-    wrap = None
+    wrap, fused = None, False
     if opts.enabled:
         from .rewrite import run_pass
 
         try:
-            wrap = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
-                            memory_budget_gb=opts.memory_budget_gb).wrap
+            result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
+                              memory_budget_gb=opts.memory_budget_gb)
+            wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
     compiled = inner(gm, example_inputs)
+    if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
+        compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
+
+
+#: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).
+_GRAPHLESS_INNER = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _no_cuda_graphs_of_its_own(opts: FLCEOptions, mode: str | None, inner_options: Mapping[str, Any]) -> bool:
+    """Whether the compiled graph runs outside any CUDA graph of the inner compiler's: only then may the fused op
+    replay graphs of its own (``graph_replay``). Inductor's CUDA-graph trees run the graph once to warm up with
+    their memory pool installed, and the op's buffers must not land in it."""
+    if opts.inner not in _GRAPHLESS_INNER:
+        return False
+    if opts.inner != "inductor":
+        return True
+    from torch._inductor import config as inductor_config
+
+    return (mode not in _CUDA_GRAPH_MODES and not inner_options.get("triton.cudagraphs")
+            and not inductor_config.triton.cudagraphs)
+
+
+class _AllowGraphReplay:
+    """A compiled graph run with the fused op's CUDA-graph replay allowed (``graph_replay.allow``)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+        # Dynamo calls a "boxed" compiled function with one list of inputs (which it may clear); keep that.
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *args: Any) -> Any:
+        previous = graph_replay.allow(True)
+        try:
+            return self.compiled(*args)
+        finally:
+            graph_replay.allow(previous)
 
 
 def _inner_compiler(

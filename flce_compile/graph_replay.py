@@ -1,0 +1,439 @@
+"""CUDA-graph replay of the fused op (its forward, and backward's scaling): the launch path for small calls,
+which the host bounds.
+
+At GPT-2's 2048 x 768 x 50304 the GPU finishes a forward + backward in about 1 ms, and issuing it from Python
+(the chunk loop, a dozen launches, allocations) takes as long (issue #13). A CUDA graph issues the same work
+in one launch. The first call with a given key runs as usual (it compiles the Triton kernels, warms cuBLAS);
+the second captures the chunk loop into a graph on a side stream and replays it; later calls only copy the
+hidden states and targets into the graph's own input buffers and replay. From an instance's second backward
+on, backward's scaling of the outputs by grad_output is replayed from a small graph too. The results are
+bit-identical to the uncaptured loop: the same kernels with the same launch parameters run on the same data.
+
+What a graph keys on (``replayed_forward``): device, calling stream, shapes, dtypes, the weight's (and bias's and class
+weights') address and strides, the loss options, the resolved config and the requested gradients. A graph reads
+the weight where it was at capture; keying on the address makes that the caller's live weight (an optimizer
+updates it in place, so a training loop keeps one key).
+
+Outputs. The graph writes dX, dW, db and the gradient scale into memory it owns; a call hands out aliases of
+them (the loss is copied out). Autograd adopts a handed-out dW as ``weight.grad``, so backward needs no copy.
+An instance is only replayed when no alias of its outputs is alive anywhere (the storages' use counts are
+back to what the graph alone holds): a second forward before the first one's backward, or gradients kept
+across micro-batches, captures a second instance (``MAX_INSTANCES``), and beyond that a call runs uncaptured.
+Nothing a caller holds is ever overwritten. As with the caching allocator, a consumer on another stream must be
+ordered after its own use before it drops the tensor. A capture (once per key) puts torch's default CUDA
+generator into capture mode while it lasts: another thread drawing CUDA random numbers in that moment gets an
+error from torch ("off" avoids it). A capture that fails leaves the call to the uncaptured loop.
+
+When (``set_cuda_graphs`` / ``$FLCE_CUDA_GRAPHS``): "auto" (the default) graphs calls of at most
+``AUTO_MAX_FLOPS`` (6 N H V, the three GEMMs: below it the host's ~1 ms per call is not hidden behind the GPU)
+whose graph would hold at most ``auto_pool_limit`` bytes (1 GiB or 2% of the GPU's memory, the smaller): a graph
+keeps the op's working set, which the uncaptured op returns to the allocator after each call. "on" graphs every
+eligible call, "off" none. Eligible: CUDA, reduction "mean" or "sum" with the gradients formed in forward, no
+kept logits, contiguous hidden states and targets, plain tensors, bf16/fp16/fp32, no capture under way, and a
+caller that allows it: the eager call (``op.call_fused``) and graphs compiled by the ``flce`` backend without
+CUDA graphs of their own (``allowed``). Inductor's ``mode="reduce-overhead"`` graphs the op itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .log import logger
+from .strategies import ForwardResult, Operands
+
+MODES = ("auto", "on", "off")
+ENV_VAR = "FLCE_CUDA_GRAPHS"
+#: "auto": calls with at most this many GEMM floating-point operations (6 N H V): ~3 ms on an H200 in bf16.
+AUTO_MAX_FLOPS = 2e12
+#: "auto": a graph holds at most this many bytes, and at most ``AUTO_MAX_POOL_SHARE`` of the GPU's memory.
+AUTO_MAX_POOL_BYTES = 1 << 30
+AUTO_MAX_POOL_SHARE = 0.02
+#: Captured graphs kept, least recently used dropped first (dropping one frees its memory).
+MAX_GRAPHS = 4
+#: Graphs per key: one per forward whose outputs are still alive when the next forward of that key starts.
+MAX_INSTANCES = 2
+#: A key captured this many times (evicted and back, again and again) runs uncaptured from then on.
+MAX_CAPTURES_PER_KEY = 3
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Devices with graphs to replay (the CPU tests of the cache policy add "cpu", with a stand-in capture).
+_DEVICE_TYPES = ("cuda",)
+
+
+def _mode_from_env() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    aliases = {"1": "on", "true": "on", "0": "off", "false": "off", "": "auto"}
+    value = aliases.get(value, value)
+    if value not in MODES:
+        logger.warning("%s=%r is not one of %s (or 1/0); using 'auto'", ENV_VAR, os.environ[ENV_VAR], MODES)
+        return "auto"
+    return value
+
+
+_mode = _mode_from_env()
+
+
+def set_cuda_graphs(mode: str | bool) -> None:
+    """Set when the fused op replays CUDA graphs, for this process: "auto" (default), "on"/True or "off"/False
+    (see the module docstring). Turning them off drops the captured graphs and the memory they hold."""
+    global _mode
+    mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if mode not in MODES:
+        raise ValueError(f"set_cuda_graphs(mode={mode!r}): use one of {MODES}, True or False")
+    _mode = mode
+    if mode == "off":
+        clear()
+
+
+def cuda_graphs_mode() -> str:
+    """The current mode: "auto", "on" or "off"."""
+    return _mode
+
+
+class _CallerState(threading.local):
+    allowed = False
+    disabled = 0
+
+
+_caller = _CallerState()
+
+
+def allow(on: bool) -> bool:
+    """Let this thread's op calls replay graphs (``on``) or not; returns the previous setting, to restore.
+    The eager call sets it around the op: the dispatcher path can be inside Inductor's own graph warm-up, whose
+    memory pool must not receive our buffers, so it is off unless a caller that knows sets it."""
+    previous = _caller.allowed
+    _caller.allowed = on
+    return previous
+
+
+@contextlib.contextmanager
+def allowed() -> Iterator[None]:
+    """``allow(True)`` for the body (the ``flce`` backend's compiled graphs without CUDA graphs of their own)."""
+    previous = allow(True)
+    try:
+        yield
+    finally:
+        allow(previous)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """No graph replay in this thread for the body (benchmarks measuring the op's own peak memory)."""
+    _caller.disabled += 1
+    try:
+        yield
+    finally:
+        _caller.disabled -= 1
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_CAN_COUNT_USES = hasattr(torch._C, "_storage_Use_Count")
+
+
+@dataclass
+class _Graph:
+    """One captured forward: the graph, its input buffers and its outputs (with their storages' use counts when
+    only the graph holds them), and once backward has run twice, a second graph that scales the outputs by
+    grad_output (``scale_grads``)."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    x: torch.Tensor
+    target: torch.Tensor
+    out: ForwardResult
+    handed: tuple[torch.Tensor, ...]
+    base_uses: tuple[int, ...]
+    held_bytes: int
+    backwards: int = 0
+    scale_graph: Any = None
+    scale_in: torch.Tensor | None = None
+    scale_failed: bool = False
+
+    def free(self) -> bool:
+        """Whether no alias of the outputs is alive outside (so replaying cannot overwrite anything held)."""
+        return all(_storage_uses(t) == n for t, n in zip(self.handed, self.base_uses))
+
+    def replay(self, x: torch.Tensor, target: torch.Tensor) -> ForwardResult:
+        self.x.copy_(x)
+        self.target.copy_(target)
+        self.graph.replay()
+        out = self.out
+        grad_scale = _alias(out.grad_scale)
+        grad_scale._flce_graph = self  # how backward finds the graph that owns these outputs (``scaled_by_graph``)
+        return ForwardResult(out.loss.clone(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None,
+                             grad_scale)
+
+    def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor], None],
+                    stream: Any) -> bool:
+        """Scale the outputs in place by grad_output * grad_scale through the captured ``scale`` (captured at
+        the second backward: the first compiles and warms what it launches). False: run it uncaptured."""
+        self.backwards += 1
+        if self.scale_graph is None:
+            if self.scale_failed or self.backwards < 2:
+                return False
+            out = self.out
+            grads = tuple(t if t is not None else out.grad_scale.new_empty(0) for t in (out.dx, out.dw, out.db))
+            grad_in = torch.empty_like(grad_output)
+
+            def body() -> None:
+                scale(grads, grad_in.to(out.grad_scale.dtype) * out.grad_scale)
+
+            with _cache.lock:  # one capture at a time on the device's capture stream
+                try:
+                    self.scale_graph, _, pool_bytes = _captured(body, grad_output.device, stream, outputs=False)
+                except Exception as exc:  # noqa: BLE001 - run it uncaptured
+                    self.scale_failed = True
+                    logger.warning("flce: CUDA-graph capture of the gradient scaling failed, running it "
+                                   "uncaptured: %r", exc)
+                    return False
+            self.scale_in = grad_in
+            self.held_bytes += pool_bytes
+        self.scale_in.copy_(grad_output)
+        self.scale_graph.replay()
+        return True
+
+
+def _alias(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.detach() if t is not None else None
+
+
+class _Cache:
+    """Captured graphs by key (least recently used first), keys seen once, and capture counts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.graphs: OrderedDict[tuple, list[_Graph]] = OrderedDict()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()
+        self.captures: dict[tuple, int] = {}
+        self.failed: set[tuple] = set()
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.graphs.values())
+
+    def evict_beyond(self, limit: int) -> None:
+        while self.graphs and self.count() > limit:
+            key, instances = next(iter(self.graphs.items()))
+            instances.pop(0)
+            if not instances:
+                del self.graphs[key]
+
+
+_cache = _Cache()
+
+
+def clear() -> None:
+    """Drop every captured graph (their memory returns once no handed-out output is alive)."""
+    with _cache.lock:
+        _cache.graphs.clear()
+        _cache.seen.clear()
+        _cache.captures.clear()
+        _cache.failed.clear()
+
+
+def held_bytes(device: torch.device | None = None) -> int:
+    """Bytes the captured graphs hold (their memory pools and input buffers), on ``device`` or all devices."""
+    with _cache.lock:
+        return sum(g.held_bytes for key, instances in _cache.graphs.items() for g in instances
+                   if device is None or key[0] == _normal(torch.device(device)))
+
+
+def graph_count() -> int:
+    """How many captured graphs are kept."""
+    with _cache.lock:
+        return _cache.count()
+
+
+def _normal(device: torch.device) -> torch.device:
+    """``device`` with its index ("cuda" is the current GPU), as tensors name theirs."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
+    x, target = ops.x, ops.target
+    if _mode == "off" or not _caller.allowed or _caller.disabled or not grads_in_forward or not _CAN_COUNT_USES:
+        return False
+    if x.device.type not in _DEVICE_TYPES or x.dtype not in _DTYPES or x.numel() == 0:
+        return False
+    if not x.is_contiguous() or not target.is_contiguous():
+        return False
+    tensors = (x, ops.weight, target, ops.bias, ops.ce_weight)
+    if any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return False
+    if torch._C._len_torch_dispatch_stack():  # a dispatch mode (a FLOP counter, say) must see every operator
+        return False
+    return x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The calling stream (CUDA); None elsewhere (only the CPU tests of the cache get there)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def auto_pool_limit(device: torch.device) -> int:
+    """The most bytes an "auto" graph may hold on ``device``: 1 GiB, or 2% of its memory when that is less."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(AUTO_MAX_POOL_BYTES, AUTO_MAX_POOL_SHARE * total))
+
+
+def _worth_it(ops: Operands, estimated_bytes: Callable[[], int]) -> bool:
+    """Whether the mode graphs this call (asked again each time: the mode can change)."""
+    if _mode == "on":
+        return True
+    n, h = ops.x.shape
+    flops = 6.0 * n * h * ops.weight.shape[0]
+    return flops <= AUTO_MAX_FLOPS and estimated_bytes() <= auto_pool_limit(ops.x.device)
+
+
+def replayed_forward(
+    ops: Operands,
+    key_extra: tuple,
+    run: Callable[[Operands], ForwardResult],
+    *,
+    grads_in_forward: bool,
+    estimated_bytes: Callable[[], int],
+) -> ForwardResult | None:
+    """``run(ops)`` through a captured graph, or None when this call should run uncaptured (ineligible, the
+    key's first call, every instance busy, or the capture failed): the caller then calls ``run(ops)`` itself.
+
+    ``key_extra``: whatever else decides the captured work (loss options, resolved config, gradients asked).
+    ``estimated_bytes``: what a graph of this call would hold (for "auto"), asked only when it matters.
+    """
+    if not _eligible(ops, grads_in_forward):
+        return None
+    device = ops.x.device
+    stream = _current_stream(device)
+    key = (device, getattr(stream, "cuda_stream", None), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
+           _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
+           torch.is_inference_mode_enabled()) + key_extra
+    with _cache.lock:
+        instances = _cache.graphs.get(key)
+        if instances is not None:
+            _cache.graphs.move_to_end(key)
+            for g in instances:
+                if g.free():
+                    return g.replay(ops.x, ops.target)
+            if len(instances) >= MAX_INSTANCES:
+                return None
+        elif key not in _cache.seen:  # the first call warms up (Triton compiles, cuBLAS initialises)
+            _cache.seen[key] = None
+            while len(_cache.seen) > 256:
+                _cache.seen.popitem(last=False)
+            return None
+        if key in _cache.failed or _cache.captures.get(key, 0) >= MAX_CAPTURES_PER_KEY:
+            return None
+        if not _worth_it(ops, estimated_bytes):
+            return None
+        _cache.captures[key] = _cache.captures.get(key, 0) + 1
+        if len(_cache.captures) > 1024:
+            _cache.captures.clear()
+        try:
+            g = _capture(ops, run, stream)
+        except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
+            _cache.failed.add(key)
+            logger.warning("flce: CUDA-graph capture of the fused op failed, running it uncaptured: %r", exc)
+            return None
+        _cache.graphs.setdefault(key, []).append(g)
+        _cache.graphs.move_to_end(key)
+        _cache.evict_beyond(MAX_GRAPHS)
+        logger.debug("flce: captured a CUDA graph of the fused op (%d held, %.1f MB)", _cache.count(),
+                     g.held_bytes / 1e6)
+        return g.replay(ops.x, ops.target)
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:
+    """Capture ``run`` on copies of the hidden states and targets, ordered after ``stream``."""
+    x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
+    static = dataclasses.replace(ops, x=x, target=target)
+    graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream)
+    if out.lse is not None or out.logits is not None:
+        raise RuntimeError("only forwards that form their gradients are captured")
+    handed = tuple(t for t in (out.dx, out.dw, out.db, out.grad_scale) if t is not None)
+    base_uses = tuple(_storage_uses(t) for t in handed)
+    return _Graph(graph, x, target, out, handed, base_uses, pool_bytes + x.nbytes + target.nbytes)
+
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _captured(fn: Callable[[], Any], device: torch.device, stream: Any, *, outputs: bool = True
+              ) -> tuple[Any, Any, int]:
+    """Capture ``fn()`` into a CUDA graph on the device's capture stream, ordered after ``stream`` (and
+    ``stream`` after it): (the graph, what ``fn`` returned, the bytes its memory pool took). ``outputs``: whether
+    ``fn`` returns the tensors the graph writes, or only updates tensors in place (the CPU tests' stand-in
+    capture has to run the first kind once, and must not run the second)."""
+    side = _capture_streams.get(device)
+    if side is None:
+        side = _capture_streams[device] = torch.cuda.Stream(device)
+    # The graph's private pool is new memory: what the capture adds to the reserved bytes (approximate when
+    # other threads allocate meanwhile).
+    reserved = torch.cuda.memory_reserved(device)
+    side.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        # thread_local: another thread's CUDA calls during the capture neither break it nor are refused.
+        _ended_or_reset(graph.capture_begin, side, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            _ended_or_reset(graph.capture_end, side)
+    stream.wait_stream(side)
+    return graph, result, max(torch.cuda.memory_reserved(device) - reserved, 0)
+
+
+def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
+                    scale: Callable[[tuple, torch.Tensor], None]) -> bool:
+    """Backward's scaling of a replayed forward's outputs (``grad_scale`` is its handed-out alias) by
+    ``grad_output``, replayed from a graph of ``scale(grads, factor)``; False when this call must run it
+    itself (not a replayed forward, an unusual grad_output, inside a capture or a dispatch mode)."""
+    owner = getattr(grad_scale, "_flce_graph", None)
+    if owner is None or type(grad_output) is not torch.Tensor or grad_output.dim() != 0:
+        return False
+    if grad_output.device != grad_scale.device or torch._C._len_torch_dispatch_stack():
+        return False
+    if grad_output.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return owner.scale_grads(grad_output, scale, _current_stream(grad_output.device))
+
+
+def _ended_or_reset(step: Callable[..., None], side: torch.cuda.Stream, **kwargs: Any) -> None:
+    """Run ``step`` (a capture's begin or end); if it raises, end the CUDA RNG's capture mode before re-raising.
+
+    capture_begin puts the default CUDA generator into capture mode and only a capture_end that succeeds takes
+    it out; after an invalidated capture (an operation the capture refuses) every later random op of the
+    process would raise "Offset increment outside graph capture". A small capture that succeeds, on the same
+    stream, takes the generator out again."""
+    try:
+        step(**kwargs)
+    except Exception:
+        try:
+            probe = torch.zeros(1, device=side.device)
+            reset = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                reset.capture_begin(capture_error_mode="thread_local")
+                try:
+                    probe.add_(1)  # a node, so the graph is not empty (torch warns about empty ones)
+                finally:
+                    reset.capture_end()
+        except Exception as exc:  # noqa: BLE001 - report, then raise the capture's own error
+            logger.warning("flce: could not reset CUDA RNG state after a failed graph capture: %r", exc)
+        raise

@@ -1,0 +1,205 @@
+"""Real CUDA-graph replay of the fused op (``graph_replay``): bit-identical to the uncaptured loop, outputs held
+by the caller never overwritten, no capture inside someone else's capture, the ``flce`` backend's compiled
+graphs replaying and Inductor's CUDA graphs left alone, and the memory a graph holds bounded as documented.
+The cache policy itself is tested on the CPU (test_graph_replay.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuda_capture import plain_and_captured
+from flce_compile import FLCEConfig, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def fresh_graphs():
+    graph_replay.clear()
+    set_cuda_graphs("auto")
+    yield
+    set_cuda_graphs("auto")
+    graph_replay.clear()
+
+
+def _inputs(seed, n=2048, h=768, v=50304, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) * 2.0 / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::13] = -100
+    return x, w, t
+
+
+def _training_run(w0, batches, config=None, grad_factor=1.0):
+    """A plain loop: forward, backward, an in-place update, weight.grad dropped, the last loss kept into the
+    next step. The hidden states come out of an op, as a model's do (a leaf's .grad would keep the graph's dX
+    alive through the kept loss). Returns every step's (loss, dx, dw)."""
+    w = w0.clone().requires_grad_()
+    out = []
+    for x, t in batches:
+        x = x.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(x * 1, w, t, config=config)
+        (loss * grad_factor).backward()
+        out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
+        with torch.no_grad():
+            w.sub_(1e-2 * w.grad)
+        w.grad = None
+    return out
+
+
+@pytest.mark.parametrize("streams", [False, True])
+@pytest.mark.parametrize("grad_factor", [1.0, 1 / 3])
+def test_replay_is_bit_identical_to_the_uncaptured_loop(streams, grad_factor):
+    _, w0, _ = _inputs(0)
+    batches = [_inputs(s)[::2] for s in range(1, 6)]
+    config = {"chunk_tokens": 512, "streams": streams}
+    graphed = _training_run(w0, batches, config, grad_factor)
+    assert graph_replay.graph_count() == 1
+    set_cuda_graphs("off")
+    assert graph_replay.graph_count() == 0
+    plain = _training_run(w0, batches, config, grad_factor)
+    for step, (a, b) in enumerate(zip(graphed, plain)):
+        for name, u, v in zip(("loss", "dx", "dw"), a, b):
+            assert torch.equal(u, v), f"step {step}: {name} differs"
+
+
+def test_outputs_held_by_the_caller_are_never_overwritten():
+    x, w, t = _inputs(0)
+    w.requires_grad_()
+    fused_linear_cross_entropy(x, w, t).backward()  # warm-up
+    w.grad = None
+    inputs = [_inputs(s)[::2] for s in (1, 2, 3)]
+    losses = [fused_linear_cross_entropy(xi, w, ti) for xi, ti in inputs]  # three forwards, then one backward
+    assert graph_replay.graph_count() == graph_replay.MAX_INSTANCES
+    sum(losses).backward()
+    set_cuda_graphs("off")
+    w_ref = w.detach().clone().requires_grad_()
+    ref = [fused_linear_cross_entropy(xi, w_ref, ti) for xi, ti in inputs]
+    sum(ref).backward()
+    for a, b in zip(losses, ref):
+        assert torch.equal(a.detach(), b.detach())
+    assert torch.equal(w.grad, w_ref.grad)
+
+
+def test_no_replay_inside_a_callers_capture():
+    x, w, t = _inputs(0, n=1024)
+    args = (x, w, t)
+    for _ in range(3):
+        fused_linear_cross_entropy(*args)
+    assert graph_replay.graph_count() == 1
+    expected, captured = plain_and_captured(lambda: fused_linear_cross_entropy(*args))
+    assert torch.equal(expected, captured)
+
+
+def test_large_calls_are_not_graphed_by_default():
+    x, w, t = _inputs(0, n=8192, h=2048, v=65536)  # 6.6e12 GEMM flops: above AUTO_MAX_FLOPS
+    for _ in range(3):
+        fused_linear_cross_entropy(x, w, t)
+    assert graph_replay.graph_count() == 0
+    set_cuda_graphs("on")
+    for _ in range(2):
+        fused_linear_cross_entropy(x, w, t)
+    assert graph_replay.graph_count() == 1
+
+
+def test_memory_a_graph_holds_is_within_its_estimate():
+    x, w, t = _inputs(0)
+    x.requires_grad_()
+    w.requires_grad_()
+    for _ in range(3):
+        fused_linear_cross_entropy(x, w, t).backward()
+        x.grad = w.grad = None
+    held = graph_replay.held_bytes()
+    from flce_compile.op import _graph_bytes
+    from flce_compile.params import LossParams
+    from flce_compile.plan.choose import op_config
+    from flce_compile.strategies import GradRequest, Operands
+
+    cfg = op_config("", 2048, 50304, 768, torch.bfloat16, x.device)
+    estimate = _graph_bytes(Operands(x, w, t), LossParams(), cfg, torch.float32, GradRequest(True, True, False))
+    assert 0 < held <= estimate * 1.25 + (64 << 20)  # allocator rounding, a cuBLAS workspace
+    assert estimate <= graph_replay.auto_pool_limit(x.device)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, h, v):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h, device="cuda", dtype=torch.bfloat16)
+        self.lm_head = torch.nn.Linear(h, v, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.lm_head(self.norm(x)).float(), t)
+
+
+def _compiled_steps(mode, steps=4):
+    """Steps of a compiled head (loss kept into the next step, gradients zeroed): (loss, dx, dW) each."""
+    torch._dynamo.reset()
+    x, _, t = _inputs(0, n=1024, h=256, v=8192)
+    torch.manual_seed(0)
+    model = _Head(256, 8192)
+    compiled = torch.compile(model, backend="flce", mode=mode)
+    out = []
+    for step in range(steps):
+        if mode:
+            torch.compiler.cudagraph_mark_step_begin()
+        xi = (x * (1 + step / 8)).requires_grad_()
+        loss = compiled(xi, t)
+        loss.backward()
+        out.append((loss.detach().clone(), xi.grad.clone(), model.lm_head.weight.grad.clone()))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_flce_backend_graphs_replay_only_without_inductors_cuda_graphs(mode):
+    graphed = _compiled_steps(mode)
+    assert graph_replay.graph_count() == (0 if mode else 1)
+    set_cuda_graphs("off")
+    plain = _compiled_steps(mode)
+    for a, b in zip(graphed, plain):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_a_capture_the_stream_refuses_leaves_the_call_uncaptured_and_random_numbers_working(monkeypatch, caplog):
+    import logging
+
+    from flce_compile.strategies import chunked
+
+    original = chunked._ce_step
+
+    def syncing_step(config):
+        step = original(config)
+
+        def run(args, p):
+            torch.cuda.synchronize()  # not allowed while capturing: invalidates the capture
+            step(args, p)
+
+        return run
+
+    x, w, t = _inputs(0, n=1024)
+    expected = fused_linear_cross_entropy(x, w, t)
+    monkeypatch.setattr(chunked, "_ce_step", syncing_step)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        for _ in range(3):
+            assert torch.equal(fused_linear_cross_entropy(x, w, t), expected)
+    assert "capture of the fused op failed" in caplog.text
+    assert graph_replay.graph_count() == 0
+    torch.randn(4, device="cuda")  # the default generator left capture mode
+
+
+def test_fp16_loss_scale_and_fp32_replay_match_uncaptured():
+    for dtype in (torch.float16, torch.float32):
+        _, w0, _ = _inputs(0, n=1024, h=512, v=16384, dtype=dtype)
+        batches = [_inputs(s, n=1024, h=512, v=16384, dtype=dtype)[::2] for s in range(1, 4)]
+        graph_replay.clear()
+        set_cuda_graphs("auto")
+        graphed = _training_run(w0, batches, FLCEConfig(strategy="triton", chunk_tokens=256), 1024.0)
+        set_cuda_graphs("off")
+        plain = _training_run(w0, batches, FLCEConfig(strategy="triton", chunk_tokens=256), 1024.0)
+        for a, b in zip(graphed, plain):
+            for u, v in zip(a, b):
+                assert torch.equal(u, v)

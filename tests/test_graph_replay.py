@@ -1,0 +1,256 @@
+"""The CUDA-graph launch path's policy, on the CPU: warm-up, instances whose outputs are still held, keys,
+eviction, failed captures, modes, and who may replay.
+
+A CPU "graph" stands in for the CUDA one: its replay runs the captured forward again on the graph's own input
+buffers and writes the results into the graph's output tensors, as a real replay writes into its pool. The
+cache, the aliasing of outputs and the busy checks are the library's own. Real captures run in
+test_gpu_graph_replay.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_graphs
+from flce_compile.compiler.backend import _no_cuda_graphs_of_its_own
+from flce_compile.compiler.options import FLCEOptions
+
+
+class _Rerun:
+    """A stand-in graph: replay runs the captured function again and writes its outputs (if any) into the
+    tensors the capture returned."""
+
+    def __init__(self, fn, result) -> None:
+        self.fn, self.result, self.replays = fn, result, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        fresh = self.fn()
+        if self.result is not None:
+            for dst, src in zip(self.result, fresh):
+                if dst is not None:
+                    dst.copy_(src)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Graph replay on the CPU with the stand-in capture; lists each forward capture's weight address."""
+    captures = []
+    real_capture = graph_replay._capture
+
+    def capture(ops, run, stream):
+        captures.append(ops.weight.data_ptr())  # not the operands: holding the caller's input would hold its .grad
+        return real_capture(ops, run, stream)
+
+    def captured(fn, device, stream, *, outputs=True):
+        result = fn() if outputs else None  # a real capture runs nothing; outputs need allocating here
+        return _Rerun(fn, result), result, 0
+
+    monkeypatch.setattr(graph_replay, "_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(graph_replay, "_capture", capture)
+    monkeypatch.setattr(graph_replay, "_captured", captured)
+    graph_replay.clear()
+    set_cuda_graphs("on")
+    yield captures
+    set_cuda_graphs("auto")
+    graph_replay.clear()
+
+
+def _inputs(seed, n=12, h=8, v=40):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float32)
+    w = torch.randn(v, h, generator=g, dtype=torch.float32) * 0.3
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    return x, w, t
+
+
+def _step(x, w, t):
+    """One eager forward + backward; returns (loss, dx, dw) as fresh copies."""
+    x = x.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t)
+    loss.backward()
+    dw = w.grad.clone()
+    w.grad = None
+    return loss.detach().clone(), x.grad.clone(), dw
+
+
+def test_first_call_warms_up_second_captures_then_replays_with_identical_results(cpu_graphs):
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    results = []
+    for seed in range(4):
+        x, _, t = _inputs(seed + 1)
+        results.append((_step(x, w, t), x, t))
+        with torch.no_grad():
+            w.mul_(0.99)  # an optimizer step: in place, same address
+    assert len(cpu_graphs) == 1 and graph_replay.graph_count() == 1
+    set_cuda_graphs("off")
+    assert graph_replay.graph_count() == 0
+    w2 = w.detach().clone()
+    w2.div_(0.99**4)  # back to the weights of the first call
+    for (got, x, t) in results:
+        w2.requires_grad_()
+        expected = _step(x, w2, t)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        with torch.no_grad():
+            w2.mul_(0.99)
+
+
+def test_outputs_still_held_get_a_second_instance_and_are_never_overwritten(cpu_graphs):
+    x, w, t = _inputs(0)
+    w.requires_grad_()
+    fused_linear_cross_entropy(x.requires_grad_(), w, t).backward()  # warm-up
+    w.grad = None
+    losses, xs = [], []
+    for seed in range(3):  # three forwards before any backward
+        xi, _, ti = _inputs(seed + 10)
+        xi.requires_grad_()
+        losses.append(fused_linear_cross_entropy(xi, w, ti))
+        xs.append((xi, ti))
+    assert graph_replay.graph_count() == graph_replay.MAX_INSTANCES  # the third ran uncaptured
+    sum(losses).backward()
+    set_cuda_graphs("off")
+    w_ref = w.detach().clone().requires_grad_()
+    ref = sum(fused_linear_cross_entropy(xi.detach().clone().requires_grad_(), w_ref, ti) for xi, ti in xs)
+    ref.backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sum(losses).detach(), ref.detach(), rtol=0, atol=1e-6)
+
+
+def test_weight_grad_kept_across_micro_batches_accumulates_exactly(cpu_graphs):
+    """Autograd adopts the graph's dW as weight.grad: while it is held, later micro-batches use another
+    instance, and the sum is the uncaptured one's."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    batches = [_inputs(s)[::2] for s in range(1, 6)]
+    fused_linear_cross_entropy(*batches[0][:1], w, batches[0][1]).backward()  # warm-up, as a previous step
+    w.grad = None  # zero_grad(): the first micro-batch's dW becomes weight.grad
+    for x, t in batches:
+        fused_linear_cross_entropy(x, w, t).backward()
+    assert graph_replay.graph_count() == 2
+    set_cuda_graphs("off")
+    w_ref = w.detach().clone().requires_grad_()
+    for x, t in batches:
+        fused_linear_cross_entropy(x, w_ref, t).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=1e-6)
+
+
+def test_a_new_weight_is_a_new_key(cpu_graphs):
+    x, w, t = _inputs(0)
+    for _ in range(2):
+        fused_linear_cross_entropy(x, w, t)
+    w2 = w.clone()
+    for _ in range(2):
+        fused_linear_cross_entropy(x, w2, t)
+    assert cpu_graphs == [w.data_ptr(), w2.data_ptr()]
+
+
+def test_least_recently_used_graphs_are_dropped_and_a_churning_key_stops_capturing(cpu_graphs):
+    x, _, t = _inputs(0)
+    weights = [torch.randn(40, 8) for _ in range(graph_replay.MAX_GRAPHS + 1)]
+    for _ in range(graph_replay.MAX_CAPTURES_PER_KEY + 1):
+        for w in weights:
+            for _ in range(2):
+                fused_linear_cross_entropy(x, w, t)
+    assert graph_replay.graph_count() <= graph_replay.MAX_GRAPHS
+    assert max(cpu_graphs.count(w.data_ptr()) for w in weights) == graph_replay.MAX_CAPTURES_PER_KEY
+
+
+def test_failed_capture_runs_uncaptured_once_and_is_not_retried(cpu_graphs, monkeypatch, caplog):
+    calls = []
+
+    def failing(fn, device, stream, *, outputs=True):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graph_replay, "_captured", failing)
+    x, w, t = _inputs(0)
+    expected = fused_linear_cross_entropy(x, w, t)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        for _ in range(3):
+            assert torch.equal(fused_linear_cross_entropy(x, w, t), expected)
+    assert len(calls) == 1
+    assert "capture of the fused op failed" in caplog.text
+
+
+def test_dispatcher_calls_are_not_replayed_unless_allowed(cpu_graphs):
+    from flce_compile.params import LossParams, encode_params
+
+    x, w, t = _inputs(0)
+    args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, False, False, False, "")
+    for _ in range(3):
+        torch.ops.flce.fused_linear_cross_entropy(*args)
+    assert not cpu_graphs
+    with graph_replay.allowed():
+        for _ in range(2):
+            torch.ops.flce.fused_linear_cross_entropy(*args)
+    assert len(cpu_graphs) == 1
+    with graph_replay.disabled():
+        fused_linear_cross_entropy(x, w, t)
+    assert len(cpu_graphs) == 1
+
+
+def test_per_token_losses_and_kept_logits_are_not_graphed(cpu_graphs):
+    x, w, t = _inputs(0)
+    for _ in range(3):
+        fused_linear_cross_entropy(x, w, t, reduction="none")
+    assert not cpu_graphs
+
+
+@pytest.mark.parametrize("text, mode", [("1", "on"), ("off", "off"), ("AUTO", "auto"), ("bogus", "auto"),
+                                        ("0", "off")])
+def test_mode_from_the_environment(monkeypatch, text, mode):
+    monkeypatch.setenv(graph_replay.ENV_VAR, text)
+    assert graph_replay._mode_from_env() == mode
+
+
+def test_set_cuda_graphs_names_the_argument_on_a_bad_mode():
+    with pytest.raises(ValueError, match="set_cuda_graphs"):
+        set_cuda_graphs("sometimes")
+    set_cuda_graphs(True)
+    assert graph_replay.cuda_graphs_mode() == "on"
+    set_cuda_graphs("auto")
+
+
+@pytest.mark.parametrize("inner, mode, options, ok", [
+    ("inductor", None, {}, True),
+    ("inductor", "reduce-overhead", {}, False),
+    ("inductor", "max-autotune", {}, False),
+    ("inductor", "max-autotune-no-cudagraphs", {}, True),
+    ("inductor", None, {"triton.cudagraphs": True}, False),
+    ("aot_eager", None, {}, True),
+    ("cudagraphs", None, {}, False),
+])
+def test_backend_allows_replay_only_without_cuda_graphs_of_the_inner_compiler(inner, mode, options, ok):
+    assert _no_cuda_graphs_of_its_own(FLCEOptions(inner=inner), mode, options) is ok
+
+
+def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
+    """Backward's scaling of a replayed forward's outputs by grad_output is itself captured (at the instance's
+    second backward) and gives the uncaptured results, for grad_output 1 and not."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    steps = [(_inputs(s)[::2], factor) for s, factor in zip(range(1, 7), (1.0, 0.5, 1 / 3, 3.0, 1.0, 0.1))]
+
+    def run():
+        out = []
+        for (x, t), factor in steps:
+            x = x.clone().requires_grad_()
+            (fused_linear_cross_entropy(x * 1, w, t) * factor).backward()
+            out.append((x.grad.clone(), w.grad.clone()))
+            w.grad = None
+        return out
+
+    graphed = run()
+    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    # step 1 warms up, step 2 captures the forward (its backward runs uncaptured), step 3 captures the scaling
+    assert instance.scale_graph is not None and instance.scale_graph.replays == 4
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, run()):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
