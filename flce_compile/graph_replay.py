@@ -29,9 +29,11 @@ When (``set_cuda_graphs`` / ``$FLCE_CUDA_GRAPHS``): "auto" (the default) graphs 
 whose graph would hold at most ``auto_pool_limit`` bytes (1 GiB or 2% of the GPU's memory, the smaller): a graph
 keeps the op's working set, which the uncaptured op returns to the allocator after each call. "on" graphs every
 eligible call, "off" none. Eligible: CUDA, reduction "mean" or "sum" with the gradients formed in forward, no
-kept logits, contiguous hidden states and targets, plain tensors, bf16/fp16/fp32, no capture under way, and a
-caller that allows it: the eager call (``op.call_fused``) and graphs compiled by the ``flce`` backend without
-CUDA graphs of their own (``allowed``). Inductor's ``mode="reduce-overhead"`` graphs the op itself.
+kept logits, contiguous hidden states and targets, plain tensors, bf16/fp16/fp32, no capture under way, and
+no Inductor CUDA-graph trees about to run the op in their warm-up: the eager call (``op.call_fused``) and graphs
+compiled by the ``flce`` backend without CUDA graphs of their own say so (``allow``); elsewhere (the op inside
+the user's own ``torch.compile``) it holds while this thread has no CUDA-graph tree. Inductor's
+``mode="reduce-overhead"`` graphs the op itself.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -108,8 +111,10 @@ _caller = _CallerState()
 
 def allow(on: bool) -> bool:
     """Let this thread's op calls replay graphs (``on``) or not; returns the previous setting, to restore.
-    The eager call sets it around the op: the dispatcher path can be inside Inductor's own graph warm-up, whose
-    memory pool must not receive our buffers, so it is off unless a caller that knows sets it."""
+    The eager call and the ``flce`` backend's graphs set it. Other calls through the dispatcher (the op inside a
+    graph that Inductor compiled for the user) replay only while this thread has no Inductor CUDA-graph tree
+    (``_inductor_graph_trees``): its warm-up runs the graph with a memory pool installed that must not receive
+    our buffers, and that cannot be told apart from inside the op."""
     previous = _caller.allowed
     _caller.allowed = on
     return previous
@@ -267,9 +272,11 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     x, target = ops.x, ops.target
-    if _mode == "off" or not _caller.allowed or _caller.disabled or not grads_in_forward or not _CAN_COUNT_USES:
+    if _mode == "off" or _caller.disabled or not grads_in_forward or not _CAN_COUNT_USES:
         return False
     if x.device.type not in _DEVICE_TYPES or x.dtype not in _DTYPES or x.numel() == 0:
+        return False
+    if not _caller.allowed and _inductor_graph_trees(x.device):
         return False
     if not x.is_contiguous() or not target.is_contiguous():
         return False
@@ -279,6 +286,20 @@ def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     if torch._C._len_torch_dispatch_stack():  # a dispatch mode (a FLOP counter, say) must see every operator
         return False
     return x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def _inductor_graph_trees(device: torch.device) -> bool:
+    """Whether Inductor's CUDA-graph trees (``mode="reduce-overhead"``) have a manager for ``device`` in this
+    thread, or whether that cannot be told (then the answer is yes)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # never imported: no compiled graph of this process uses them
+        return False
+    if device.type != "cuda":
+        return False
+    try:
+        return trees.get_manager(device.index, create_if_none_exists=False) is not None
+    except Exception:  # noqa: BLE001 - another torch's internals: assume the trees are there
+        return True
 
 
 def _current_stream(device: torch.device) -> Any:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flce_compile.compiler  # noqa: F401  (registers backend="flce" without the installed entry point)
 from cuda_capture import plain_and_captured
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 
@@ -151,6 +152,36 @@ def _compiled_steps(mode, steps=4):
         out.append((loss.detach().clone(), xi.grad.clone(), model.lm_head.weight.grad.clone()))
         model.zero_grad(set_to_none=True)
     return out
+
+
+def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_exists():
+    """The op called from a function the user compiled with Inductor (default mode): replayed, bit-identical to
+    the same compiled function with graph replay off. (Runs before the reduce-overhead test below, whose
+    CUDA-graph tree manager turns this path off for the rest of the thread.)"""
+    x, w, t = _inputs(0, n=1024, h=256, v=8192)
+    w.requires_grad_()
+
+    def loss_fn(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    def steps():
+        torch._dynamo.reset()
+        compiled = torch.compile(loss_fn)
+        out = []
+        for step in range(4):
+            leaf = x.clone().requires_grad_()
+            loss = compiled(leaf * (1 + step / 8), w, t)
+            loss.backward()
+            out.append((loss.detach().clone(), leaf.grad.clone(), w.grad.clone()))
+            w.grad = None
+        return out
+
+    graphed = steps()
+    assert graph_replay.graph_count() == 1
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, steps()):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])

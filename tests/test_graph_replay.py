@@ -178,21 +178,46 @@ def test_failed_capture_runs_uncaptured_once_and_is_not_retried(cpu_graphs, monk
     assert "capture of the fused op failed" in caplog.text
 
 
-def test_dispatcher_calls_are_not_replayed_unless_allowed(cpu_graphs):
+def test_dispatcher_calls_replay_unless_inductor_graph_trees_may_be_warming_up(cpu_graphs, monkeypatch):
     from flce_compile.params import LossParams, encode_params
 
     x, w, t = _inputs(0)
     args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, False, False, False, "")
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: True)
     for _ in range(3):
         torch.ops.flce.fused_linear_cross_entropy(*args)
     assert not cpu_graphs
-    with graph_replay.allowed():
+    with graph_replay.allowed():  # a caller that knows (the flce backend's own graphs)
         for _ in range(2):
             torch.ops.flce.fused_linear_cross_entropy(*args)
     assert len(cpu_graphs) == 1
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: False)
+    w2 = w.clone()
+    args = (x, w2) + args[2:]
+    for _ in range(2):
+        torch.ops.flce.fused_linear_cross_entropy(*args)
+    assert len(cpu_graphs) == 2
     with graph_replay.disabled():
         fused_linear_cross_entropy(x, w, t)
-    assert len(cpu_graphs) == 1
+        fused_linear_cross_entropy(x, w2, t)
+    assert len(cpu_graphs) == 2
+
+
+@pytest.mark.parametrize("manager, expected", [(None, False), (object(), True), (RuntimeError("tls"), True)])
+def test_inductor_graph_trees_read_from_the_tree_manager(monkeypatch, manager, expected):
+    """A CUDA device's answer comes from Inductor's tree manager of this thread; an error reading it counts as
+    trees being there (no replay)."""
+    from torch._inductor import cudagraph_trees
+
+    def get_manager(device_index, create_if_none_exists=True):
+        assert device_index == 0 and create_if_none_exists is False
+        if isinstance(manager, Exception):
+            raise manager
+        return manager
+
+    monkeypatch.setattr(cudagraph_trees, "get_manager", get_manager)
+    assert graph_replay._inductor_graph_trees(torch.device("cuda", 0)) is expected
+    assert graph_replay._inductor_graph_trees(torch.device("cpu")) is False
 
 
 def test_per_token_losses_and_kept_logits_are_not_graphed(cpu_graphs):
