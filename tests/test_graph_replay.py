@@ -279,3 +279,23 @@ def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
     for a, b in zip(graphed, run()):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+
+
+def test_backend_wrapper_allows_replay_only_inside_the_compiled_call_and_keeps_boxed_calls():
+    from flce_compile.compiler.backend import _AllowGraphReplay
+
+    seen = []
+
+    def compiled(args):
+        seen.append(graph_replay._caller.allowed)
+        if args == ["boom"]:
+            raise RuntimeError("boom")
+        return args
+
+    compiled._boxed_call = True
+    wrapped = _AllowGraphReplay(compiled)
+    assert wrapped._boxed_call is True
+    assert wrapped([1]) == [1]
+    with pytest.raises(RuntimeError, match="boom"):
+        wrapped(["boom"])
+    assert seen == [True, True] and graph_replay._caller.allowed is False
