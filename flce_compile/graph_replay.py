@@ -179,10 +179,11 @@ class _Graph:
         return ForwardResult(out.loss.clone(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None,
                              grad_scale)
 
-    def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor], None],
+    def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None],
                     stream: Any) -> bool:
-        """Scale the outputs in place by grad_output * grad_scale through the captured ``scale`` (captured at
-        the second backward: the first compiles and warms what it launches). False: run it uncaptured."""
+        """Scale the outputs in place by grad_output through the captured ``scale(grads, grad_output,
+        grad_scale)`` (captured at the second backward: the first compiles and warms what it launches). False:
+        run it uncaptured."""
         self.backwards += 1
         if self.scale_graph is None:
             if self.scale_failed or self.backwards < 2:
@@ -192,7 +193,7 @@ class _Graph:
             grad_in = torch.empty_like(grad_output)
 
             def body() -> None:
-                scale(grads, grad_in.to(out.grad_scale.dtype) * out.grad_scale)
+                scale(grads, grad_in, out.grad_scale)
 
             with _cache.lock:  # one capture at a time on the device's capture stream
                 try:
@@ -248,9 +249,10 @@ def clear() -> None:
 
 def held_bytes(device: torch.device | None = None) -> int:
     """Bytes the captured graphs hold (their memory pools and input buffers), on ``device`` or all devices."""
+    wanted = None if device is None else _normal(torch.device(device))
     with _cache.lock:
         return sum(g.held_bytes for key, instances in _cache.graphs.items() for g in instances
-                   if device is None or key[0] == _normal(torch.device(device)))
+                   if wanted is None or key[0] == wanted)
 
 
 def graph_count() -> int:
@@ -378,9 +380,6 @@ def replayed_forward(
         return g.replay(ops.x, ops.target)
 
 
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:
     """Capture ``run`` on copies of the hidden states and targets, ordered after ``stream``."""
     x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
@@ -422,10 +421,10 @@ def _captured(fn: Callable[[], Any], device: torch.device, stream: Any, *, outpu
 
 
 def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
-                    scale: Callable[[tuple, torch.Tensor], None]) -> bool:
+                    scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]) -> bool:
     """Backward's scaling of a replayed forward's outputs (``grad_scale`` is its handed-out alias) by
-    ``grad_output``, replayed from a graph of ``scale(grads, factor)``; False when this call must run it
-    itself (not a replayed forward, an unusual grad_output, inside a capture or a dispatch mode)."""
+    ``grad_output``, replayed from a graph of ``scale(grads, grad_output, grad_scale)``; False when this call
+    must run it itself (not a replayed forward, an unusual grad_output, inside a capture or a dispatch mode)."""
     owner = getattr(grad_scale, "_flce_graph", None)
     if owner is None or type(grad_output) is not torch.Tensor or grad_output.dim() != 0:
         return False

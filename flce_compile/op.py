@@ -129,9 +129,10 @@ def _graph_bytes(ops: Operands, p: LossParams, cfg: FLCEConfig, accum_dtype: tor
     returns and its copies of the hidden states and targets."""
     n, h = ops.x.shape
     vocab, size = ops.weight.shape[0], ops.x.element_size()
-    working = peak_bytes(cfg, n, vocab, h, ops.x.dtype, accum_dtype, need_dw=grads.dw,
-                         need_db=grads.db and ops.bias is not None, softcap=p.softcap > 0, need_dx=grads.dx)
-    returned = (grads.dx * n * h + grads.dw * vocab * h + (grads.db and ops.bias is not None) * vocab) * size
+    need_db = grads.db and ops.bias is not None
+    working = peak_bytes(cfg, n, vocab, h, ops.x.dtype, accum_dtype, need_dw=grads.dw, need_db=need_db,
+                         softcap=p.softcap > 0, need_dx=grads.dx)
+    returned = (grads.dx * n * h + grads.dw * vocab * h + need_db * vocab) * size
     return working + returned + ops.x.nbytes + ops.target.nbytes
 
 
@@ -305,7 +306,7 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
     if grads[0].dtype == torch.float64:
         # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
         # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
-        g = grad_loss.to(grad_scale.dtype) * grad_scale
+        g = _factor(grad_loss, grad_scale)
         return tuple(t * g if t.numel() else t for t in grads)
     # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
     # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
@@ -313,17 +314,23 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
     if torch.compiler.is_compiling():
-        g = grad_loss.to(grad_scale.dtype) * grad_scale
+        g = _factor(grad_loss, grad_scale)
         return tuple(t * g if t.numel() else t for t in grads)
     # A replayed forward's outputs are scaled by a replayed graph too (two launches instead of a multiply and
     # a Triton launch: at small shapes backward is host-bound as well).
     if not graph_replay.scaled_by_graph(grad_scale, grad_loss, _scale_present):
-        _scale_present(grads, grad_loss.to(grad_scale.dtype) * grad_scale)
+        _scale_present(grads, grad_loss, grad_scale)
     return grads
 
 
-def _scale_present(grads: tuple[Tensor, Tensor, Tensor], g: Tensor) -> None:
-    """``t *= g`` for each non-empty gradient of ``grads``, each element rounded once."""
+def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
+    """The forward-computed gradients' factor, grad_output * grad_scale, in the loss's dtype."""
+    return grad_loss.to(grad_scale.dtype) * grad_scale
+
+
+def _scale_present(grads: tuple[Tensor, Tensor, Tensor], grad_loss: Tensor, grad_scale: Tensor) -> None:
+    """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads``, each element rounded once."""
+    g = _factor(grad_loss, grad_scale)
     present = [t for t in grads if t.numel()]
     if _kernel_scales(present, g):  # one launch for all of them
         from .kernels.scale_grads import scale_all_in_place

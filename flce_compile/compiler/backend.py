@@ -74,7 +74,7 @@ def _no_cuda_graphs_of_its_own(opts: FLCEOptions, mode: str | None, inner_option
 
 
 class _AllowGraphReplay:
-    """A compiled graph run with the fused op's CUDA-graph replay allowed (``graph_replay.allow``)."""
+    """A compiled graph run with the fused op's CUDA-graph replay allowed (``graph_replay.allowed``)."""
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         self.compiled = compiled
@@ -82,11 +82,8 @@ class _AllowGraphReplay:
         self._boxed_call = getattr(compiled, "_boxed_call", False)
 
     def __call__(self, *args: Any) -> Any:
-        previous = graph_replay.allow(True)
-        try:
+        with graph_replay.allowed():
             return self.compiled(*args)
-        finally:
-            graph_replay.allow(previous)
 
 
 def _inner_compiler(
