@@ -600,3 +600,30 @@ def test_backward_scale_traces_with_fake_cuda_tensors():
         t = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
         out = _scale_in_place(t, torch.empty((), device="cuda"))
         assert out.shape == (64, 32) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
+
+
+@pytest.mark.parametrize("chunk_tokens", [23, 8])
+def test_cpu_bf16_single_thread_gemms_read_no_chunk_padding(monkeypatch, chunk_tokens):
+    """torch's single-threaded CPU bf16 GEMM writes and reads one column past an odd width when a row's stride is
+    larger; with chunk rows padded to 128 bytes, garbage there turned rows of dX into NaN now and then. With every
+    fresh allocation NaN-filled, the padded layout failed every time; the CPU buffers are now exactly V wide."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    x, w, t = random_inputs(n=22, h=14, v=59, dtype=torch.bfloat16, seed=3)
+    ref_x, ref_w = x.double().requires_grad_(), w.double().requires_grad_()
+    reference_loss(ref_x, ref_w, t).backward()
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    torch.set_num_threads(1)
+    try:
+        x, w = x.requires_grad_(), w.requires_grad_()
+        fused_linear_cross_entropy(x, w, t, config={"strategy": "torch", "chunk_tokens": chunk_tokens}).backward()
+    finally:
+        torch.set_num_threads(threads)
+    for ours, ref in ((x.grad, ref_x.grad), (w.grad, ref_w.grad)):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-3)

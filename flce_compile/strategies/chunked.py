@@ -402,14 +402,19 @@ def _run_chunks(
     # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
     # the gradient, and are needed only when there is one.
     direct = logits_out is not None and row_stride == vocab and not wide
+    # On the CPU the buffers' rows are exactly the GEMMs' width: torch's single-threaded CPU bf16 GEMM (seen in
+    # 2.13) writes and reads one column past an odd width when the row stride is larger, so the padding got
+    # garbage and rows of dX came out NaN now and then. Aligned rows only pay off on the GPU.
+    buffer_stride = row_stride if device.type != "cpu" else gemm_vocab
     buffers = [
-        torch.empty(chunk, row_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
+        torch.empty(chunk, buffer_stride, dtype=x.dtype, device=device)[:, :gemm_vocab]
         for _ in range((2 if overlap else 1) if grads.any or not (direct or wide) else 0)
     ]
     # The fp32 logits: one buffer even with stream overlap, since only the main stream reads it (the side
     # stream's GEMMs read the gradient buffers). The gradient buffers' padding columns are then written by no
     # GEMM: zeroed once, so the padded dW/db rows stay exact zeros.
-    wide_buffer = torch.empty(chunk, row_stride, dtype=torch.float32, device=device)[:, :gemm_vocab] if wide else None
+    wide_buffer = (torch.empty(chunk, buffer_stride, dtype=torch.float32, device=device)[:, :gemm_vocab] if wide
+                   else None)
     bias32 = bias.float() if wide and bias is not None else None
     if wide and gemm_vocab != vocab:
         for buffer in buffers:
