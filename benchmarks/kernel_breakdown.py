@@ -60,14 +60,20 @@ def profile_call(step, reps: int = 3) -> dict[str, Any]:
         events = cuda_events(prof)
         busy, span = busy_and_span_ns(events)
         kinds: dict[str, list[float]] = {}
+        others: dict[str, float] = {}
         for e in events:
-            entry = kinds.setdefault(kind_of(e.name()), [0.0, 0])
+            kind = kind_of(e.name())
+            entry = kinds.setdefault(kind, [0.0, 0])
             entry[0] += e.duration_ns() / 1e6
             entry[1] += 1
-        runs.append({"span_ms": span / 1e6, "busy_ms": busy / 1e6, "kinds": kinds})
+            if kind == "other":
+                others[e.name()[:80]] = others.get(e.name()[:80], 0.0) + e.duration_ns() / 1e6
+        runs.append({"span_ms": span / 1e6, "busy_ms": busy / 1e6, "kinds": kinds, "others": others})
     best = sorted(runs, key=lambda r: r["span_ms"])[len(runs) // 2]
+    top = sorted(best["others"].items(), key=lambda kv: -kv[1])[:5]
     return {"span_ms": best["span_ms"], "busy_ms": best["busy_ms"],
-            "kinds": {k: {"ms": v[0], "count": v[1]} for k, v in sorted(best["kinds"].items())}}
+            "kinds": {k: {"ms": v[0], "count": v[1]} for k, v in sorted(best["kinds"].items())},
+            "top_other_ms": {name: round(ms, 4) for name, ms in top}}
 
 
 def floor_ms(x: torch.Tensor, w: torch.Tensor) -> float:
