@@ -6,6 +6,10 @@ columns without a mask and the last, partial block with one, so that its loads s
 alone: a multiple of 16 (48), whole blocks and a tail (53), a row shorter than one block (11, only the tail),
 whole blocks without a tail (8, which clamps the block to 8), with and without the options whose terms are
 summed per block (class weights with smoothing, softcap, z-loss), in place or into a separate gradient buffer.
+
+When the caller owns the rows' padding (``CEStepArgs.padded``, the chunk loop's buffers) a V that is not a multiple
+of 16 takes a third walk: one masked loop up to V rounded up to 16. Whatever the padding holds (nan, inf) must
+not reach the loss, and those columns' gradient is 0; the columns past that width stay untouched.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ BLOCK_V = 16
 
 
 def _step(step, store: torch.Tensor, vocab: int, target: torch.Tensor, ce_weight, p: LossParams,
-          separate_grad: bool):
+          separate_grad: bool, padded: bool = False):
     """One CE step on a copy of ``store``'s first ``vocab`` columns (its row stride kept): loss, lse, the
     gradient, the copy and the separate gradient's buffer (whose padding columns the step must leave alone)."""
     buffer = store.clone()
@@ -37,7 +41,8 @@ def _step(step, store: torch.Tensor, vocab: int, target: torch.Tensor, ce_weight
     scale = torch.tensor(1.0 / target.numel())
     loss, lse = torch.empty(target.numel()), torch.empty(target.numel())
     step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=scale,
-                    z_scale=scale, loss_out=loss, lse_out=lse, lse_in=None, write_grad=True, grad_out=grad),
+                    z_scale=scale, loss_out=loss, lse_out=lse, lse_in=None, write_grad=True, grad_out=grad,
+                    padded=padded),
          p, FLCEConfig(block_v=BLOCK_V))
     return loss, lse, grad if separate_grad else logits, buffer, grad_buffer
 
@@ -46,11 +51,22 @@ def _step(step, store: torch.Tensor, vocab: int, target: torch.Tensor, ce_weight
 WALKS = {48: False, 53: True, 11: True, 8: True}
 
 
+def _garbage_padding(store: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``store`` with nan, inf, -inf and a huge value cycling through its padding columns."""
+    store = store.clone()
+    junk = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38])
+    pad = store[:, vocab:]
+    pad.copy_(junk.repeat(pad.numel() // 4 + 1)[: pad.numel()].view_as(pad))
+    return store
+
+
 @pytest.mark.parametrize("vocab", list(WALKS), ids=["multiple-of-16", "blocks-and-tail", "tail-only",
                                                      "whole-blocks-no-tail"])
 @pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap"])
 @pytest.mark.parametrize("separate_grad", [False, True], ids=["in-place", "grad-out"])
-def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: bool, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["own-columns", "padded-rows"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter on the junk
+def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: bool, padded: bool, monkeypatch):
     from flce_compile.kernels import ce_chunk
 
     walks = []
@@ -59,27 +75,38 @@ def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: 
     class Spy:  # records which walk each launch takes
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                walks.append(kwargs["UNMASKED_BLOCKS"])
+                walks.append("padded" if kwargs["PADDED"] else "unmasked" if kwargs["UNMASKED_BLOCKS"] else "masked")
                 return real[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(ce_chunk, "ce_chunk_kernel", Spy())
     g = torch.Generator().manual_seed(vocab)
     rows = 5
-    # Rows padded to a multiple of 8 columns, as the chunk loop lays them out; the padding must stay untouched.
+    # Rows padded to a multiple of 8 columns, as the chunk loop lays them out (at least V rounded up to 16).
     stride = -(-vocab // 8) * 8 + 8
+    width = -(-vocab // 16) * 16
     store = torch.randn(rows, stride, generator=g) * 3
+    if padded:
+        store = _garbage_padding(store, vocab)
     target = torch.tensor([0, vocab - 1, vocab // 2, -100, vocab - 2])
     ce_weight, p = None, LossParams()
     if options != "plain":
         ce_weight = torch.rand(vocab, generator=g) + 0.5
         p = LossParams(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
     want = _step(ce_step_torch, store, vocab, target, ce_weight, p, separate_grad)
-    got = _step(ce_step_triton, store, vocab, target, ce_weight, p, separate_grad)
+    got = _step(ce_step_triton, store, vocab, target, ce_weight, p, separate_grad, padded)
     for name, a, b in zip(("loss", "lse", "grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    assert walks == [WALKS[vocab]]
+    takes_padded = padded and width > vocab
+    assert walks == ["padded" if takes_padded else "unmasked" if WALKS[vocab] else "masked"]
     assert torch.isfinite(got[2]).all()  # every column of every row written, the tail's included
     assert got[2].stride(0) == store.stride(0)
-    torch.testing.assert_close(got[3][:, vocab:], store[:, vocab:], rtol=0, atol=0)  # logits' padding untouched
-    assert torch.isnan(got[4][:, vocab:]).all()  # and the separate gradient's
+    grad_rows = got[4] if separate_grad else got[3]
+    written = width if takes_padded else vocab
+    if takes_padded:  # the padding up to V rounded up to 16 gets a gradient of 0
+        assert torch.equal(grad_rows[:, vocab:width], torch.zeros(rows, width - vocab))
+    if separate_grad:
+        torch.testing.assert_close(got[3][:, vocab:], store[:, vocab:], rtol=0, atol=0, equal_nan=True)  # logits'
+        assert torch.isnan(got[4][:, written:]).all()  # and the separate gradient's padding past what was written
+    else:
+        torch.testing.assert_close(got[3][:, written:], store[:, written:], rtol=0, atol=0, equal_nan=True)

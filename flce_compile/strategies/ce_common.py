@@ -30,6 +30,8 @@ class CEStepArgs:
         the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the slice's own lse of z, row 1
         z at the target when the target lies in the slice (else 0), row 2 the smoothing sum sum_c w_c z_c over
         the slice (w_c = 1 without class weights; 0 without label smoothing). Needs no ``lse_in``.
+    padded: the caller owns each row's columns up to V rounded up to 16 in ``logits`` and ``grad_out`` (the padding
+        of its own buffers): the kernel may read them, ignores what they hold, and writes them a gradient of 0.
     residual_out: (rows,) fp32 or None: with ``write_grad``, receives what rounding the gradient to its dtype
         took from each row's true-class entry, g_y - round(g_y) (0 where the target is not among the columns),
         which the loop adds back beside the GEMMs (``strategies.true_class``; the "precise" policy).
@@ -52,6 +54,7 @@ class CEStepArgs:
     num_classes: int | None = None
     stats_out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
+    padded: bool = False
 
     def classes(self) -> int:
         """How many classes the loss is over (the columns, unless the logits hold a slice)."""

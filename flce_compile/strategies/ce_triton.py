@@ -12,6 +12,10 @@ from ..plan.config import FLCEConfig
 from .ce_common import CEStepArgs
 
 
+#: A masked loop vectorizes its loads and stores when its bound is a multiple of this (elements).
+_VECTOR = 16
+
+
 def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
     """Launch ``ce_chunk_kernel`` over the chunk's rows (see ``CEStepArgs`` for the contract)."""
     from ..kernels.ce_chunk import ce_chunk_kernel
@@ -24,6 +28,10 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
     per_row = args.ce_scale.dim() == 1
     dummy = args.weight_sum  # any fp32 tensor stands in for pointers a constexpr flag disables
     grad = args.grad_out if args.grad_out is not None else logits
+    # The padded loop (see the kernel) needs rows that really are that wide.
+    width = -(-vocab // _VECTOR) * _VECTOR if args.padded else vocab
+    padded = width > vocab and logits.stride(0) >= width and grad.stride(0) >= width
+    width = width if padded else vocab
     ce_chunk_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -43,6 +51,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.residual_out if args.residual_out is not None else dummy,
         vocab,
         vocab - vocab % block_v,  # the whole blocks: without a mask when UNMASKED_BLOCKS (the kernel says why)
+        width,
         args.class_offset,
         args.classes(),
         p.ignore_index,
@@ -62,7 +71,9 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         WRITE_RESIDUAL=args.write_grad and args.residual_out is not None,
         # The rounding that matters is the gradient's (the logits may be fp32: FLCEConfig.fp32_logits).
         EMULATE_BF16_RTNE=grad.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        UNMASKED_BLOCKS=vocab % 16 != 0,
+        UNMASKED_BLOCKS=vocab % _VECTOR != 0 and not padded,
+        PADDED=padded,
+        SCALED=p.logit_scale != 1.0,
         BLOCK_V=block_v,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -459,7 +459,7 @@ def _run_chunks(
                 ce_step(
                     step_rows.chunk(_columns(logits, vocab), rows, write_grad=grads.any,
                                     grad_out=_columns(grad, vocab) if separate_grad else None,
-                                    residual_out=residual),
+                                    residual_out=residual, padded=not direct),
                     p,
                 )
                 if not grads.any:
@@ -518,7 +518,8 @@ class _StepRows:
     lse_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
-              grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> CEStepArgs:
+              grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+              padded: bool = False) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
             target=_take(self.target, rows.start, rows.stop),
@@ -532,6 +533,7 @@ class _StepRows:
             write_grad=write_grad,
             grad_out=grad_out,
             residual_out=residual_out,
+            padded=padded,
         )
 
 

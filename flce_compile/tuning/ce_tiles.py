@@ -106,8 +106,8 @@ class CEChunk(NamedTuple):
 
 class CEStepTimer:
     """Times ``ce_step_triton`` alone on one (rows, V) chunk of random logits, as the chunk loop launches it
-    (loss rows + in-place gradient, mean scales, rows at the loop's padded stride). Each run starts from
-    freshly refilled logits (the step overwrites them) and only the step is timed: CUDA events on a GPU,
+    (loss rows + in-place gradient, mean scales, rows at the loop's padded stride, which it may use). Each run
+    starts from freshly refilled logits (the step overwrites them) and only the step is timed: CUDA events on a GPU,
     ``perf_counter`` on the CPU (Triton's interpreter: the tests). ``warmup`` untimed runs first (the first
     compiles). Inputs are made once per (rows, V, dtype) and kept for the next tile; ``chunk`` hands them out
     (``benchmarks/ce_kernel_tiles.py`` checks each tile's loss on them)."""
@@ -136,7 +136,7 @@ class CEStepTimer:
             args = CEStepArgs(logits=logits, target=target, ce_weight=None,
                               weight_sum=torch.full((), float(vocab), device=device), ce_scale=scale,
                               z_scale=scale, loss_out=torch.empty(rows, device=device), lse_out=None,
-                              lse_in=None, write_grad=True)
+                              lse_in=None, write_grad=True, padded=True)
             self._cache[key] = CEChunk(source, logits, args)
         return self._cache[key]
 
