@@ -137,6 +137,27 @@ def test_cli_retunes_a_file_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert code == 0 and "skipped (done)" in capsys.readouterr().out
 
 
+def test_skip_existing_repicks_tiles_picked_for_another_kernel_revision():
+    """--skip-existing skips an entry only when its tile was picked by this torch, triton and CE kernel revision:
+    a pick without a revision (made before revisions were recorded) or of an older one is redone."""
+    from flce_compile.kernels import CE_CHUNK_REVISION
+    from flce_compile.tuning.cli_retune import _already_retuned
+
+    versions = db.versions()
+    here = {"torch": versions["torch"], "triton": versions["triton"]}
+    record = {"rows": 2048, "from": "8192:16:1", "to": "4096:8:1"}
+    current = make_entry(extra={"ce_tile_retune": {**record, "kernel_revision": CE_CHUNK_REVISION}}, **here)
+    unrevised = make_entry(extra={"ce_tile_retune": record}, **here)
+    older = make_entry(extra={"ce_tile_retune": {**record, "kernel_revision": CE_CHUNK_REVISION - 1}}, **here)
+    other_torch = dataclasses.replace(current, torch="0.0")
+    never = make_entry(**here)
+    assert _already_retuned(current, versions)
+    assert not any(_already_retuned(e, versions) for e in (unrevised, older, other_torch, never))
+    assert CE_CHUNK_REVISION >= 2  # the picks of 2026-12-01's kernel change must not count as done
+    picked = ce_tiles.pick_tile(_fast_tile_timer(), 64, 4096, torch.float32, (8192, 16, 1))
+    assert picked.record()["kernel_revision"] == CE_CHUNK_REVISION
+
+
 def test_cli_retune_interrupted_keeps_what_it_wrote(tmp_path, monkeypatch, capsys):
     from flce_compile.tuning import cli, measure
 

@@ -1,1 +1,9 @@
-"""Triton kernels, one a file."""
+"""Triton kernels, one a file.
+
+``CE_CHUNK_REVISION`` is importable without triton: the tuner records it with each CE tile it picks.
+"""
+
+#: Revision of ``ce_chunk.ce_chunk_kernel``, bumped when a change to it can change which tile is fastest (2: the
+#: padded walk and the leaner per-element math of 2026-12-01). ``flce-tune --retune-ce-tiles --skip-existing``
+#: re-picks the entries whose tile was picked for another revision.
+CE_CHUNK_REVISION = 2

@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..kernels import CE_CHUNK_REVISION
 from ..log import logger
 from ..params import LossParams
 from ..plan import registry
@@ -192,7 +193,8 @@ class TilePick:
         own, chosen = self.ms.get(tile_name(self.current)), self.ms.get(tile_name(self.chosen))
         return {"rows": self.rows, "from": tile_name(self.current), "to": tile_name(self.chosen),
                 "from_ms": None if own is None else round(own, 4),
-                "to_ms": None if chosen is None else round(chosen, 4), "tiles_timed": len(self.ms)}
+                "to_ms": None if chosen is None else round(chosen, 4), "tiles_timed": len(self.ms),
+                "kernel_revision": CE_CHUNK_REVISION}
 
 
 def pick_tile(timer: CETimer, rows: int, vocab: int, dtype: torch.dtype, current: Tile,

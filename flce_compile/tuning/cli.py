@@ -68,7 +68,7 @@ examples:
 
   # after a change to the CE kernel: re-pick the CE tile of every entry of this GPU in the shipped file (the
   # CE step timed alone, then the whole call against the default); a time-limited run resumes with
-  # --skip-existing
+  # --skip-existing, which skips only the tiles already picked for this CE kernel revision
   flce-tune --retune-ce-tiles --out tuning_db/ --time-budget-s 500
   flce-tune --retune-ce-tiles --out tuning_db/ --skip-existing
 

@@ -19,9 +19,13 @@ def _measured_tokens(entry: Any) -> int:
 
 
 def _already_retuned(entry: Any, versions: dict[str, str | None]) -> bool:
-    """Whether ``entry`` was re-picked by this torch and triton (what ``--skip-existing`` skips)."""
-    return ("ce_tile_retune" in entry.extra and entry.torch == versions["torch"]
-            and entry.triton == versions["triton"])
+    """Whether ``entry`` was re-picked by this torch and triton for this revision of the CE kernel (what
+    ``--skip-existing`` skips); a pick that records no revision was made for revision 1."""
+    from ..kernels import CE_CHUNK_REVISION  # noqa: PLC0415
+
+    record = entry.extra.get("ce_tile_retune")
+    return (isinstance(record, dict) and record.get("kernel_revision", 1) == CE_CHUNK_REVISION
+            and entry.torch == versions["torch"] and entry.triton == versions["triton"])
 
 
 #: The summary table's columns, one row per entry (``retune_ce_tiles``'s rows).
