@@ -542,8 +542,8 @@ class _StepRows:
 
 def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` (V, ...) with zero rows appended up to ``rows``: their logits are 0, and so is their gradient,
-    because the CE step never writes past column V. Only the appended rows are zeroed (not a fill of the whole
-    block before the copy)."""
+    because the CE step writes nothing or 0 past column V. Only the appended rows are zeroed (not a fill of the
+    whole block before the copy)."""
     out = t.new_empty((rows, *t.shape[1:]))
     out[: t.shape[0]].copy_(t)
     out[t.shape[0]:].zero_()
