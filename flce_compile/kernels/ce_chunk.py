@@ -23,8 +23,8 @@ keeps the one masked loop: it vectorizes as it is, and the unmasked loop costs r
 thread at 16384:32, Triton 3.9 compiling for sm_90: half the programs per SM; on an H200 that tile ran 27%
 slower at Gemma's 256000). Better still, when the caller owns its rows' padding (the chunk loop's buffers, rows
 padded to 128 bytes), ``PADDED`` walks the one masked loop up to ``width``, V rounded up to 16: every load and
-store vectorizes, the math masks the columns past V, and their gradient is written as 0 (GPT-2's 4096 x 50257
-chunk on an H200: 0.39 ms against 0.64 with the split loops, in a stripped kernel).
+store vectorizes, the math masks the columns past V, and their gradient is written as 0 (the CE step of a
+4096 x 768 x 50257 call on an H200: 0.73 -> 0.36 ms, with the per-element savings of the same change).
 """
 
 from __future__ import annotations
