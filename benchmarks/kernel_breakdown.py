@@ -67,7 +67,8 @@ def profile_call(step, reps: int = 3) -> dict[str, Any]:
             entry[0] += e.duration_ns() / 1e6
             entry[1] += 1
             if kind == "other":
-                others[e.name()[:80]] = others.get(e.name()[:80], 0.0) + e.duration_ns() / 1e6
+                name = e.name()[:80]
+                others[name] = others.get(name, 0.0) + e.duration_ns() / 1e6
         runs.append({"span_ms": span / 1e6, "busy_ms": busy / 1e6, "kinds": kinds, "others": others})
     best = sorted(runs, key=lambda r: r["span_ms"])[len(runs) // 2]
     top = sorted(best["others"].items(), key=lambda kv: -kv[1])[:5]

@@ -122,7 +122,8 @@ def allow(on: bool) -> bool:
 
 @contextlib.contextmanager
 def allowed() -> Iterator[None]:
-    """``allow(True)`` for the body (the ``flce`` backend's compiled graphs without CUDA graphs of their own)."""
+    """``allow(True)`` for the body (the eager call, and the ``flce`` backend's compiled graphs without CUDA
+    graphs of their own)."""
     previous = allow(True)
     try:
         yield

@@ -512,14 +512,10 @@ def call_fused(return_logits: bool, *args) -> tuple[Tensor, ...]:
     body, function = (_with_logits_body, _WithLogitsFunction) if return_logits else (_fused_forward_body,
                                                                                      _FusedFunction)
     # The eager call may replay CUDA graphs (``graph_replay``): nothing here can be inside another graph's warm-up.
-    previous = graph_replay.allow(True)
-    try:
-        with _profiled(op):
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
-                return function.apply(*args)
-            return body(*args)
-    finally:
-        graph_replay.allow(previous)
+    with graph_replay.allowed(), _profiled(op):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+            return function.apply(*args)
+        return body(*args)
 
 
 def _profiled(op) -> contextlib.AbstractContextManager:
