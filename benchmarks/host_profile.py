@@ -2,7 +2,11 @@
 
 For each mode: the median and least host time of a whole call (the GPU drained before each, as
 host_overhead.py times it), of its forward and of its backward alone, then the functions with the most own
-time over ``--calls`` back-to-back calls. Writes ``host_profile_<gpu>.txt`` (GPU name and versions first).
+time over ``--calls`` back-to-back calls. Then the floors of this host, timed the same way: one kernel launch, one
+graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden states and
+targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second graph,
+return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work.
+Writes ``host_profile_<gpu>.txt`` (GPU name and versions first).
 
     python benchmarks/host_profile.py                        # 2048x768x50304 bf16 on the GPU
     python benchmarks/host_profile.py --out benchmarks/results --top 30
@@ -79,6 +83,140 @@ def profile_mode(mode: str, shape: str, calls: int, top: int) -> str:
             + text.getvalue().strip() + "\n")
 
 
+def _stage_targets() -> list[tuple[object, str, str]]:
+    """(owner, attribute, label) of the functions ``stages`` times, in call order."""
+    import flce_compile.api as api
+    import flce_compile.op as op
+
+    return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
+            (api, "call_fused", "op.call_fused"),
+            (op._FusedFunction, "forward", "autograd.Function forward"),
+            (op, "_forward_result", "op body"),
+            (graph_replay, "replayed_forward", "graph_replay.replayed_forward"),
+            (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases"),
+            (op, "_keep_for_backward", "keep for backward"),
+            (op, "_backward", "op backward"),
+            (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")]
+
+
+def stages(shape: str, calls: int) -> str:
+    """Median host us per call of each stage of a replayed forward + backward (inclusive: a stage's time
+    holds the stages it calls), the GPU drained before each call."""
+    import flce_compile.api as api
+
+    n, h, v = (int(s) for s in shape.split("x"))
+    x, w, t = make_inputs(n, h, v)
+    x.requires_grad_()
+    w.requires_grad_()
+    set_cuda_graphs("auto")
+    spent: dict[str, float] = {}
+    originals = []
+
+    def timed(fn, label):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    for owner, name, label in _stage_targets():
+        original = owner.__dict__[name]
+        originals.append((owner, name, original))
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+        wrapped = timed(fn, label)
+        setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+    per_call: dict[str, list[float]] = {}
+    try:
+        for i in range(calls + 20):
+            x.grad = w.grad = None
+            torch.cuda.synchronize()
+            spent.clear()
+            start = time.perf_counter()
+            loss = api.fused_linear_cross_entropy(x, w, t)  # through the module: the timed wrapper
+            mid = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+            if i < 20:
+                continue
+            spent["whole call"], spent["loss.backward() (whole backward)"] = end - start, end - mid
+            for label, seconds in spent.items():
+                per_call.setdefault(label, []).append(seconds * 1e6)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    lines = [f"## Stages of a replayed call ({graph_replay.graph_count()} captured; us per call, median, "
+             "inclusive)", ""]
+    labels = [label for _, _, label in _stage_targets()]
+    for label in ["whole call"] + labels[:7] + ["loss.backward() (whole backward)"] + labels[7:]:
+        if label in per_call:
+            lines.append(f"- {label}: {statistics.median(per_call[label]):.0f}")
+    return "\n".join(lines) + "\n"
+
+
+class _ReplayFloor(torch.autograd.Function):
+    """The structure of a replayed call of our op, doing nothing else (see ``floors``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, parts):
+        parts["x"].copy_(x)
+        parts["t"].copy_(t)
+        parts["forward"].replay()
+        ctx.parts = parts
+        return parts["loss"].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = ctx.parts
+        parts["grad"].copy_(grad)
+        parts["backward"].replay()
+        return parts["dx"].detach(), parts["dw"].detach(), None, None
+
+
+def _graph_of(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
+
+
+def floors(shape: str, calls: int) -> str:
+    """Host us (median, least) of the pieces any replayed custom op pays, timed as a whole call is."""
+    n, h, v = (int(s) for s in shape.split("x"))
+    x, w, t = make_inputs(n, h, v)
+    x.requires_grad_()
+    w.requires_grad_()
+    small = torch.zeros(16, device="cuda")
+    parts = {"x": torch.empty_like(x), "t": torch.empty_like(t), "loss": torch.zeros((), device="cuda"),
+             "grad": torch.zeros((), device="cuda"), "dx": torch.zeros_like(x), "dw": torch.zeros_like(w)}
+    parts["forward"] = _graph_of(lambda: parts["loss"].add_(parts["x"][0, 0].float()))
+    parts["backward"] = _graph_of(lambda: parts["dx"][0].mul_(parts["grad"].to(x.dtype)))
+    one_node = _graph_of(lambda: small.add_(1))
+
+    def trivial_op() -> None:
+        x.grad = w.grad = None
+        _ReplayFloor.apply(x, w, t, parts).backward()
+
+    pieces = {"one kernel launch (small.add_(1))": lambda: small.add_(1),
+              "one graph replay (one node)": one_node.replay,
+              "copy_ of the hidden states": lambda: parts["x"].copy_(x),
+              "torch.cuda.current_stream()": torch.cuda.current_stream,
+              "trivial replayed autograd.Function, fwd+bwd": trivial_op}
+    lines = ["## Floors of this host (us: median, least; the GPU drained before each call)", ""]
+    for name, fn in pieces.items():
+        for _ in range(20):
+            fn()
+        median, least = _host_us(fn, calls)
+        lines.append(f"- {name}: {median:.0f}, {least:.0f}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="2048x768x50304", help="BT x H x V")
@@ -91,6 +229,7 @@ def main(argv: list[str] | None = None) -> str:
     gpu = torch.cuda.get_device_name()
     header = f"# host_profile: {gpu}, {versions()}, bf16 {args.shape}\n\n"
     report = header + "\n".join(profile_mode(mode, args.shape, args.calls, args.top) for mode in ("auto", "off"))
+    report += "\n" + stages(args.shape, args.calls) + "\n" + floors(args.shape, args.calls)
     set_cuda_graphs("auto")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"host_profile_{gpu.replace(' ', '_')}.txt"

@@ -120,15 +120,23 @@ def allow(on: bool) -> bool:
     return previous
 
 
-@contextlib.contextmanager
-def allowed() -> Iterator[None]:
+class _Allowed:
+    """``allowed``'s manager (a class: the eager call enters it every time)."""
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self) -> None:
+        self._previous = allow(True)
+
+    def __exit__(self, *exc: object) -> bool:
+        allow(self._previous)
+        return False
+
+
+def allowed() -> contextlib.AbstractContextManager:
     """``allow(True)`` for the body (the eager call, and the ``flce`` backend's compiled graphs without CUDA
     graphs of their own)."""
-    previous = allow(True)
-    try:
-        yield
-    finally:
-        allow(previous)
+    return _Allowed()
 
 
 @contextlib.contextmanager
@@ -180,8 +188,8 @@ class _Graph:
         return ForwardResult(out.loss.clone(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None,
                              grad_scale)
 
-    def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None],
-                    stream: Any) -> bool:
+    def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]
+                    ) -> bool:
         """Scale the outputs in place by grad_output through the captured ``scale(grads, grad_output,
         grad_scale)`` (captured at the second backward: the first compiles and warms what it launches). False:
         run it uncaptured."""
@@ -198,7 +206,8 @@ class _Graph:
 
             with _cache.lock:  # one capture at a time on the device's capture stream
                 try:
-                    self.scale_graph, _, pool_bytes = _captured(body, grad_output.device, stream, outputs=False)
+                    self.scale_graph, _, pool_bytes = _captured(body, grad_output.device,
+                                                                _current_stream(grad_output.device), outputs=False)
                 except Exception as exc:  # noqa: BLE001 - run it uncaptured
                     self.scale_failed = True
                     logger.warning("flce: CUDA-graph capture of the gradient scaling failed, running it "
@@ -306,8 +315,23 @@ def _inductor_graph_trees(device: torch.device) -> bool:
 
 
 def _current_stream(device: torch.device) -> Any:
-    """The calling stream (CUDA); None elsewhere (only the CPU tests of the cache get there)."""
+    """The calling stream (CUDA); None elsewhere (only the CPU tests of the cache get there). Only a capture
+    needs the object; keys use ``_stream_id``."""
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+# torch.cuda.current_stream builds a Stream object through Python (~10 us per call on the H200's host, issue
+# #13); the raw handle is one C call (what Inductor's generated code uses).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_id(device: torch.device) -> int | None:
+    """The calling stream's handle on ``device`` (CUDA; None elsewhere), to key graphs on."""
+    if device.type != "cuda":
+        return None
+    if _raw_stream is None:  # a torch without the raw call
+        return torch.cuda.current_stream(device).cuda_stream
+    return _raw_stream(device.index)
 
 
 def auto_pool_limit(device: torch.device) -> int:
@@ -342,8 +366,7 @@ def replayed_forward(
     if not _eligible(ops, grads_in_forward):
         return None
     device = ops.x.device
-    stream = _current_stream(device)
-    key = (device, getattr(stream, "cuda_stream", None), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
+    key = (device, _stream_id(device), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
            _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
            torch.is_inference_mode_enabled()) + key_extra
     with _cache.lock:
@@ -368,7 +391,7 @@ def replayed_forward(
         if len(_cache.captures) > 1024:
             _cache.captures.clear()
         try:
-            g = _capture(ops, run, stream)
+            g = _capture(ops, run, _current_stream(device))
         except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
             _cache.failed.add(key)
             logger.warning("flce: CUDA-graph capture of the fused op failed, running it uncaptured: %r", exc)
@@ -433,7 +456,7 @@ def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
         return False
     if grad_output.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    return owner.scale_grads(grad_output, scale, _current_stream(grad_output.device))
+    return owner.scale_grads(grad_output, scale)
 
 
 def _ended_or_reset(step: Callable[..., None], side: torch.cuda.Stream, **kwargs: Any) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -71,19 +71,43 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def op_context(device: torch.device) -> Iterator[None]:
+class _OpContext:
+    """``op_context``'s manager: a class, not a generator (entered on every call of the op, which the host
+    bounds at small shapes), and the device switched by index as ``torch.cuda.device`` does, without its
+    argument parsing."""
+
+    __slots__ = ("_index", "_previous", "_autocast_off")
+
+    def __init__(self, device: torch.device) -> None:
+        self._index = (-1 if device.type != "cuda" else
+                       device.index if device.index is not None else torch.cuda.current_device())
+        self._previous = -1
+        # Entering autocast costs a few microseconds per call; when it is off there is nothing to turn off.
+        autocast_on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+        self._autocast_off = torch.autocast(device.type, enabled=False) if autocast_on else None
+
+    def __enter__(self) -> None:
+        if self._autocast_off is not None:
+            self._autocast_off.__enter__()
+        if self._index >= 0:
+            self._previous = torch.cuda._exchange_device(self._index)
+
+    def __exit__(self, *exc: object) -> bool:
+        if self._index >= 0:
+            torch.cuda._maybe_exchange_device(self._previous)
+        if self._autocast_off is not None:
+            self._autocast_off.__exit__(*exc)
+        return False
+
+
+def op_context(device: torch.device) -> contextlib.AbstractContextManager:
     """The context of an op body: autocast off (the op's dtypes are final) and, on CUDA, ``device`` made current.
 
     Triton launches on the current device, and streams and events default to it, so without the guard a call
     whose tensors are all on cuda:1 while cuda:0 is current (Hugging Face's ``device_map="auto"`` puts the
     lm_head on the last GPU) fails in the kernel launch.
     """
-    device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    # Entering autocast costs a few microseconds per call; when it is off there is nothing to turn off.
-    autocast_on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-    with torch.autocast(device.type, enabled=False) if autocast_on else contextlib.nullcontext(), device_guard:
-        yield
+    return _OpContext(device)
 
 
 def _fused_forward_body(
@@ -100,6 +124,17 @@ def _fused_forward_body(
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
+    r = _forward_result(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx, compute_dw,
+                        compute_db, config)
+    lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
+    return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
+
+
+def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
+                    params: str, accum_dtype: torch.dtype, compute_dx: bool, compute_dw: bool, compute_db: bool,
+                    config: str) -> ForwardResult:
+    """The fused forward's results (``lse`` set when backward forms the gradients, else dx/dw/db as asked),
+    through a replayed CUDA graph where ``graph_replay`` takes the call."""
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
     later = grads_in_backward(p, config)
@@ -114,10 +149,7 @@ def _fused_forward_body(
             ops, (params, accum_dtype, cfg, grads), run, grads_in_forward=not later,
             estimated_bytes=lambda: _graph_bytes(ops, p, cfg, accum_dtype, grads),
         )
-        if r is None:
-            r = run(ops)
-    lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
-    return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
+        return r if r is not None else run(ops)
 
 
 fused_linear_cross_entropy_op = torch.library.custom_op("flce::fused_linear_cross_entropy",
@@ -255,16 +287,25 @@ _ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "params", "accum
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    args = dict(zip(_ARG_NAMES, inputs))
-    loss, lse, dx, dw, db, grad_scale = output
-    ctx.args = {k: v for k, v in args.items() if not isinstance(v, Tensor) and v is not None}
-    ctx.has_bias = args["bias"] is not None
+    _loss, lse, dx, dw, db, grad_scale = output
     ctx.mark_non_differentiable(lse, dx, dw, db, grad_scale)
     # Backward ignores the gradients of those outputs: without this, autograd would materialise them as
     # zero tensors of their size (a dX- and a dW-sized allocation in every backward).
     ctx.set_materialize_grads(False)
-    if grads_in_backward(decode_params(args["params"]), args["config"]):
-        ctx.save_for_backward(args["input"], args["weight"], args["target"], args["bias"], args["ce_weight"], lse)
+    _keep_for_backward(ctx, inputs, lse, dx, dw, db, grad_scale)
+
+
+def _keep_for_backward(ctx, inputs: tuple, lse: Tensor, dx: Tensor, dw: Tensor, db: Tensor, grad_scale: Tensor
+                       ) -> None:
+    """What ``_backward`` reads: the options, and the saved operands and lse (gradients formed in backward) or the
+    forward's gradients (``_keep_forward_grads``)."""
+    # By position (``_ARG_NAMES``), not through a dict of them: this runs on every call.
+    input, weight, target, bias, ce_weight, params, accum_dtype = inputs[:7]
+    config = inputs[10]
+    ctx.params, ctx.accum_dtype, ctx.config = params, accum_dtype, config
+    ctx.has_bias = bias is not None
+    if grads_in_backward(decode_params(params), config):
+        ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
     else:
         _keep_forward_grads(ctx, dx, dw, db, grad_scale)
 
@@ -374,16 +415,17 @@ def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -
     ) + (None,) * (len(_ARG_NAMES) - 4)
 
 
-def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db, _grad_scale):
+def _backward(ctx, grad_loss, *_other_outputs):
+    """The gradients of the op's inputs; only the loss's gradient counts (the other outputs are
+    non-differentiable, and the direct call returns the loss alone)."""
     _check_first_order()
-    a = ctx.args
-    need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     if grad_loss is None:  # the loss took no part in what is differentiated
         return _input_grads(ctx, None, None, None)
-    if grads_in_backward(decode_params(a["params"]), a["config"]):
+    if grads_in_backward(decode_params(ctx.params), ctx.config):
+        need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
-        args = (input, weight, target, bias, ce_weight, lse, grad_loss, a["params"], a["accum_dtype"], need_x, need_w,
-                bool(need_b and ctx.has_bias), a["config"])
+        args = (input, weight, target, bias, ce_weight, lse, grad_loss, ctx.params, ctx.accum_dtype, need_x, need_w,
+                bool(need_b and ctx.has_bias), ctx.config)
         dx, dw, db = (_backward_body(*args) if direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss)
                       else fused_linear_cross_entropy_backward_op(*args))
     else:
@@ -443,20 +485,27 @@ torch.library.register_autograd(
 
 
 class _FusedFunction(torch.autograd.Function):
-    """``flce::fused_linear_cross_entropy`` as a plain autograd.Function: the op's own body, setup_context and
-    backward (see ``call_fused``)."""
+    """``flce::fused_linear_cross_entropy`` as a plain autograd.Function (see ``call_fused``): the op's own
+    forward and backward, with the loss as its only output. The op's other outputs are non-differentiable and
+    the caller drops them; not forming them saves an empty lse, and autograd wraps one output instead of six
+    (a host cost on every call)."""
 
     @staticmethod
     def forward(ctx, *args):
         # ctx-style forward, not a separate setup_context: with one, Function.apply binds the arguments through
         # inspect.signature on every call (~20 us).
-        output = _fused_forward_body(*args)
-        _setup_context(ctx, args, output)
-        return output
+        r = _forward_result(*args)
+        input, weight = args[:2]
+        ctx.set_materialize_grads(False)  # as in _setup_context: an unused loss gives backward None
+        if r.lse is not None:
+            _keep_for_backward(ctx, args, r.lse, None, None, None, r.grad_scale)
+        else:
+            _keep_for_backward(ctx, args, None, *_grads_or_empty(input, weight, r.dx, r.dw, r.db), r.grad_scale)
+        return r.loss
 
     @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+    def backward(ctx, grad_loss):
+        return _backward(ctx, grad_loss)
 
 
 class _WithLogitsFunction(torch.autograd.Function):
@@ -473,7 +522,6 @@ class _WithLogitsFunction(torch.autograd.Function):
         return _backward_with_logits(ctx, *grads)
 
 
-_DIRECT_DEVICES = ("cpu", "cuda")
 #: Tensor types the direct call takes: plain tensors and parameters (an lm_head's weight), which dispatch alike.
 _DIRECT_TYPES = (Tensor, torch.nn.Parameter)
 
@@ -497,29 +545,45 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for t in tensors:
-        if t is not None and (type(t) not in _DIRECT_TYPES or t.device.type not in _DIRECT_DEVICES):
+        # is_cuda / is_cpu rather than t.device.type: no device object per tensor per call.
+        if t is not None and (type(t) not in _DIRECT_TYPES or not (t.is_cuda or t.is_cpu)):
             return False
     return True
 
 
-def call_fused(return_logits: bool, *args) -> tuple[Tensor, ...]:
-    """Call ``fused_linear_cross_entropy_op`` (or ``..._with_logits_op`` when ``return_logits``) on ``args``:
-    directly (``direct_call_ok``) or through the dispatcher. Both run the same body and autograd formula, so the
-    results are identical. The direct path names itself in a profiler trace as the op would."""
+def _function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` without ``Function.apply``'s Python wrapper, which only unwraps functorch's dead
+    wrappers (none on the direct path: ``direct_call_ok`` refuses functorch transforms) and costs ~3 us per call
+    on the CPU, more on a GPU host. Falls back to ``function.apply`` where torch lays it out otherwise."""
+    raw = getattr(super(torch.autograd.Function, function), "apply", None)
+    return raw if raw is not None and getattr(raw, "__self__", None) is function else function.apply
+
+
+_APPLY_FUSED = _function_apply(_FusedFunction)
+_APPLY_WITH_LOGITS = _function_apply(_WithLogitsFunction)
+
+
+def call_fused(return_logits: bool, *args) -> tuple[Tensor, Tensor | None]:
+    """Call ``fused_linear_cross_entropy_op`` (or ``..._with_logits_op`` when ``return_logits``) on ``args``,
+    directly (``direct_call_ok``) or through the dispatcher, and return (loss, logits or None). Both paths run
+    the same body and autograd formula, so the results are identical. The direct path names itself in a
+    profiler trace as the op would."""
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
     if not direct_call_ok(*args[:5]):
-        return op(*args)
-    body, function = (_with_logits_body, _WithLogitsFunction) if return_logits else (_fused_forward_body,
-                                                                                     _FusedFunction)
+        out = op(*args)
+    elif torch.autograd._profiler_enabled():  # a range named after the op, so traces look the same
+        with torch.autograd.profiler.record_function(op._qualname):
+            out = _call_direct(return_logits, args)
+    else:
+        out = _call_direct(return_logits, args)
+    if isinstance(out, Tensor):  # the direct autograd call of the plain op returns the loss alone
+        return out, None
+    return out[0], (out[1] if return_logits else None)
+
+
+def _call_direct(return_logits: bool, args: tuple) -> Tensor | tuple[Tensor, ...]:
     # The eager call may replay CUDA graphs (``graph_replay``): nothing here can be inside another graph's warm-up.
-    with graph_replay.allowed(), _profiled(op):
+    with graph_replay.allowed():
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
-            return function.apply(*args)
-        return body(*args)
-
-
-def _profiled(op) -> contextlib.AbstractContextManager:
-    """A profiler range named after the op while a profiler runs (free otherwise), so traces look the same."""
-    if torch.autograd._profiler_enabled():
-        return torch.autograd.profiler.record_function(op._qualname)
-    return contextlib.nullcontext()
+            return (_APPLY_WITH_LOGITS if return_logits else _APPLY_FUSED)(*args)
+        return _with_logits_body(*args) if return_logits else _forward_result(*args).loss

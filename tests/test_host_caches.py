@@ -175,6 +175,43 @@ def test_cached_encodings_change_with_the_options():
     assert encode_params(LossParams(label_smoothing=0.1)) != encode_params(LossParams())
 
 
+def test_params_arg_is_keyed_by_value_and_type_and_skips_tensors():
+    """The memoised loss options: equal options share one answer; a tensor scale is read afresh every call."""
+    first = api._params_arg(-100, "mean", 0.1, None, 1.0, 0.0)
+    assert api._params_arg(-100, "mean", 0.1, None, 1.0, 0.0) is first  # cached
+    assert first == (LossParams(label_smoothing=0.1), encode_params(LossParams(label_smoothing=0.1)))
+    assert api._params_arg(-100, "mean", 0.1, 30.0, 1.0, 0.0)[0].softcap == 30.0
+    assert api._params_arg(-100, "mean", 0.1, float("inf"), 1.0, 0.0)[0].softcap == 0.0  # an infinite cap is none
+    assert api._params_arg(True, "mean", 0.0, None, 1.0, 0.0)[0].ignore_index == 1
+    scale = torch.tensor(2.0)
+    assert api._params_arg(-100, "mean", 0.0, None, scale, 0.0)[0].logit_scale == 2.0
+    scale.fill_(3.0)  # changed in place: a memoised answer would still say 2.0
+    assert api._params_arg(-100, "mean", 0.0, None, scale, 0.0)[0].logit_scale == 3.0
+    x, w, t = _inputs()
+    scaled = [float(flce_compile.fused_linear_cross_entropy(x, w, t, logit_scale=scale)) for _ in range(2)]
+    scale.fill_(1.0)
+    assert float(flce_compile.fused_linear_cross_entropy(x, w, t, logit_scale=scale)) != scaled[0] == scaled[1]
+
+
+def test_direct_call_adds_one_backward_node():
+    """A 2-D input is not reshaped (a view would add a node to every backward) and the direct call's node has
+    one output, the loss; a 3-D input still gets its view, and equal gradients."""
+    x, w, t = _inputs()
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = flce_compile.fused_linear_cross_entropy(xg, wg, t)
+    nodes = [fn for fn, _ in loss.grad_fn.next_functions if fn is not None]
+    assert [type(fn).__name__ for fn in nodes] == ["AccumulateGrad", "AccumulateGrad"]
+    assert {id(fn.variable) for fn in nodes} == {id(xg), id(wg)}
+    loss.backward()
+    x3 = x.clone().view(3, 4, 8).requires_grad_()
+    w3 = w.clone().requires_grad_()
+    loss3 = flce_compile.fused_linear_cross_entropy(x3, w3, t.view(3, 4))
+    loss3.backward()
+    torch.testing.assert_close(loss3, loss, rtol=0, atol=0)
+    torch.testing.assert_close(x3.grad.view(12, 8), xg.grad, rtol=0, atol=0)
+    torch.testing.assert_close(w3.grad, wg.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("valid", [0, 1, 3, 7, 1000, 1023, 1025, 3000])
 def test_scales_kernel_equals_the_torch_scales(valid, split):
