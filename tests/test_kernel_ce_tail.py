@@ -110,3 +110,44 @@ def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: 
         assert torch.isnan(got[4][:, written:]).all()  # and the separate gradient's padding past what was written
     else:
         torch.testing.assert_close(got[3][:, written:], store[:, written:], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("vocab", [48, 53])
+@pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap", "scaled"])
+@pytest.mark.parametrize("padded", [False, True], ids=["own-columns", "padded-rows"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_ignored_rows_without_lse_output(vocab: int, options: str, padded: bool):
+    """Without an lse output (the usual forward) an ignored row is skipped: its loss and gradient are 0 whatever
+    its logits hold, and the other rows equal the torch step's, with every column up to the width written."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    rows, stride = 6, -(-vocab // 8) * 8 + 8
+    width = -(-vocab // 16) * 16 if padded else vocab
+    clean = torch.randn(rows, stride, generator=g) * 3
+    target = torch.tensor([1, -100, vocab - 1, -100, vocab // 2, 0])
+    ce_weight, p = None, LossParams()
+    if options == "weighted-smoothing-softcap":
+        ce_weight = torch.rand(vocab, generator=g) + 0.5
+        p = LossParams(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
+    elif options == "scaled":
+        p = LossParams(logit_scale=-0.7)
+    junk = clean.clone()
+    junk[1] = float("nan")  # an ignored row's logits are never part of the answer
+    junk[3, ::2] = float("inf")
+
+    def step(fn, store):
+        buffer = store.clone()
+        logits = buffer[:, :vocab]
+        weight_sum = ce_weight.sum() if ce_weight is not None else torch.tensor(float(vocab))
+        scale = torch.tensor(1.0 / 4)
+        loss = torch.empty(rows)
+        fn(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=scale,
+                      z_scale=scale, loss_out=loss, lse_out=None, lse_in=None, write_grad=True, padded=padded),
+           p, FLCEConfig(block_v=BLOCK_V))
+        return loss, buffer
+
+    want_loss, want = step(ce_step_torch, clean)
+    got_loss, got = step(ce_step_triton, junk)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:, :vocab], want[:, :vocab], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[[1, 3], :width], torch.zeros(2, width))  # ignored rows: zeros up to the width
+    assert got_loss[1] == 0 and got_loss[3] == 0

@@ -4,6 +4,7 @@
 """
 
 #: Revision of ``ce_chunk.ce_chunk_kernel``, bumped when a change to it can change which tile is fastest (2: the
-#: padded walk and the leaner per-element math of 2026-12-01). ``flce-tune --retune-ce-tiles --skip-existing``
-#: re-picks the entries whose tile was picked for another revision.
-CE_CHUNK_REVISION = 2
+#: padded walk and the leaner per-element math of 2026-12-01; 3: ignored rows skipped, and pass 1's -inf fill
+#: instead of a select, later that day). ``flce-tune --retune-ce-tiles --skip-existing`` re-picks the entries
+#: whose tile was picked for another revision.
+CE_CHUNK_REVISION = 3

@@ -10,6 +10,10 @@ policy): every load is converted to fp32 and the store is the one rounding, so n
 With ``WRITE_RESIDUAL`` (that policy too) each row also writes what that rounding took from its true-class
 entry, g_y - round(g_y) in fp32 (0 when another slice holds the target), for the loop to add back.
 
+An ignored row (target == ignore_index) has loss 0 and gradient 0: unless its lse or statistics are outputs,
+neither pass reads its logits, and its gradient row is written as zeros (padding and prompt tokens can be a large
+share of a batch).
+
 A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
 (``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss
 (``WRITE_LOSS``) needs whole rows. ``WRITE_STATS`` writes a slice's partial statistics instead (its own lse,
@@ -70,16 +74,24 @@ def _load_block(ptr, offs, vocab, MASKED: tl.constexpr):
 @triton.jit
 def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, running_sum, weighted_z,
                    logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                   HAS_CE_WEIGHT: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr):
+                   HAS_CE_WEIGHT: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr,
+                   PADDED: tl.constexpr):
     """One block of pass 1: the online max/sum (and the smoothing sum) updated with the logits at ``offs``.
     MASKED: the block may run past ``vocab`` (see the module's docstring for when a block is not); loads stop at
-    ``width`` (V, or the padded row: the columns past V then load whatever they hold and are masked here)."""
-    raw = _load_block(row_ptr, offs, width, MASKED)
-    z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)  # finite where masked (raw = 0)
-    if MASKED:
-        z_max = tl.where(offs < vocab, z, -float("inf"))
-    else:
+    ``width`` (V, or with PADDED the padded row: the columns past V then load whatever they hold and are masked
+    here)."""
+    if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED and not HAS_SMOOTHING:
+        # The load's mask is the class mask and z is the raw logit: loading -inf past V masks the max and the
+        # sum without a select an element (the kernel is near its issue limit).
+        z = tl.load(row_ptr + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
         z_max = z
+    else:
+        raw = _load_block(row_ptr, offs, width, MASKED)
+        z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)  # finite where masked (raw = 0)
+        if MASKED:
+            z_max = tl.where(offs < vocab, z, -float("inf"))
+        else:
+            z_max = z
     new_max = tl.maximum(running_max, tl.max(z_max, axis=0))
     # While every logit so far is -inf (classes masked through the bias) the max is -inf too: shift by 0
     # then, since -inf - -inf would make the sum nan. Exact either way: the sum is 0 until a finite logit.
@@ -100,12 +112,13 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
 
 @triton.jit
 def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width, target_col, lse, coef,
-                    true_class, ce_scale, smooth_per_class, logit_scale, softcap, ignored, residual,
+                    true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual,
                     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                     WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, MASKED: tl.constexpr,
                     PADDED: tl.constexpr, SCALED: tl.constexpr):
-    """One block of pass 2: dloss/dlogits at ``offs`` stored to the gradient row; returns the running residual.
-    MASKED and ``width`` as in ``_softmax_block``; with PADDED (``width`` > V) the columns past V get 0."""
+    """One block of pass 2: dloss/dlogits at ``offs`` stored to the gradient row (of a row that is not ignored:
+    ``_zero_row`` writes those); returns the running residual. MASKED and ``width`` as in ``_softmax_block``;
+    with PADDED (``width`` > V) the columns past V get 0."""
     raw = _load_block(row_ptr, offs, width, MASKED)
     z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)
     g = coef * tl.exp(z - lse) - tl.where(offs == target_col, true_class, 0.0)
@@ -118,9 +131,6 @@ def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width,
         g = g * (1.0 - t * t)
     if SCALED:
         g = g * logit_scale
-    # Selected, not multiplied: an ignored row's gradient is exactly 0 whatever its factors (a fully
-    # masked "mean" batch has infinite ones).
-    g = tl.where(ignored, 0.0, g)
     if PADDED:
         g = tl.where(offs < vocab, g, 0.0)
     stored = (_round_bf16_rtne(g) if EMULATE_BF16_RTNE else g).to(grad_row_ptr.dtype.element_ty)
@@ -130,6 +140,72 @@ def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width,
         tl.store(grad_row_ptr + offs, stored, mask=offs < width)
     else:
         tl.store(grad_row_ptr + offs, stored)
+    return residual
+
+
+@triton.jit
+def _zero_row(grad_row_ptr, cols, width, BLOCK_V: tl.constexpr):
+    """An ignored row's gradient: 0 up to ``width``, written without reading its logits. Written, not
+    multiplied: 0 whatever the row's factors (a fully masked "mean" batch has infinite ones)."""
+    zeros = tl.zeros([BLOCK_V], dtype=grad_row_ptr.dtype.element_ty)
+    for start in range(0, width, BLOCK_V):
+        tl.store(grad_row_ptr + start + cols, zeros, mask=start + cols < width)
+
+
+@triton.jit
+def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, logit_scale, softcap,
+                  HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
+                  UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """Pass 1 over a row: (running max, running sum, weighted sum of z) of its classes."""
+    running_max = -float("inf")
+    running_sum = 0.0
+    weighted_z = 0.0
+    if UNMASKED_BLOCKS:
+        for start in range(0, vocab_full, BLOCK_V):
+            running_max, running_sum, weighted_z = _softmax_block(
+                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, weighted_z,
+                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False, SCALED=SCALED,
+                PADDED=False)
+        if vocab_full < vocab:
+            running_max, running_sum, weighted_z = _softmax_block(
+                row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, running_max, running_sum, weighted_z,
+                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
+                PADDED=False)
+    else:
+        for start in range(0, width, BLOCK_V):
+            running_max, running_sum, weighted_z = _softmax_block(
+                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, weighted_z,
+                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
+                PADDED=PADDED)
+    return running_max, running_sum, weighted_z
+
+
+@triton.jit
+def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, lse,
+                   coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
+                   HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
+                   WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, UNMASKED_BLOCKS: tl.constexpr,
+                   PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 2 over a row that is not ignored: its gradient written; returns the true-class residual."""
+    residual = 0.0
+    if UNMASKED_BLOCKS:
+        for start in range(0, vocab_full, BLOCK_V):
+            residual = _gradient_block(
+                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, lse, coef,
+                true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING,
+                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=False, PADDED=False, SCALED=SCALED)
+        if vocab_full < vocab:
+            residual = _gradient_block(
+                row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, lse, coef,
+                true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING,
+                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
+    else:
+        for start in range(0, width, BLOCK_V):
+            residual = _gradient_block(
+                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, lse, coef,
+                true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING,
+                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
     return residual
 
 
@@ -193,26 +269,20 @@ def ce_chunk_kernel(
         lse = tl.load(lse_in_ptr + row)
         weighted_z = 0.0
     else:
-        running_max = -float("inf")
-        running_sum = 0.0
-        weighted_z = 0.0
-        if UNMASKED_BLOCKS:
-            for start in range(0, vocab_full, BLOCK_V):
-                running_max, running_sum, weighted_z = _softmax_block(
-                    row_ptr, ce_weight_ptr + class_offset, start + cols, vocab, width, running_max, running_sum,
-                    weighted_z, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False,
-                    SCALED=SCALED)
-            if vocab_full < vocab:
-                running_max, running_sum, weighted_z = _softmax_block(
-                    row_ptr, ce_weight_ptr + class_offset, vocab_full + cols, vocab, width, running_max,
-                    running_sum, weighted_z, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT,
-                    MASKED=True, SCALED=SCALED)
+        if WRITE_LSE or WRITE_STATS:  # every row's statistics are outputs
+            running_max, running_sum, weighted_z = _softmax_pass(
+                row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         else:
-            for start in range(0, width, BLOCK_V):
-                running_max, running_sum, weighted_z = _softmax_block(
-                    row_ptr, ce_weight_ptr + class_offset, start + cols, vocab, width, running_max, running_sum,
-                    weighted_z, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True,
-                    SCALED=SCALED)
+            # An ignored row's loss is 0 and its gradient 0: its logits are not read (padding and prompt tokens
+            # can be a large share of a batch). Its lse stays -inf, unused.
+            running_max = -float("inf")
+            running_sum = 0.0
+            weighted_z = 0.0
+            if ignored == 0:
+                running_max, running_sum, weighted_z = _softmax_pass(
+                    row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         lse = running_max + tl.log(running_sum)
 
     if HAS_CE_WEIGHT:
@@ -253,27 +323,14 @@ def ce_chunk_kernel(
         true_class = ce_scale * (1.0 - label_smoothing) * w_y
         # An invalid target makes the whole row nan: through its factor, not a select an element.
         coef = tl.where(invalid, float("nan"), coef)
-        residual = 0.0
         grad_row_ptr = grad_ptr + row * grad_stride_row
-        if UNMASKED_BLOCKS:
-            for start in range(0, vocab_full, BLOCK_V):
-                residual = _gradient_block(
-                    row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, start + cols, vocab, width, target_col,
-                    lse, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, ignored, residual,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=False,
-                    PADDED=False, SCALED=SCALED)
-            if vocab_full < vocab:
-                residual = _gradient_block(
-                    row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, vocab_full + cols, vocab, width, target_col,
-                    lse, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, ignored, residual,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
-                    PADDED=PADDED, SCALED=SCALED)
+        residual = 0.0
+        if ignored:
+            _zero_row(grad_row_ptr, cols, width, BLOCK_V)
         else:
-            for start in range(0, width, BLOCK_V):
-                residual = _gradient_block(
-                    row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, start + cols, vocab, width, target_col,
-                    lse, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, ignored, residual,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
-                    PADDED=PADDED, SCALED=SCALED)
+            residual = _gradient_pass(
+                row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, target_col, lse,
+                coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         if WRITE_RESIDUAL:
             tl.store(residual_ptr + row, residual)
