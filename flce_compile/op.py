@@ -87,16 +87,21 @@ class _OpContext:
         self._autocast_off = torch.autocast(device.type, enabled=False) if autocast_on else None
 
     def __enter__(self) -> None:
-        if self._autocast_off is not None:
-            self._autocast_off.__enter__()
         if self._index >= 0:
             self._previous = torch.cuda._exchange_device(self._index)
+        if self._autocast_off is not None:
+            try:
+                self._autocast_off.__enter__()
+            except BaseException:  # leave nothing switched
+                if self._index >= 0:
+                    torch.cuda._maybe_exchange_device(self._previous)
+                raise
 
     def __exit__(self, *exc: object) -> bool:
-        if self._index >= 0:
-            torch.cuda._maybe_exchange_device(self._previous)
         if self._autocast_off is not None:
             self._autocast_off.__exit__(*exc)
+        if self._index >= 0:
+            torch.cuda._maybe_exchange_device(self._previous)
         return False
 
 
@@ -545,10 +550,16 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for t in tensors:
-        # is_cuda / is_cpu rather than t.device.type: no device object per tensor per call.
-        if t is not None and (type(t) not in _DIRECT_TYPES or not (t.is_cuda or t.is_cpu)):
+        # is_cuda / is_cpu rather than t.device.type: no device object per tensor per call. A functorch wrapper
+        # that outlived its transform (a "dead" one, leaked out of torch.func.grad) is a plain Tensor by type; the
+        # registered op unwraps it, as Function.apply's Python wrapper, which the direct call skips, would.
+        if t is not None and (type(t) not in _DIRECT_TYPES or not (t.is_cuda or t.is_cpu)
+                              or _is_functorch_wrapped(t)):
             return False
     return True
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

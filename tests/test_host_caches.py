@@ -165,6 +165,26 @@ def test_direct_call_steps_aside_for_modes_and_meta():
     assert any("flce.fused_linear_cross_entropy" in name for name in seen)  # the mode saw the op, as before
 
 
+def test_a_leaked_functorch_wrapper_goes_through_the_registered_op():
+    """A tensor leaked out of torch.func.grad is a dead functorch wrapper of plain type: the direct call must
+    leave it to the registered op (Function.apply's Python wrapper would have unwrapped it), and backward works."""
+    x, w, t = _inputs()
+    leaked = []
+
+    def f(x):
+        y = x * 2
+        leaked.append(y)
+        return y.sum()
+
+    torch.func.grad(f)(x)
+    assert not op.direct_call_ok(leaked[0], w, t, None, None)
+    wg = w.clone().requires_grad_()
+    flce_compile.fused_linear_cross_entropy(leaked[0], wg, t).backward()
+    wp = w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy((x * 2) @ wp.t(), t).backward()
+    torch.testing.assert_close(wg.grad, wp.grad)
+
+
 def test_cached_encodings_change_with_the_options():
     """Different loss options give different op arguments (a stale cached encoding would compute another loss)."""
     x, w, t = _inputs()

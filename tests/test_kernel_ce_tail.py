@@ -113,12 +113,12 @@ def test_tail_block_matches_torch_step(vocab: int, options: str, separate_grad: 
 
 
 @pytest.mark.parametrize("vocab", [48, 53])
-@pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap", "scaled"])
+@pytest.mark.parametrize("options", ["plain", "weighted-smoothing-softcap", "scaled", "weighted", "z-loss"])
 @pytest.mark.parametrize("padded", [False, True], ids=["own-columns", "padded-rows"])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_ignored_rows_without_lse_output(vocab: int, options: str, padded: bool):
     """Without an lse output (the usual forward) an ignored row is skipped: its loss and gradient are 0 whatever
-    its logits hold, and the other rows equal the torch step's, with every column up to the width written."""
+    its logits hold, the other rows equal the torch step's, and every row's padding up to the width gets 0."""
     g = torch.Generator().manual_seed(vocab + 1)
     rows, stride = 6, -(-vocab // 8) * 8 + 8
     width = -(-vocab // 16) * 16 if padded else vocab
@@ -130,6 +130,11 @@ def test_ignored_rows_without_lse_output(vocab: int, options: str, padded: bool)
         p = LossParams(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
     elif options == "scaled":
         p = LossParams(logit_scale=-0.7)
+    elif options == "weighted":  # the -inf fill of pass 1 with class weights (one of them 0)
+        ce_weight = torch.rand(vocab, generator=g) + 0.5
+        ce_weight[0] = 0.0
+    elif options == "z-loss":
+        p = LossParams(z_loss=1e-3)
     junk = clean.clone()
     junk[1] = float("nan")  # an ignored row's logits are never part of the answer
     junk[3, ::2] = float("inf")
@@ -150,4 +155,5 @@ def test_ignored_rows_without_lse_output(vocab: int, options: str, padded: bool)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[:, :vocab], want[:, :vocab], rtol=1e-5, atol=1e-6)
     assert torch.equal(got[[1, 3], :width], torch.zeros(2, width))  # ignored rows: zeros up to the width
+    assert torch.equal(got[:, vocab:width], torch.zeros(rows, width - vocab))  # every row's padding: 0
     assert got_loss[1] == 0 and got_loss[3] == 0
