@@ -1,0 +1,44 @@
+"""benchmarks/host_profile.py's stage timings on the CPU, with a stand-in for the CUDA graph (the real run needs a
+GPU): every stage it names exists, is timed, and is put back afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import _common, host_profile
+from flce_compile import graph_replay
+
+
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+@pytest.fixture
+def cpu_stand_in(monkeypatch):
+    def captured(fn, device, stream, *, outputs=True):
+        result = fn() if outputs else None
+        return _NoReplay(), result, 0
+
+    monkeypatch.setattr(graph_replay, "_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(graph_replay, "_captured", captured)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(host_profile, "make_inputs", lambda n, h, v: _common.make_inputs(n, h, v, device="cpu"))
+    monkeypatch.setattr(host_profile, "set_cuda_graphs", lambda mode: graph_replay.set_cuda_graphs("on"))
+    graph_replay.clear()
+    yield
+    graph_replay.set_cuda_graphs("auto")
+    graph_replay.clear()
+
+
+def test_stages_times_every_named_stage_and_restores_them(cpu_stand_in):
+    targets = host_profile._stage_targets()
+    before = [owner.__dict__[name] for owner, name, _ in targets]
+    text = host_profile.stages("16x8x32", 4)
+    assert "(1 captured;" in text  # the calls were replayed, as on the GPU
+    for _, _, label in targets:
+        line = next(line for line in text.splitlines() if line.startswith(f"- {label}: "))
+        assert int(line.rsplit(": ", 1)[1]) >= 0
+    assert "- whole call: " in text and "- loss.backward() (whole backward): " in text
+    assert [owner.__dict__[name] for owner, name, _ in targets] == before  # nothing left wrapped
