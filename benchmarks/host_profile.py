@@ -2,7 +2,9 @@
 
 For each mode: the median and least host time of a whole call (the GPU drained before each, as
 host_overhead.py times it), of its forward and of its backward alone, then the functions with the most own
-time over ``--calls`` back-to-back calls. Then the floors of this host, timed the same way: one kernel launch, one
+time over ``--calls`` back-to-back calls. Then the stages of a call (``stages``: inclusive host time of each
+step of the op's path, and how many graph replays a call made), called eagerly and from inside the user's own
+``torch.compile``. Then the floors of this host, timed the same way: one kernel launch, one
 graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden states and
 targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second graph,
 return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work.
@@ -83,37 +85,51 @@ def profile_mode(mode: str, shape: str, calls: int, top: int) -> str:
             + text.getvalue().strip() + "\n")
 
 
-def _stage_targets() -> list[tuple[object, str, str]]:
-    """(owner, attribute, label) of the functions ``stages`` times, in call order."""
+#: How ``stages`` calls the op: as users call it eagerly, or inside their own ``torch.compile``.
+STAGE_CALLERS = ("eager", "in-compile")
+
+
+def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
+    """(owner, attribute, label) of the functions ``stages`` times, in call order. Inside torch.compile only
+    what runs at run time is timed: the API is traced away, and backward is the compiled graph's."""
     import flce_compile.api as api
     import flce_compile.op as op
 
-    return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
-            (api, "call_fused", "op.call_fused"),
-            (op._FusedFunction, "forward", "autograd.Function forward"),
-            (op, "_forward_result", "op body"),
+    body = [(op, "_forward_result", "op body"),
             (graph_replay, "replayed_forward", "graph_replay.replayed_forward"),
-            (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases"),
-            (op, "_keep_for_backward", "keep for backward"),
-            (op, "_backward", "op backward"),
-            (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")]
+            (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases")]
+    if caller == "in-compile":
+        return body
+    return ([(api, "fused_linear_cross_entropy", "api call (whole forward)"),
+             (api, "call_fused", "op.call_fused"),
+             (op._FusedFunction, "forward", "autograd.Function forward")] + body
+            + [(op, "_keep_for_backward", "keep for backward"),
+               (op, "_backward", "op backward"),
+               (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")])
 
 
-def stages(shape: str, calls: int) -> str:
-    """Median host us per call of each stage of a replayed forward + backward (inclusive: a stage's time
-    holds the stages it calls), the GPU drained before each call."""
+def stages(shape: str, calls: int, caller: str = "eager", compile_backend: str = "inductor") -> str:
+    """Median host us per call of each stage of a forward + backward (inclusive: a stage's time holds the
+    stages it calls), the GPU drained before each call, and how many graph replays a call made (0: the op ran
+    its chunk loop uncaptured). ``caller``: "eager" (the API called directly) or "in-compile" (the API inside a
+    ``torch.compile(backend=compile_backend)`` of the user's)."""
     import flce_compile.api as api
 
+    if caller not in STAGE_CALLERS:
+        raise ValueError(f"caller={caller!r}: use one of {STAGE_CALLERS}")
     n, h, v = (int(s) for s in shape.split("x"))
     x, w, t = make_inputs(n, h, v)
     x.requires_grad_()
     w.requires_grad_()
     set_cuda_graphs("auto")
     spent: dict[str, float] = {}
+    replays = [0]
     originals = []
 
     def timed(fn, label):
         def wrapper(*args, **kwargs):
+            if label.startswith("graph replay"):
+                replays[0] += 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -121,20 +137,30 @@ def stages(shape: str, calls: int) -> str:
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
         return wrapper
 
-    for owner, name, label in _stage_targets():
+    targets = _stage_targets(caller)
+    for owner, name, label in targets:
         original = owner.__dict__[name]
         originals.append((owner, name, original))
         fn = original.__func__ if isinstance(original, staticmethod) else original
         wrapped = timed(fn, label)
         setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+    if caller == "eager":
+        def loss_fn(a, b, c):
+            return api.fused_linear_cross_entropy(a, b, c)  # through the module: the timed wrapper
+    else:
+        torch._dynamo.reset()
+        loss_fn = torch.compile(lambda a, b, c: api.fused_linear_cross_entropy(a, b, c), backend=compile_backend,
+                                dynamic=False)
     per_call: dict[str, list[float]] = {}
+    replays_per_call = []
     try:
         for i in range(calls + 20):
             x.grad = w.grad = None
             torch.cuda.synchronize()
             spent.clear()
+            replays[0] = 0
             start = time.perf_counter()
-            loss = api.fused_linear_cross_entropy(x, w, t)  # through the module: the timed wrapper
+            loss = loss_fn(x, w, t)
             mid = time.perf_counter()
             loss.backward()
             end = time.perf_counter()
@@ -143,13 +169,16 @@ def stages(shape: str, calls: int) -> str:
             spent["whole call"], spent["loss.backward() (whole backward)"] = end - start, end - mid
             for label, seconds in spent.items():
                 per_call.setdefault(label, []).append(seconds * 1e6)
+            replays_per_call.append(replays[0])
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
-    lines = [f"## Stages of a replayed call ({graph_replay.graph_count()} captured; us per call, median, "
-             "inclusive)", ""]
-    labels = [label for _, _, label in _stage_targets()]
-    for label in ["whole call"] + labels[:7] + ["loss.backward() (whole backward)"] + labels[7:]:
+    lines = [f"## Stages of a call, {caller} ({graph_replay.graph_count()} captured; replays per call: "
+             f"{statistics.median(replays_per_call):g}; us per call, median, inclusive)", ""]
+    in_backward = {"_backward", "scaled_by_graph"}  # the stages that run inside loss.backward()
+    forward = [label for _, name, label in targets if name not in in_backward]
+    rest = [label for _, name, label in targets if name in in_backward]
+    for label in ["whole call"] + forward + ["loss.backward() (whole backward)"] + rest:
         if label in per_call:
             lines.append(f"- {label}: {statistics.median(per_call[label]):.0f}")
     return "\n".join(lines) + "\n"
@@ -229,7 +258,8 @@ def main(argv: list[str] | None = None) -> str:
     gpu = torch.cuda.get_device_name()
     header = f"# host_profile: {gpu}, {versions()}, bf16 {args.shape}\n\n"
     report = header + "\n".join(profile_mode(mode, args.shape, args.calls, args.top) for mode in ("auto", "off"))
-    report += "\n" + stages(args.shape, args.calls) + "\n" + floors(args.shape, args.calls)
+    report += "".join("\n" + stages(args.shape, args.calls, caller) for caller in STAGE_CALLERS)
+    report += "\n" + floors(args.shape, args.calls)
     set_cuda_graphs("auto")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"host_profile_{gpu.replace(' ', '_')}.txt"

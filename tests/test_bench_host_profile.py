@@ -32,11 +32,13 @@ def cpu_stand_in(monkeypatch):
     graph_replay.clear()
 
 
-def test_stages_times_every_named_stage_and_restores_them(cpu_stand_in):
-    targets = host_profile._stage_targets()
+@pytest.mark.parametrize("caller", host_profile.STAGE_CALLERS)
+def test_stages_times_every_named_stage_and_restores_them(cpu_stand_in, caller):
+    targets = host_profile._stage_targets(caller)
     before = [owner.__dict__[name] for owner, name, _ in targets]
-    text = host_profile.stages("16x8x32", 4)
-    assert "(1 captured;" in text  # the calls were replayed, as on the GPU
+    # aot_eager: the same traced graph and custom-op call as Inductor's, without a C++ compile on the CPU.
+    text = host_profile.stages("16x8x32", 4, caller, compile_backend="aot_eager")
+    assert "(1 captured; replays per call: 1;" in text  # the calls were replayed, as on the GPU
     for _, _, label in targets:
         line = next(line for line in text.splitlines() if line.startswith(f"- {label}: "))
         assert int(line.rsplit(": ", 1)[1]) >= 0
