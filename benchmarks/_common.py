@@ -7,11 +7,14 @@ Importing this module imports torch only; the peers and triton are imported when
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
 import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -185,3 +188,18 @@ def median_ms(step: Callable[[], object], reps: int, device: str,
             step()
             times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
+
+
+def output_dirs(out_dir: Path | str) -> list[Path]:
+    """``out_dir`` and, when set, $OUT (the GPU machine's way back), created."""
+    dirs = [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    return dirs
+
+
+def save_results(out_dir: Path | str, stem: str, md: str, data: Any, indent: int = 1) -> None:
+    """``<stem>.md`` (the table as printed) and ``<stem>.json`` (``data``) in ``out_dir`` and $OUT."""
+    for folder in output_dirs(out_dir):
+        (folder / f"{stem}.md").write_text(md)
+        (folder / f"{stem}.json").write_text(json.dumps(data, indent=indent))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cce_loss, eager_loss, liger_loss, make_inputs, native_loss, versions  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    cce_loss, eager_loss, liger_loss, make_inputs, native_loss, save_results, versions)
 from benchmarks.host_overhead import e2e_ms, host_ms  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
@@ -246,11 +246,8 @@ def write_results(stem: str, env: dict, names: list[str], rows: list[dict], errs
                   "| variant | loss | dX | dW |", "|---|---|---|---|"]
         lines += [f"| {k} | {e['loss']:.2e} | {e['dX']:.2e} | {e['dW']:.2e} |" for k, e in errs.items()]
     table = "\n".join(lines)
-    for folder in filter(None, [Path(__file__).parent / "results", os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{stem}.md").write_text(table + "\n")
-        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows, "errors": errs,
-                                                               "host": host or {}}, indent=1))
+    save_results(Path(__file__).parent / "results", stem, table + "\n",
+                 {"env": env, "rows": rows, "errors": errs, "host": host or {}})
     return table
 
 

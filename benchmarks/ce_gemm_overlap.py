@@ -24,8 +24,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import make_inputs, median_ms, versions  # noqa: E402
+from benchmarks._common import make_inputs, median_ms, save_results, versions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_SHAPES = ((128256, 4096), (256000, 2304))  # (V, H) of one 4096-token chunk
@@ -187,11 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "chunk 4096 (2048 at V=256000), block_v 4096, streams off/on. Carveout: the kernel pair with the GEMM "
           "asked to leave K SMs free (see the script).\n\n" + table(result) + "\n")
     print(md)
-    for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        stem = f"ce_gemm_overlap_{gpu.replace(' ', '_')}"
-        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, **result}, indent=1))
-        (Path(folder) / f"{stem}.md").write_text(md)
+    save_results(RESULTS, f"ce_gemm_overlap_{gpu.replace(' ', '_')}", md, {"env": env, **result})
     return result
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import median_ms, versions  # noqa: E402
+from benchmarks._common import median_ms, save_results, versions  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import heuristic_config  # noqa: E402
 from flce_compile.tuning.ce_tiles import ce_step_timer  # noqa: E402
@@ -121,10 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           "heuristic_config's tile; max loss err: the largest |loss - fp32 torch| over the tiles.\n\n" + table(results, names) + "\n")
     print(md)
     stem = f"ce_kernel_tiles_{gpu.replace(' ', '_')}{args.tag}"
-    for folder in filter(None, [args.out or RESULTS, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
-        (Path(folder) / f"{stem}.md").write_text(md)
+    save_results(args.out or RESULTS, stem, md, {"env": env, "results": results})
     return results
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import median_ms, versions  # noqa: E402
+from benchmarks._common import median_ms, save_results, versions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOG2E = 1.4426950408889634
@@ -204,10 +203,7 @@ def main() -> None:
               f"{r['max_diff_vs_op']:.1e} |" for r in rows]
     md = "\n".join(lines) + "\n"
     print(md)
-    for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"ce_kernel_variants_{gpu}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        (Path(folder) / f"ce_kernel_variants_{gpu}.md").write_text(md)
+    save_results(RESULTS, f"ce_kernel_variants_{gpu}", md, {"env": env, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -124,10 +124,11 @@ def _step(loss_fn: Callable, x, w, t, graphs: bool) -> Callable[[], None]:
 
 def host_ms(step: Callable[[], None], calls: int, cuda: bool) -> float:
     """Median CPU wall time of issuing one call; on CUDA the GPU is drained before each call, untimed."""
-    return statistics.median(_host_times(step, calls, cuda)) * 1e3
+    return statistics.median(host_times(step, calls, cuda)) * 1e3
 
 
-def _host_times(step: Callable[[], None], calls: int, cuda: bool) -> list[float]:
+def host_times(step: Callable[[], None], calls: int, cuda: bool) -> list[float]:
+    """CPU wall seconds of issuing each of ``calls`` calls; on CUDA the GPU is drained before each, untimed."""
     times = []
     for _ in range(calls):
         if cuda:
@@ -150,7 +151,7 @@ def time_rounds(steps: dict[str, Callable[[], None]], calls: int, rounds: int, c
     e2e: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            host[name] += _host_times(step, per_round, cuda)
+            host[name] += host_times(step, per_round, cuda)
             if cuda:
                 e2e[name].append(e2e_ms(step, per_round, reps=1))
     out = {}
@@ -423,10 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = table(result)
     print(text)
     stem = f"host_overhead_{'cpu' if args.device == 'cpu' else result['env']['device'].replace(' ', '_')}{args.tag}"
-    for folder in filter(None, [args.out, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{stem}.md").write_text(text + "\n")
-        (Path(folder) / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    from benchmarks._common import save_results
+
+    save_results(args.out, stem, text + "\n", result)
     return result
 
 

@@ -31,17 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import make_inputs, versions  # noqa: E402
+from benchmarks.host_overhead import host_times  # noqa: E402
 from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_graphs  # noqa: E402
 
 
 def _host_us(fn, calls: int) -> tuple[float, float]:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    """Median and least host us of a call, timed as ``host_overhead`` times it."""
+    times = host_times(fn, calls, cuda=True)
     return statistics.median(times) * 1e6, min(times) * 1e6
 
 

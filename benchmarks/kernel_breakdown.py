@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import busy_and_span_ns, cuda_events, make_inputs, median_ms, versions  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    busy_and_span_ns, cuda_events, make_inputs, median_ms, save_results, versions)
 
 SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257", "65536x4096x128256"]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -148,11 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           "alone at V padded to 128 bytes (CUDA events). Sums over kinds exceed busy where streams overlap.\n\n"
           + table(rows) + "\n")
     print(md)
-    for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        stem = f"kernel_breakdown_{gpu}{args.tag}"
-        (Path(folder) / f"{stem}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-        (Path(folder) / f"{stem}.md").write_text(md)
+    save_results(RESULTS, f"kernel_breakdown_{gpu}{args.tag}", md, {"env": env, "rows": rows}, indent=2)
     return rows
 
 

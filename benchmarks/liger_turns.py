@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import liger_loss, make_inputs, versions  # noqa: E402
+from benchmarks._common import liger_loss, make_inputs, save_results, versions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: (V, H, tokens): the shipped entries bench_tuning found level with Liger on 2026-12-01.
@@ -118,10 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = table(result)
     print(text)
     stem = f"liger_turns_{env['device'].replace(' ', '_')}{args.tag}"
-    for folder in filter(None, [str(RESULTS), os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"{stem}.md").write_text(text + "\n")
-        (Path(folder) / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    save_results(RESULTS, stem, text + "\n", result)
     return result
 
 

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._common import (  # noqa: E402
-    LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, median_ms, versions)
+    LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, median_ms, output_dirs, versions)
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import resolve_config  # noqa: E402
@@ -383,14 +383,6 @@ def environment(device: str, sweep: Sweep) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **methods(device, sweep),
             "ignored_targets": "~6% = -100", "ce_chunks": sweep.ce_chunks, "flce_chunk_tokens": sweep.flce_chunk_tokens,
             "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
-
-
-def output_dirs(out_dir: Path) -> list[Path]:
-    """``out_dir`` and, when set, $OUT (the GPU machine's way back)."""
-    dirs = [out_dir] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    return dirs
 
 
 def write_rows(rows: Sequence[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> Path:

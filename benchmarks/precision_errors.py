@@ -21,8 +21,6 @@ with the device and versions) under benchmarks/results/ and $OUT when set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import median_ms  # noqa: E402
+from benchmarks._common import median_ms, save_results  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 
@@ -218,11 +216,7 @@ def main() -> None:
             print(text[printed:], flush=True)
             del x, w, t
     kind = "h200" if "H200" in env["device"] else args.device
-    for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / f"precision_errors_{kind}.md").write_text(text)
-        (Path(folder) / f"precision_errors_{kind}.json").write_text(json.dumps({"env": env, "cases": cases},
-                                                                                indent=2))
+    save_results(RESULTS, f"precision_errors_{kind}", text, {"env": env, "cases": cases}, indent=2)
 
 
 if __name__ == "__main__":

@@ -226,6 +226,8 @@ def fused_linear_cross_entropy(
     return loss
 
 
+#: Entries each memo of this module keeps before it starts afresh.
+_MEMO_SIZE = 256
 #: ``_params_arg``'s answers by the options' values and types.
 _PARAMS_ARGS: dict[tuple[Any, ...], tuple[LossParams, str]] = {}
 _PLAIN_OPTION_TYPES = (int, float, str, type(None))
@@ -249,7 +251,7 @@ def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softc
                         float(logit_scale), float(z_loss))
     answer = (params, encode_params(params))
     if key is not None:
-        if len(_PARAMS_ARGS) >= _CONFIG_ARGS_SIZE:
+        if len(_PARAMS_ARGS) >= _MEMO_SIZE:
             _PARAMS_ARGS.clear()
         _PARAMS_ARGS[key] = answer
     return answer
@@ -257,7 +259,6 @@ def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softc
 
 #: ``config_arg``'s answers by ``_config_key``.
 _CONFIG_ARGS: dict[tuple[Any, ...], str] = {}
-_CONFIG_ARGS_SIZE = 256
 
 
 def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
@@ -279,7 +280,7 @@ def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
     forced = config_overrides(config)
     text = json.dumps(forced, sort_keys=True) if forced else ""
     if key is not None:
-        if len(_CONFIG_ARGS) >= _CONFIG_ARGS_SIZE:
+        if len(_CONFIG_ARGS) >= _MEMO_SIZE:
             _CONFIG_ARGS.clear()
         _CONFIG_ARGS[key] = text
     return text

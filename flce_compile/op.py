@@ -300,10 +300,10 @@ def _setup_context(ctx, inputs, output) -> None:
     _keep_for_backward(ctx, inputs, lse, dx, dw, db, grad_scale)
 
 
-def _keep_for_backward(ctx, inputs: tuple, lse: Tensor, dx: Tensor, dw: Tensor, db: Tensor, grad_scale: Tensor
-                       ) -> None:
+def _keep_for_backward(ctx, inputs: tuple, lse: Tensor | None, dx: Tensor | None, dw: Tensor | None,
+                       db: Tensor | None, grad_scale: Tensor) -> None:
     """What ``_backward`` reads: the options, and the saved operands and lse (gradients formed in backward) or the
-    forward's gradients (``_keep_forward_grads``)."""
+    forward's gradients (``_keep_forward_grads``; then none of them is None)."""
     # By position (``_ARG_NAMES``), not through a dict of them: this runs on every call.
     input, weight, target, bias, ce_weight, params, accum_dtype = inputs[:7]
     config = inputs[10]
