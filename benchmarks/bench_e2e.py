@@ -96,7 +96,8 @@ def allow_causal_skip_under_compile() -> None:
     Under Dynamo, transformers 5 (5.17 on the H200, 5.24 on CI) cannot check data-dependently that the
     position ids hold one unpacked sequence, nor (5.17) that an absent padding mask is absent, so every
     compiled variant builds an S x S mask and SDPA cannot use its flash kernel; eager and Liger-patched runs
-    skip the mask. Our pass does not touch attention. This benchmark feeds one unpadded, unpacked sequence,
+    skip the mask. backend="flce" drops that mask itself when it proves it causal (``compiler/causal_mask.py``);
+    Inductor alone does not. This benchmark feeds one unpadded, unpacked sequence,
     so it tells transformers so, and the compiled variants get eager's attention.
     """
     import transformers.masking_utils as masking_utils

@@ -38,6 +38,8 @@ def flce_backend(
     opts, inner_options = split_options(options)
     inner = _inner_compiler(opts, mode, inner_options, kwargs)
     wrap, fused = None, False
+    if opts.enabled and opts.causal_masks:
+        _drop_causal_masks(gm)
     if opts.enabled:
         from .rewrite import run_pass
 
@@ -52,6 +54,22 @@ def flce_backend(
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
+
+
+def _drop_causal_masks(gm: fx.GraphModule) -> None:
+    """``causal_mask.drop_causal_masks`` on ``gm``, logged. An error is logged, not raised: the masks are judged
+    (and evaluated) before any node changes, so a failed evaluation leaves the graph as it was."""
+    from .causal_mask import drop_causal_masks
+
+    try:
+        result = drop_causal_masks(gm)
+    except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's compile
+        logger.warning("flce: causal-mask pass failed, attention left as traced: %r", exc)
+        return
+    if result.calls:
+        logger.info("flce: %s", result)
+    elif result.refused:
+        logger.debug("flce: %s", result)
 
 
 #: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).

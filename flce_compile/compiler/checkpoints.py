@@ -36,7 +36,8 @@ class CheckpointRegion:
         return f"checkpointed region {self.name}: moved out of the checkpoint to fuse its loss site(s){extra}"
 
 
-def _is_checkpoint(node: fx.Node) -> bool:
+def is_checkpoint(node: fx.Node) -> bool:
+    """Whether ``node`` is a call of an activation-checkpointed region (``tag_activation_checkpoint``)."""
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     return node.op == "call_function" and hop is not None and node.target is hop
 
@@ -46,7 +47,7 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
     under ``logits``; returns one record per such region."""
     regions = []
     for node in list(gm.graph.nodes):
-        if not _is_checkpoint(node) or not node.args or node.args[0].op != "get_attr":
+        if not is_checkpoint(node) or not node.args or node.args[0].op != "get_attr":
             continue
         body = getattr(gm, node.args[0].target, None)
         if not isinstance(body, fx.GraphModule):

@@ -249,3 +249,25 @@ def describe(node: fx.Node) -> str:
         return f"{node.args[0]}.{name}(...) ({node.name})"
     extra = " with out=" if node.kwargs.get("out") is not None else " with inplace=True" if _inplace_flag(node) else ""
     return f"{name or node.target}(...){extra} ({node.name})"
+
+
+def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> None:
+    """Erase the candidates left without users, then their inputs left without users, and so on.
+
+    Not ``graph.eliminate_dead_code()``: that also removes the user's own unused in-place ops (a buffer's
+    ``add_``, an input's ``clamp_``), which FX considers pure. Only nodes known to write nothing go.
+    """
+    work, erased = list(candidates), set()
+    while work:
+        node = work.pop()
+        if node in erased or node.users or not _removable(gm, node):
+            continue
+        work.extend(node.all_input_nodes)
+        gm.graph.erase_node(node)
+        erased.add(node)
+
+
+def _removable(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
+        return False
+    return not effect(gm, node).writes and not node.is_impure()

@@ -25,6 +25,8 @@ VALID_KEYS: dict[str, str] = {
     "flce.precision": '"exact" (default: errors no larger than eager\'s), "compact" (accumulators in the weight '
                       'dtype) or "precise" (fp32 logits into the CE step: dX/dW errors below eager\'s)',
     "flce.memory_budget_gb": "the most each fused site may use above its inputs and gradients (GiB), or None",
+    "flce.causal_masks": "True (default): SDPA calls given a causal mask the graph builds from constants run with "
+                         "is_causal=True (flash attention); False leaves attention as traced",
 }
 LOGITS_MODES = ("keep", "drop")
 
@@ -39,6 +41,7 @@ class FLCEOptions:
     enabled: bool = True
     precision: str = "exact"
     memory_budget_gb: float | None = None
+    causal_masks: bool = True  # see causal_mask.drop_causal_masks
 
     @property
     def inner_name(self) -> str:
@@ -87,16 +90,18 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"options['flce.config'] is not a valid FLCEConfig: {exc}") from exc
 
-    enabled = raw.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise TypeError(f"options['flce.enabled'] must be True or False, got {enabled!r}")
+    enabled, causal_masks = raw.get("enabled", True), raw.get("causal_masks", True)
+    for key, flag in (("enabled", enabled), ("causal_masks", causal_masks)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"options['flce.{key}'] must be True or False, got {flag!r}")
     precision = check_precision(raw.get("precision", "exact"), "options['flce.precision']")
     budget = raw.get("memory_budget_gb")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
         raise ValueError(f"options['flce.memory_budget_gb']={budget!r} must be a positive number of GiB, or None")
     return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled, precision=precision,
-                       memory_budget_gb=float(budget) if budget is not None else None)
+                       memory_budget_gb=float(budget) if budget is not None else None,
+                       causal_masks=causal_masks)
 
 
 def _check_backend_name(name: str) -> None:

@@ -23,7 +23,7 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
-from .mutations import effect
+from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
 from .patterns import meta_value
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
@@ -211,7 +211,7 @@ def run_pass(
         _log_rewrite(res)
     wrap = None
     if any(r.new_node is not None for r in results):
-        _erase_dead(gm, dead)
+        erase_dead(gm, dead)
         wrap = fixup.apply(gm)
         gm.graph.lint()
         gm.recompile()
@@ -237,28 +237,6 @@ def _log_rewrite(res: SiteResult) -> None:
             "gradient stay. options={'flce.logits': 'drop'} frees them when nothing else needs the logits.",
             res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
         )
-
-
-def _erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> None:
-    """Erase the candidates left without users, then their inputs left without users, and so on.
-
-    Not ``graph.eliminate_dead_code()``: that also removes the user's own unused in-place ops (a buffer's
-    ``add_``, an input's ``clamp_``), which FX considers pure. Only nodes known to write nothing go.
-    """
-    work, erased = list(candidates), set()
-    while work:
-        node = work.pop()
-        if node in erased or node.users or not _removable(gm, node):
-            continue
-        work.extend(node.all_input_nodes)
-        gm.graph.erase_node(node)
-        erased.add(node)
-
-
-def _removable(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
-        return False
-    return not effect(gm, node).writes and not node.is_impure()
 
 
 def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:

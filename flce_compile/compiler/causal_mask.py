@@ -1,0 +1,300 @@
+"""Causal attention masks built in the graph: SDPA calls that receive one run with ``is_causal=True`` instead.
+
+Compiled Hugging Face models lose SDPA's flash kernel: under Dynamo, transformers cannot rule out padding or
+packed sequences (checks it makes on tensor values in eager), so it builds an explicit S x S mask from the
+position ids, and SDPA then runs its memory-efficient or math kernel on it. At 16384 tokens that made every
+compiled variant of a Llama-3.2-1B-shaped model 1.6x slower than eager and kept the mask and the slower
+kernel's buffers (issue #13's end-to-end benchmark). Eager transformers skips the mask in the same case.
+
+This pass proves a mask causal and drops it: the mask must be computed in the graph from constants alone
+(no graph input's values: an ``attention_mask`` or ``position_ids`` the user passes may differ from call to
+call, and then nothing is changed), with static shapes, by ops that draw no random numbers, and nothing else in
+the graph may write to it. It is then evaluated once, here, on the device it is built on, and compared with
+``tril(ones(L, S))`` (SDPA's own ``is_causal`` convention; a float mask must hold only 0 and -inf or the
+dtype's lowest value). Only then does each SDPA call that receives it, directly or through an activation
+checkpoint's operand, get ``attn_mask=None, is_causal=True``; the mask's nodes left without users are erased.
+Evaluating costs the mask's memory once at compile time, which every step of the unchanged graph would pay;
+an evaluation that fails (out of memory, say) leaves the graph as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .checkpoints import is_checkpoint
+from .mutations import AliasMap, erase_dead
+from .patterns import meta_value
+
+#: SDPA as Dynamo records it.
+_SDPA_TARGETS = tuple(t for t in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
+                                  torch.nn.functional.scaled_dot_product_attention) if t is not None)
+#: SDPA's parameters in order (to read a call made with positional arguments).
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+#: Name fragments of ops that draw random numbers: a mask built with them is not a constant.
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "poisson", "exponential", "uniform",
+           "cauchy", "geometric", "seed")
+#: Rows of the mask compared with the causal pattern at a time (bounds the comparison's extra memory).
+_ROW_BLOCK = 4096
+
+
+@dataclass
+class MaskRewrite:
+    """What the pass did to one graph: SDPA calls given ``is_causal=True``, and masks it left alone, with why."""
+
+    calls: int = 0
+    refused: dict[str, str] | None = None  # mask node name -> reason
+
+    def __str__(self) -> str:
+        text = f"{self.calls} SDPA call(s) run with is_causal=True instead of an in-graph causal mask"
+        if self.refused:
+            text += "; masks kept: " + "; ".join(f"{name}: {why}" for name, why in self.refused.items())
+        return text
+
+
+def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
+    """Give every SDPA call of ``gm`` (and of its activation checkpoints' bodies) whose mask is proven causal
+    ``is_causal=True`` and no mask, in place. Returns what was done."""
+    calls = _sdpa_calls(gm)
+    result = MaskRewrite(refused={})
+    verdicts: dict[fx.Node, str | None] = {}  # outer mask node -> None (causal) or the reason it is not
+    aliases: AliasMap | None = None
+    for sdpa in calls:
+        mask = sdpa.outer_mask
+        if mask not in verdicts:
+            aliases = aliases or AliasMap(gm)
+            verdicts[mask] = _causal_verdict(gm, mask, aliases, sdpa.query_len, sdpa.key_len)
+            if verdicts[mask] is not None:
+                result.refused[mask.name] = verdicts[mask]
+    # A call inside a checkpoint body is shared by every call of that body: it changes only when all of them
+    # pass a causal mask (and the body writes nothing into it).
+    by_node: dict[fx.Node, list[_SDPACall]] = {}
+    for sdpa in calls:
+        by_node.setdefault(sdpa.node, []).append(sdpa)
+    changed_bodies: dict[str, fx.GraphModule] = {}
+    for node, uses in by_node.items():
+        if any(verdicts[u.outer_mask] is not None or not u.body_safe for u in uses):
+            continue
+        _make_causal(node)
+        result.calls += 1
+        if uses[0].body is not None:
+            changed_bodies[uses[0].body_name] = uses[0].body
+    for name, body in changed_bodies.items():
+        _drop_unused_operands(gm, name, body)
+        body.graph.lint()
+        body.recompile()
+    if result.calls:
+        erase_dead(gm, list(verdicts))
+        gm.graph.lint()
+        gm.recompile()
+    return result
+
+
+@dataclass
+class _SDPACall:
+    node: fx.Node  # the SDPA call (in gm, or in a checkpoint body)
+    outer_mask: fx.Node  # the mask node in gm
+    query_len: int | None
+    key_len: int | None
+    body: fx.GraphModule | None = None  # the checkpoint body holding ``node``
+    body_name: str = ""
+    body_safe: bool = True  # the body writes nothing into its mask operand
+
+
+def _sdpa_calls(gm: fx.GraphModule) -> list[_SDPACall]:
+    """The SDPA calls with a graph-built mask and ``is_causal=False``, with their mask as a node of ``gm``."""
+    found = []
+    for node in gm.graph.nodes:
+        if _is_sdpa(node):
+            mask = _mask_arg(node)
+            if mask is not None and mask.op != "placeholder":
+                found.append(_SDPACall(node, mask, *_lengths(node)))
+        elif is_checkpoint(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+            name = str(node.args[0].target)
+            body = getattr(gm, name, None)
+            if not isinstance(body, fx.GraphModule):
+                continue
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            operands = node.args[1:]
+            if len(placeholders) != len(operands):
+                continue
+            body_aliases = None
+            for inner in body.graph.nodes:
+                mask = _mask_arg(inner) if _is_sdpa(inner) else None
+                if mask is None or mask.op != "placeholder":
+                    continue
+                outer = operands[placeholders.index(mask)]
+                if not isinstance(outer, fx.Node):
+                    continue
+                body_aliases = body_aliases or AliasMap(body)
+                safe = not _written(body_aliases, body.graph.nodes, body_aliases.roots[mask], ())
+                found.append(_SDPACall(inner, outer, *_lengths(inner), body, name, safe))
+    return found
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _SDPA_TARGETS
+
+
+def _arguments(node: fx.Node) -> dict[str, object]:
+    merged = dict(zip(_SDPA_PARAMS, node.args))
+    merged.update(node.kwargs)
+    return merged
+
+
+def _mask_arg(node: fx.Node) -> fx.Node | None:
+    """The node ``node`` (an SDPA call) takes as its mask, when it takes one and ``is_causal`` is False."""
+    arguments = _arguments(node)
+    mask = arguments.get("attn_mask")
+    if not isinstance(mask, fx.Node) or arguments.get("is_causal", False) is not False:
+        return None
+    return mask
+
+
+def _lengths(node: fx.Node) -> tuple[int | None, int | None]:
+    """The query and key sequence lengths of an SDPA call (its inputs' second-to-last sizes), when static."""
+    arguments = _arguments(node)
+    sizes = []
+    for name in ("query", "key"):
+        value = meta_value(arguments.get(name))
+        size = value.shape[-2] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+        sizes.append(size if isinstance(size, int) else None)
+    return sizes[0], sizes[1]
+
+
+def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_len: int | None,
+                    key_len: int | None) -> str | None:
+    """None when ``mask`` is a constant causal mask for an SDPA of these lengths; else why not."""
+    if query_len is None or key_len is None:
+        return "the attention's sequence lengths are not static"
+    ancestors = _ancestors(mask)
+    for node in ancestors:
+        if node.op == "placeholder":
+            return f"it depends on the values of graph input {node.target!r}"
+        if node.op not in ("call_function", "call_method"):
+            return f"it is built from {node.op} {node.target!r}"
+        name = (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")).lower()
+        if any(word in name for word in _RANDOM):
+            return f"it is built with {name}, which draws random numbers"
+        if _symbolic(meta_value(node)):
+            return "its shape is symbolic (dynamic shapes)"
+    roots = aliases.roots_of(ancestors)
+    if _written(aliases, (n for n in gm.graph.nodes if n not in ancestors), roots, ancestors):
+        return "another node of the graph may write to it"
+    try:
+        with torch.no_grad():
+            value = _evaluate(gm, mask, ancestors)
+        return _compare(value, query_len, key_len)
+    except Exception as exc:  # noqa: BLE001 - out of memory, an op that cannot run here: keep the mask
+        if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return f"evaluating it failed: {exc!r}"
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, work = set(), [node]
+    while work:
+        n = work.pop()
+        if n not in seen:
+            seen.add(n)
+            work.extend(n.all_input_nodes)
+    return seen
+
+
+def _symbolic(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not all(isinstance(s, int) for s in value.shape)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _written(aliases: AliasMap, nodes: Iterable[fx.Node], roots: frozenset, operands_of: Iterable[fx.Node]) -> bool:
+    """Whether any of ``nodes`` may write memory shared with ``roots``. A checkpoint call writes only what its
+    body writes of its operands; every other call is judged by ``mutations.effect``."""
+    for node in nodes:
+        if is_checkpoint(node):
+            written = _checkpoint_writes(aliases.gm, node)
+        else:
+            written = aliases.effects[node].writes
+        if any(aliases.roots.get(w, frozenset({w})) & roots for w in written):
+            return True
+    return False
+
+
+def _checkpoint_writes(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, ...]:
+    """The operands of checkpoint call ``node`` its body may write (all of them when the body is unknown)."""
+    operands = tuple(a for a in node.args[1:] if isinstance(a, fx.Node))
+    body = getattr(gm, str(node.args[0].target), None) if node.args and isinstance(node.args[0], fx.Node) else None
+    if not isinstance(body, fx.GraphModule):
+        return operands
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(node.args) - 1:
+        return operands
+    inner = AliasMap(body)
+    return tuple(outer for outer, ph in zip(node.args[1:], placeholders)
+                 if isinstance(outer, fx.Node) and _written(inner, body.graph.nodes, inner.roots[ph], ()))
+
+
+def _evaluate(gm: fx.GraphModule, mask: fx.Node, ancestors: set[fx.Node]) -> object:
+    """Run the nodes that build ``mask`` (no graph inputs among them) and return its value."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node in ancestors:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[mask])
+    return fx.GraphModule(gm, graph)()
+
+
+def _compare(value: object, query_len: int, key_len: int) -> str | None:
+    """None when ``value`` is SDPA's causal mask for (query_len, key_len) in every batch and head; else why not."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return "it is not a tensor of two or more dimensions"
+    if tuple(value.shape[-2:]) != (query_len, key_len):
+        return f"its last two sizes {tuple(value.shape[-2:])} are not the attention's ({query_len}, {key_len})"
+    if value.dtype != torch.bool and not value.is_floating_point():
+        return f"its dtype {value.dtype} is neither bool nor floating point"
+    for dim in range(value.dim() - 2):  # broadcast (stride-0) dims hold one slice
+        if value.stride(dim) == 0:
+            value = value.narrow(dim, 0, 1)
+    value = value.reshape(-1, query_len, key_len)
+    columns = torch.arange(key_len, device=value.device)
+    for start in range(0, query_len, _ROW_BLOCK):
+        rows = value[:, start:start + _ROW_BLOCK]
+        causal = columns[None, :] <= torch.arange(start, start + rows.shape[1], device=value.device)[:, None]
+        if value.dtype == torch.bool:
+            allowed = rows
+        else:
+            allowed = rows == 0
+            low = torch.finfo(value.dtype).min
+            if not bool(((rows == 0) | (rows == float("-inf")) | (rows == low)).all()):
+                return "a float mask with values other than 0 and -inf (or the dtype's lowest value)"
+        if not bool((allowed == causal).all()):
+            return "it is not causal (padding, packed sequences, a window or another pattern)"
+    return None
+
+
+def _make_causal(node: fx.Node) -> None:
+    """SDPA call ``node`` with ``attn_mask=None, is_causal=True``, every other argument as it was."""
+    arguments = _arguments(node)
+    query, key, value = (arguments.pop(name) for name in _SDPA_PARAMS[:3])
+    arguments["attn_mask"] = None
+    arguments["is_causal"] = True
+    node.args = (query, key, value)
+    node.kwargs = arguments
+
+
+def _drop_unused_operands(gm: fx.GraphModule, name: str, body: fx.GraphModule) -> None:
+    """Remove the placeholders of ``body`` left without users, and the matching operand of each checkpoint
+    call of it, so the mask is no longer passed in (and can be erased)."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    unused = {i for i, ph in enumerate(placeholders) if not ph.users}
+    if not unused:
+        return
+    for node in gm.graph.nodes:
+        if is_checkpoint(node) and isinstance(node.args[0], fx.Node) and str(node.args[0].target) == name:
+            node.args = (node.args[0],) + tuple(a for i, a in enumerate(node.args[1:]) if i not in unused)
+    for i in sorted(unused, reverse=True):
+        body.graph.erase_node(placeholders[i])

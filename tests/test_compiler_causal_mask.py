@@ -1,0 +1,230 @@
+"""The causal-mask pass (``compiler/causal_mask.py``): SDPA calls that receive a causal mask built in the graph
+from constants run with ``is_causal=True``; every other mask stays. Checked on the graphs Dynamo captures (a
+Hugging Face Llama as users call it, plain functions), by their contents and by running them before and after."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from flce_compile.compiler.causal_mask import drop_causal_masks
+from flce_compile.compiler.checkpoints import is_checkpoint
+from flce_compile.compiler.options import split_options
+
+transformers = pytest.importorskip("transformers")
+
+
+def capture(fn, *args, **kwargs) -> tuple[fx.GraphModule, list]:
+    """The one graph Dynamo captures of ``fn(*args, **kwargs)``, and its example inputs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, dynamic=False)(*args, **kwargs)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def sdpa_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for sub in gm.modules() if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes
+            if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
+
+
+def run(gm: fx.GraphModule, inputs: list):
+    out = gm(*inputs)
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False  # as with gradient checkpointing: transformers then always builds the mask
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_graphs(llama):
+    """(plain, checkpointed, with attention_mask) graphs of the Llama, captured once for the module."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain = capture(llama, input_ids=ids, labels=ids)
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :5] = 0
+    padded = capture(llama, input_ids=ids, labels=ids, attention_mask=padding)
+    llama.gradient_checkpointing_enable()
+    try:
+        checkpointed = capture(llama, input_ids=ids, labels=ids)
+    finally:
+        llama.gradient_checkpointing_disable()
+    return {"plain": plain, "checkpointed": checkpointed, "padded": padded}
+
+
+@pytest.mark.parametrize("kind", ["plain", "checkpointed"])
+def test_llama_mask_is_dropped_and_results_unchanged(llama_graphs, kind):
+    gm, inputs = llama_graphs[kind]
+    gm = copy.deepcopy(gm)
+    before = run(gm, inputs)
+    assert sdpa_nodes(gm) and all(n.kwargs.get("attn_mask") is not None for n in sdpa_nodes(gm))
+    masks = {n.name for n in gm.graph.nodes if n.users and any(
+        u.op == "call_function" and (u.target is F.scaled_dot_product_attention or is_checkpoint(u))
+        for u in n.users) and _is_square_bool(n)}
+    assert masks
+
+    result = drop_causal_masks(gm)
+
+    calls = sdpa_nodes(gm)
+    assert result.calls == len(calls) == 2 and not result.refused
+    assert all(n.kwargs["attn_mask"] is None and n.kwargs["is_causal"] is True for n in calls)
+    # The mask is no longer built (what built it may stay where something else uses it).
+    assert not masks & {n.name for n in gm.graph.nodes}
+    if kind == "checkpointed":  # and the checkpoints no longer take it as an operand
+        for node in gm.graph.nodes:
+            if is_checkpoint(node):
+                body = getattr(gm, node.args[0].target)
+                assert len([p for p in body.graph.nodes if p.op == "placeholder"]) == len(node.args) - 1
+                assert not any(isinstance(a, fx.Node) and _is_square_bool(a) for a in node.args[1:])
+    after = run(gm, inputs)
+    assert len(before) == len(after)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _is_square_bool(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.shape[-2:] == (16, 16)
+
+
+def test_llama_padding_mask_stays(llama_graphs):
+    gm, _ = llama_graphs["padded"]
+    gm = copy.deepcopy(gm)
+    result = drop_causal_masks(gm)
+    assert result.calls == 0
+    assert list(result.refused.values()) == ["it depends on the values of graph input 'L_kwargs_attention_mask_'"]
+    assert all(n.kwargs.get("attn_mask") is not None for n in sdpa_nodes(gm))
+
+
+QKV = [torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _causal_bool(q, k, v):
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _causal_float_neg_inf(q, k, v):
+    mask = torch.full((8, 8), float("-inf")).triu(1)
+    return F.scaled_dot_product_attention(q, k, v, mask)  # positional
+
+
+def _causal_float_lowest(q, k, v):
+    mask = torch.full((1, 1, 8, 8), torch.finfo(torch.float32).min).triu(1).expand(2, 1, 8, 8)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+
+
+@pytest.mark.parametrize("fn", [_causal_bool, _causal_float_neg_inf, _causal_float_lowest])
+def test_constant_causal_masks_are_dropped(fn):
+    gm, inputs = capture(fn, *QKV)
+    expected = fn(*QKV)
+    result = drop_causal_masks(gm)
+    assert result.calls == 1 and not result.refused
+    (node,) = sdpa_nodes(gm)
+    assert node.args == tuple(node.args[:3]) and len(node.args) == 3
+    assert node.kwargs["attn_mask"] is None and node.kwargs["is_causal"] is True
+    assert [n.op for n in gm.graph.nodes] == ["placeholder"] * 3 + ["call_function", "output"]
+    torch.testing.assert_close(run(gm, inputs)[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def _shifted(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool).tril(-1))
+
+
+def _window(q, k, v):
+    i = torch.arange(8)
+    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _soft(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((8, 8), -1e4).triu(1))
+
+
+def _random(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.rand(8, 8) >= 0)
+
+
+def _written_later(q, k, v):
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    view = mask[0]
+    view[1] = True  # a write through a view: the mask is no longer causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _from_input(q, k, v):
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril() & (q[0, 0, :, :1] > -99)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_shifted, "it is not causal"),
+    (_window, "it is not causal"),
+    (_soft, "a float mask with values other than 0 and -inf"),
+    (_random, "draws random numbers"),
+    (_written_later, "another node of the graph may write to it"),
+    (_from_input, "it depends on the values of graph input"),
+])
+def test_other_masks_stay(fn, reason):
+    gm, inputs = capture(fn, *QKV)
+    expected = fn(*QKV) if fn is not _random else None
+    result = drop_causal_masks(gm)
+    assert result.calls == 0
+    (why,) = result.refused.values()
+    assert why.startswith(reason) or reason in why, why
+    (node,) = sdpa_nodes(gm)
+    assert node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None
+    if expected is not None:
+        torch.testing.assert_close(run(gm, inputs)[0], expected)
+
+
+def test_dynamic_shapes_keep_the_mask():
+    def fn(q, k, v):
+        n = q.shape[-2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(n, n, dtype=torch.bool).tril())
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, dynamic=True)(*QKV)
+    torch._dynamo.reset()
+    result = drop_causal_masks(graphs[0])
+    assert result.calls == 0 and any("not static" in w or "symbolic" in w for w in result.refused.values())
+
+
+def test_option_turns_the_pass_off_and_is_validated(llama):
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append([n.kwargs.get("is_causal") for n in sdpa_nodes(gm)])
+        return gm.forward
+
+    for flag in (True, False):
+        torch._dynamo.reset()
+        torch.compile(llama, backend="flce", options={"flce.inner": inner, "flce.causal_masks": flag})(
+            input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    assert seen == [[True, True], [False, False]]
+    with pytest.raises(TypeError, match=r"options\['flce.causal_masks'\] must be True or False"):
+        split_options({"flce.causal_masks": "yes"})
