@@ -3,6 +3,7 @@ from constants run with ``is_causal=True``; every other mask stays. Checked on t
 Hugging Face Llama as users call it, plain functions), by their contents and by running them before and after."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -168,6 +169,37 @@ def _written_later(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _written_through_atleast_2d(q, k, v):
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    torch.atleast_2d(mask).fill_(True)  # atleast_2d returns its 2-D input itself
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _built_under_autocast(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.full((8, 1), 1.0 + 2**-10) @ torch.ones(1, 8)  # 1.000977 in fp32, 1.0 in bf16
+    mask = torch.ones(8, 8, dtype=torch.bool).tril() | (x <= 1.0)  # causal in fp32 only
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _rrelu(q, k, v):
+    noise = torch.rrelu(-torch.ones(8, 8), 0.1, 0.3, True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool).tril() | (noise > 0))
+
+
+@torch._dynamo.allow_in_graph
+def _opaque_window(n):
+    i = torch.arange(n)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < _WINDOW[0])
+
+
+_WINDOW = [100]  # state the graph does not show: causal now, a window if it changes
+
+
+def _opaque(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_opaque_window(8))
+
+
 def _from_input(q, k, v):
     mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril() & (q[0, 0, :, :1] > -99)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -179,11 +211,15 @@ def _from_input(q, k, v):
     (_soft, "a float mask with values other than 0 and -inf"),
     (_random, "draws random numbers"),
     (_written_later, "another node of the graph may write to it"),
+    (_written_through_atleast_2d, "another node of the graph may write to it"),
+    (_built_under_autocast, "it is built inside a torch.autocast region of the graph"),
+    (_rrelu, "it is built with rrelu, which draws random numbers"),
+    (_opaque, "it is built by _opaque_window, which the pass cannot see into"),
     (_from_input, "it depends on the values of graph input"),
 ])
 def test_other_masks_stay(fn, reason):
     gm, inputs = capture(fn, *QKV)
-    expected = fn(*QKV) if fn is not _random else None
+    expected = fn(*QKV) if fn not in (_random, _rrelu) else None
     result = drop_causal_masks(gm)
     assert result.calls == 0
     (why,) = result.refused.values()
@@ -192,6 +228,52 @@ def test_other_masks_stay(fn, reason):
     assert node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None
     if expected is not None:
         torch.testing.assert_close(run(gm, inputs)[0], expected)
+
+
+def test_a_mask_shared_by_attentions_of_other_shapes_is_judged_for_each():
+    def fn(q, k, v):
+        mask = torch.ones(1, 1, dtype=torch.bool)  # causal for one query and one key; all-true when broadcast
+        return (F.scaled_dot_product_attention(q[..., :1, :], k[..., :1, :], v[..., :1, :], attn_mask=mask),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    gm, inputs = capture(fn, *QKV)
+    expected = fn(*QKV)
+    result = drop_causal_masks(gm)
+    assert result.calls == 1
+    assert result.refused == {"mask": "its last two sizes (1, 1) are not the attention's (8, 8)"}
+    short, full = sdpa_nodes(gm)
+    assert short.kwargs["is_causal"] is True and full.kwargs["attn_mask"] is not None
+    for got, want in zip(run(gm, inputs), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_mask_for_a_query_shorter_than_the_keys_stays():
+    def fn(q, k, v):  # causal in SDPA's top-left sense, but kernels are only trusted with equal lengths
+        return F.scaled_dot_product_attention(q[..., :4, :], k, v, attn_mask=torch.ones(4, 8, dtype=torch.bool).tril())
+
+    gm, inputs = capture(fn, *QKV)
+    result = drop_causal_masks(gm)
+    assert result.calls == 0 and list(result.refused.values()) == ["its query and key lengths differ (4 and 8)"]
+    torch.testing.assert_close(run(gm, inputs)[0], fn(*QKV))
+
+
+def test_a_mask_that_does_not_broadcast_to_the_query_stays():
+    def fn(q, k, v):  # SDPA itself refuses this mask when it runs; the pass must not make the call succeed
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool).tril())
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError):
+        torch.compile(fn, backend=backend, dynamic=False)(*(t[:1] for t in QKV))
+    torch._dynamo.reset()
+    result = drop_causal_masks(graphs[0])
+    assert result.calls == 0
+    assert list(result.refused.values()) == ["its shape (2, 1, 8, 8) does not broadcast to the attention's (1, 3, 8, 8)"]
 
 
 def test_dynamic_shapes_keep_the_mask():
@@ -212,9 +294,10 @@ def test_dynamic_shapes_keep_the_mask():
     assert result.calls == 0 and any("not static" in w or "symbolic" in w for w in result.refused.values())
 
 
-def test_option_turns_the_pass_off_and_is_validated(llama):
+def test_option_turns_the_pass_off_and_is_validated(llama, caplog):
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
     seen = []
+    caplog.set_level(logging.INFO, logger="flce_compile")
 
     def inner(gm, example_inputs):
         seen.append([n.kwargs.get("is_causal") for n in sdpa_nodes(gm)])
@@ -226,5 +309,7 @@ def test_option_turns_the_pass_off_and_is_validated(llama):
             input_ids=ids, labels=ids)
     torch._dynamo.reset()
     assert seen == [[True, True], [False, False]]
+    said = [r.getMessage() for r in caplog.records if "SDPA" in r.getMessage()]
+    assert said == ["flce: 2 SDPA call(s) run with is_causal=True instead of an in-graph causal mask"]
     with pytest.raises(TypeError, match=r"options\['flce.causal_masks'\] must be True or False"):
         split_options({"flce.causal_masks": "yes"})

@@ -66,10 +66,8 @@ def _drop_causal_masks(gm: fx.GraphModule) -> None:
     except Exception as exc:  # noqa: BLE001 - a bug here must not break the user's compile
         logger.warning("flce: causal-mask pass failed, attention left as traced: %r", exc)
         return
-    if result.calls:
+    if result.calls or result.refused:  # a kept mask costs SDPA's flash kernel: say why
         logger.info("flce: %s", result)
-    elif result.refused:
-        logger.debug("flce: %s", result)
 
 
 #: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).

@@ -8,10 +8,11 @@ kernel's buffers (issue #13's end-to-end benchmark). Eager transformers skips th
 
 This pass proves a mask causal and drops it: the mask must be computed in the graph from constants alone
 (no graph input's values: an ``attention_mask`` or ``position_ids`` the user passes may differ from call to
-call, and then nothing is changed), with static shapes, by ops that draw no random numbers, and nothing else in
-the graph may write to it. It is then evaluated once, here, on the device it is built on, and compared with
-``tril(ones(L, S))`` (SDPA's own ``is_causal`` convention; a float mask must hold only 0 and -inf or the
-dtype's lowest value). Only then does each SDPA call that receives it, directly or through an activation
+call, and then nothing is changed), with static shapes, outside any autocast region of the graph, by Python
+operators and ATen ops that draw no random numbers (nothing opaque, whose result could depend on state the
+graph does not show), and nothing else in the graph may write to it. It is then evaluated once, here, on the device it is built on, and compared with
+``tril(ones(L, L))`` (SDPA's ``is_causal``; query and key lengths must be equal, as in training, so that
+no kernel's alignment convention matters; a float mask must hold only 0 and -inf or the dtype's lowest value). Only then does each SDPA call that receives it, directly or through an activation
 checkpoint's operand, get ``attn_mask=None, is_causal=True``; the mask's nodes left without users are erased.
 Evaluating costs the mask's memory once at compile time, which every step of the unchanged graph would pay;
 an evaluation that fails (out of memory, say) leaves the graph as it was.
@@ -20,7 +21,7 @@ an evaluation that fails (out of memory, say) leaves the graph as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -34,9 +35,11 @@ _SDPA_TARGETS = tuple(t for t in (getattr(torch._C._nn, "scaled_dot_product_atte
                                   torch.nn.functional.scaled_dot_product_attention) if t is not None)
 #: SDPA's parameters in order (to read a call made with positional arguments).
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-#: Name fragments of ops that draw random numbers: a mask built with them is not a constant.
-_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "poisson", "exponential", "uniform",
-           "cauchy", "geometric", "seed")
+#: Tensor methods with no ATen op of their name that only convert or describe a tensor.
+_PLAIN_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "type",
+                  "size", "dim", "numel"}
+#: Graph nodes that open and close an autocast region (ops inside it may compute in another dtype).
+_AUTOCAST_ENTER, _AUTOCAST_EXIT = "_enter_autocast", "_exit_autocast"
 #: Rows of the mask compared with the causal pattern at a time (bounds the comparison's extra memory).
 _ROW_BLOCK = 4096
 
@@ -46,7 +49,7 @@ class MaskRewrite:
     """What the pass did to one graph: SDPA calls given ``is_causal=True``, and masks it left alone, with why."""
 
     calls: int = 0
-    refused: dict[str, str] | None = None  # mask node name -> reason
+    refused: dict[str, str] = field(default_factory=dict)  # mask node name -> reason
 
     def __str__(self) -> str:
         text = f"{self.calls} SDPA call(s) run with is_causal=True instead of an in-graph causal mask"
@@ -59,16 +62,17 @@ def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
     """Give every SDPA call of ``gm`` (and of its activation checkpoints' bodies) whose mask is proven causal
     ``is_causal=True`` and no mask, in place. Returns what was done."""
     calls = _sdpa_calls(gm)
-    result = MaskRewrite(refused={})
-    verdicts: dict[fx.Node, str | None] = {}  # outer mask node -> None (causal) or the reason it is not
+    result = MaskRewrite()
+    # None (causal for that attention) or the reason it is not, per (mask node in gm, query shape, key length):
+    # one mask may serve attentions of other shapes, for which it broadcasts differently.
+    verdicts: dict[tuple, str | None] = {}
     aliases: AliasMap | None = None
     for sdpa in calls:
-        mask = sdpa.outer_mask
-        if mask not in verdicts:
+        if sdpa.key not in verdicts:
             aliases = aliases or AliasMap(gm)
-            verdicts[mask] = _causal_verdict(gm, mask, aliases, sdpa.query_len, sdpa.key_len)
-            if verdicts[mask] is not None:
-                result.refused[mask.name] = verdicts[mask]
+            verdicts[sdpa.key] = _causal_verdict(gm, sdpa.outer_mask, aliases, sdpa.query_shape, sdpa.key_len)
+            if verdicts[sdpa.key] is not None:
+                result.refused[sdpa.outer_mask.name] = verdicts[sdpa.key]
     # A call inside a checkpoint body is shared by every call of that body: it changes only when all of them
     # pass a causal mask (and the body writes nothing into it).
     by_node: dict[fx.Node, list[_SDPACall]] = {}
@@ -76,7 +80,7 @@ def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
         by_node.setdefault(sdpa.node, []).append(sdpa)
     changed_bodies: dict[str, fx.GraphModule] = {}
     for node, uses in by_node.items():
-        if any(verdicts[u.outer_mask] is not None or not u.body_safe for u in uses):
+        if any(verdicts[u.key] is not None or not u.body_safe for u in uses):
             continue
         _make_causal(node)
         result.calls += 1
@@ -87,7 +91,7 @@ def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
         body.graph.lint()
         body.recompile()
     if result.calls:
-        erase_dead(gm, list(verdicts))
+        erase_dead(gm, list({sdpa.outer_mask for sdpa in calls}))
         gm.graph.lint()
         gm.recompile()
     return result
@@ -97,26 +101,32 @@ def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
 class _SDPACall:
     node: fx.Node  # the SDPA call (in gm, or in a checkpoint body)
     outer_mask: fx.Node  # the mask node in gm
-    query_len: int | None
+    query_shape: tuple[int, ...] | None  # None unless static
     key_len: int | None
     body: fx.GraphModule | None = None  # the checkpoint body holding ``node``
     body_name: str = ""
-    body_safe: bool = True  # the body writes nothing into its mask operand
+    body_safe: bool = True  # the body writes nothing into its mask operand, and has no other name in gm
+
+    @property
+    def key(self) -> tuple:
+        return (self.outer_mask, self.query_shape, self.key_len)
 
 
 def _sdpa_calls(gm: fx.GraphModule) -> list[_SDPACall]:
     """The SDPA calls with a graph-built mask and ``is_causal=False``, with their mask as a node of ``gm``."""
     found = []
+    names: dict[int, set[str]] = {}  # a body's attribute names in gm (one, unless a module is registered twice)
     for node in gm.graph.nodes:
         if _is_sdpa(node):
             mask = _mask_arg(node)
             if mask is not None and mask.op != "placeholder":
-                found.append(_SDPACall(node, mask, *_lengths(node)))
+                found.append(_SDPACall(node, mask, *_shapes(node)))
         elif is_checkpoint(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
             name = str(node.args[0].target)
             body = getattr(gm, name, None)
             if not isinstance(body, fx.GraphModule):
                 continue
+            names.setdefault(id(body), set()).add(name)
             placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
             operands = node.args[1:]
             if len(placeholders) != len(operands):
@@ -130,8 +140,11 @@ def _sdpa_calls(gm: fx.GraphModule) -> list[_SDPACall]:
                 if not isinstance(outer, fx.Node):
                     continue
                 body_aliases = body_aliases or AliasMap(body)
-                safe = not _written(body_aliases, body.graph.nodes, body_aliases.roots[mask], ())
-                found.append(_SDPACall(inner, outer, *_lengths(inner), body, name, safe))
+                safe = not _written(body_aliases, body.graph.nodes, body_aliases.roots[mask])
+                found.append(_SDPACall(inner, outer, *_shapes(inner), body, name, safe))
+    for call in found:  # _drop_unused_operands finds a body's calls by one name
+        if call.body is not None and len(names[id(call.body)]) > 1:
+            call.body_safe = False
     return found
 
 
@@ -154,44 +167,89 @@ def _mask_arg(node: fx.Node) -> fx.Node | None:
     return mask
 
 
-def _lengths(node: fx.Node) -> tuple[int | None, int | None]:
-    """The query and key sequence lengths of an SDPA call (its inputs' second-to-last sizes), when static."""
+def _shapes(node: fx.Node) -> tuple[tuple[int, ...] | None, int | None]:
+    """The query's shape and the key's sequence length (its second-to-last size) of an SDPA call, when static."""
     arguments = _arguments(node)
-    sizes = []
-    for name in ("query", "key"):
-        value = meta_value(arguments.get(name))
-        size = value.shape[-2] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
-        sizes.append(size if isinstance(size, int) else None)
-    return sizes[0], sizes[1]
+    query, key = meta_value(arguments.get("query")), meta_value(arguments.get("key"))
+    query_shape = key_len = None
+    if isinstance(query, torch.Tensor) and query.dim() >= 2 and all(isinstance(n, int) for n in query.shape):
+        query_shape = tuple(query.shape)
+    if isinstance(key, torch.Tensor) and key.dim() >= 2 and isinstance(key.shape[-2], int):
+        key_len = key.shape[-2]
+    return query_shape, key_len
 
 
-def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_len: int | None,
+def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_shape: tuple[int, ...] | None,
                     key_len: int | None) -> str | None:
-    """None when ``mask`` is a constant causal mask for an SDPA of these lengths; else why not."""
-    if query_len is None or key_len is None:
-        return "the attention's sequence lengths are not static"
+    """None when ``mask`` is a constant causal mask for an SDPA of these shapes; else why not."""
+    if query_shape is None or key_len is None:
+        return "the attention's shapes are not static (torch.compile(..., dynamic=False) keeps them so)"
+    if query_shape[-2] != key_len:  # SDPA documents a top-left causal mask then; not every kernel is checked
+        return f"its query and key lengths differ ({query_shape[-2]} and {key_len})"
     ancestors = _ancestors(mask)
+    in_autocast = _in_autocast(gm)
     for node in ancestors:
         if node.op == "placeholder":
             return f"it depends on the values of graph input {node.target!r}"
         if node.op not in ("call_function", "call_method"):
             return f"it is built from {node.op} {node.target!r}"
-        name = (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")).lower()
-        if any(word in name for word in _RANDOM):
-            return f"it is built with {name}, which draws random numbers"
+        why = _not_constant(node)
+        if why is not None:
+            return why
+        if node in in_autocast:
+            return "it is built inside a torch.autocast region of the graph"
         if _symbolic(meta_value(node)):
-            return "its shape is symbolic (dynamic shapes)"
+            return "its shape is symbolic (torch.compile(..., dynamic=False) keeps it static)"
     roots = aliases.roots_of(ancestors)
-    if _written(aliases, (n for n in gm.graph.nodes if n not in ancestors), roots, ancestors):
+    if _written(aliases, (n for n in gm.graph.nodes if n not in ancestors), roots):
         return "another node of the graph may write to it"
     try:
         with torch.no_grad():
             value = _evaluate(gm, mask, ancestors)
-        return _compare(value, query_len, key_len)
+        return _compare(value, query_shape, key_len)
     except Exception as exc:  # noqa: BLE001 - out of memory, an op that cannot run here: keep the mask
         if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
             torch.cuda.empty_cache()
         return f"evaluating it failed: {exc!r}"
+
+
+def _not_constant(node: fx.Node) -> str | None:
+    """Why ``node`` (a call) may give another value at run time than here from the same inputs, or None: it must
+    be a Python operator, or a torch function or tensor method of an ATen op that draws no random numbers (or a
+    plain cast). Anything else (a user function Dynamo was told to leave opaque) may read state the graph does
+    not show."""
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+    elif getattr(target, "__module__", None) in ("_operator", "operator"):
+        return None
+    elif (getattr(target, "__module__", None) or "").split(".")[0] == "torch" and hasattr(target, "__name__"):
+        name = target.__name__
+    else:
+        return f"it is built by {getattr(target, '__name__', target)!s}, which the pass cannot see into"
+    if node.op == "call_method" and name in _PLAIN_METHODS:
+        return None
+    base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    packet = getattr(torch.ops.aten, base, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return f"it is built by {name}, which is not an ATen op the pass knows"
+    if any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()):
+        return f"it is built with {name}, which draws random numbers"
+    return None
+
+
+def _in_autocast(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` inside an autocast region the graph opens (its ops may compute in another dtype)."""
+    inside, depth = set(), 0
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name == _AUTOCAST_ENTER:
+            depth += 1
+        elif name == _AUTOCAST_EXIT:
+            depth = max(0, depth - 1)
+        elif depth:
+            inside.add(node)
+    return inside
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -210,7 +268,7 @@ def _symbolic(value: object) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def _written(aliases: AliasMap, nodes: Iterable[fx.Node], roots: frozenset, operands_of: Iterable[fx.Node]) -> bool:
+def _written(aliases: AliasMap, nodes: Iterable[fx.Node], roots: frozenset) -> bool:
     """Whether any of ``nodes`` may write memory shared with ``roots``. A checkpoint call writes only what its
     body writes of its operands; every other call is judged by ``mutations.effect``."""
     for node in nodes:
@@ -234,7 +292,7 @@ def _checkpoint_writes(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, ...]
         return operands
     inner = AliasMap(body)
     return tuple(outer for outer, ph in zip(node.args[1:], placeholders)
-                 if isinstance(outer, fx.Node) and _written(inner, body.graph.nodes, inner.roots[ph], ()))
+                 if isinstance(outer, fx.Node) and _written(inner, body.graph.nodes, inner.roots[ph]))
 
 
 def _evaluate(gm: fx.GraphModule, mask: fx.Node, ancestors: set[fx.Node]) -> object:
@@ -248,12 +306,18 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, ancestors: set[fx.Node]) -> obj
     return fx.GraphModule(gm, graph)()
 
 
-def _compare(value: object, query_len: int, key_len: int) -> str | None:
-    """None when ``value`` is SDPA's causal mask for (query_len, key_len) in every batch and head; else why not."""
+def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> str | None:
+    """None when ``value`` is SDPA's causal mask for a query of ``query_shape`` and ``key_len`` keys, in every
+    batch and head, broadcast as SDPA broadcasts it; else why not."""
+    query_len = query_shape[-2]
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return "it is not a tensor of two or more dimensions"
     if tuple(value.shape[-2:]) != (query_len, key_len):
         return f"its last two sizes {tuple(value.shape[-2:])} are not the attention's ({query_len}, {key_len})"
+    batch = query_shape[:-2]
+    if value.dim() - 2 > len(batch) or any(
+            m not in (1, q) for m, q in zip(reversed(value.shape[:-2]), reversed(batch))):
+        return f"its shape {tuple(value.shape)} does not broadcast to the attention's {batch + (query_len, key_len)}"
     if value.dtype != torch.bool and not value.is_floating_point():
         return f"its dtype {value.dtype} is neither bool nor floating point"
     for dim in range(value.dim() - 2):  # broadcast (stride-0) dims hold one slice

@@ -52,7 +52,9 @@ _PURE_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short", 
                  "redistribute", "to_local", "full_tensor"}
 #: ATen ops whose schema promises a new tensor but whose implementation may hand back the input itself.
 _MAY_RETURN_INPUT = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
-                     "dropout2d", "dropout3d", "type_as", "einsum", "__getitem__", "getitem"}
+                     "dropout2d", "dropout3d", "type_as", "einsum", "__getitem__", "getitem",
+                     # the input itself, or a view of it, where no reshaping or conversion is needed
+                     "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "conj_physical", "dequantize"}
 #: torch.nn modules (call_module nodes) that compute a new tensor from their input and write nothing.
 _FRESH_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d, nn.Tanh, nn.GELU,
                   nn.SiLU, nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.NLLLoss)
