@@ -293,7 +293,9 @@ def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
     """
     if config is None:
         return ""
-    key = None if torch.compiler.is_compiling() else _config_key(config)
+    if torch.compiler.is_compiling():
+        return _config_text_while_tracing(config)
+    key = _config_key(config)
     if key is not None:
         hit = _CONFIG_ARGS.get(key)
         if hit is not None:
@@ -305,6 +307,59 @@ def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
             _CONFIG_ARGS.clear()
         _CONFIG_ARGS[key] = text
     return text
+
+
+#: FLCEConfig's field names, for reading one without ``dataclasses.asdict`` (which Dynamo cannot trace).
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(FLCEConfig))
+_DEFAULT_CONFIG = FLCEConfig()
+
+
+def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> str:
+    """``config_arg`` while Dynamo traces the caller: the same JSON, built by plain Python that Dynamo follows.
+    ``config_overrides``' validation (``dataclasses.asdict``) and ``json.dumps`` would break the user's graph at
+    the call. A dict is validated here by FLCEConfig's own checks, which Dynamo follows (a bad one raises, with
+    the eager call's message); a JSON string is validated by the op when the graph is traced (its fake
+    implementation), inside Dynamo's error."""
+    if isinstance(config, str):
+        return config
+    if isinstance(config, FLCEConfig):
+        items = {name: getattr(config, name) for name in _CONFIG_FIELDS}
+    elif isinstance(config, Mapping):
+        items = dict(config)
+        if any(name not in _CONFIG_FIELDS for name in items):
+            return _checked_config_text(items)  # the ValueError that lists the valid keys
+        FLCEConfig(**{**{name: getattr(_DEFAULT_CONFIG, name) for name in _CONFIG_FIELDS}, **items})  # validate
+    else:
+        return _checked_config_text(config)
+    if not items:
+        return ""
+    return "{" + ", ".join([_json_pair(name, items[name]) for name in sorted(items)]) + "}"
+
+
+def _checked_config_text(config: Any) -> str:
+    """``config_arg``'s text the usual way, validated (Dynamo breaks the graph here): for what raises there,
+    a ``config`` that is no config (the TypeError names the accepted types) or a dict with unknown keys (the
+    ValueError lists the valid ones)."""
+    forced = config_overrides(config)
+    return json.dumps(forced, sort_keys=True) if forced else ""
+
+
+def _json_pair(name: Any, value: Any) -> str:
+    """``"name": value`` as ``json.dumps`` writes it, for the value types a config holds; anything else goes
+    through json (a graph break, but the same text)."""
+    if type(name) is not str or '"' in name or "\\" in name:
+        return json.dumps({name: value})[1:-1]
+    if value is True or value is False:
+        text = "true" if value else "false"
+    elif type(value) is int:
+        text = str(value)
+    elif type(value) is str and '"' not in value and "\\" not in value and value.isprintable():
+        text = '"' + value + '"'
+    elif value is None:
+        text = "null"
+    else:
+        text = json.dumps(value)
+    return '"' + name + '": ' + text
 
 
 def _config_key(config: Any) -> tuple[Any, ...] | None:

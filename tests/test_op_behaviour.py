@@ -275,6 +275,42 @@ def test_fullgraph_compile_is_one_node_and_dynamic_in_tokens():
     assert torch._C._is_autocast_available not in ops, ops
 
 
+@pytest.mark.parametrize("config", [{"chunk_tokens": 16, "streams": False},
+                                    FLCEConfig(strategy="torch", chunk_tokens=24), '{"chunk_tokens": 8}'])
+def test_a_config_passed_inside_a_compiled_function_keeps_one_graph(config):
+    """``config=`` inside the user's own torch.compile: encoded without the validation helpers Dynamo cannot
+    trace (``dataclasses.asdict``, ``json.dumps``), into the text the eager call passes, and the same results."""
+    from flce_compile.api import _config_text_while_tracing, config_arg
+
+    assert _config_text_while_tracing(config) == (config if isinstance(config, str) else config_arg(config))
+    x, w, t = _inputs(n=64, h=32, v=96)
+    w.requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: fused_linear_cross_entropy(x, w, t, config=config),
+                             backend="aot_eager", fullgraph=True)
+    loss = compiled(x, w, t)
+    loss.backward()
+    torch._dynamo.reset()
+    w_eager = w.detach().clone().requires_grad_()
+    expected = fused_linear_cross_entropy(x, w_eager, t, config=config)
+    expected.backward()
+    assert torch.equal(loss, expected) and torch.equal(w.grad, w_eager.grad)
+
+
+@pytest.mark.parametrize("config, error, message", [
+    ({"chunk_tokens": 0}, ValueError, "config.chunk_tokens=0 must be a positive int"),
+    ({"chunk": 8}, ValueError, "config has unknown keys"),
+    (8, TypeError, "config must be an FLCEConfig, a dict, a JSON object or None, got int"),
+])
+def test_a_bad_config_inside_a_compiled_function_raises_its_own_error(config, error, message):
+    x, w, t = _inputs(n=16, h=8, v=32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: fused_linear_cross_entropy(x, w, t, config=config), backend="aot_eager")
+    with pytest.raises(error, match=message):
+        compiled(x, w, t)
+    torch._dynamo.reset()
+
+
 def test_autocast_under_compile_casts_as_eager_autocast():
     x, w, t = _inputs(n=64, h=32, v=96)
 
