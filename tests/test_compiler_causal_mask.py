@@ -313,3 +313,15 @@ def test_option_turns_the_pass_off_and_is_validated(llama, caplog):
     assert said == ["flce: 2 SDPA call(s) run with is_causal=True instead of an in-graph causal mask"]
     with pytest.raises(TypeError, match=r"options\['flce.causal_masks'\] must be True or False"):
         split_options({"flce.causal_masks": "yes"})
+
+
+def test_explain_reports_the_attention_rewrite(llama):
+    import flce_compile
+
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    report = flce_compile.explain(llama, input_ids=ids, labels=ids)
+    assert report.notes == ["[graph 0] attention: 2 SDPA call(s) run with is_causal=True instead of an in-graph "
+                            "causal mask"]
+    assert "attention: 2 SDPA call(s)" in str(report)
+    off = flce_compile.explain(llama, input_ids=ids, labels=ids, options={"flce.causal_masks": False})
+    assert not any("attention" in note for note in off.notes)

@@ -2,8 +2,9 @@
 
 It captures the model's Dynamo graphs with ``torch._dynamo.explain`` (which runs the model once and resets
 Dynamo's caches, like any ``torch._dynamo.explain`` call), analyzes every graph without rewriting it, and reports
-one entry per loss site plus one per lm_head that a graph break separated from its loss. The options are the
-ones a compiled model was compiled with, or ``options=`` (the same dict ``torch.compile`` takes).
+one entry per loss site plus one per lm_head that a graph break separated from its loss, and notes (attention
+masks the backend drops, checkpointed regions it opens). The options are the ones a compiled model was compiled
+with, or ``options=`` (the same dict ``torch.compile`` takes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import fx, nn
 
 from ..log import logger
 from .backend import compiled_options
+from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .options import FLCEOptions, split_options
@@ -184,7 +186,11 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     report.graph_breaks = [_break_text(b) for b in out.break_reasons]
     report.notes = []
     for i, gm in enumerate(out.graphs):
-        # As the pass does; explain's captured graphs are its own, so changing them is harmless.
+        # As the passes do; explain's captured graphs are its own, so changing them is harmless.
+        if opts.enabled and opts.causal_masks:
+            masks = drop_causal_masks(gm)
+            if masks.calls or masks.refused:
+                report.notes.append(f"[graph {i}] attention: {masks}")
         regions = inline_fusable_checkpoints(gm, opts.logits) if opts.enabled else []
         report.notes += [f"[graph {i}] {r}" for r in regions if r.inlined]
         report.extend(SiteReport(graph=i, loss=f"loss site(s) in checkpointed region {r.name}", fused=False,
