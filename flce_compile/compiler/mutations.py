@@ -6,7 +6,8 @@ lm_head did. That is only safe when no node in between writes to any of them or 
 Purity is decided by what is known to be pure, never by a list of ops known to mutate: an ATen op is judged
 by its schema, Python's operators and a few tensor methods are known, and any other call is assumed to write
 every tensor it is given. Aliasing is as cautious: a result is fresh memory only when the op is known to make
-a new tensor; anything else may share memory with every tensor input.
+a new tensor; anything else may share memory with every tensor input. ``erase_dead`` removes what a pass left
+without users by the same rule: only nodes known to write nothing.
 """
 
 from __future__ import annotations
