@@ -131,10 +131,9 @@ def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tenso
     """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
     so fp32 parameters receive fp32 gradients)."""
     device_type = input.device.type
-    # Devices without autocast (meta) cannot be asked whether it is on. A type unknown at import (a renamed
-    # privateuse1 backend) is asked now, outside Dynamo.
-    if device_type not in _AUTOCAST_DEVICE_TYPES and (
-            torch.compiler.is_compiling() or not torch.amp.is_autocast_available(device_type)):
+    # Devices without autocast (meta) cannot be asked whether it is on. A type not known at import (meta, a
+    # privateuse1 backend renamed later) is asked now, also while Dynamo traces (a graph break on torch 2.11).
+    if device_type not in _AUTOCAST_DEVICE_TYPES and not torch.amp.is_autocast_available(device_type):
         return input, weight, bias
     if not torch.is_autocast_enabled(device_type):
         return input, weight, bias
@@ -318,11 +317,13 @@ def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> 
     """``config_arg`` while Dynamo traces the caller: the same JSON, built by plain Python that Dynamo follows.
     ``config_overrides``' validation (``dataclasses.asdict``) and ``json.dumps`` would break the user's graph at
     the call. A dict is validated here by FLCEConfig's own checks, which Dynamo follows (a bad one raises, with
-    the eager call's message); a JSON string is validated by the op when the graph is traced (its fake
-    implementation), inside Dynamo's error."""
+    the eager call's message). A JSON string goes to the op as it is (its parsing cannot be traced): the op
+    validates it when the graph is traced, so a bad one raises inside Dynamo's TorchRuntimeError, with the
+    eager message. A config whose values change between calls still breaks the graph: Dynamo makes those ints
+    symbolic, and their text cannot be traced."""
     if isinstance(config, str):
         return config
-    if isinstance(config, FLCEConfig):
+    if type(config) is FLCEConfig:  # a subclass may carry fields of its own, which the usual path refuses
         items = {name: getattr(config, name) for name in _CONFIG_FIELDS}
     elif isinstance(config, Mapping):
         items = dict(config)
@@ -337,9 +338,9 @@ def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> 
 
 
 def _checked_config_text(config: Any) -> str:
-    """``config_arg``'s text the usual way, validated (Dynamo breaks the graph here): for what raises there,
-    a ``config`` that is no config (the TypeError names the accepted types) or a dict with unknown keys (the
-    ValueError lists the valid ones)."""
+    """``config_arg``'s text the usual way, validated (Dynamo breaks the graph here): for an FLCEConfig
+    subclass, a ``config`` that is no config (the TypeError names the accepted types) or a dict with unknown
+    keys (the ValueError lists the valid ones)."""
     forced = config_overrides(config)
     return json.dumps(forced, sort_keys=True) if forced else ""
 

@@ -297,6 +297,25 @@ def test_a_config_passed_inside_a_compiled_function_keeps_one_graph(config):
     assert torch.equal(loss, expected) and torch.equal(w.grad, w_eager.grad)
 
 
+def test_a_config_subclass_with_fields_of_its_own_is_refused_inside_compile_too():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class NotedConfig(FLCEConfig):
+        note: str = "mine"
+
+    x, w, t = _inputs(n=16, h=8, v=32)
+    with pytest.raises(ValueError, match=r"config has unknown keys \['note'\]"):
+        fused_linear_cross_entropy(x, w, t, config=NotedConfig())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: fused_linear_cross_entropy(x, w, t, config=NotedConfig()),
+                             backend="aot_eager")
+    # Refused by the op while the graph is traced: Dynamo wraps the ValueError, whose message it shows.
+    with pytest.raises(Exception, match=r"config has unknown keys \['note'\]"):
+        compiled(x, w, t)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("config, error, message", [
     ({"chunk_tokens": 0}, ValueError, "config.chunk_tokens=0 must be a positive int"),
     ({"chunk": 8}, ValueError, "config has unknown keys"),
@@ -311,7 +330,14 @@ def test_a_bad_config_inside_a_compiled_function_raises_its_own_error(config, er
     torch._dynamo.reset()
 
 
-def test_autocast_under_compile_casts_as_eager_autocast():
+@pytest.mark.parametrize("known_at_import", [True, False])
+def test_autocast_under_compile_casts_as_eager_autocast(known_at_import, monkeypatch):
+    """Also for a device type the API did not list at import (a privateuse1 backend renamed later): it asks
+    torch then, under compile too."""
+    from flce_compile import api
+
+    if not known_at_import:
+        monkeypatch.setattr(api, "_AUTOCAST_DEVICE_TYPES", ())
     x, w, t = _inputs(n=64, h=32, v=96)
 
     def step(x, w, t):
