@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .dtensor import refuse_dtensors
-from .op import call_fused
+from .op import autocast_on, call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import budget_bytes, choose_config_within_budget, fit_budget, resolve_config
 from .plan.config import FLCEConfig, config_overrides
@@ -110,32 +110,11 @@ def _softcap_arg(softcap: float | None) -> float:
     return float(softcap)
 
 
-def _autocast_device_types() -> tuple[str, ...]:
-    """The device types this torch has autocast for. Asked once, at import: Dynamo in torch 2.11 cannot trace
-    ``torch._C._is_autocast_available`` and broke the user's graph on it (issue #13: a second graph and the
-    API's Python run eagerly on every call made the op ~0.2 ms slower inside a user's compile)."""
-    types = []
-    for name in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone"):
-        try:
-            if torch.amp.is_autocast_available(name):
-                types.append(name)
-        except RuntimeError:  # a device type this build does not know
-            continue
-    return tuple(types)
-
-
-_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
-
-
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
     so fp32 parameters receive fp32 gradients)."""
     device_type = input.device.type
-    # Devices without autocast (meta) cannot be asked whether it is on. A type not known at import (meta, a
-    # privateuse1 backend renamed later) is asked now, also while Dynamo traces (a graph break on torch 2.11).
-    if device_type not in _AUTOCAST_DEVICE_TYPES and not torch.amp.is_autocast_available(device_type):
-        return input, weight, bias
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_on(device_type):
         return input, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     cast = (lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t)
@@ -324,17 +303,22 @@ def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> 
     if isinstance(config, str):
         return config
     if type(config) is FLCEConfig:  # a subclass may carry fields of its own, which the usual path refuses
-        items = {name: getattr(config, name) for name in _CONFIG_FIELDS}
+        items = _fields_of(config)
     elif isinstance(config, Mapping):
         items = dict(config)
         if any(name not in _CONFIG_FIELDS for name in items):
             return _checked_config_text(items)  # the ValueError that lists the valid keys
-        FLCEConfig(**{**{name: getattr(_DEFAULT_CONFIG, name) for name in _CONFIG_FIELDS}, **items})  # validate
+        FLCEConfig(**{**_fields_of(_DEFAULT_CONFIG), **items})  # validate
     else:
         return _checked_config_text(config)
     if not items:
         return ""
     return "{" + ", ".join([_json_pair(name, items[name]) for name in sorted(items)]) + "}"
+
+
+def _fields_of(config: FLCEConfig) -> dict[str, Any]:
+    """``config.to_dict()`` as Dynamo can trace it."""
+    return {name: getattr(config, name) for name in _CONFIG_FIELDS}
 
 
 def _checked_config_text(config: Any) -> str:

@@ -71,6 +71,32 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
+def _autocast_device_types() -> tuple[str, ...]:
+    """The device types this torch has autocast for. Asked once, at import: Dynamo in torch 2.11 cannot trace
+    ``torch._C._is_autocast_available`` and broke the user's graph on it (issue #13: a second graph and the
+    API's Python run eagerly on every call made the op ~0.2 ms slower inside a user's compile)."""
+    types = []
+    for name in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone"):
+        try:
+            if torch.amp.is_autocast_available(name):
+                types.append(name)
+        except RuntimeError:  # a device type this build does not know
+            continue
+    return tuple(types)
+
+
+_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether torch.autocast is on for ``device_type``. Devices without autocast (meta) cannot be asked whether
+    it is on: they answer False. A type not known at import (meta, a privateuse1 backend renamed later) is asked
+    now, also while Dynamo traces (a graph break on torch 2.11)."""
+    if device_type not in _AUTOCAST_DEVICE_TYPES and not torch.amp.is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
 class _OpContext:
     """``op_context``'s manager: a class, not a generator (entered on every call of the op, which the host
     bounds at small shapes), and the device switched by index as ``torch.cuda.device`` does, without its
@@ -83,8 +109,7 @@ class _OpContext:
                        device.index if device.index is not None else torch.cuda.current_device())
         self._previous = -1
         # Entering autocast costs a few microseconds per call; when it is off there is nothing to turn off.
-        autocast_on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-        self._autocast_off = torch.autocast(device.type, enabled=False) if autocast_on else None
+        self._autocast_off = torch.autocast(device.type, enabled=False) if autocast_on(device.type) else None
 
     def __enter__(self) -> None:
         if self._index >= 0:

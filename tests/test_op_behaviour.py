@@ -334,10 +334,10 @@ def test_a_bad_config_inside_a_compiled_function_raises_its_own_error(config, er
 def test_autocast_under_compile_casts_as_eager_autocast(known_at_import, monkeypatch):
     """Also for a device type the API did not list at import (a privateuse1 backend renamed later): it asks
     torch then, under compile too."""
-    from flce_compile import api
+    from flce_compile import op
 
     if not known_at_import:
-        monkeypatch.setattr(api, "_AUTOCAST_DEVICE_TYPES", ())
+        monkeypatch.setattr(op, "_AUTOCAST_DEVICE_TYPES", ())
     x, w, t = _inputs(n=64, h=32, v=96)
 
     def step(x, w, t):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .checkpoints import is_checkpoint
+from .checkpoints import body_placeholders, checkpoint_body, is_checkpoint
 from .mutations import AliasMap, erase_dead
 from .patterns import meta_value
 
@@ -61,16 +61,15 @@ class MaskRewrite:
 def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
     """Give every SDPA call of ``gm`` (and of its activation checkpoints' bodies) whose mask is proven causal
     ``is_causal=True`` and no mask, in place. Returns what was done."""
-    calls = _sdpa_calls(gm)
+    facts = _Facts(gm)
+    calls = _sdpa_calls(facts)
     result = MaskRewrite()
     # None (causal for that attention) or the reason it is not, per (mask node in gm, query shape, key length):
     # one mask may serve attentions of other shapes, for which it broadcasts differently.
     verdicts: dict[tuple, str | None] = {}
-    aliases: AliasMap | None = None
     for sdpa in calls:
         if sdpa.key not in verdicts:
-            aliases = aliases or AliasMap(gm)
-            verdicts[sdpa.key] = _causal_verdict(gm, sdpa.outer_mask, aliases, sdpa.query_shape, sdpa.key_len)
+            verdicts[sdpa.key] = _causal_verdict(facts, sdpa.outer_mask, sdpa.query_shape, sdpa.key_len)
             if verdicts[sdpa.key] is not None:
                 result.refused[sdpa.outer_mask.name] = verdicts[sdpa.key]
     # A call inside a checkpoint body is shared by every call of that body: it changes only when all of them
@@ -112,35 +111,31 @@ class _SDPACall:
         return (self.outer_mask, self.query_shape, self.key_len)
 
 
-def _sdpa_calls(gm: fx.GraphModule) -> list[_SDPACall]:
-    """The SDPA calls with a graph-built mask and ``is_causal=False``, with their mask as a node of ``gm``."""
+def _sdpa_calls(facts: _Facts) -> list[_SDPACall]:
+    """The SDPA calls with a graph-built mask and ``is_causal=False``, with their mask as a node of the graph."""
     found = []
     names: dict[int, set[str]] = {}  # a body's attribute names in gm (one, unless a module is registered twice)
-    for node in gm.graph.nodes:
+    for node in facts.gm.graph.nodes:
         if _is_sdpa(node):
             mask = _mask_arg(node)
             if mask is not None and mask.op != "placeholder":
                 found.append(_SDPACall(node, mask, *_shapes(node)))
-        elif is_checkpoint(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
-            name = str(node.args[0].target)
-            body = getattr(gm, name, None)
-            if not isinstance(body, fx.GraphModule):
+            continue
+        checkpoint = checkpoint_body(facts.gm, node)
+        if checkpoint is None:
+            continue
+        name, body = checkpoint
+        names.setdefault(id(body), set()).add(name)
+        placeholders = body_placeholders(node, body)
+        if placeholders is None:
+            continue
+        for inner in body.graph.nodes:
+            mask = _mask_arg(inner) if _is_sdpa(inner) else None
+            if mask is None or mask.op != "placeholder":
                 continue
-            names.setdefault(id(body), set()).add(name)
-            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-            operands = node.args[1:]
-            if len(placeholders) != len(operands):
-                continue
-            body_aliases = None
-            for inner in body.graph.nodes:
-                mask = _mask_arg(inner) if _is_sdpa(inner) else None
-                if mask is None or mask.op != "placeholder":
-                    continue
-                outer = operands[placeholders.index(mask)]
-                if not isinstance(outer, fx.Node):
-                    continue
-                body_aliases = body_aliases or AliasMap(body)
-                safe = not _written(body_aliases, body.graph.nodes, body_aliases.roots[mask])
+            outer = node.args[1 + placeholders.index(mask)]
+            if isinstance(outer, fx.Node):
+                safe = outer not in facts.checkpoint_writes(node)
                 found.append(_SDPACall(inner, outer, *_shapes(inner), body, name, safe))
     for call in found:  # _drop_unused_operands finds a body's calls by one name
         if call.body is not None and len(names[id(call.body)]) > 1:
@@ -179,7 +174,7 @@ def _shapes(node: fx.Node) -> tuple[tuple[int, ...] | None, int | None]:
     return query_shape, key_len
 
 
-def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_shape: tuple[int, ...] | None,
+def _causal_verdict(facts: _Facts, mask: fx.Node, query_shape: tuple[int, ...] | None,
                     key_len: int | None) -> str | None:
     """None when ``mask`` is a constant causal mask for an SDPA of these shapes; else why not."""
     if query_shape is None or key_len is None:
@@ -187,7 +182,6 @@ def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_
     if query_shape[-2] != key_len:  # SDPA documents a top-left causal mask then; not every kernel is checked
         return f"its query and key lengths differ ({query_shape[-2]} and {key_len})"
     ancestors = _ancestors(mask)
-    in_autocast = _in_autocast(gm)
     for node in ancestors:
         if node.op == "placeholder":
             return f"it depends on the values of graph input {node.target!r}"
@@ -196,16 +190,15 @@ def _causal_verdict(gm: fx.GraphModule, mask: fx.Node, aliases: AliasMap, query_
         why = _not_constant(node)
         if why is not None:
             return why
-        if node in in_autocast:
+        if node in facts.in_autocast:
             return "it is built inside a torch.autocast region of the graph"
         if _symbolic(meta_value(node)):
             return "its shape is symbolic (torch.compile(..., dynamic=False) keeps it static)"
-    roots = aliases.roots_of(ancestors)
-    if _written(aliases, (n for n in gm.graph.nodes if n not in ancestors), roots):
+    if facts.written((n for n in facts.gm.graph.nodes if n not in ancestors), facts.aliases.roots_of(ancestors)):
         return "another node of the graph may write to it"
     try:
         with torch.no_grad():
-            value = _evaluate(gm, mask, ancestors)
+            value = _evaluate(facts.gm, mask, ancestors)
         return _compare(value, query_shape, key_len)
     except Exception as exc:  # noqa: BLE001 - out of memory, an op that cannot run here: keep the mask
         if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
@@ -268,31 +261,50 @@ def _symbolic(value: object) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def _written(aliases: AliasMap, nodes: Iterable[fx.Node], roots: frozenset) -> bool:
-    """Whether any of ``nodes`` may write memory shared with ``roots``. A checkpoint call writes only what its
-    body writes of its operands; every other call is judged by ``mutations.effect``."""
-    for node in nodes:
-        if is_checkpoint(node):
-            written = _checkpoint_writes(aliases.gm, node)
-        else:
-            written = aliases.effects[node].writes
-        if any(aliases.roots.get(w, frozenset({w})) & roots for w in written):
-            return True
-    return False
+class _Facts:
+    """What the judgements on one graph share, each worked out once and only when first asked: the alias map, the
+    nodes inside autocast regions, and which operands each checkpoint call may write."""
 
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self._aliases: AliasMap | None = None
+        self._in_autocast: set[fx.Node] | None = None
+        self._checkpoint_writes: dict[fx.Node, tuple[fx.Node, ...]] = {}
 
-def _checkpoint_writes(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, ...]:
-    """The operands of checkpoint call ``node`` its body may write (all of them when the body is unknown)."""
-    operands = tuple(a for a in node.args[1:] if isinstance(a, fx.Node))
-    body = getattr(gm, str(node.args[0].target), None) if node.args and isinstance(node.args[0], fx.Node) else None
-    if not isinstance(body, fx.GraphModule):
-        return operands
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(node.args) - 1:
-        return operands
-    inner = AliasMap(body)
-    return tuple(outer for outer, ph in zip(node.args[1:], placeholders)
-                 if isinstance(outer, fx.Node) and _written(inner, body.graph.nodes, inner.roots[ph]))
+    @property
+    def aliases(self) -> AliasMap:
+        if self._aliases is None:
+            self._aliases = AliasMap(self.gm)
+        return self._aliases
+
+    @property
+    def in_autocast(self) -> set[fx.Node]:
+        if self._in_autocast is None:
+            self._in_autocast = _in_autocast(self.gm)
+        return self._in_autocast
+
+    def checkpoint_writes(self, node: fx.Node) -> tuple[fx.Node, ...]:
+        """The operands of checkpoint call ``node`` its body may write (all of them when the body is unknown)."""
+        if node not in self._checkpoint_writes:
+            operands = tuple(a for a in node.args[1:] if isinstance(a, fx.Node))
+            checkpoint = checkpoint_body(self.gm, node)
+            placeholders = body_placeholders(node, checkpoint[1]) if checkpoint is not None else None
+            if placeholders is not None:
+                inner = _Facts(checkpoint[1])
+                operands = tuple(outer for outer, ph in zip(node.args[1:], placeholders) if isinstance(outer, fx.Node)
+                                 and inner.written(inner.gm.graph.nodes, inner.aliases.roots[ph]))
+            self._checkpoint_writes[node] = operands
+        return self._checkpoint_writes[node]
+
+    def written(self, nodes: Iterable[fx.Node], roots: frozenset) -> bool:
+        """Whether any of ``nodes`` may write memory shared with ``roots``. A checkpoint call writes only what
+        its body writes of its operands; every other call is judged by ``mutations.effect``."""
+        aliases = self.aliases
+        for node in nodes:
+            written = self.checkpoint_writes(node) if is_checkpoint(node) else aliases.effects[node].writes
+            if any(aliases.roots.get(w, frozenset({w})) & roots for w in written):
+                return True
+        return False
 
 
 def _evaluate(gm: fx.GraphModule, mask: fx.Node, ancestors: set[fx.Node]) -> object:
@@ -358,7 +370,8 @@ def _drop_unused_operands(gm: fx.GraphModule, name: str, body: fx.GraphModule) -
     if not unused:
         return
     for node in gm.graph.nodes:
-        if is_checkpoint(node) and isinstance(node.args[0], fx.Node) and str(node.args[0].target) == name:
+        checkpoint = checkpoint_body(gm, node)
+        if checkpoint is not None and checkpoint[0] == name:
             node.args = (node.args[0],) + tuple(a for i, a in enumerate(node.args[1:]) if i not in unused)
     for i in sorted(unused, reverse=True):
         body.graph.erase_node(placeholders[i])

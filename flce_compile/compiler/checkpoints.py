@@ -42,16 +42,33 @@ def is_checkpoint(node: fx.Node) -> bool:
     return node.op == "call_function" and hop is not None and node.target is hop
 
 
+def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.GraphModule] | None:
+    """The body of checkpoint call ``node`` of ``gm`` as (its attribute name, its graph), or None: ``node`` is
+    no checkpoint call, or its body is not a graph module of ``gm``."""
+    if not is_checkpoint(node) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or node.args[0].op != "get_attr":
+        return None
+    name = str(node.args[0].target)
+    body = getattr(gm, name, None)
+    return (name, body) if isinstance(body, fx.GraphModule) else None
+
+
+def body_placeholders(node: fx.Node, body: fx.GraphModule) -> list[fx.Node] | None:
+    """The placeholders of ``body``, one for each operand of checkpoint call ``node`` (``node.args[1:]``) in
+    order, or None when they do not map one to one."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    return placeholders if len(placeholders) == len(node.args) - 1 else None
+
+
 def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list[CheckpointRegion]:
     """Inline (in place) every checkpointed region of ``gm`` whose body holds a loss site the pass would fuse
     under ``logits``; returns one record per such region."""
     regions = []
     for node in list(gm.graph.nodes):
-        if not is_checkpoint(node) or not node.args or node.args[0].op != "get_attr":
+        found = checkpoint_body(gm, node)
+        if found is None:
             continue
-        body = getattr(gm, node.args[0].target, None)
-        if not isinstance(body, fx.GraphModule):
-            continue
+        name, body = found
         results = [r for r in analyze(body, logits) if r.fused]
         if not results:
             continue
@@ -63,7 +80,7 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
                 site_nodes.add(n)
                 work.extend(n.all_input_nodes)
         ops = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        region = CheckpointRegion(str(node.args[0].target), len(results), len([n for n in ops if n not in site_nodes]))
+        region = CheckpointRegion(name, len(results), len([n for n in ops if n not in site_nodes]))
         region.reason = _inline(gm, node, body)
         region.inlined = region.reason is None
         regions.append(region)
@@ -81,8 +98,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> str | No
         return "the region's result is used other than by index"
     if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes):
         return "the region's body reads module attributes of its own"
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(node.args) - 1 or node.kwargs.get("context_fn") is not None:
+    placeholders = body_placeholders(node, body)
+    if placeholders is None or node.kwargs.get("context_fn") is not None:
         return "the region's arguments do not map onto its body (or it has a context_fn)"
     env: dict[fx.Node, fx.Node] = dict(zip(placeholders, node.args[1:]))
     outputs = None
