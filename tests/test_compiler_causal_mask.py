@@ -4,6 +4,7 @@ Hugging Face Llama as users call it, plain functions), by their contents and by 
 
 import copy
 import logging
+import operator
 
 import pytest
 import torch
@@ -67,6 +68,30 @@ def llama_graphs(llama):
     finally:
         llama.gradient_checkpointing_disable()
     return {"plain": plain, "checkpointed": checkpointed, "padded": padded}
+
+
+def test_llama_mask_recorded_with_operator_methods_is_dropped(llama_graphs):
+    """torch 2.11's Dynamo (the H200's) records ``a == b`` and ``a & b`` in the mask as method calls,
+    ``a.__eq__(b)``: the pass takes them as the operators they are (it had kept the mask there, and the compiled
+    HF model lost the flash kernel again). The graph of this torch is rewritten to that spelling."""
+    gm, inputs = llama_graphs["plain"]
+    gm = copy.deepcopy(gm)
+    before = run(gm, inputs)
+    spelled = 0
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target in (operator.eq, operator.and_)
+                and all(isinstance(a, fx.Node) for a in node.args)):
+            node.op, node.target = "call_method", f"__{node.target.__name__.rstrip('_')}__"
+            spelled += 1
+    gm.recompile()
+    assert spelled
+
+    result = drop_causal_masks(gm)
+
+    assert result.calls == len(sdpa_nodes(gm)) == 2 and not result.refused
+    after = run(gm, inputs)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["plain", "checkpointed"])

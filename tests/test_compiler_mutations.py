@@ -157,3 +157,26 @@ def test_unknown_calls_are_assumed_to_write_their_tensors():
     assert aliases.first_write(h, fresh, aliases.roots[h]) is None
     assert aliases.first_write(fresh, g.output_node if hasattr(g, "output_node") else list(g.nodes)[-1],
                                aliases.roots[h]) is call
+
+
+def test_operator_dunder_methods_have_their_operators_effect():
+    """torch 2.11's Dynamo records ``a == b`` as the method call ``a.__eq__(b)``: it reads and makes a new
+    tensor, as ``operator.eq`` does; ``+a`` (``torch.positive``) returns ``a`` itself, in either spelling, and
+    ``a &= b`` writes ``a``."""
+    import operator
+
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    b = g.placeholder("b")
+    eq = g.call_method("__eq__", (a, b))
+    pos_method = g.call_method("__pos__", (a,))
+    pos_operator = g.call_function(operator.pos, (a,))
+    iand = g.call_method("__iand__", (a, b))
+    g.output((eq, pos_method, pos_operator, iand))
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    assert effect(gm, eq).writes == () and effect(gm, eq).fresh
+    for pos in (pos_method, pos_operator):
+        assert effect(gm, pos).writes == () and not effect(gm, pos).fresh
+    assert effect(gm, iand).writes == (a,)
+    aliases = AliasMap(gm)
+    assert aliases.roots[pos_method] >= aliases.roots[a] and not aliases.roots[eq] & aliases.roots[a]

@@ -31,6 +31,9 @@ _PURE_OPERATORS = {
     operator.lshift, operator.rshift, operator.not_, operator.truth, operator.contains, operator.index,
     operator.is_, operator.is_not, operator.getitem,
 }
+#: Of those, the ones whose result may be an operand itself: ``getitem`` views it, and a tensor's unary ``+``
+#: (``torch.positive``) returns the tensor itself.
+_ALIASING_OPERATORS = {operator.getitem, operator.pos}
 #: Operators that write their first operand (item assignment and the augmented assignments).
 _WRITING_OPERATORS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -145,11 +148,17 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
     if node.op == "call_method":
         if _writes_self(name):
             return Effect(first, False)
-        return Effect((), False) if name in _PURE_METHODS else _by_aten_name(name, unknown)
+        if name in _PURE_METHODS:
+            return Effect((), False)
+        # ``a.__eq__(b)``: how Dynamo in torch 2.11 records ``a == b``; the operator's effect
+        dunder_of = getattr(operator, name, None) if name.startswith("__") else None
+        if dunder_of in _PURE_OPERATORS:
+            return Effect((), dunder_of not in _ALIASING_OPERATORS)
+        return _by_aten_name(name, unknown)
     if target in _WRITING_OPERATORS:
         return Effect(first, False)
     if target in _PURE_OPERATORS:
-        return Effect((), target is not operator.getitem)
+        return Effect((), target not in _ALIASING_OPERATORS)
     if target in _PURE_BUILTINS or _is_dtensor_from_local(target):
         return Effect((), False)
     if isinstance(target, torch._ops.OpOverload):
