@@ -94,6 +94,23 @@ def test_llama_mask_recorded_with_operator_methods_is_dropped(llama_graphs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_llama_mask_is_dropped_on_the_gpu(llama):
+    """The same on CUDA with this machine's torch and transformers, the H200's combination: ``pytest -m gpu``
+    passed there while the pass kept every mask (torch 2.11's ``a.__eq__(b)``; only the CPU tests, which the
+    GPU run skips, looked at the pass)."""
+    model = copy.deepcopy(llama).cuda()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    gm, inputs = capture(model, input_ids=ids, labels=ids)
+    before = run(gm, inputs)
+
+    result = drop_causal_masks(gm)
+
+    assert result.calls == len(sdpa_nodes(gm)) == 2 and not result.refused, str(result)
+    for b, a in zip(before, run(gm, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["plain", "checkpointed"])
 def test_llama_mask_is_dropped_and_results_unchanged(llama_graphs, kind):
     gm, inputs = llama_graphs[kind]
