@@ -20,7 +20,6 @@ an evaluation that fails (out of memory, say) leaves the graph as it was.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from torch import fx
 from .checkpoints import body_placeholders, checkpoint_body, is_checkpoint
 from .mutations import AliasMap, erase_dead
 from .patterns import meta_value
+from .spellings import operator_of
 
 #: SDPA as Dynamo records it.
 _SDPA_TARGETS = tuple(t for t in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
@@ -215,7 +215,7 @@ def _not_constant(node: fx.Node) -> str | None:
     target = node.target
     if node.op == "call_method":
         name = str(target)
-        if _is_operator_dunder(name):  # ``a.__eq__(b)``: how Dynamo in torch 2.11 records ``a == b``
+        if operator_of(name) is not None:  # ``a.__eq__(b)``: how Dynamo in torch 2.11 records ``a == b``
             return None
     elif getattr(target, "__module__", None) in ("_operator", "operator"):
         return None
@@ -232,12 +232,6 @@ def _not_constant(node: fx.Node) -> str | None:
     if any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()):
         return f"it is built with {name}, which draws random numbers"
     return None
-
-
-def _is_operator_dunder(name: str) -> bool:
-    """Whether a tensor method named ``name`` is a Python operator's dunder (``__eq__``, ``__and__``): the same
-    call as ``operator.eq`` / ``operator.and_``, which the pass takes."""
-    return name.startswith("__") and name.endswith("__") and callable(getattr(operator, name, None))
 
 
 def _in_autocast(gm: fx.GraphModule) -> set[fx.Node]:

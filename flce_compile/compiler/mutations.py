@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .spellings import dtensor_call, operator_of
+
 #: Python operators that read their operands and return a new value.
 _PURE_OPERATORS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
@@ -150,8 +152,7 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
             return Effect(first, False)
         if name in _PURE_METHODS:
             return Effect((), False)
-        # ``a.__eq__(b)``: how Dynamo in torch 2.11 records ``a == b``; the operator's effect
-        dunder_of = getattr(operator, name, None) if name.startswith("__") else None
+        dunder_of = operator_of(name)  # ``a.__eq__(b)``: how Dynamo in torch 2.11 records ``a == b``
         if dunder_of in _PURE_OPERATORS:
             return Effect((), dunder_of not in _ALIASING_OPERATORS)
         return _by_aten_name(name, unknown)
@@ -159,7 +160,7 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(first, False)
     if target in _PURE_OPERATORS:
         return Effect((), target not in _ALIASING_OPERATORS)
-    if target in _PURE_BUILTINS or _is_dtensor_from_local(target):
+    if target in _PURE_BUILTINS or dtensor_call(node) is not None:  # DTensor calls wrap or move, write nothing
         return Effect((), False)
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
@@ -177,13 +178,6 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         verdict = _aten_verdict(name)
         return Effect((), bool(verdict and verdict[1]))
     return _by_aten_name(name, unknown)
-
-
-def _is_dtensor_from_local(target: Any) -> bool:
-    """``DTensor.from_local`` as Dynamo records it (``torch.distributed.tensor._api.from_local``): it wraps its
-    input, writing nothing."""
-    return getattr(target, "__name__", "") == "from_local" and (getattr(target, "__module__", "") or "").startswith(
-        "torch.distributed.tensor")
 
 
 def _module_effect(gm: fx.GraphModule, node: fx.Node, first: tuple[fx.Node, ...], unknown: Effect) -> Effect:

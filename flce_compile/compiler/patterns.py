@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..dtensor import is_dtensor
+from .spellings import dtensor_call
 
 # ---------------------------------------------------------------------------------------------------------------
 # op tables (functions, methods and modules that Dynamo may leave in the graph)
@@ -100,12 +101,12 @@ ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross
 
 def redistribute_step_ok(node: fx.Node) -> str | None:
     """None when ``node`` is ``logits.redistribute(...)`` to the vocabulary-sharded layout the loss_parallel
-    loss reads (the logits as every rank's slice of the last dim); else why it stops the logits chain."""
-    placements = node.kwargs.get("placements", node.args[2] if len(node.args) > 2 else None)
+    loss reads (the logits as every rank's slice of the last dim); else why it stops the logits chain. The
+    layout is read off the result (torch 2.11's spelling keeps the arguments out of the graph, ``spellings``)."""
     val, src = meta_value(node), meta_value(node.args[0])
-    if not (is_dtensor(val) and is_dtensor(src)) or placements is None:
-        return f"call_method redistribute without DTensor information; {ADVICE}"
-    placements = tuple(placements)
+    if not (is_dtensor(val) and is_dtensor(src)):
+        return f"redistribute without DTensor information; {ADVICE}"
+    placements = tuple(val.placements)
     if len(placements) != 1 or not _is_last_dim_shard(placements[0], val.dim()):
         return f"redistribute to {placements} (only Shard(-1), the vocabulary, can be fused); {ADVICE}"
     return None
@@ -329,7 +330,7 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
         # The mutation is visible through every alias of the logits; dropping or replaying it is not safe.
         return f"in-place {node.op} {name} on the logits"
 
-    if _is_method(node, ("redistribute",)):  # a DTensor lm_head's output hook (``tensor_parallel``)
+    if dtensor_call(node) == "redistribute":  # a DTensor lm_head's output hook (``tensor_parallel``)
         problem = redistribute_step_ok(node)
         if problem is not None:
             return problem

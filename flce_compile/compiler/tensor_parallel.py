@@ -29,13 +29,13 @@ from torch import fx
 
 from ..dtensor import describe_layout, is_dtensor, is_vocab_sharded
 from .patterns import ADVICE, Site, meta_value
+from .spellings import dtensor_call
 
 #: What ``explain`` and the logs say about a tensor-parallel lm_head the pass does not rewrite.
 def returned_through_redistribute(node: fx.Node) -> bool:
     """Whether the lm_head ``node``'s logits leave the graph through the output hook's ``redistribute`` (a
     tensor-parallel lm_head whose loss is computed outside the compiled graph)."""
-    return any(u.op == "call_method" and u.target == "redistribute" and any(o.op == "output" for o in u.users)
-               for u in node.users)
+    return any(dtensor_call(u) == "redistribute" and any(o.op == "output" for o in u.users) for u in node.users)
 
 
 #: explain's reason for a tensor-parallel lm_head whose loss is not in the graph.
@@ -53,7 +53,7 @@ def local_input(site: Site) -> fx.Node:
     ``from_local(x, mesh, (Replicate(),))`` when there is one, else the (replicated DTensor) input itself,
     which ``vocab_parallel_linear_cross_entropy`` takes as it is."""
     x = site.linear.input
-    if x.op == "call_function" and getattr(x.target, "__name__", "") == "from_local" and x.args:
+    if dtensor_call(x) == "from_local" and x.args:
         return x.args[0]
     return x
 
@@ -76,7 +76,9 @@ def vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]]) -
     elif is_dtensor(meta_value(loss.target)):
         why = "the target is a DTensor"
     else:
-        x = meta_value(local_input(site))
+        # The DTensor the lm_head reads (the input hook's from_local, in either spelling, or the input itself):
+        # its layout, not that of the local tensor the op is then given.
+        x = meta_value(site.linear.input)
         if is_dtensor(x) and not all(type(pl).__name__ == "Replicate" for pl in x.placements):
             why = f"the lm_head input has {describe_layout(x)}, not replicated"
     return None if why is None else f"{ADVICE} ({why})"

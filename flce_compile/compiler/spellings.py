@@ -1,0 +1,51 @@
+"""One call, two spellings: how Dynamo's versions record the same Python in a graph differently.
+
+The passes read the graphs of torch 2.11 (the GPU machine) and of the current release (CI), and a call one of
+them takes for something it does not know is left alone: an unfused site or a kept attention mask, never a
+wrong result, but the speed is lost without a word in the tests of the other version. So each spelling the
+passes must recognise is named here once:
+
+* ``a == b`` between tensors: ``operator.eq(a, b)`` (2.13), or the method call ``a.__eq__(b)`` (2.11, seen in
+  the Hugging Face mask); likewise for the other operators with a dunder (``operator_of``).
+* ``x.redistribute(...)`` / ``x.to_local()`` of a DTensor: method calls with their arguments (2.13), or a call of
+  a function Dynamo makes on the fly that holds every argument but the tensor (2.11: "prim_redistribute",
+  "prim_to_local"); ``DTensor.from_local(x, mesh, placements)``: the function itself (2.13) or such a wrapper
+  ("prim from_local", 2.11). ``dtensor_call`` names the call either way; where the passes need the placements,
+  they read them off the result's example value, which both spellings carry.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+from torch import fx
+
+#: The DTensor calls ``dtensor_call`` recognises.
+DTENSOR_CALLS = ("redistribute", "to_local", "from_local")
+#: Names of torch 2.11 Dynamo's on-the-fly wrappers, by the call they stand for.
+_WRAPPER_NAMES = {"prim_redistribute": "redistribute", "prim_to_local": "to_local", "prim from_local": "from_local"}
+
+
+def operator_of(method: str) -> Callable[..., Any] | None:
+    """The Python operator a tensor method named ``method`` is (``"__eq__"`` -> ``operator.eq``), or None."""
+    if not (method.startswith("__") and method.endswith("__")):
+        return None
+    op = vars(operator).get(method)  # the module's own names: not attributes every module has (``__init__``)
+    return op if callable(op) else None
+
+
+def dtensor_call(node: fx.Node) -> str | None:
+    """"redistribute", "to_local" or "from_local" when ``node`` is that DTensor call in either spelling."""
+    if node.op == "call_method":
+        return node.target if node.target in ("redistribute", "to_local") else None
+    if node.op != "call_function":
+        return None
+    target = node.target
+    name = getattr(target, "__name__", "")
+    module = getattr(target, "__module__", None) or ""
+    if name == "from_local" and module.startswith("torch.distributed.tensor"):
+        return "from_local"
+    if module.startswith("torch._dynamo"):
+        return _WRAPPER_NAMES.get(name)
+    return None

@@ -1,0 +1,68 @@
+"""``compiler/spellings.py``: the passes recognise a call in torch 2.13's spelling and in torch 2.11's (the GPU
+machine's), which CI cannot trace. torch 2.11's Dynamo wrappers are built here as it builds them: a function
+made on the fly in ``torch._dynamo``, named after the call, that holds every argument but the tensor."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import fx, nn
+
+from flce_compile.compiler.mutations import effect
+from flce_compile.compiler.spellings import dtensor_call, operator_of
+
+
+def _dynamo_wrapper(name: str, module: str = "torch._dynamo.variables.tensor"):
+    def wrapper(x):  # what the wrapper does does not matter here: only how the passes name it
+        return x
+
+    wrapper.__name__ = name
+    wrapper.__module__ = module
+    return wrapper
+
+
+@pytest.mark.parametrize("method, op", [("__eq__", operator.eq), ("__and__", operator.and_),
+                                        ("__iand__", operator.iand), ("__getitem__", operator.getitem),
+                                        ("eq", None), ("__dunder_nobody_has__", None), ("__init__", None)])
+def test_operator_of(method, op):
+    assert operator_of(method) is op
+
+
+def test_dtensor_calls_in_both_spellings_and_nothing_else():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    nodes = {
+        "redistribute (2.13)": g.call_method("redistribute", (x,)),
+        "to_local (2.13)": g.call_method("to_local", (x,)),
+        "redistribute (2.11)": g.call_function(_dynamo_wrapper("prim_redistribute"), (x,)),
+        "to_local (2.11)": g.call_function(_dynamo_wrapper("prim_to_local"), (x,)),
+        "from_local (2.11)": g.call_function(_dynamo_wrapper("prim from_local", "torch._dynamo.variables.torch"),
+                                             (x,)),
+        "a user's function of the same name": g.call_function(_dynamo_wrapper("prim_redistribute", "mylib"), (x,)),
+        "another method": g.call_method("view", (x, -1)),
+    }
+    g.output(tuple(nodes.values()))
+    gm = fx.GraphModule(nn.Module(), g)
+    named = {label: dtensor_call(node) for label, node in nodes.items()}
+    assert named == {"redistribute (2.13)": "redistribute", "to_local (2.13)": "to_local",
+                     "redistribute (2.11)": "redistribute", "to_local (2.11)": "to_local",
+                     "from_local (2.11)": "from_local", "a user's function of the same name": None,
+                     "another method": None}
+    # The alias analysis takes each DTensor call as writing nothing (its result may share the input's memory);
+    # the user's function of the same name may write what it is given.
+    for label, node in nodes.items():
+        if named[label] is not None:
+            assert effect(gm, node).writes == () and not effect(gm, node).fresh, label
+    assert effect(gm, nodes["a user's function of the same name"]).writes == (x,)
+
+
+def test_from_local_itself_is_recognised():
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    g = fx.Graph()
+    x = g.placeholder("x")
+    node = g.call_function(tensor_api.DTensor.from_local, (x,))
+    g.output(node)
+    assert dtensor_call(node) == "from_local"
+    assert torch.distributed.is_available()
