@@ -71,9 +71,9 @@ def llama_graphs(llama):
 
 
 def test_llama_mask_recorded_with_operator_methods_is_dropped(llama_graphs):
-    """torch 2.11's Dynamo (the H200's) records ``a == b`` and ``a & b`` in the mask as method calls,
-    ``a.__eq__(b)``: the pass takes them as the operators they are (it had kept the mask there, and the compiled
-    HF model lost the flash kernel again). The graph of this torch is rewritten to that spelling."""
+    """torch 2.11's Dynamo (the H200's) records the mask's ``a == b`` as the method call ``a.__eq__(b)``: the pass
+    takes it as the operator it is (it had kept the mask there, and the compiled HF model lost the flash kernel
+    again). The graph of this torch is rewritten to that spelling, ``&`` too (as a later release might)."""
     gm, inputs = llama_graphs["plain"]
     gm = copy.deepcopy(gm)
     before = run(gm, inputs)

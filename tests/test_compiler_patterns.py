@@ -55,6 +55,10 @@ FORMS = {
     "divisor": lambda m, x, t: F.cross_entropy((m.lm_head(x) / 3.0).view(-1, V), t.view(-1)),
     "softcap": lambda m, x, t: F.cross_entropy((torch.tanh(m.lm_head(x) / 4.0) * 4.0).float().view(-1, V),
                                                t.view(-1)),
+    # the number first, as nanoGPT-style code writes a softcap: c * tanh(s / c)
+    "softcap_number_first": lambda m, x, t: F.cross_entropy((4.0 * torch.tanh(m.lm_head(x) / 4.0)).view(-1, V),
+                                                            t.view(-1)),
+    "scale_number_first": lambda m, x, t: F.cross_entropy((0.5 * m.lm_head(x)).view(-1, V), t.view(-1)),
     # c * tanh(s / c) with c < 0 is |c| * tanh(s / |c|) (tanh is odd); the op only takes softcap > 0
     "negative_softcap": lambda m, x, t: F.cross_entropy((torch.tanh(m.lm_head(x) / -4.0) * -4.0).view(-1, V),
                                                         t.view(-1)),
@@ -115,7 +119,7 @@ def test_form_is_fused_and_exact(form, bias):
     assert ref_g.keys() == got_g.keys()
     for name in ref_g:
         torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-6, msg=name)
-    if form == "softcap":
+    if form in ("softcap", "softcap_number_first"):
         node = next(n for n in graphs[0].graph.nodes if n.target is flce_fused_loss)
         assert node.args[8] == 4.0 and node.args[9] == 1.0
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import operator
 
 import pytest
-import torch
 from torch import fx, nn
 
 from flce_compile.compiler.mutations import effect
-from flce_compile.compiler.spellings import dtensor_call, operator_of
+from flce_compile.compiler.spellings import dtensor_call, from_local_may_broadcast, operator_of
 
 
 def _dynamo_wrapper(name: str, module: str = "torch._dynamo.variables.tensor"):
@@ -50,19 +49,27 @@ def test_dtensor_calls_in_both_spellings_and_nothing_else():
                      "redistribute (2.11)": "redistribute", "to_local (2.11)": "to_local",
                      "from_local (2.11)": "from_local", "a user's function of the same name": None,
                      "another method": None}
-    # The alias analysis takes each DTensor call as writing nothing (its result may share the input's memory);
-    # the user's function of the same name may write what it is given.
+    # The alias analysis takes each DTensor call as writing nothing (its result may share the input's memory),
+    # but 2.11's from_local, whose run_check flag (a broadcast into the input) the graph does not show; the
+    # user's function of the same name may write what it is given.
     for label, node in nodes.items():
         if named[label] is not None:
-            assert effect(gm, node).writes == () and not effect(gm, node).fresh, label
+            writes = (x,) if label == "from_local (2.11)" else ()
+            assert effect(gm, node).writes == writes and not effect(gm, node).fresh, label
     assert effect(gm, nodes["a user's function of the same name"]).writes == (x,)
+    assert from_local_may_broadcast(nodes["from_local (2.11)"])
 
 
-def test_from_local_itself_is_recognised():
+def test_from_local_itself_is_recognised_with_its_run_check():
+    """2.13's spelling shows ``run_check``: only ``run_check=True`` (or a value the graph computes) may broadcast
+    rank 0's values into the input, so only then is the input written and not handed to the fused op as it is."""
     tensor_api = pytest.importorskip("torch.distributed.tensor")
     g = fx.Graph()
     x = g.placeholder("x")
-    node = g.call_function(tensor_api.DTensor.from_local, (x,))
-    g.output(node)
-    assert dtensor_call(node) == "from_local"
-    assert torch.distributed.is_available()
+    calls = {flag: g.call_function(tensor_api.DTensor.from_local, (x,), {} if flag is None else {"run_check": flag})
+             for flag in (None, False, True)}
+    g.output(tuple(calls.values()))
+    gm = fx.GraphModule(nn.Module(), g)
+    assert all(dtensor_call(node) == "from_local" for node in calls.values())
+    assert [from_local_may_broadcast(node) for node in calls.values()] == [False, False, True]
+    assert [effect(gm, node).writes for node in calls.values()] == [(), (), (x,)]

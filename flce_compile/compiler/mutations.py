@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .spellings import dtensor_call, operator_of
+from .spellings import dtensor_call, from_local_may_broadcast, operator_of
 
 #: Python operators that read their operands and return a new value.
 _PURE_OPERATORS = {
@@ -160,8 +160,11 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(first, False)
     if target in _PURE_OPERATORS:
         return Effect((), target not in _ALIASING_OPERATORS)
-    if target in _PURE_BUILTINS or dtensor_call(node) is not None:  # DTensor calls wrap or move, write nothing
+    if target in _PURE_BUILTINS:
         return Effect((), False)
+    dtensor = dtensor_call(node)
+    if dtensor is not None:  # DTensor calls wrap or move their input; from_local may broadcast into it
+        return Effect(first if dtensor == "from_local" and from_local_may_broadcast(node) else (), False)
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
         written = tuple(

@@ -324,7 +324,9 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
     """Classify one op on the logits path: (step, its logits-side input) or the reason it stops the search."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
     first = node.args[0] if node.args else node.kwargs.get("input")
-    if not isinstance(first, fx.Node):
+    # ``30 * logits`` (nanoGPT-style softcaps write ``c * tanh(s / c)``) has the number first: the
+    # multiplication branch below finds the logits in either place.
+    if not isinstance(first, fx.Node) and not _is_multiplication(node):
         return f"{node.op} {name} does not take the logits as first argument"
     if is_inplace(node):
         # The mutation is visible through every alias of the logits; dropping or replaying it is not safe.
@@ -364,7 +366,7 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
     if node.op == "call_function" and node.target is operator.getitem:
         idx = node.args[1]
         return Step("slice", node, first, index=idx), first
-    if _is_fn(node, _MUL_FNS) or _is_method(node, ("mul", "__mul__")):
+    if _is_multiplication(node):
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
         if isinstance(a, fx.Node) and _is_number(b):
             return Step("scale", node, a, factor=float(b)), a
@@ -386,6 +388,11 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "log_softmax without a constant dim"
         return Step("log_softmax", node, first, index=dim), first
     return f"{node.op} {name}"
+
+
+def _is_multiplication(node: fx.Node) -> bool:
+    """``a * b`` in any of its spellings (out-of-place: ``mul_`` and ``*=`` are in-place and refused before)."""
+    return _is_fn(node, _MUL_FNS) or _is_method(node, ("mul", "__mul__", "__rmul__"))
 
 
 def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:

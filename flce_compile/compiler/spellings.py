@@ -5,13 +5,15 @@ them takes for something it does not know is left alone: an unfused site or a ke
 wrong result, but the speed is lost without a word in the tests of the other version. So each spelling the
 passes must recognise is named here once:
 
-* ``a == b`` between tensors: ``operator.eq(a, b)`` (2.13), or the method call ``a.__eq__(b)`` (2.11, seen in
-  the Hugging Face mask); likewise for the other operators with a dunder (``operator_of``).
+* ``a == b`` with a tensor on the left: ``operator.eq(a, b)`` (2.13), or the method call ``a.__eq__(b)`` (2.11,
+  seen in the Hugging Face mask; the only operator 2.11 respells so). ``operator_of`` maps any operator's dunder
+  method back to the operator, whichever a later release respells.
 * ``x.redistribute(...)`` / ``x.to_local()`` of a DTensor: method calls with their arguments (2.13), or a call of
   a function Dynamo makes on the fly that holds every argument but the tensor (2.11: "prim_redistribute",
   "prim_to_local"); ``DTensor.from_local(x, mesh, placements)``: the function itself (2.13) or such a wrapper
   ("prim from_local", 2.11). ``dtensor_call`` names the call either way; where the passes need the placements,
-  they read them off the result's example value, which both spellings carry.
+  they read them off the result's example value, which both spellings carry. 2.11 also hides ``from_local``'s
+  ``run_check`` (``from_local_may_broadcast``).
 """
 
 from __future__ import annotations
@@ -49,3 +51,12 @@ def dtensor_call(node: fx.Node) -> str | None:
     if module.startswith("torch._dynamo"):
         return _WRAPPER_NAMES.get(name)
     return None
+
+
+def from_local_may_broadcast(node: fx.Node) -> bool:
+    """Whether a ``from_local`` call (``dtensor_call(node) == "from_local"``) may overwrite its input with rank 0's
+    values: ``run_check=True`` broadcasts into it. PyTorch's own parallel styles pass ``run_check=False``, the
+    default; torch 2.11's wrapper keeps the flag out of the graph, so there the answer is yes."""
+    if node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith("torch._dynamo"):
+        return True
+    return node.kwargs.get("run_check", False) is not False

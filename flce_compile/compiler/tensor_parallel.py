@@ -29,7 +29,7 @@ from torch import fx
 
 from ..dtensor import describe_layout, is_dtensor, is_vocab_sharded
 from .patterns import ADVICE, Site, meta_value
-from .spellings import dtensor_call
+from .spellings import dtensor_call, from_local_may_broadcast
 
 #: What ``explain`` and the logs say about a tensor-parallel lm_head the pass does not rewrite.
 def returned_through_redistribute(node: fx.Node) -> bool:
@@ -50,10 +50,11 @@ def is_tensor_parallel(site: Site) -> bool:
 
 def local_input(site: Site) -> fx.Node:
     """The lm_head's input as the plain tensor each rank holds: the argument of the input hook's
-    ``from_local(x, mesh, (Replicate(),))`` when there is one, else the (replicated DTensor) input itself,
-    which ``vocab_parallel_linear_cross_entropy`` takes as it is."""
+    ``from_local(x, mesh, (Replicate(),))`` when there is one that leaves it as it is, else the (replicated
+    DTensor) input itself, which ``vocab_parallel_linear_cross_entropy`` takes as it is: a ``from_local`` with
+    ``run_check=True`` may replace each rank's values with rank 0's (and torch 2.11 does not show the flag)."""
     x = site.linear.input
-    if dtensor_call(x) == "from_local" and x.args:
+    if dtensor_call(x) == "from_local" and x.args and not from_local_may_broadcast(x):
         return x.args[0]
     return x
 
