@@ -511,6 +511,23 @@ torch.library.register_autograd(
 )
 
 
+# -- the registered ops' CPU and CUDA kernels, without torch.library's Python layer ---------------------------------
+#: ``custom_op`` puts each op's body behind Python layers that, on every call, look the kernel up again and check
+#: that no output aliases an input: about 8 us a call on the CPU (issue #13), paid wherever the op runs through the
+#: dispatcher, i.e. in every graph torch.compile makes of it (``backend="flce"`` and the user's own). The same
+#: bodies are the CPU and CUDA kernels here, so those calls skip them. Their outputs never alias the inputs (fresh
+#: tensors, or a replayed CUDA graph's own buffers): ``torch.library.opcheck``'s schema test checks it (tests).
+#: Dynamo stays off inside them, as custom_op has it: a kernel run eagerly in a frame Dynamo watches (a skipped
+#: frame of a compiled function) must not be traced into. Other device types keep ``custom_op``'s kernel.
+_KERNELS = torch.library.Library("flce", "IMPL")
+for _name, _body in (("fused_linear_cross_entropy", _fused_forward_body),
+                     ("fused_linear_cross_entropy_with_logits", _with_logits_body),
+                     ("fused_linear_cross_entropy_backward", _backward_body)):
+    _kernel = torch._disable_dynamo(_body)
+    for _key in ("CPU", "CUDA"):
+        _KERNELS.impl(_name, _kernel, _key)
+
+
 # -- the direct call: the same op without the dispatcher round trip, where nothing could tell the two apart --------
 
 

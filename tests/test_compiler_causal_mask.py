@@ -272,6 +272,18 @@ def test_other_masks_stay(fn, reason):
         torch.testing.assert_close(run(gm, inputs)[0], expected)
 
 
+def test_a_mask_that_is_a_graph_input_stays_with_its_reason():
+    """A mask handed to the graph (OPT's decoder layers in training: its layerdrop breaks the graph before them)
+    stays, even a causal one, and is reported with the reason, as one handed to a checkpoint is (it had gone
+    unmentioned)."""
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    gm, inputs = capture(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), *QKV, mask)
+    result = drop_causal_masks(gm)
+    assert result.calls == 0
+    (why,) = result.refused.values()
+    assert "graph input" in why, why
+
+
 def test_a_mask_shared_by_attentions_of_other_shapes_is_judged_for_each():
     def fn(q, k, v):
         mask = torch.ones(1, 1, dtype=torch.bool)  # causal for one query and one key; all-true when broadcast

@@ -39,7 +39,8 @@ def _make(name: str) -> torch.nn.Module:
     model = _families()[name]().float()
     model.config.use_cache = False
     # GPT2LMHeadModel's class name maps to no loss type, and transformers then logs a warning_once that is a
-    # graph break between lm_head and the loss; naming the loss type avoids it (see test_explain_graph_break).
+    # graph break between lm_head and the loss; naming the loss type avoids it (see
+    # test_gpt2_without_a_loss_type_warns_and_explain_names_the_fix).
     if getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"
     model.eval()  # dropout off (GPT-2 has some) so runs compare exactly; gradients still flow
@@ -243,3 +244,32 @@ def test_inductor_inner():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gpt2_without_a_loss_type_warns_and_explain_names_the_fix(caplog, monkeypatch):
+    """GPT2LMHeadModel's config names no loss type, so transformers logs a warning at the loss on every call, and
+    Dynamo breaks the graph there: nothing is fused. The backend says so at WARNING (once a process; INFO would
+    go unseen) and explain names the fix; with the type set, the one site is fused."""
+    import logging
+
+    import flce_compile
+    from flce_compile.compiler import rewrite
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=1, n_head=4,
+                                                                 n_positions=64)).eval()
+    model.config.use_cache = False
+    ids, labels = _batch()
+    report = flce_compile.explain(model, input_ids=ids, labels=labels)
+    assert not any(r.fused for r in report)
+    assert any("model.loss_type = 'ForCausalLM'" in r.reason for r in report), report
+    monkeypatch.setattr(rewrite, "_warned_graph_break", False)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        torch.compile(model, backend="flce", options={"flce.inner": "eager"})(input_ids=ids, labels=labels)
+        torch._dynamo.reset()
+        torch.compile(model, backend="flce", options={"flce.inner": "eager"})(input_ids=ids, labels=labels)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "not fused" in r.getMessage()]
+    assert len(warned) == 1 and "model.loss_type = 'ForCausalLM'" in warned[0], warned
+    model.loss_type = "ForCausalLM"
+    assert [r.fused for r in flce_compile.explain(model, input_ids=ids, labels=labels)] == [True]

@@ -113,13 +113,14 @@ class _SDPACall:
 
 
 def _sdpa_calls(facts: _Facts) -> list[_SDPACall]:
-    """The SDPA calls with a graph-built mask and ``is_causal=False``, with their mask as a node of the graph."""
+    """The SDPA calls with a mask and ``is_causal=False``, with their mask as a node of the graph (a mask that is
+    a graph input is found too, to be refused with its reason, as explain reports it)."""
     found = []
     names: dict[int, set[str]] = {}  # a body's attribute names in gm (one, unless a module is registered twice)
     for node in facts.gm.graph.nodes:
         if _is_sdpa(node):
             mask = _mask_arg(node)
-            if mask is not None and mask.op != "placeholder":
+            if mask is not None:  # a graph input too: refused, with the reason, as in a checkpoint body
                 found.append(_SDPACall(node, mask, *_shapes(node)))
             continue
         checkpoint = checkpoint_body(facts.gm, node)

@@ -21,7 +21,7 @@ from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .options import FLCEOptions, split_options
-from .patterns import hint_int, match_linear, meta_value
+from .patterns import HF_LOSS_TYPE_HINT, hint_int, match_linear, meta_value
 from .tensor_parallel import LONE_HEAD, returned_through_redistribute
 
 
@@ -162,7 +162,7 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             path="unchanged", strategy=None, tokens=hint_int(out.numel() // out.shape[-1]), vocab=out.shape[-1],
             hidden=None, reason=LONE_HEAD if tensor_parallel else "no loss in this graph consumes it; if a "
             "cross_entropy follows after a graph break, nothing can be fused (remove the break between lm_head and "
-            "the loss)",
+            f"the loss; {HF_LOSS_TYPE_HINT})",
         ))
     return reports
 

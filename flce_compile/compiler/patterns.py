@@ -95,6 +95,11 @@ def meta_value(node: Any) -> Any:
     return None
 
 
+#: Why a graph break may stand between a Hugging Face lm_head and its loss, and the fix. A model whose config
+#: names no loss type (GPT-2's has none) logs a warning at the loss on every call, and Dynamo breaks the graph
+#: on logging calls; with the type set, the head and the loss share one graph and are fused.
+HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks the graph there on a logged "
+                     "warning: set model.loss_type = 'ForCausalLM' before compiling")
 #: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
 ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
 
@@ -409,7 +414,7 @@ def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
             site.from_outside_graph = True
             site.reason = (
                 f"the loss input comes from graph input {node.target!r}: the lm_head is not in this graph "
-                "(a graph break between lm_head and the loss leaves nothing to fuse)"
+                f"(a graph break between lm_head and the loss leaves nothing to fuse; {HF_LOSS_TYPE_HINT})"
             )
             return site
         got = _classify(node)

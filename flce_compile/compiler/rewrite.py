@@ -164,6 +164,7 @@ class PassResult:
 
 _logged_keep = False
 _warned_kept_logits = False
+_warned_graph_break = False
 
 
 def run_pass(
@@ -197,7 +198,7 @@ def run_pass(
             res.path, res.reason = "unchanged", ("flce.precision='precise' is not supported by the "
                                                  "vocabulary-parallel op; use 'exact' or 'compact'")
         if not res.fused:
-            logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
+            _log_unfused(res)
             continue
         if res.path == "vocab_parallel" and memory_budget_gb is not None:
             logger.info("flce: loss %s: flce.memory_budget_gb does not apply to the vocabulary-parallel op "
@@ -216,6 +217,18 @@ def run_pass(
         gm.graph.lint()
         gm.recompile()
     return PassResult(results, wrap, regions)
+
+
+def _log_unfused(res: SiteResult) -> None:
+    """INFO for a site left unfused; a WARNING, once a process, for a loss cut off from its lm_head by a graph
+    break: the user asked for the fusion and gets none, and the usual cause has a one-line fix."""
+    global _warned_graph_break
+    if res.site.from_outside_graph and not _warned_graph_break:
+        _warned_graph_break = True
+        logger.warning("flce: loss %s not fused: %s. flce_compile.explain(model, ...) shows where the graph breaks.",
+                       res.site.loss_node.name, res.reason)
+        return
+    logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
 
 
 def _log_rewrite(res: SiteResult) -> None:
