@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import graph_replay
+from .log import logger
 from .params import LossParams, decode_params, math_dtype
 from .plan import registry
 from .plan.choose import op_config
@@ -519,13 +520,18 @@ torch.library.register_autograd(
 #: tensors, or a replayed CUDA graph's own buffers): ``torch.library.opcheck``'s schema test checks it (tests).
 #: Dynamo stays off inside them, as custom_op has it: a kernel run eagerly in a frame Dynamo watches (a skipped
 #: frame of a compiled function) must not be traced into. Other device types keep ``custom_op``'s kernel.
+#: A second copy of this module in one process finds the keys taken, which torch 2.11 refuses (2.13 overrides):
+#: its calls then keep custom_op's kernel.
 _KERNELS = torch.library.Library("flce", "IMPL")
 for _name, _body in (("fused_linear_cross_entropy", _fused_forward_body),
                      ("fused_linear_cross_entropy_with_logits", _with_logits_body),
                      ("fused_linear_cross_entropy_backward", _backward_body)):
     _kernel = torch._disable_dynamo(_body)
     for _key in ("CPU", "CUDA"):
-        _KERNELS.impl(_name, _kernel, _key)
+        try:
+            _KERNELS.impl(_name, _kernel, _key)
+        except RuntimeError as _exc:  # noqa: PERF203 - six registrations at import
+            logger.debug("flce: flce::%s keeps custom_op's %s kernel: %s", _name, _key, _exc)
 
 
 # -- the direct call: the same op without the dispatcher round trip, where nothing could tell the two apart --------

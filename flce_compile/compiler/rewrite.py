@@ -25,7 +25,7 @@ from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
-from .patterns import meta_value
+from .patterns import HF_LOSS_TYPE_HINT, meta_value
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -220,13 +220,16 @@ def run_pass(
 
 
 def _log_unfused(res: SiteResult) -> None:
-    """INFO for a site left unfused; a WARNING, once a process, for a loss cut off from its lm_head by a graph
-    break: the user asked for the fusion and gets none, and the usual cause has a one-line fix."""
+    """INFO for a site left unfused; a WARNING, once a process, for a loss whose logits come from outside the
+    compiled graph: the user asked for the fusion and gets none. Either only the loss was compiled, or a graph break
+    separates it from the lm_head, whose usual cause in Hugging Face models has a one-line fix."""
     global _warned_graph_break
     if res.site.from_outside_graph and not _warned_graph_break:
         _warned_graph_break = True
-        logger.warning("flce: loss %s not fused: %s. flce_compile.explain(model, ...) shows where the graph breaks.",
-                       res.site.loss_node.name, res.reason)
+        logger.warning(
+            "flce: loss %s not fused: its logits come from outside the compiled graph, and the lm_head must be in "
+            "the same graph as the loss. If a graph break separates them, flce_compile.explain(model, ...) shows "
+            "where; %s.", res.site.loss_node.name, HF_LOSS_TYPE_HINT)
         return
     logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
 
