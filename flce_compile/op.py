@@ -7,7 +7,8 @@ backward only scales them by grad_scale * grad_output; for "none" the forward re
 lse and backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by
 chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
-the real token count, so a varying token count never recompiles. In eager mode ``call_fused`` runs the same
+the real token count, so a varying token count never recompiles. Through the dispatcher (compiled graphs),
+the CPU and CUDA kernels are the bodies themselves (``_KERNELS``). In eager mode ``call_fused`` runs the same
 body and autograd formula without the dispatcher's Python round trip when nothing could tell the difference
 (``direct_call_ok``): at small shapes the op is bound by host work.
 
