@@ -278,8 +278,7 @@ def config_arg(config: FLCEConfig | Mapping[str, Any] | str | None) -> str:
         hit = _CONFIG_ARGS.get(key)
         if hit is not None:
             return hit
-    forced = config_overrides(config)
-    text = json.dumps(forced, sort_keys=True) if forced else ""
+    text = _checked_config_text(config)
     if key is not None:
         if len(_CONFIG_ARGS) >= _MEMO_SIZE:
             _CONFIG_ARGS.clear()
@@ -322,9 +321,9 @@ def _fields_of(config: FLCEConfig) -> dict[str, Any]:
 
 
 def _checked_config_text(config: Any) -> str:
-    """``config_arg``'s text the usual way, validated (Dynamo breaks the graph here): for an FLCEConfig
-    subclass, a ``config`` that is no config (the TypeError names the accepted types) or a dict with unknown
-    keys (the ValueError lists the valid ones)."""
+    """``config_arg``'s text the usual way, validated: eagerly, and while tracing (Dynamo breaks the graph here)
+    for an FLCEConfig subclass, a ``config`` that is no config (the TypeError names the accepted types) or a dict
+    with unknown keys (the ValueError lists the valid ones)."""
     forced = config_overrides(config)
     return json.dumps(forced, sort_keys=True) if forced else ""
 

@@ -10,10 +10,12 @@ This pass proves a mask causal and drops it: the mask must be computed in the gr
 (no graph input's values: an ``attention_mask`` or ``position_ids`` the user passes may differ from call to
 call, and then nothing is changed), with static shapes, outside any autocast region of the graph, by Python
 operators and ATen ops that draw no random numbers (nothing opaque, whose result could depend on state the
-graph does not show), and nothing else in the graph may write to it. It is then evaluated once, here, on the device it is built on, and compared with
-``tril(ones(L, L))`` (SDPA's ``is_causal``; query and key lengths must be equal, as in training, so that
-no kernel's alignment convention matters; a float mask must hold only 0 and -inf or the dtype's lowest value). Only then does each SDPA call that receives it, directly or through an activation
-checkpoint's operand, get ``attn_mask=None, is_causal=True``; the mask's nodes left without users are erased.
+graph does not show), and nothing else in the graph may write to it. It is then evaluated once, here, on the
+device it is built on, and compared with ``tril(ones(L, L))`` (SDPA's ``is_causal``; query and key lengths must
+be equal, as in training, so that no kernel's alignment convention matters; a float mask must hold only 0 and
+-inf or the dtype's lowest value). Only then does each SDPA call that receives it, directly or through an
+activation checkpoint's operand, get ``attn_mask=None, is_causal=True``; the mask's nodes left without users are
+erased.
 Evaluating costs the mask's memory once at compile time, which every step of the unchanged graph would pay;
 an evaluation that fails (out of memory, say) leaves the graph as it was.
 """
@@ -349,7 +351,7 @@ def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> str |
         else:
             allowed = rows == 0
             low = torch.finfo(value.dtype).min
-            if not bool(((rows == 0) | (rows == float("-inf")) | (rows == low)).all()):
+            if not bool((allowed | (rows == float("-inf")) | (rows == low)).all()):
                 return "a float mask with values other than 0 and -inf (or the dtype's lowest value)"
         if not bool((allowed == causal).all()):
             return "it is not causal (padding, packed sequences, a window or another pattern)"

@@ -42,10 +42,6 @@ _WRITING_OPERATORS = {
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
     operator.ixor, operator.ilshift, operator.irshift,
 }
-#: Augmented-assignment and item-assignment methods: they write ``self``.
-_WRITING_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-                    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
-                    "__delitem__"}
 #: Builtins Dynamo leaves in graphs that only read.
 _PURE_BUILTINS = {builtins.getattr, builtins.len, builtins.isinstance, builtins.int, builtins.float,
                   builtins.bool, builtins.min, builtins.max, builtins.abs, builtins.tuple, builtins.list}
@@ -198,8 +194,10 @@ def _module_effect(gm: fx.GraphModule, node: fx.Node, first: tuple[fx.Node, ...]
 
 
 def _writes_self(name: str) -> bool:
+    """Whether a tensor method named ``name`` writes ``self``: an augmented or item assignment (``__iadd__``,
+    ``__setitem__``: a writing operator's dunder), or an in-place method (``add_``)."""
     if name.startswith("__") and name.endswith("__"):
-        return name in _WRITING_DUNDERS
+        return operator_of(name) in _WRITING_OPERATORS
     return name.endswith("_")
 
 
