@@ -162,7 +162,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         for loss in got["losses"]:
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=scenario)
         for n, g in got["grads"].items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{scenario} {n}")
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{scenario} {n}: {m}")
         kind, logits = scenario.split("-")
         if kind != "direct":
             assert got["logits_none"] == (logits == "drop"), scenario

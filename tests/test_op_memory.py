@@ -11,7 +11,10 @@ import sympy
 import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
+from flce_compile.params import LossParams
 from flce_compile.plan.layout import padded_row_elements
+from flce_compile.strategies.ce_common import CEStepArgs
+from flce_compile.strategies.ce_torch import ce_step_torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/ ships with the repository, not the wheel
 from benchmarks._common import cpu_peak_bytes  # noqa: E402  (the profiler's allocation records, replayed)
@@ -86,6 +89,52 @@ def test_one_chunk_keeps_no_fp32_dw_sums():
     assert torch.equal(grads[torch.float32], grads[torch.bfloat16])
     assert peak_bytes(config, n, v, h, torch.bfloat16, torch.float32) == peak_bytes(config, n, v, h, torch.bfloat16,
                                                                                    torch.bfloat16)
+
+
+@pytest.mark.parametrize("in_place, softcap", [(True, 0.0), (False, 0.0), (True, 30.0)])
+def test_torch_ce_step_holds_at_most_one_fp32_chunk(in_place, softcap):
+    """The PyTorch CE step (the CPU's) works in the fp32 chunk it overwrites with the gradient: no chunk-sized
+    temporary (no copy, no logsumexp's exp buffer); with a separate gradient buffer (kept logits) one fp32 copy;
+    with a softcap one more, tanh(z) for the derivative. Its loss and gradient are F.cross_entropy's."""
+    rows, vocab = 128, 4096
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    chunk = logits.clone()
+    grad = None if in_place else torch.empty_like(chunk)
+    loss = torch.empty(rows)
+    args = CEStepArgs(logits=chunk, target=target, ce_weight=None, weight_sum=torch.tensor(float(vocab)),
+                      ce_scale=torch.tensor(1.0 / rows), z_scale=torch.tensor(0.0), loss_out=loss, lse_out=None,
+                      lse_in=None, write_grad=True, grad_out=grad)
+    measured = cpu_peak_bytes(lambda: ce_step_torch(args, LossParams(softcap=softcap)))
+    chunk_bytes = rows * vocab * 4
+    temporaries = (0 if in_place else 1) + (1 if softcap else 0)
+    assert measured <= temporaries * chunk_bytes + chunk_bytes // 8, f"{measured} B, {temporaries} chunk(s) allowed"
+    ref = logits.double().requires_grad_()
+    z = softcap * torch.tanh(ref / softcap) if softcap else ref
+    want = torch.nn.functional.cross_entropy(z, target, reduction="none")
+    want.mean().backward()
+    torch.testing.assert_close(loss.double(), want.detach() / rows, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close((chunk if in_place else grad).double(), ref.grad, rtol=1e-5, atol=1e-9)
+
+
+def test_torch_ce_step_rows_with_infinite_logits():
+    """Rows holding +inf, -inf or nan logits give what torch.logsumexp and exp(z - lse) give: a +inf row has
+    lse +inf and a nan gradient only where z is +inf (its finite logits above exp's range do not overflow)."""
+    inf = float("inf")
+    logits = torch.tensor([[inf, 100.0, 0.0], [-inf, -inf, -inf], [float("nan"), 1.0, 2.0], [-inf, 3.0, 1.0]])
+    target = torch.tensor([2, 0, 1, 2])
+    lse = torch.empty(4)
+    args = CEStepArgs(logits=logits.clone(), target=target, ce_weight=None, weight_sum=torch.tensor(3.0),
+                      ce_scale=torch.tensor(1.0), z_scale=torch.tensor(0.0), loss_out=torch.empty(4),
+                      lse_out=lse, lse_in=None, write_grad=True)
+    ce_step_torch(args, LossParams())
+    want_lse = torch.logsumexp(logits, dim=1)
+    want = (logits - want_lse[:, None]).exp()
+    want[torch.arange(4), target] -= 1.0
+    torch.testing.assert_close(lse, want_lse, equal_nan=True)
+    torch.testing.assert_close(args.logits, want, equal_nan=True)
+    assert args.logits[0].isnan().tolist() == [True, False, False]
 
 
 @pytest.mark.parametrize("vocab, itemsize, padded", [

@@ -127,7 +127,8 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     chunk's dW GEMM re-reads and re-writes the V x H accumulator, so 2048-token chunks at V=128K run 4-8%
     faster than 1024-token ones; the extra 256 MiB is small next to the fp32 accumulator. Memory-bound users
     pass a smaller chunk_tokens, or let flce-tune search under --budget-gb. On the CPU the budget is 64 MiB:
-    the PyTorch CE step holds two or three fp32 copies of the chunk besides it.
+    the PyTorch CE step holds up to two fp32 chunk-sized temporaries besides it (none on an fp32 chunk it may
+    overwrite, without a softcap).
 
     The strategy is the registry's default for the device and dtype (``registry.default_for``: "triton" on a
     GPU, "torch" elsewhere and for fp64, whose kernel would compute in fp32).

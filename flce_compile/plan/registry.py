@@ -77,7 +77,7 @@ def _next_pow2(n: int) -> int:
 
 def _torch_fp32_temporaries(softcap: bool) -> int:
     """z (then p, then g) and, with a softcap, tanh(z) for the derivative; plus one for the weighted-sum or
-    upcast dW operand."""
+    upcast dW operand. A bound: on an fp32 chunk the step may overwrite, z is the chunk itself."""
     return 3 if softcap else 2
 
 

@@ -3,6 +3,12 @@
 Given one chunk of raw logits (rows x V, in the compute dtype) it writes each row's scaled loss and lse and,
 when asked, writes the gradient of the loss with respect to them (over the logits, or into ``grad_out``). All
 math is fp32 (fp64 for fp64 logits).
+
+Memory: one chunk-sized buffer in the math dtype, ``z``, goes from the transformed logits to exp(z - max) to
+the gradient in place; where the gradient overwrites logits already in the math dtype (the CPU's fp32 chunk
+loop), ``z`` is the logits themselves. No ``torch.logsumexp``, whose exp(z - max) is a temporary of the
+chunk's size; the probabilities are exp(z - max) / sum instead of exp(z - lse), which also spares them the
+rounding of a large lse.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     logits, target = args.logits, args.target
     columns, vocab, offset = logits.shape[1], args.classes(), args.class_offset
     eps = p.label_smoothing
-    z = logits.to(math_dtype(logits.dtype), copy=True)
+    dtype = math_dtype(logits.dtype)
+    # The gradient may overwrite the logits (no grad_out) and they are already in the math dtype: work in them.
+    in_place = args.write_grad and args.grad_out is None and logits.dtype == dtype
+    z = logits if in_place else logits.to(dtype, copy=True)
     if p.logit_scale != 1.0:
         z.mul_(p.logit_scale)
     tanh_z = None
@@ -35,15 +44,23 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     ignored = target == p.ignore_index
     invalid = ~ignored & ((target < 0) | (target >= vocab))
     safe_target = torch.where(ignored | invalid, torch.zeros_like(target), target)
-    lse = torch.logsumexp(z, dim=1) if args.lse_in is None else args.lse_in
+    col = safe_target - offset
+    here = (col >= 0) & (col < columns)
+    # What the loss and the statistics read of z, taken before z turns into probabilities.
+    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
+    wants_sum = eps and (args.stats_out is not None or args.loss_out is not None)
+    class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
+    weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None
+    if args.lse_in is None:
+        lse, sums = _exp_shifted_(z)  # z is exp(z - max) from here on
+    else:
+        lse, sums = args.lse_in, None
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
     if args.stats_out is not None:
-        _write_stats(args, p, z, lse, safe_target)
+        _write_stats(args, p, lse, torch.where(here, z_y, 0.0), weighted_z)
     if args.loss_out is not None:
-        z_y = z.gather(1, safe_target[:, None]).squeeze(1)
-        weighted_z = (z @ args.ce_weight if args.ce_weight is not None else z.sum(dim=1)) if eps else None
         args.loss_out.copy_(row_loss(p, lse, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
                                      ignored, invalid))
         if args.lse_out is not None:
@@ -53,18 +70,16 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         return
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
     # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
-    g = z.sub_(lse[:, None]).exp_()
+    g = z.div_(sums[:, None]) if sums is not None else z.sub_(lse[:, None]).exp_()
     coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
     if p.z_loss:
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
     g.mul_(coef[:, None])
     true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
-    col = safe_target - offset
-    here = (col >= 0) & (col < columns)
     g.scatter_add_(1, torch.where(here, col, 0)[:, None], torch.where(here, true_class, 0.0)[:, None].contiguous())
     if eps:
-        class_w = (args.ce_weight[offset:offset + columns] if args.ce_weight is not None
-                   else torch.ones(columns, dtype=g.dtype, device=g.device))
+        if class_w is None:
+            class_w = torch.ones(columns, dtype=g.dtype, device=g.device)
         g.addr_(ce_scale.expand_as(lse).contiguous(), class_w, alpha=-eps / vocab)
     if tanh_z is not None:
         g.mul_(tanh_z.square_().neg_().add_(1.0))  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
@@ -76,7 +91,18 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         g_y = g.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
         rounding = g_y - g_y.to(out.dtype).to(g_y.dtype)
         args.residual_out.copy_(torch.where(here, rounding, 0.0))
-    out.copy_(g)
+    if out is not g:
+        out.copy_(g)
+
+
+def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's lse and sum of exp(z - rowmax).
+    As torch.logsumexp and the old exp(z - lse): a row of -inf gets lse -inf; a row holding +inf gets lse +inf,
+    nan where z is +inf and 0 elsewhere (its shift is the largest finite value, so finite z do not overflow)."""
+    peak = z.amax(dim=1)
+    shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
+    sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
+    return sums.log().add_(shift), sums
 
 
 def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,
@@ -96,17 +122,14 @@ def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: to
     return row.masked_fill(ignored, 0.0).masked_fill(invalid, float("nan"))
 
 
-def _write_stats(args: CEStepArgs, p: LossParams, z: torch.Tensor, lse: torch.Tensor,
-                 safe_target: torch.Tensor) -> None:
-    """A slice's partial statistics (see ``CEStepArgs.stats_out``), from its transformed logits ``z``."""
-    columns, offset = z.shape[1], args.class_offset
-    col = safe_target - offset
-    here = (col >= 0) & (col < columns)
-    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
+def _write_stats(args: CEStepArgs, p: LossParams, lse: torch.Tensor, z_y: torch.Tensor,
+                 weighted_z: torch.Tensor | None) -> None:
+    """A slice's partial statistics (see ``CEStepArgs.stats_out``): its lse, the target's z where the target
+    lies in the slice (else 0) and, with label smoothing, the slice's sum_c w_c z_c."""
     out = args.stats_out
     out[0].copy_(lse)
-    out[1].copy_(torch.where(here, z_y, 0.0))
+    out[1].copy_(z_y)
     if p.label_smoothing:
-        out[2].copy_(z @ args.ce_weight[offset:offset + columns] if args.ce_weight is not None else z.sum(dim=1))
+        out[2].copy_(weighted_z)
     else:
         out[2].zero_()
