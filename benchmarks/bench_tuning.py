@@ -28,6 +28,14 @@ tuned config) is never slower than Liger's FLCE at any shape, strictly.
 
 ``--resume`` continues a partial run in a later process (a GPU lease of 10 minutes a command): it keeps the
 earlier rows, measures only the shapes they lack, and rewrites the same file names under ``--out-dir``.
+
+``--latest JSON [JSON ...]`` measures nothing (no GPU): it takes, for every entry the DB holds now, the row of the
+newest of those runs that timed the entry's current config, and judges them together, so checks spread over
+several device commands (or re-runs of a few entries after a re-tune) add up to one verdict per entry. Rows
+that timed another config than the entry's current one are left out; entries without a row are listed. Writes
+``bench_tuning_<gpu>_latest.{json,md}`` under ``--out-dir``.
+
+    python benchmarks/bench_tuning.py --shipped-only --latest benchmarks/results/bench_tuning_h200_2026*-*.json
 """
 
 from __future__ import annotations
@@ -223,6 +231,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], str, str]:
               x(r.get("vs_liger")), f(r.get("default_peak_gb"), ".2f"), f(r.get("tuned_peak_gb"), ".2f"),
               f(r.get("liger_peak_gb"), ".2f")]
              for r in rows]
+    if any("run" in r for r in rows):  # rows merged from several runs (``--latest``) say which one
+        header.append("run")
+        for row, r in zip(table, rows):
+            row.append(str(r.get("run", "-")))
     target_row = next((r for r in rows if (r["vocab"], r["hidden"], r["tokens"]) == TARGET), None)
     if target_row is None or target_row.get("vs_liger_rule") is None:
         target_status = ("NOT MEASURED (no liger-rule timing for V=256000 H=2304 tokens=8192 on this GPU; "
@@ -432,6 +444,75 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     return row
 
 
+def _row_key(r: dict[str, Any]) -> tuple[int, int, int, float | None]:
+    return r["vocab"], r["hidden"], r["tokens"], r.get("budget_tier_gb")
+
+
+def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any]
+                ) -> tuple[list[dict[str, Any]], list[Any], int]:
+    """(for each of ``entries`` that some run timed with its current config, that row from the newest such run,
+    marked with ``"run"`` = the run's date stamp, in ``entries``' order; the entries no run timed so; how many
+    rows were passed over because they timed another config). Runs are ordered by ``meta["date"]``."""
+    current = {(e.vocab, e.hidden, e.tokens, e.budget_tier_gb): e.config.to_dict() for e in entries}
+    newest: dict[tuple, dict[str, Any]] = {}
+    stale = 0
+    for payload in sorted(payloads, key=lambda p: p["meta"]["date"]):
+        for r in payload.get("rows", []):
+            key = _row_key(r)
+            if key not in current:
+                continue
+            if r.get("tuned_config") != current[key]:
+                stale += 1
+                continue
+            newest[key] = {**r, "run": payload["meta"]["date"]}
+    rows = [newest[k] for k in current if k in newest]
+    missing = [e for e in entries if (e.vocab, e.hidden, e.tokens, e.budget_tier_gb) not in newest]
+    return rows, missing, stale
+
+
+def latest_meta(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The merged runs' description: one GPU kind (else ValueError), the torch/triton versions they ran. A
+    merged result itself is refused (its date is no run's: it would count as the newest)."""
+    if any("merged" in p["meta"] for p in payloads):
+        raise ValueError("a file passed is itself a --latest result (bench_tuning_<gpu>_latest.json); pass the "
+                         "runs only, e.g. bench_tuning_h200_2026*-*.json")
+    kinds = {p["meta"].get("gpu_kind") for p in payloads}
+    if len(kinds) != 1:
+        raise ValueError(f"the runs were measured on different GPU kinds {sorted(map(str, kinds))}; merge one at "
+                         "a time")
+    first = payloads[0]["meta"]
+    return {"gpu": first["gpu"], "gpu_kind": first.get("gpu_kind"),
+            "torch": ", ".join(sorted({p["meta"]["torch"] for p in payloads})),
+            "triton": ", ".join(sorted({p["meta"]["triton"] for p in payloads})),
+            "date": "the newest row per entry of " + ", ".join(sorted(p["meta"]["date"] for p in payloads)),
+            "merged": sorted(p["meta"]["date"] for p in payloads)}
+
+
+def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path) -> int:
+    """``--latest``: merge the runs at ``paths`` against the DB's entries now, then write and print the verdicts."""
+    from flce_compile.tuning import db  # noqa: PLC0415
+
+    payloads = [json.loads(path.read_text()) for path in paths]
+    meta = latest_meta(payloads)
+    entries = [e for e in db.load_entries(layer="shipped" if shipped_only else "merged")
+               if e.device == meta["gpu_kind"] and e.dtype == "bf16"]
+    rows, missing, stale = latest_rows(payloads, entries)
+    meta["rows_from"] = {run: sum(1 for r in rows if r["run"] == run) for run in meta["merged"]}
+    meta["rows_with_another_config"] = stale
+    base = out_dir / f"bench_tuning_{meta['gpu_kind']}_latest"
+    write_results(base, meta, rows, missing, complete=not missing)
+    lines, _, never_slower = summarize(rows)
+    print("\n".join(lines))
+    print(f"rows per run: {meta['rows_from']}; {stale} rows timed another config than the current entry's")
+    print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
+    print(f"default never slower than Liger: {never_slower_than_liger(rows)}")
+    if missing:
+        names = ", ".join(f"{e.vocab}x{e.hidden}x{e.tokens}" for e in missing)
+        print(f"{len(missing)} entries without a row: {names}")
+    print(f"wrote {base}.json and {base}.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shipped-only", action="store_true", help="only shipped entries (ignore the user DB)")
@@ -447,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results .json of an earlier, partial run: keep its rows, measure the shapes it lacks")
     p.add_argument("--plot-from", type=Path, metavar="JSON",
                    help="draw the speed-up heat maps of an earlier run's results .json to <json>.png (no GPU) and exit")
+    p.add_argument("--latest", type=Path, nargs="+", metavar="JSON",
+                   help="results .json files of earlier runs: judge every DB entry by the newest row that timed "
+                        "its current config, measure nothing (no GPU), and exit")
     p.add_argument("--liger-rule-shapes", choices=LIGER_RULE_SHAPES, default="target",
                    help="where to time our op with Liger's chunk rule: the 8192x2304x256000 target (default), "
                         "every shape, or nowhere")
@@ -464,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_from is not None:
         print(f"wrote {plot_from(args.plot_from)}")
         return 0
+    if args.latest is not None:
+        try:
+            return _latest(args.latest, args.shipped_only, args.out_dir)
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--latest: {exc}")
     if not torch.cuda.is_available():
         print("bench_tuning: needs a CUDA GPU", file=sys.stderr)
         return 2

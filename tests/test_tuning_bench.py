@@ -184,3 +184,46 @@ def test_resume_labels_older_rows_with_their_tier(bench):
     # Only the plain entry measured: its tier sibling, same (V, H, tokens), is still to measure.
     kept, rest = bench.resume_state({"meta": META, "rows": rows[:1]}, META, entries)
     assert rest == [tier_entry]
+
+
+def _run(date: str, rows: list[dict], kind: str = "h200") -> dict:
+    return {"meta": {**META, "gpu_kind": kind, "date": date}, "rows": rows}
+
+
+def test_latest_takes_the_newest_row_of_each_entrys_current_config(bench):
+    """Checks spread over several runs add up to one verdict per entry: the newest row that timed the entry's
+    current config counts; a newer row of another config (the entry was re-tuned since) does not; entries no
+    run timed with their config are listed."""
+    current = [{**fake_row(e), "tuned_config": e.config.to_dict()} for e in ENTRIES]
+    old_config = FLCEConfig(strategy="triton", chunk_tokens=1024).to_dict()
+    early = _run("20260101-000000", [{**current[0], "vs_liger": 0.99}, {**current[1], "vs_liger": 1.2}])
+    late = _run("20260102-000000", [{**current[0], "vs_liger": 1.01},
+                                    {**current[1], "tuned_config": old_config, "vs_liger": 0.5},
+                                    {**current[3], "vs_liger": 1.1}])
+    rows, missing, stale = bench.latest_rows([late, early], ENTRIES)  # the order given does not matter
+    assert [(r["vocab"], r["tokens"], r["run"], r["vs_liger"]) for r in rows] == [
+        (32064, 8192, "20260102-000000", 1.01), (256000, 8192, "20260101-000000", 1.2),
+        (151936, 8192, "20260102-000000", 1.1)]
+    assert missing == [ENTRIES[2]] and stale == 1
+    assert bench.never_slower_than_liger(rows) == "PASS (3 shapes)"
+    meta = bench.latest_meta([early, late])
+    assert meta["merged"] == ["20260101-000000", "20260102-000000"] and meta["gpu_kind"] == "h200"
+    with pytest.raises(ValueError, match="different GPU kinds"):
+        bench.latest_meta([early, _run("20260103-000000", [], kind="h100")])
+    with pytest.raises(ValueError, match="itself a --latest result"):
+        bench.latest_meta([early, {"meta": meta, "rows": rows}])
+
+
+def test_latest_from_the_command_line(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(db, "load_entries", lambda layer="merged": ENTRIES)
+    rows = [{**fake_row(e), "tuned_config": e.config.to_dict(), "vs_liger": 1.05} for e in ENTRIES]
+    (tmp_path / "a.json").write_text(json.dumps(_run("20260101-000000", rows[:2])))
+    (tmp_path / "b.json").write_text(json.dumps(_run("20260102-000000", rows[2:])))
+    out = tmp_path / "out"
+    assert bench.main(["--latest", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out-dir", str(out)]) == 0
+    assert "default never slower than Liger: PASS (4 shapes)" in capsys.readouterr().out
+    payload = json.loads((out / "bench_tuning_h200_latest.json").read_text())
+    assert payload["complete"] and payload["meta"]["rows_from"] == {"20260101-000000": 2, "20260102-000000": 2}
+    assert "| 20260102-000000 |" in (out / "bench_tuning_h200_latest.md").read_text()  # each row names its run
+    with pytest.raises(SystemExit):
+        bench.main(["--latest", str(tmp_path / "missing.json")])
