@@ -96,3 +96,23 @@ def test_exported_from_the_package_without_importing_dynamo():
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_one_chunk_entry_evens_the_chunks_of_a_longer_call(dbs):
+    """An entry timed as one chunk answers its whole token bucket; a call with more tokens than its chunk runs the
+    same number of chunks, evened out (rounded up to 256 tokens), and so a smaller chunk buffer. The token count
+    the entry was measured at, calls that fit one chunk, and entries timed with several chunks run as stored."""
+    _, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(vocab=256000, hidden=2304, tokens=8192, chunk=8192),
+                                             entry(tokens=16384, chunk=6144)])
+    gemma = {n: which_config(n, 256000, 2304, gpu="h200") for n in (6000, 8192, 8193, 10000, 11585)}
+    assert {n: c.config.chunk_tokens for n, c in gemma.items()} == {
+        6000: 8192, 8192: 8192, 8193: 4352, 10000: 5120, 11585: 5888}
+    assert gemma[8192].detail == "tuning_db:shipped_exact"
+    assert gemma[10000].detail == "tuning_db:shipped_exact, chunks evened to 5120 tokens"
+    assert gemma[10000].entry.config.chunk_tokens == 8192 and gemma[10000].source == "shipped exact"
+    stored = gemma[10000].entry.config
+    assert flce_compile.peak_bytes(gemma[10000].config, 10000, 256000, 2304, torch.bfloat16) < \
+        flce_compile.peak_bytes(stored, 10000, 256000, 2304, torch.bfloat16)
+    several = which_config(20000, 151936, 4096, gpu="h200")
+    assert several.config.chunk_tokens == 6144 and several.detail == "tuning_db:shipped_exact"

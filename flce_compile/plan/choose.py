@@ -282,14 +282,37 @@ def choose_config_match(
         match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                      device=device if gpu is None else gpu)
         if match is not None:
-            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, match.source)
-            return match.config, match.source, match
+            config = evened_one_chunk_entry(match.config, match.entry, num_tokens)
+            source = match.source if config is match.config else (
+                f"{match.source}, chunks evened to {config.chunk_tokens} tokens")
+            logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
+            return config, source, match
         source = "heuristic"
     else:
         source = CPU_SOURCE if device.type == "cpu" else (
             f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")
     logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
+
+
+def evened_one_chunk_entry(config: FLCEConfig, entry: tuning_db.Entry, num_tokens: int) -> FLCEConfig:
+    """``config`` (from ``entry``) for a call of ``num_tokens``, its chunks evened out where the entry ran as one
+    chunk but the call needs more.
+
+    An entry measured as a single chunk (its chunk holds all the tokens it was timed with) answers its whole
+    token bucket, up to 1.41x those tokens. Above its chunk such a call runs a full chunk and a short one, and
+    then needs the fp32 dW accumulator the one-chunk call did without: at Gemma's 256000 x 2304 (8192-token
+    entry) 6.56 GB by the memory bound at 10000 tokens, against 4.20 at 8192. The same number of chunks of even
+    size, rounded up to 256 tokens, runs the same GEMM count and accumulator passes with a smaller chunk
+    buffer (5120 tokens: 4.98 GB). Not timed on a GPU; the measured token counts keep the entry's config.
+    """
+    chunk = config.chunk_tokens
+    measured = entry.extra.get("measured_tokens") or entry.tokens
+    if entry.config.chunk_tokens < measured or num_tokens <= chunk:
+        return config
+    count = -(-num_tokens // chunk)
+    even = min(chunk, _round_up(-(-num_tokens // count), 256))
+    return config if even == chunk else dataclasses.replace(config, chunk_tokens=even)
 
 
 def budget_candidates(config: FLCEConfig, dtype: torch.dtype) -> list[FLCEConfig]:
