@@ -116,3 +116,22 @@ def test_a_one_chunk_entry_evens_the_chunks_of_a_longer_call(dbs):
         flce_compile.peak_bytes(stored, 10000, 256000, 2304, torch.bfloat16)
     several = which_config(20000, 151936, 4096, gpu="h200")
     assert several.config.chunk_tokens == 6144 and several.detail == "tuning_db:shipped_exact"
+
+
+def test_evening_reads_only_the_entrys_own_config_and_a_sane_measured_count(dbs):
+    """Nearest-shape answers (their chunk is rescaled already) are not evened; an entry's measured token count
+    that is no positive int falls back to its bucket instead of breaking the call; the tuner seeds a study with
+    what the op runs (the evened config)."""
+    from flce_compile.tuning.cli import _db_seed
+
+    _, shipped = dbs
+    gemma = entry(vocab=256000, hidden=2304, tokens=8192, chunk=8192, extra={"measured_tokens": "8192"})
+    assert gemma.measured_tokens == 8192
+    for bad, want in (("8192", 8192), (True, 8192), (-1, 8192), (6000, 6000)):
+        assert entry(tokens=8192, extra={"measured_tokens": bad}).measured_tokens == want
+    db.write_entries(shipped / "h200.json", [gemma])
+    assert which_config(10000, 256000, 2304, gpu="h200").config.chunk_tokens == 5120
+    near = which_config(8192, 262144, 2304, gpu="h200")
+    assert near.source == "nearest shape" and "evened" not in near.detail
+    assert _db_seed(256000, 2304, torch.bfloat16, 10000, "h200", None).chunk_tokens == 5120
+    assert _db_seed(256000, 2304, torch.bfloat16, 8192, "h200", None).chunk_tokens == 8192

@@ -257,7 +257,7 @@ def _measured_faster(tier: tuning_db.Entry, plain: FLCEConfig, plain_match: tuni
     that default is this very config. False when nothing comparable was measured."""
     if plain_match is not None:
         other = plain_match.entry
-        return other.key[:5] == tier.key[:5] and plain_match.config == other.config and tier.ms < other.ms
+        return other.key[:5] == tier.key[:5] and plain == other.config and tier.ms < other.ms
     if tier.default_ms is None:
         return False
     try:
@@ -282,7 +282,7 @@ def choose_config_match(
         match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                      device=device if gpu is None else gpu)
         if match is not None:
-            config = evened_one_chunk_entry(match.config, match.entry, num_tokens)
+            config = evened_one_chunk_entry(match, num_tokens)
             source = match.source if config is match.config else (
                 f"{match.source}, chunks evened to {config.chunk_tokens} tokens")
             logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
@@ -295,20 +295,21 @@ def choose_config_match(
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
 
 
-def evened_one_chunk_entry(config: FLCEConfig, entry: tuning_db.Entry, num_tokens: int) -> FLCEConfig:
-    """``config`` (from ``entry``) for a call of ``num_tokens``, its chunks evened out where the entry ran as one
-    chunk but the call needs more.
+def evened_one_chunk_entry(match: tuning_db.Match, num_tokens: int) -> FLCEConfig:
+    """``match``'s config for a call of ``num_tokens``, its chunks evened out where the entry ran as one chunk
+    but the call needs more.
 
     An entry measured as a single chunk (its chunk holds all the tokens it was timed with) answers its whole
     token bucket, up to 1.41x those tokens. Above its chunk such a call runs a full chunk and a short one, and
     then needs the fp32 dW accumulator the one-chunk call did without: at Gemma's 256000 x 2304 (8192-token
     entry) 6.56 GB by the memory bound at 10000 tokens, against 4.20 at 8192. The same number of chunks of even
     size, rounded up to 256 tokens, runs the same GEMM count and accumulator passes with a smaller chunk
-    buffer (5120 tokens: 4.98 GB). Not timed on a GPU; the measured token counts keep the entry's config.
+    buffer (5120 tokens: 4.98 GB). Not timed on a GPU; the measured token counts keep the entry's config. Only
+    the entry's own config is evened: a nearest-shape answer has its chunk rescaled already (``tuning_db``).
     """
+    config, entry = match.config, match.entry
     chunk = config.chunk_tokens
-    measured = entry.extra.get("measured_tokens") or entry.tokens
-    if entry.config.chunk_tokens < measured or num_tokens <= chunk:
+    if config != entry.config or chunk < entry.measured_tokens or num_tokens <= chunk:
         return config
     count = -(-num_tokens // chunk)
     even = min(chunk, _round_up(-(-num_tokens // count), 256))

@@ -219,6 +219,14 @@ class Entry:
         return (*self.key[:5], -1.0 if self.budget_tier_gb is None else self.budget_tier_gb)
 
     @property
+    def measured_tokens(self) -> int:
+        """The token count the entry was timed at (``extra["measured_tokens"]``, written by flce-tune), or its
+        bucket when the entry does not say or says something that is no positive int (a hand-edited file must
+        not break a call)."""
+        tokens = self.extra.get("measured_tokens")
+        return tokens if type(tokens) is int and tokens > 0 else self.tokens
+
+    @property
     def speedup(self) -> float | None:
         """default_ms / ms, or None when the default was not measured."""
         if self.default_ms is None or not self.ms:

@@ -12,12 +12,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _measured_tokens(entry: Any) -> int:
-    """The token count the entry was measured at (its bucket when the entry does not say)."""
-    tokens = entry.extra.get("measured_tokens")
-    return tokens if isinstance(tokens, int) and tokens > 0 else entry.tokens
-
-
 def _already_retuned(entry: Any, versions: dict[str, str | None]) -> bool:
     """Whether ``entry`` was re-picked by this torch and triton for this revision of the CE kernel (what
     ``--skip-existing`` skips); a pick that records no revision was made for revision 1."""
@@ -74,14 +68,14 @@ def retune_ce_tiles(args: argparse.Namespace, target: Path, device: Any,
         def whole_call(e: Any, config: Any) -> tuple[float, int]:
             nonlocal objective
             if objective is None:  # inputs and the fp32 reference, once per entry
-                problem = Problem(tokens=_measured_tokens(e), vocab=e.vocab, hidden=e.hidden,
+                problem = Problem(tokens=e.measured_tokens, vocab=e.vocab, hidden=e.hidden,
                                   dtype=db.torch_dtype(e.dtype), device=device, seed=args.seed)
                 objective = make_objective(problem, warmup=args.warmup, min_reps=args.reps,
                                            max_reps=max(50, args.reps))
             return objective(config)
 
         try:
-            default = heuristic_config(_measured_tokens(entry), entry.vocab, entry.hidden,
+            default = heuristic_config(entry.measured_tokens, entry.vocab, entry.hidden,
                                        db.torch_dtype(entry.dtype), device)
             result = ce_tiles.retune_entry(entry, timer, whole_call, default, timings,
                                            stamp={**stamp, "date": db.now_iso()})
