@@ -6,7 +6,8 @@ math is fp32 (fp64 for fp64 logits).
 
 Memory: one chunk-sized buffer in the math dtype, ``z``, goes from the transformed logits to exp(z - max) to
 the gradient in place; where the gradient overwrites logits already in the math dtype (the CPU's fp32 chunk
-loop), ``z`` is the logits themselves. No ``torch.logsumexp``, whose exp(z - max) is a temporary of the
+loop), ``z`` is the logits themselves, and where it goes to a gradient buffer in the math dtype (kept logits on
+the CPU), ``z`` is that buffer. No ``torch.logsumexp``, whose exp(z - max) is a temporary of the
 chunk's size; the probabilities are exp(z - max) / sum instead of exp(z - lse), which also spares them the
 rounding of a large lse.
 """
@@ -31,10 +32,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     logits, target = args.logits, args.target
     columns, vocab, offset = logits.shape[1], args.classes(), args.class_offset
     eps = p.label_smoothing
-    dtype = math_dtype(logits.dtype)
-    # The gradient may overwrite the logits (no grad_out) and they are already in the math dtype: work in them.
-    in_place = args.write_grad and args.grad_out is None and logits.dtype == dtype
-    z = logits if in_place else logits.to(dtype, copy=True)
+    z = _work_buffer(args)
     if p.logit_scale != 1.0:
         z.mul_(p.logit_scale)
     tanh_z = None
@@ -93,6 +91,18 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         args.residual_out.copy_(torch.where(here, rounding, 0.0))
     if out is not g:
         out.copy_(g)
+
+
+def _work_buffer(args: CEStepArgs) -> torch.Tensor:
+    """The math-dtype buffer the step works in, holding the logits: the logits themselves when the gradient
+    overwrites them, the gradient buffer when it is in the math dtype (kept logits on the CPU), else a copy."""
+    logits, out = args.logits, args.grad_out
+    dtype = math_dtype(logits.dtype)
+    if args.write_grad and out is None and logits.dtype == dtype:
+        return logits
+    if args.write_grad and out is not None and out.dtype == dtype:
+        return out.copy_(logits)
+    return logits.to(dtype, copy=True)
 
 
 def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
