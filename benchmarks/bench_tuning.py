@@ -206,8 +206,18 @@ def resume_state(payload: dict[str, Any], meta: dict[str, Any], entries: Sequenc
                      and e.config.to_dict() == r.get("tuned_config")]
             r["budget_tier_gb"] = match[0].budget_tier_gb if len(match) == 1 else None
     # A plain entry and its budget tier share (V, H, tokens): the tier tells them apart.
-    done = {(r["vocab"], r["hidden"], r["tokens"], r["budget_tier_gb"]) for r in rows}
-    return rows, [e for e in entries if (e.vocab, e.hidden, e.tokens, e.budget_tier_gb) not in done]
+    done = {_row_key(r) for r in rows}
+    return rows, [e for e in entries if _entry_key(e) not in done]
+
+
+def _row_key(r: dict[str, Any]) -> tuple[int, int, int, float | None]:
+    """A results row's entry: (V, H, tokens, tier); a plain entry and its budget tier share the rest."""
+    return r["vocab"], r["hidden"], r["tokens"], r.get("budget_tier_gb")
+
+
+def _entry_key(e: Any) -> tuple[int, int, int, float | None]:
+    """``_row_key`` of a DB entry."""
+    return e.vocab, e.hidden, e.tokens, e.budget_tier_gb
 
 
 def runs_the_default(r: dict[str, Any]) -> bool:
@@ -444,16 +454,12 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     return row
 
 
-def _row_key(r: dict[str, Any]) -> tuple[int, int, int, float | None]:
-    return r["vocab"], r["hidden"], r["tokens"], r.get("budget_tier_gb")
-
-
 def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any]
                 ) -> tuple[list[dict[str, Any]], list[Any], int]:
     """(for each of ``entries`` that some run timed with its current config, that row from the newest such run,
     marked with ``"run"`` = the run's date stamp, in ``entries``' order; the entries no run timed so; how many
     rows were passed over because they timed another config). Runs are ordered by ``meta["date"]``."""
-    current = {(e.vocab, e.hidden, e.tokens, e.budget_tier_gb): e.config.to_dict() for e in entries}
+    current = {_entry_key(e): e.config.to_dict() for e in entries}
     newest: dict[tuple, dict[str, Any]] = {}
     stale = 0
     for payload in sorted(payloads, key=lambda p: p["meta"]["date"]):
@@ -466,7 +472,7 @@ def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any]
                 continue
             newest[key] = {**r, "run": payload["meta"]["date"]}
     rows = [newest[k] for k in current if k in newest]
-    missing = [e for e in entries if (e.vocab, e.hidden, e.tokens, e.budget_tier_gb) not in newest]
+    missing = [e for e in entries if _entry_key(e) not in newest]
     return rows, missing, stale
 
 
@@ -481,11 +487,11 @@ def latest_meta(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"the runs were measured on different GPU kinds {sorted(map(str, kinds))}; merge one at "
                          "a time")
     first = payloads[0]["meta"]
+    dates = sorted(p["meta"]["date"] for p in payloads)
     return {"gpu": first["gpu"], "gpu_kind": first.get("gpu_kind"),
             "torch": ", ".join(sorted({p["meta"]["torch"] for p in payloads})),
             "triton": ", ".join(sorted({p["meta"]["triton"] for p in payloads})),
-            "date": "the newest row per entry of " + ", ".join(sorted(p["meta"]["date"] for p in payloads)),
-            "merged": sorted(p["meta"]["date"] for p in payloads)}
+            "date": "the newest row per entry of " + ", ".join(dates), "merged": dates}
 
 
 def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path) -> int:

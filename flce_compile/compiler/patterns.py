@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..dtensor import is_dtensor
-from .spellings import dtensor_call
+from .spellings import dtensor_call, operator_of
 
 # ---------------------------------------------------------------------------------------------------------------
 # op tables (functions, methods and modules that Dynamo may leave in the graph)
@@ -35,8 +35,6 @@ _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
                       operator.ilshift, operator.irshift}
-_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-                    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 _RESHAPE_FNS = {torch.reshape, torch.flatten, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten}
 _TRANSPOSE_FNS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute}
 _IDENTITY_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "clone", "to", "type_as", "type"}
@@ -63,7 +61,8 @@ def is_inplace(node: fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")
     else:
         return False
-    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+    # ``x.__imul__(2)``: an augmented assignment's dunder is its operator (``spellings.operator_of``)
+    return operator_of(name) in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:

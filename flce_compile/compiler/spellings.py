@@ -43,20 +43,23 @@ def dtensor_call(node: fx.Node) -> str | None:
         return node.target if node.target in ("redistribute", "to_local") else None
     if node.op != "call_function":
         return None
-    target = node.target
-    name = getattr(target, "__name__", "")
-    module = getattr(target, "__module__", None) or ""
-    if name == "from_local" and module.startswith("torch.distributed.tensor"):
+    name = getattr(node.target, "__name__", "")
+    if name == "from_local" and _module_of(node.target).startswith("torch.distributed.tensor"):
         return "from_local"
-    if module.startswith("torch._dynamo"):
-        return _WRAPPER_NAMES.get(name)
-    return None
+    return _WRAPPER_NAMES.get(name) if _is_dynamo_wrapper(node) else None
 
 
 def from_local_may_broadcast(node: fx.Node) -> bool:
     """Whether a ``from_local`` call (``dtensor_call(node) == "from_local"``) may overwrite its input with rank 0's
     values: ``run_check=True`` broadcasts into it. PyTorch's own parallel styles pass ``run_check=False``, the
     default; torch 2.11's wrapper keeps the flag out of the graph, so there the answer is yes."""
-    if node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith("torch._dynamo"):
-        return True
-    return node.kwargs.get("run_check", False) is not False
+    return _is_dynamo_wrapper(node) or node.kwargs.get("run_check", False) is not False
+
+
+def _module_of(target: Any) -> str:
+    return getattr(target, "__module__", None) or ""
+
+
+def _is_dynamo_wrapper(node: fx.Node) -> bool:
+    """Whether ``node`` calls a function Dynamo made on the fly (torch 2.11's spelling of DTensor calls)."""
+    return node.op == "call_function" and _module_of(node.target).startswith("torch._dynamo")

@@ -45,8 +45,9 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     col = safe_target - offset
     here = (col >= 0) & (col < columns)
     # What the loss and the statistics read of z, taken before z turns into probabilities.
-    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
-    wants_sum = eps and (args.stats_out is not None or args.loss_out is not None)
+    wants_stats = args.stats_out is not None or args.loss_out is not None
+    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1) if wants_stats else None
+    wants_sum = eps and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None
     if args.lse_in is None:
