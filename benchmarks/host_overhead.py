@@ -3,7 +3,13 @@
 What it measures, per forward + backward call of a mean loss:
 
 * host ms: the CPU wall time of issuing one call. On CUDA each call starts on an idle GPU (a synchronize
-  before it, not timed), so a full launch queue never blocks the host and inflates the number.
+  before it, not timed), so a full launch queue never blocks the host and inflates the number. The host has just
+  waited for the GPU then, and its threads (ours and the autograd engine's CUDA thread) wake from idle: on the
+  lent H200's host that adds ~100 us to a call (a trivial autograd.Function over two one-node graphs takes
+  ~180 us so, ~45 us in a burst).
+* burst host ms (CUDA): the CPU wall time of ``BURST_CALLS`` calls issued back to back after one drain, per
+  call: the host's cost while it keeps issuing, as in a training loop the host bounds. A burst is short enough
+  that the launch queue never fills (a full one would block the host and time the GPU instead).
 * e2e ms (CUDA): calls back to back, timed with CUDA events, per call.
 * GPU idle (CUDA, ``--idle-shapes``): for one call of our op under torch.profiler, 1 - (union of the GPU's busy
   intervals) / (first kernel start to last kernel end). A host-bound op leaves the GPU waiting between kernels.
@@ -41,6 +47,8 @@ TIMING_SHAPE = "2048x768x50304"
 IDLE_SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "4096x768x50257",
                "65536x4096x128256", TIMING_SHAPE]
 CPU_SHAPE = "64x16x64"
+#: Calls per burst (``burst_host_times``): a dozen launches each at most, far below the launch queue's depth.
+BURST_CALLS = 8
 VARIANTS = ("flce", "flce-uncaptured", "eager", "compile", "flce-in-compile", "flce-backend")
 
 
@@ -141,23 +149,41 @@ def host_times(step: Callable[[], None], calls: int, cuda: bool) -> list[float]:
     return times
 
 
+def burst_host_times(step: Callable[[], None], bursts: int, calls: int = BURST_CALLS) -> list[float]:
+    """CPU wall seconds per call of ``bursts`` bursts of ``calls`` calls issued back to back, the GPU drained
+    (untimed) before each burst."""
+    times = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        times.append((time.perf_counter() - start) / calls)
+    torch.cuda.synchronize()
+    return times
+
+
 def time_rounds(steps: dict[str, Callable[[], None]], calls: int, rounds: int, cuda: bool
                 ) -> dict[str, dict[str, float]]:
-    """Host ms per variant (the median of all its calls) and, on CUDA, e2e ms (the median of its rounds), the
-    variants taking turns: ``rounds`` rounds, each timing every variant for ``calls // rounds`` calls. The lent
+    """Host ms per variant (the median of all its calls) and, on CUDA, burst host ms (``burst_host_times``, the
+    median of all its bursts) and e2e ms (the median of its rounds), the variants taking turns: ``rounds``
+    rounds, each timing every variant for ``calls // rounds`` calls. The lent
     machine's host speed drifts by 20-30% over a run; in turns, every variant sees the same drift."""
     per_round = max(1, calls // rounds)
     host: dict[str, list[float]] = {name: [] for name in steps}
+    burst: dict[str, list[float]] = {name: [] for name in steps}
     e2e: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             host[name] += host_times(step, per_round, cuda)
             if cuda:
+                burst[name] += burst_host_times(step, max(1, per_round // BURST_CALLS))
                 e2e[name].append(e2e_ms(step, per_round, reps=1))
     out = {}
     for name in steps:
         row = {"host_ms": statistics.median(host[name]) * 1e3}
         if cuda:
+            row["burst_host_ms"] = statistics.median(burst[name]) * 1e3
             row["e2e_ms"] = statistics.median(e2e[name])
         out[name] = row
     return out
@@ -369,12 +395,17 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"# host_overhead: {env['device']}, torch {env['torch']}, {env['date']}", "",
              f"Forward + backward, mean, {result['dtype']}, {result['shape']} (BT x H x V), config "
              f"{result['config'] or 'the op default'}. host = CPU wall time to issue one call (median; on CUDA the "
-             "GPU is drained before each call); e2e = per call, back to back, CUDA events. The variants take "
-             f"turns, {result.get('rounds', 1)} rounds (the reduce-overhead rows as a second group).", "",
-             "| variant | host ms | e2e ms |", "|---|---|---|"]
+             "GPU is drained before each call, so the host starts each call from a wait); burst host = the same "
+             f"per call over bursts of {BURST_CALLS} calls issued back to back (median); e2e = per call, back to "
+             f"back, CUDA events. The variants take turns, {result.get('rounds', 1)} rounds (the reduce-overhead "
+             "rows as a second group).", "",
+             "| variant | host ms | burst host ms | e2e ms |", "|---|---|---|---|"]
+
+    def cell(row: dict, key: str) -> str:
+        return f"{row[key]:.3f}" if key in row else "-"
+
     for name, row in result["timings"].items():
-        e2e = f"{row['e2e_ms']:.3f}" if "e2e_ms" in row else "-"
-        lines.append(f"| {name} | {row['host_ms']:.3f} | {e2e} |")
+        lines.append(f"| {name} | {row['host_ms']:.3f} | {cell(row, 'burst_host_ms')} | {cell(row, 'e2e_ms')} |")
     if result.get("gpu_idle"):
         lines += ["", "GPU idle share of one call of our op (torch.profiler; 1 - busy / first-to-last span):", "",
                   "| BT x H x V | idle | span ms |", "|---|---|---|"]

@@ -104,3 +104,26 @@ def test_kernel_breakdown_kinds_and_union():
              "kinds": {"GEMM": {"ms": 1.2, "count": 3}, "CE step": {"ms": 0.3, "count": 1}}}]
     text = kb.table(rows)
     assert "| 8x4x16 | 1.00 | 2.00 | 1.50 | 0.30 (1) | 1.20 (3) |" in text
+
+
+def test_host_table_has_the_burst_column():
+    """The CUDA table's burst column (``burst_host_times``) sits between host and e2e; rows without it show -."""
+    result = {"env": {"device": "GPU", "torch": "2.x", "date": "today"}, "shape": "2048x768x50304",
+              "dtype": "torch.bfloat16", "config": None, "rounds": 8,
+              "timings": {"flce": {"host_ms": 0.5, "burst_host_ms": 0.125, "e2e_ms": 0.85},
+                          "eager": {"host_ms": 0.75}}}
+    text = host_overhead.table(result)
+    assert "| variant | host ms | burst host ms | e2e ms |" in text
+    assert "| flce | 0.500 | 0.125 | 0.850 |" in text and "| eager | 0.750 | - | - |" in text
+    assert f"bursts of {host_overhead.BURST_CALLS} calls" in text
+
+
+def test_burst_host_times_divides_by_the_burst(monkeypatch):
+    """A burst of ``calls`` calls is timed once and reported per call; the GPU drain is not timed."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    clock = iter([1.0, 1.8, 2.0, 2.4])
+    monkeypatch.setattr(host_overhead.time, "perf_counter", lambda: next(clock))
+    times = host_overhead.burst_host_times(lambda: calls.append("step"), bursts=2, calls=4)
+    assert times == pytest.approx([0.2, 0.1])
+    assert calls == ["sync"] + ["step"] * 4 + ["sync"] + ["step"] * 4 + ["sync"]
