@@ -7,8 +7,8 @@ step of the op's path, and how many graph replays a call made), called eagerly a
 ``torch.compile``. Then the floors of this host, timed the same way: one kernel launch, one
 graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden states and
 targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second graph,
-return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work.
-Writes ``host_profile_<gpu>.txt`` (GPU name and versions first).
+return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work; the
+same Function over the op's own two captured graphs, and the op itself, timed alongside. Writes ``host_profile_<gpu>.txt`` (GPU name and versions first).
 
     python benchmarks/host_profile.py                        # 2048x768x50304 bf16 on the GPU
     python benchmarks/host_profile.py --out benchmarks/results --top 30
@@ -89,19 +89,20 @@ def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of the functions ``stages`` times, in call order. Inside torch.compile only
     what runs at run time is timed: the API is traced away, and backward is the compiled graph's."""
     import flce_compile.api as api
+    import flce_compile.eager_shortcut as shortcut
     import flce_compile.op as op
 
-    body = [(op, "_forward_result", "op body"),
-            (graph_replay, "replayed_forward", "graph_replay.replayed_forward"),
-            (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases")]
+    replay = (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases")
     if caller == "in-compile":
-        return body
-    return ([(api, "fused_linear_cross_entropy", "api call (whole forward)"),
-             (api, "call_fused", "op.call_fused"),
-             (op._FusedFunction, "forward", "autograd.Function forward")] + body
-            + [(op, "_keep_for_backward", "keep for backward"),
-               (op, "_backward", "op backward"),
-               (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")])
+        return [(op, "_forward_result", "op body"),
+                (graph_replay, "replayed_forward", "graph_replay.replayed_forward"), replay]
+    # An eager call like the last one takes the shortcut (``eager_shortcut``) to the graph.
+    return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
+            (shortcut, "key_of", "eager_shortcut.key_of"),
+            (shortcut, "replay", "eager_shortcut.replay"),
+            (shortcut._ReplayedCall, "forward", "autograd.Function forward"), replay,
+            (shortcut._ReplayedCall, "backward", "shortcut backward"),
+            (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")]
 
 
 def stages(shape: str, calls: int, caller: str = "eager", compile_backend: str = "inductor") -> str:
@@ -171,7 +172,7 @@ def stages(shape: str, calls: int, caller: str = "eager", compile_backend: str =
             setattr(owner, name, original)
     lines = [f"## Stages of a call, {caller} ({graph_replay.graph_count()} captured; replays per call: "
              f"{statistics.median(replays_per_call):g}; us per call, median, inclusive)", ""]
-    in_backward = {"_backward", "scaled_by_graph"}  # the stages that run inside loss.backward()
+    in_backward = {"backward", "scaled_by_graph"}  # the stages that run inside loss.backward()
     forward = [label for _, name, label in targets if name not in in_backward]
     rest = [label for _, name, label in targets if name in in_backward]
     for label in ["whole call"] + forward + ["loss.backward() (whole backward)"] + rest:
@@ -197,6 +198,39 @@ class _ReplayFloor(torch.autograd.Function):
         parts["grad"].copy_(grad)
         parts["backward"].replay()
         return parts["dx"].detach(), parts["dw"].detach(), None, None
+
+
+class _OwnGraphsFloor(torch.autograd.Function):
+    """``_ReplayFloor`` over the op's own captured graphs (``floors``): what a replayed call of this op costs
+    with nothing of ours around the two replays."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, g):
+        g.x.copy_(x)
+        g.target.copy_(t)
+        g.graph.replay()
+        ctx.graph = g
+        return g.out.loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.graph
+        g.scale_in.copy_(grad)
+        g.scale_graph.replay()
+        return g.out.dx.detach(), g.out.dw.detach(), None, None
+
+
+def _own_graph(x, w, t) -> graph_replay._Graph | None:
+    """The op's captured graph for (x, w, t) once calls have captured both of its graphs, else None."""
+    for _ in range(4):
+        x.grad = w.grad = None
+        fused_linear_cross_entropy(x, w, t).backward()
+    x.grad = w.grad = None
+    for instances in graph_replay._cache.graphs.values():
+        for g in instances:
+            if g.x.shape == x.shape and g.scale_graph is not None:
+                return g
+    return None
 
 
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -233,6 +267,15 @@ def floors(shape: str, calls: int) -> str:
               "copy_ of the hidden states": lambda: parts["x"].copy_(x),
               "torch.cuda.current_stream()": torch.cuda.current_stream,
               "trivial replayed autograd.Function, fwd+bwd": trivial_op}
+    own = _own_graph(x, w, t)
+    if own is not None:
+        def own_graphs_op() -> None:
+            x.grad = w.grad = None
+            _OwnGraphsFloor.apply(x, w, t, own).backward()
+
+        pieces["the same Function over the op's own two graphs, fwd+bwd"] = own_graphs_op
+        pieces["the op itself (eager shortcut), fwd+bwd"] = lambda: (
+            setattr(x, "grad", None), setattr(w, "grad", None), fused_linear_cross_entropy(x, w, t).backward())
     lines = ["## Floors of this host (us: median, least; the GPU drained before each call)", ""]
     for name, fn in pieces.items():
         for _ in range(20):

@@ -1,7 +1,8 @@
 """The public entry points: ``fused_linear_cross_entropy`` and ``FusedLinearCrossEntropyLoss``.
 
 They check the arguments (errors name the argument and the fix), apply autocast, flatten to 2-D and call the
-custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=True)`` sees one op node.
+custom op. Everything here is traceable by Dynamo, so ``torch.compile(fullgraph=True)`` sees one op node. An
+eager call like one whose forward the op replayed from a CUDA graph skips all that: ``eager_shortcut``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from . import eager_shortcut
 from .dtensor import refuse_dtensors
 from .op import autocast_on, call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
@@ -172,6 +174,14 @@ def fused_linear_cross_entropy(
             logits' memory and nothing else; a gradient that reaches them (an extra loss on the logits) is
             added to the inputs' gradients. "mean" and "sum" only.
     """
+    shortcut = None
+    if not torch.compiler.is_compiling():  # Dynamo traces the full path: one op node in the user's graph
+        shortcut = eager_shortcut.key_of(input, weight, target, bias, ce_weight, (
+            ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, accum_dtype, config,
+            return_logits, precision, memory_budget_gb))
+        loss = eager_shortcut.replay(shortcut, input, weight, target)
+        if loss is not None:
+            return loss
     if not (type(input) in _PLAIN and type(weight) in _PLAIN and type(target) in _PLAIN and type(bias) in _PLAIN
             and type(ce_weight) in _PLAIN):  # (checked in one line: this runs on every call)
         refuse_dtensors(input=input, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
@@ -222,6 +232,7 @@ def fused_linear_cross_entropy(
         return loss, logits.view(*input.shape[:-1], weight.shape[0])
     if reduction == "none":
         return loss.view(target.shape)
+    eager_shortcut.remember(shortcut, input, weight, ignore_index)
     return loss
 
 

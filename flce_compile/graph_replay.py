@@ -104,6 +104,7 @@ def cuda_graphs_mode() -> str:
 class _CallerState(threading.local):
     allowed = False
     disabled = 0
+    replayed_key: tuple | None = None  # the key of this thread's last replayed forward (``take_replayed_key``)
 
 
 _caller = _CallerState()
@@ -149,11 +150,15 @@ def disabled() -> Iterator[None]:
         _caller.disabled -= 1
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _storage_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (its StorageImpl): stable while ``t`` lives, and what
+    ``torch._C._storage_Use_Count`` takes. Read once at capture: making the Python storage object on every
+    check cost a few microseconds per output per call (issue #13)."""
+    return t.untyped_storage()._cdata
 
 
-_CAN_COUNT_USES = hasattr(torch._C, "_storage_Use_Count")
+_storage_uses = getattr(torch._C, "_storage_Use_Count", None)
+_CAN_COUNT_USES = _storage_uses is not None
 
 
 @dataclass
@@ -167,6 +172,7 @@ class _Graph:
     target: torch.Tensor
     out: ForwardResult
     handed: tuple[torch.Tensor, ...]
+    storages: tuple[int, ...]  # ``_storage_of`` each handed output, whose uses ``free`` counts
     base_uses: tuple[int, ...]
     held_bytes: int
     backwards: int = 0
@@ -176,7 +182,7 @@ class _Graph:
 
     def free(self) -> bool:
         """Whether no alias of the outputs is alive outside (so replaying cannot overwrite anything held)."""
-        return all(_storage_uses(t) == n for t, n in zip(self.handed, self.base_uses))
+        return all(_storage_uses(s) == n for s, n in zip(self.storages, self.base_uses))
 
     def replay(self, x: torch.Tensor, target: torch.Tensor) -> ForwardResult:
         self.x.copy_(x)
@@ -375,6 +381,7 @@ def replayed_forward(
             _cache.graphs.move_to_end(key)
             for g in instances:
                 if g.free():
+                    _caller.replayed_key = key
                     return g.replay(ops.x, ops.target)
             if len(instances) >= MAX_INSTANCES:
                 return None
@@ -401,7 +408,41 @@ def replayed_forward(
         _cache.evict_beyond(MAX_GRAPHS)
         logger.debug("flce: captured a CUDA graph of the fused op (%d held, %.1f MB)", _cache.count(),
                      g.held_bytes / 1e6)
+        _caller.replayed_key = key
         return g.replay(ops.x, ops.target)
+
+
+def take_replayed_key() -> tuple | None:
+    """The key of the graph this thread's last forward replayed (None if it ran uncaptured since the last
+    call of this function), and forget it: how the eager shortcut (``eager_shortcut``) learns which graph a
+    call it let through the full path ended in."""
+    key, _caller.replayed_key = _caller.replayed_key, None
+    return key
+
+
+def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
+    """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds, under the cache's lock (so
+    no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when
+    the key was dropped (evicted, ``clear``) or every instance is busy. For the eager shortcut, which keyed the
+    call itself; counts as a use of the key, as a replay through ``replayed_forward`` does."""
+    with _cache.lock:
+        instances = _cache.graphs.get(key)
+        if instances is None:
+            return None
+        _cache.graphs.move_to_end(key)
+        for g in instances:
+            if g.free():
+                return run(g)
+    return None
+
+
+def replay_allowed_now(cuda: bool) -> bool:
+    """What ``_eligible`` asks of this thread's state on every call, beyond the call's own tensors: graphs not
+    turned off, no ``disabled()`` block, no dispatch mode, and (``cuda``: the call's tensors are on a GPU) no
+    capture under way on the current stream."""
+    if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
+        return False
+    return not (cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:
@@ -412,8 +453,9 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
     if out.lse is not None or out.logits is not None:
         raise RuntimeError("only forwards that form their gradients are captured")
     handed = tuple(t for t in (out.dx, out.dw, out.db, out.grad_scale) if t is not None)
-    base_uses = tuple(_storage_uses(t) for t in handed)
-    return _Graph(graph, x, target, out, handed, base_uses, pool_bytes + x.nbytes + target.nbytes)
+    storages = tuple(map(_storage_of, handed))  # (the Python storage objects are gone before counting)
+    base_uses = tuple(map(_storage_uses, storages))
+    return _Graph(graph, x, target, out, handed, storages, base_uses, pool_bytes + x.nbytes + target.nbytes)
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -452,9 +494,10 @@ def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
     owner = getattr(grad_scale, "_flce_graph", None)
     if owner is None or type(grad_output) is not torch.Tensor or grad_output.dim() != 0:
         return False
-    if grad_output.device != grad_scale.device or torch._C._len_torch_dispatch_stack():
+    # Device indices and is_cuda, not device objects: this runs in every backward of a replayed call.
+    if grad_output.get_device() != grad_scale.get_device() or grad_output.is_cuda != grad_scale.is_cuda:
         return False
-    if grad_output.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if torch._C._len_torch_dispatch_stack() or (grad_output.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     return owner.scale_grads(grad_output, scale)
 

@@ -372,15 +372,15 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
             "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
             "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
         )
-    grads, grad_scale = ctx.grads, ctx.grad_scale
+    grads, grad_scale = ctx.grads, ctx.grad_scale  # a gradient not asked for is empty, or None (the shortcut)
     # One factor in the loss's dtype (fp32, fp64 for fp64), applied so that each element is rounded once
     # (``_scale_in_place``). grad_scale is a power of two, so the factor is as exact as grad_output; with
     # GradScaler's power-of-two scales it is exact.
-    if grads[0].dtype == torch.float64:
+    if grad_scale.dtype == torch.float64:
         # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
         # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
         g = _factor(grad_loss, grad_scale)
-        return tuple(t * g if t.numel() else t for t in grads)
+        return tuple(t * g if t is not None and t.numel() else t for t in grads)
     # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
     # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
     ctx.grads = ctx.grad_scale = None
@@ -388,7 +388,7 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tenso
     # product is functional and Inductor may reuse the buffer for it.
     if torch.compiler.is_compiling():
         g = _factor(grad_loss, grad_scale)
-        return tuple(t * g if t.numel() else t for t in grads)
+        return tuple(t * g if t is not None and t.numel() else t for t in grads)
     # A replayed forward's outputs are scaled by a replayed graph too (two launches instead of a multiply and
     # a Triton launch: at small shapes backward is host-bound as well).
     if not graph_replay.scaled_by_graph(grad_scale, grad_loss, _scale_present):
@@ -404,7 +404,7 @@ def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
 def _scale_present(grads: tuple[Tensor, Tensor, Tensor], grad_loss: Tensor, grad_scale: Tensor) -> None:
     """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads``, each element rounded once."""
     g = _factor(grad_loss, grad_scale)
-    present = [t for t in grads if t.numel()]
+    present = [t for t in grads if t is not None and t.numel()]
     if _kernel_scales(present, g):  # one launch for all of them
         from .kernels.scale_grads import scale_all_in_place
 

@@ -1,5 +1,6 @@
 """Shared test set-up: the `gpu` marker skips without CUDA; without CUDA the Triton kernels run in the
-interpreter (TRITON_INTERPRET=1 must be set before the kernel module is imported)."""
+interpreter (TRITON_INTERPRET=1 must be set before the kernel module is imported); ``cpu_graphs``, CUDA-graph
+replay on the CPU with a stand-in capture."""
 
 import os
 
@@ -18,3 +19,48 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _Rerun:
+    """A stand-in graph: replay runs the captured function again and writes its outputs (if any) into the
+    tensors the capture returned."""
+
+    def __init__(self, fn, result) -> None:
+        self.fn, self.result, self.replays = fn, result, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        fresh = self.fn()
+        if self.result is not None:
+            for dst, src in zip(self.result, fresh):
+                if dst is not None:
+                    dst.copy_(src)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Graph replay on the CPU with the stand-in capture; lists each forward capture's weight address. The
+    graphs and the eager shortcuts to them start and end empty."""
+    from flce_compile import eager_shortcut, graph_replay, set_cuda_graphs
+
+    captures = []
+    real_capture = graph_replay._capture
+
+    def capture(ops, run, stream):
+        captures.append(ops.weight.data_ptr())  # not the operands: holding the caller's input would hold its .grad
+        return real_capture(ops, run, stream)
+
+    def captured(fn, device, stream, *, outputs=True):
+        result = fn() if outputs else None  # a real capture runs nothing; outputs need allocating here
+        return _Rerun(fn, result), result, 0
+
+    monkeypatch.setattr(graph_replay, "_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(graph_replay, "_capture", capture)
+    monkeypatch.setattr(graph_replay, "_captured", captured)
+    graph_replay.clear()
+    eager_shortcut.clear()
+    set_cuda_graphs("on")
+    yield captures
+    set_cuda_graphs("auto")
+    graph_replay.clear()
+    eager_shortcut.clear()

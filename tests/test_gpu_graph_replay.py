@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import flce_compile.compiler  # noqa: F401  (registers backend="flce" without the installed entry point)
 from cuda_capture import plain_and_captured
-from flce_compile import FLCEConfig, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
+from flce_compile import FLCEConfig, eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +19,12 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def fresh_graphs():
     graph_replay.clear()
+    eager_shortcut.clear()
     set_cuda_graphs("auto")
     yield
     set_cuda_graphs("auto")
     graph_replay.clear()
+    eager_shortcut.clear()
 
 
 def _inputs(seed, n=2048, h=768, v=50304, dtype=torch.bfloat16):
@@ -65,6 +67,23 @@ def test_replay_is_bit_identical_to_the_uncaptured_loop(streams, grad_factor):
     for step, (a, b) in enumerate(zip(graphed, plain)):
         for name, u, v in zip(("loss", "dx", "dw"), a, b):
             assert torch.equal(u, v), f"step {step}: {name} differs"
+
+
+def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(monkeypatch):
+    """Default options and 3-D hidden states, as a model calls the op: from the third step on the calls take the
+    eager shortcut (``eager_shortcut``) to the graph, with the uncaptured loop's results bit for bit."""
+    _, w0, _ = _inputs(0)
+    batches = [(x.view(8, 256, -1), t.view(8, 256)) for x, t in (_inputs(s)[::2] for s in range(1, 6))]
+    hits = []
+    real = eager_shortcut.replay
+    monkeypatch.setattr(eager_shortcut, "replay", lambda *a: hits.append(real(*a)) or hits[-1])
+    graphed = _training_run(w0, batches)
+    assert [h is not None for h in hits] == [False, False, True, True, True]
+    set_cuda_graphs("off")
+    plain = _training_run(w0, batches)
+    for got, expected in zip(graphed, plain):
+        for a, b in zip(got, expected):
+            assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_outputs_held_by_the_caller_are_never_overwritten():

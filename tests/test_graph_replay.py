@@ -19,46 +19,6 @@ from flce_compile.compiler.backend import _no_cuda_graphs_of_its_own
 from flce_compile.compiler.options import FLCEOptions
 
 
-class _Rerun:
-    """A stand-in graph: replay runs the captured function again and writes its outputs (if any) into the
-    tensors the capture returned."""
-
-    def __init__(self, fn, result) -> None:
-        self.fn, self.result, self.replays = fn, result, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        fresh = self.fn()
-        if self.result is not None:
-            for dst, src in zip(self.result, fresh):
-                if dst is not None:
-                    dst.copy_(src)
-
-
-@pytest.fixture
-def cpu_graphs(monkeypatch):
-    """Graph replay on the CPU with the stand-in capture; lists each forward capture's weight address."""
-    captures = []
-    real_capture = graph_replay._capture
-
-    def capture(ops, run, stream):
-        captures.append(ops.weight.data_ptr())  # not the operands: holding the caller's input would hold its .grad
-        return real_capture(ops, run, stream)
-
-    def captured(fn, device, stream, *, outputs=True):
-        result = fn() if outputs else None  # a real capture runs nothing; outputs need allocating here
-        return _Rerun(fn, result), result, 0
-
-    monkeypatch.setattr(graph_replay, "_DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(graph_replay, "_capture", capture)
-    monkeypatch.setattr(graph_replay, "_captured", captured)
-    graph_replay.clear()
-    set_cuda_graphs("on")
-    yield captures
-    set_cuda_graphs("auto")
-    graph_replay.clear()
-
-
 def _inputs(seed, n=12, h=8, v=40):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g, dtype=torch.float32)

@@ -1,0 +1,163 @@
+"""The eager call's shortcut to its CUDA graph.
+
+At GPT-2's 2048 x 768 x 50304 a replayed forward + backward costs the host more than its graphs do: the API's
+argument checks, the option encoding, the config lookup, the graph key and the layers between them ran about
+200 us of Python per call on the H200's host, as much as the replays and autograd's own work (issue #13). A
+call like one that the full path has already checked and replayed (the same tensor types, shapes, dtypes,
+devices, contiguity, weight, gradients asked, options and stream: ``key_of``) gets the same answer to each of
+those questions, so it goes straight to the graph the full path replayed
+(``graph_replay.replay_free_instance``), through an autograd.Function that does what ``op``'s does for a
+replayed forward.
+
+Every call still asks what can change between calls with equal arguments: grad mode, torch modes and
+transforms (``op.direct_call_ok``), autocast, the profiler (the full path names the op in traces), graph
+capture, the graph mode and ``graph_replay.disabled``, the strategy registry's and tuning DB's generations
+(which decide the config), whether a free instance of the graph is there, and the targets where the full path
+checks them (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any other call (the first of its kind,
+a bias or class weights, a tensor or dict option, grad mode off) takes the full path, which records the
+shortcut when its forward was replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import graph_replay
+from .op import (
+    _check_first_order,
+    _function_apply,
+    _keep_forward_grads,
+    _scaled_forward_grads,
+    autocast_on,
+    check_targets,
+    direct_call_ok,
+)
+from .plan import registry, tuning_db
+
+#: Shortcuts kept before the table starts afresh (a training run has one or a few).
+MAX_ENTRIES = 64
+#: Option types whose value is the whole option (a tensor's value can change in place; a dict is unhashable).
+_PLAIN_OPTIONS = frozenset({int, float, str, bool, type(None), torch.dtype})
+_TENSORS = (Tensor, torch.nn.Parameter)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """Where a key's calls go: the graph key the full path replayed, and what the call must still match."""
+
+    graph_key: tuple
+    generations: tuple[int, int]
+    device_type: str
+    vocab: int
+    hidden: int
+    ignore_index: int
+
+
+_ENTRIES: dict[tuple, _Entry] = {}
+
+
+def _generations(cuda: bool) -> tuple[int, int] | None:
+    """The registry's and (on a GPU) the tuning DB's generations, as ``plan.choose.op_config`` keys on them."""
+    try:
+        return registry.generation(), (tuning_db.generation() if cuda else 0)
+    except Exception:  # noqa: BLE001 - a DB that cannot be read: the full path reports it and never memoises
+        return None
+
+
+def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
+    """The shortcut key of an eager call of ``fused_linear_cross_entropy``, or None when the call cannot take
+    the shortcut (and will not record one): ``options`` are its other arguments, in a fixed order. Called
+    right before ``replay``, which relies on the state checked here.
+
+    Also clears the graph key a previous forward left behind (``graph_replay.take_replayed_key``), so that
+    ``remember`` reads this call's."""
+    graph_replay.take_replayed_key()
+    if bias is not None or ce_weight is not None or type(target) not in _TENSORS:
+        return None
+    if type(input) not in _TENSORS or type(weight) not in _TENSORS or not torch.is_grad_enabled():
+        return None
+    kinds = tuple(map(type, options))
+    if not _PLAIN_OPTIONS.issuperset(kinds) or not direct_call_ok(input, weight, target):
+        return None
+    # Under autocast the full path casts the operands first (a graph of other dtypes); a profiled call takes
+    # the full path, which names the op in the trace.
+    if autocast_on(input.device.type) or torch.autograd._profiler_enabled():
+        return None
+    if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
+        return None
+    cuda = input.is_cuda
+    index = input.get_device()
+    stream = (_raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+              ) if cuda else None
+    return (options, kinds, cuda, index, weight.get_device(), target.get_device(), stream,
+            input.shape, input.dtype, input.requires_grad, target.shape, target.dtype,
+            weight.shape, weight.dtype, weight.requires_grad, weight.data_ptr())
+
+
+def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
+    """The loss of a call through its shortcut, or None when the call must take the full path."""
+    entry = _ENTRIES.get(key) if key is not None else None
+    if entry is None:
+        return None
+    cuda = entry.device_type == "cuda"
+    if not graph_replay.replay_allowed_now(cuda):
+        return None
+    if _generations(cuda) != entry.generations:
+        del _ENTRIES[key]
+        return None
+    check_targets(target, entry.vocab, entry.ignore_index)
+    return graph_replay.replay_free_instance(
+        entry.graph_key, lambda graph: _APPLY(input, weight, target, graph, entry.hidden))
+
+
+def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:
+    """After a call with ``key`` took the full path: if its forward was replayed, later calls with the key go
+    to that graph."""
+    if key is None:
+        return
+    graph_key = graph_replay.take_replayed_key()
+    generations = _generations(input.is_cuda)
+    if graph_key is None or generations is None:
+        return
+    if len(_ENTRIES) >= MAX_ENTRIES:
+        _ENTRIES.clear()
+    _ENTRIES[key] = _Entry(graph_key, generations, input.device.type, weight.shape[0], weight.shape[1],
+                           int(ignore_index))
+
+
+def clear() -> None:
+    """Forget every shortcut (calls take the full path until they record one again)."""
+    _ENTRIES.clear()
+
+
+class _ReplayedCall(torch.autograd.Function):
+    """A shortcut call: the graph's forward replayed, its gradients scaled in backward, as ``op``'s
+    ``_FusedFunction`` does for a replayed forward (same helpers, same results)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, graph, hidden):
+        x = input if input.dim() == 2 else input.view(-1, hidden)
+        t = target if target.dim() == 1 else target.view(-1)
+        r = graph.replay(x, t)
+        ctx.set_materialize_grads(False)  # an unused loss gives backward None
+        ctx.input_shape = None if x is input else input.shape
+        _keep_forward_grads(ctx, r.dx, r.dw, r.db, r.grad_scale)
+        return r.loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _check_first_order()
+        if grad_loss is None:  # the loss took no part in what is differentiated
+            return None, None, None, None, None
+        dx, dw, _db = _scaled_forward_grads(ctx, grad_loss)
+        if dx is not None and ctx.input_shape is not None:
+            dx = dx.view(ctx.input_shape)
+        return dx, dw, None, None, None
+
+
+_APPLY = _function_apply(_ReplayedCall)

@@ -1,0 +1,202 @@
+"""The eager call's shortcut to its CUDA graph (``eager_shortcut``), on the CPU with the stand-in capture
+(``cpu_graphs``): which calls take it, that they get the full path's results bit for bit, and that whatever
+can change between calls with equal arguments sends the call back to the full path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from flce_compile import eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
+from flce_compile.plan import registry
+
+
+@pytest.fixture
+def shortcut_hits(cpu_graphs, monkeypatch):
+    """Whether each call took the shortcut (True) or the full path (False)."""
+    hits: list[bool] = []
+    real = eager_shortcut.replay
+
+    def replay(*args):
+        loss = real(*args)
+        hits.append(loss is not None)
+        return loss
+
+    monkeypatch.setattr(eager_shortcut, "replay", replay)
+    return hits
+
+
+def _inputs(seed=0, shape=(12, 8), v=40):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(v, shape[-1], generator=g) * 0.3
+    t = torch.randint(0, v, shape[:-1], generator=g)
+    t.view(-1)[::5] = -100
+    return x, w, t
+
+
+def _call(x, w, t, *, grad_x=True, grad_w=True, scale=1.0, **options):
+    """One forward + backward on fresh leaves; (loss, dx, dw) as copies."""
+    xl, wl = x.clone().requires_grad_(grad_x), w.clone().requires_grad_(grad_w)
+    loss = fused_linear_cross_entropy(xl, wl, t, **options)
+    (loss * scale).backward()
+    return loss.detach().clone(), _copy(xl.grad), _copy(wl.grad)
+
+
+def _copy(t):
+    return None if t is None else t.clone()
+
+
+def _same(a, b):
+    for got, expected in zip(a, b):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def _reference(*args, **kwargs):
+    set_cuda_graphs("off")
+    try:
+        return _call(*args, **kwargs)
+    finally:
+        set_cuda_graphs("on")
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (2, 6, 8)])
+def test_a_call_like_a_replayed_one_takes_the_shortcut_with_the_same_results(shortcut_hits, shape):
+    x, w, t = _inputs(shape=shape)
+    w = w.requires_grad_()  # one weight, as a model's lm_head: the graph keys on its address
+    expected = _reference(x, w.detach(), t, scale=3.0)
+    shortcut_hits.clear()
+
+    def step():
+        xl = x.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xl, w, t)
+        (loss * 3.0).backward()
+        dw, w.grad = w.grad.clone(), None
+        return loss.detach().clone(), xl.grad.clone(), dw
+
+    results = [step() for _ in range(4)]
+    # first call warms up, the second captures and replays (the full path, which records the shortcut)
+    assert shortcut_hits == [False, False, True, True]
+    for got in results:
+        _same(got, expected)
+
+
+@pytest.mark.parametrize("grad_x, grad_w", [(True, False), (False, True)])
+def test_one_gradient_asked(shortcut_hits, grad_x, grad_w):
+    x, w, t = _inputs(1)
+    expected = _reference(x, w, t, grad_x=grad_x, grad_w=grad_w)
+    shortcut_hits.clear()
+    w_leaf = w.clone().requires_grad_(grad_w)
+
+    def step():  # nothing of a call outlives it (a kept loss would keep x.grad, the graph's output, alive)
+        xl = x.clone().requires_grad_(grad_x)
+        loss = fused_linear_cross_entropy(xl, w_leaf, t)
+        loss.backward()
+        dw, w_leaf.grad = _copy(w_leaf.grad), None
+        return loss.detach().clone(), _copy(xl.grad), dw
+
+    results = [step() for _ in range(3)]
+    assert shortcut_hits == [False, False, True]
+    for got in results:
+        _same(got, expected)
+
+
+def _live_shortcut(x, w, t, hits):
+    """Calls until the shortcut of (x, w, t) with default options is recorded and taken once."""
+    for _ in range(3):
+        fused_linear_cross_entropy(x, w, t).backward()
+        w.grad = None
+    assert hits[-1] is True
+    hits.clear()
+
+
+def test_what_changes_between_equal_calls_sends_them_to_the_full_path(shortcut_hits, monkeypatch):
+    x, w, t = _inputs(2)
+    x.requires_grad_()
+    w.requires_grad_()
+    _live_shortcut(x, w, t, shortcut_hits)
+
+    def call(*args, **kwargs):
+        loss = fused_linear_cross_entropy(*(args or (x, w, t)), **kwargs)
+        if loss.requires_grad:
+            loss.backward()
+        x.grad = w.grad = None
+        return loss
+
+    with graph_replay.disabled():
+        call()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        call()
+    with FlopCounterMode(display=False):
+        call()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    with torch.no_grad():
+        call()
+    call(label_smoothing=torch.tensor(0.1))  # a tensor option's value can change in place
+    call(config={"chunk_tokens": 4})
+    assert shortcut_hits == [False] * 7
+    assert any(e.name == "flce::fused_linear_cross_entropy" for e in prof.events())  # the trace names the op
+    assert call() is not None and shortcut_hits[-1] is True  # back on the shortcut
+
+    # other options, another weight: each a key of its own, taken once the full path recorded it
+    w2 = w.detach().clone().requires_grad_()
+    for args, kwargs in (((), {"label_smoothing": 0.1}), ((x, w2, t), {})):
+        shortcut_hits.clear()
+        for _ in range(3):
+            call(*args, **kwargs)
+        assert shortcut_hits == [False, False, True]
+
+    # a new strategy registry or tuning DB may choose another config: the full path decides again (here the
+    # same config, so the same graph, which it records anew)
+    shortcut_hits.clear()
+    monkeypatch.setattr(registry, "_generation", registry.generation() + 1)
+    call()
+    call()
+    set_cuda_graphs("off")  # drops the graphs
+    call()
+    assert shortcut_hits == [False, True, False]
+
+
+def test_equal_keys_with_results_still_held_get_a_second_instance(shortcut_hits):
+    """Gradients kept across micro-batches: the held graph's outputs are never overwritten."""
+    x, w, t = _inputs(3)
+    w.requires_grad_()
+    x2 = torch.randn_like(x)
+    set_cuda_graphs("off")
+    fused_linear_cross_entropy(x, w, t).backward()
+    fused_linear_cross_entropy(x2, w, t).backward()
+    expected = w.grad.clone()
+    w.grad = None
+    set_cuda_graphs("on")
+    for _ in range(3):  # recorded, shortcut live
+        fused_linear_cross_entropy(x, w, t).backward()
+        w.grad = None
+    for _ in range(3):
+        fused_linear_cross_entropy(x, w, t).backward()  # w.grad holds the graph's dW
+        fused_linear_cross_entropy(x2, w, t).backward()  # accumulated into it, not overwritten
+        assert torch.equal(w.grad, expected)
+        w.grad = None
+
+
+def test_the_shortcut_checks_targets_and_refuses_a_second_backward(shortcut_hits):
+    x, w, t = _inputs(4)
+    w.requires_grad_()
+    _live_shortcut(x, w, t, shortcut_hits)
+    bad = t.clone()
+    bad[1] = w.shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        fused_linear_cross_entropy(x, w, bad)
+    assert shortcut_hits == []  # raised inside the shortcut (the key matches): its own check, as the full path's
+    loss = fused_linear_cross_entropy(x, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    w.grad = None
+    loss = fused_linear_cross_entropy(x, w, t)
+    with pytest.raises(RuntimeError, match="double backward"):
+        loss.backward(create_graph=True)
+    assert shortcut_hits[-2:] == [True, True]
