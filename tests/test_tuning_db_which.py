@@ -98,18 +98,19 @@ def test_exported_from_the_package_without_importing_dynamo():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_a_one_chunk_entry_evens_the_chunks_of_a_longer_call(dbs):
-    """An entry timed as one chunk answers its whole token bucket; a call with more tokens than its chunk runs the
-    same number of chunks, evened out (rounded up to 256 tokens), and so a smaller chunk buffer. The token count
-    the entry was measured at, calls that fit one chunk, and entries timed with several chunks run as stored."""
+def test_a_one_chunk_entry_runs_a_longer_call_as_one_chunk(dbs):
+    """An entry timed as one chunk answers its whole token bucket; a call with more tokens than its chunk runs as
+    one chunk too (rounded up to 256 tokens): no fp32 dW accumulator, which a full and a short chunk would need.
+    The token count the entry was measured at, calls that fit its chunk, and entries timed with several chunks
+    run as stored."""
     _, shipped = dbs
     db.write_entries(shipped / "h200.json", [entry(vocab=256000, hidden=2304, tokens=8192, chunk=8192),
                                              entry(tokens=16384, chunk=6144)])
     gemma = {n: which_config(n, 256000, 2304, gpu="h200") for n in (6000, 8192, 8193, 10000, 11585)}
     assert {n: c.config.chunk_tokens for n, c in gemma.items()} == {
-        6000: 8192, 8192: 8192, 8193: 4352, 10000: 5120, 11585: 5888}
+        6000: 8192, 8192: 8192, 8193: 8448, 10000: 10240, 11585: 11776}
     assert gemma[8192].detail == "tuning_db:shipped_exact"
-    assert gemma[10000].detail == "tuning_db:shipped_exact, chunks evened to 5120 tokens"
+    assert gemma[10000].detail == "tuning_db:shipped_exact, one chunk of 10240 tokens"
     assert gemma[10000].entry.config.chunk_tokens == 8192 and gemma[10000].source == "shipped exact"
     stored = gemma[10000].entry.config
     assert flce_compile.peak_bytes(gemma[10000].config, 10000, 256000, 2304, torch.bfloat16) < \
@@ -118,10 +119,10 @@ def test_a_one_chunk_entry_evens_the_chunks_of_a_longer_call(dbs):
     assert several.config.chunk_tokens == 6144 and several.detail == "tuning_db:shipped_exact"
 
 
-def test_evening_reads_only_the_entrys_own_config_and_a_sane_measured_count(dbs):
-    """Nearest-shape answers (their chunk is rescaled already) are not evened; an entry's measured token count
+def test_one_chunk_reads_only_the_entrys_own_config_and_a_sane_measured_count(dbs):
+    """Nearest-shape answers (their chunk is rescaled already) keep their chunk; an entry's measured token count
     that is no positive int falls back to its bucket instead of breaking the call; the tuner seeds a study with
-    what the op runs (the evened config)."""
+    what the op runs (the one-chunk config)."""
     from flce_compile.tuning.cli import _db_seed
 
     _, shipped = dbs
@@ -130,8 +131,8 @@ def test_evening_reads_only_the_entrys_own_config_and_a_sane_measured_count(dbs)
     for bad, want in (("8192", 8192), (True, 8192), (-1, 8192), (6000, 6000)):
         assert entry(tokens=8192, extra={"measured_tokens": bad}).measured_tokens == want
     db.write_entries(shipped / "h200.json", [gemma])
-    assert which_config(10000, 256000, 2304, gpu="h200").config.chunk_tokens == 5120
+    assert which_config(10000, 256000, 2304, gpu="h200").config.chunk_tokens == 10240
     near = which_config(8192, 262144, 2304, gpu="h200")
-    assert near.source == "nearest shape" and "evened" not in near.detail
-    assert _db_seed(256000, 2304, torch.bfloat16, 10000, "h200", None).chunk_tokens == 5120
+    assert near.source == "nearest shape" and "one chunk" not in near.detail
+    assert _db_seed(256000, 2304, torch.bfloat16, 10000, "h200", None).chunk_tokens == 10240
     assert _db_seed(256000, 2304, torch.bfloat16, 8192, "h200", None).chunk_tokens == 8192

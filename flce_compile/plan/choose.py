@@ -282,9 +282,9 @@ def choose_config_match(
         match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                      device=device if gpu is None else gpu)
         if match is not None:
-            config = evened_one_chunk_entry(match, num_tokens)
+            config = one_chunk_entry_config(match, num_tokens)
             source = match.source if config is match.config else (
-                f"{match.source}, chunks evened to {config.chunk_tokens} tokens")
+                f"{match.source}, one chunk of {config.chunk_tokens} tokens")
             logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
             return config, source, match
         source = "heuristic"
@@ -295,25 +295,25 @@ def choose_config_match(
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
 
 
-def evened_one_chunk_entry(match: tuning_db.Match, num_tokens: int) -> FLCEConfig:
-    """``match``'s config for a call of ``num_tokens``, its chunks evened out where the entry ran as one chunk
-    but the call needs more.
+def one_chunk_entry_config(match: tuning_db.Match, num_tokens: int) -> FLCEConfig:
+    """``match``'s config for a call of ``num_tokens``, run as one chunk where the entry ran as one chunk but the
+    call has more tokens than its chunk.
 
     An entry measured as a single chunk (its chunk holds all the tokens it was timed with) answers its whole
-    token bucket, up to 1.41x those tokens. Above its chunk such a call runs a full chunk and a short one, and
-    then needs the fp32 dW accumulator the one-chunk call did without: at Gemma's 256000 x 2304 (8192-token
-    entry) 6.56 GB by the memory bound at 10000 tokens, against 4.20 at 8192. The same number of chunks of even
-    size, rounded up to 256 tokens, runs the same GEMM count and accumulator passes with a smaller chunk
-    buffer (5120 tokens: 4.98 GB). Not timed on a GPU; the measured token counts keep the entry's config. Only
-    the entry's own config is evened: a nearest-shape answer has its chunk rescaled already (``tuning_db``).
+    token bucket, up to 1.41x those tokens. Taken as stored, a longer call would run a full chunk and a short
+    one, and need the fp32 dW accumulator the one-chunk call did without (Gemma's 256000 x 2304, 8192-token
+    entry: 6.56 GB at 10000 tokens by the memory bound, against 4.20 at 8192). One chunk of all the tokens
+    (rounded up to 256) keeps what was measured: no accumulator, logits memory growing with the tokens. On an
+    H200 (``bench_flce_NVIDIA_H200_one_chunk.md``, ``_evened.md``) it was faster than the stored chunk and than
+    the same chunk count evened out: 55.3 / 56.5 / 55.9 ms at 10000 x 2304 x 256000 (5.12 / 6.56 / 4.98 GB),
+    59.8 vs 62.2 ms (evened) at 11000 tokens (5.63 / 5.24 GB), 46.6 vs 50.0 ms at 5000 x 8192 x 128256 (1.28 /
+    4.86 GB). Only the entry's own config: a nearest-shape answer has its chunk rescaled already (``tuning_db``).
     """
     config, entry = match.config, match.entry
     chunk = config.chunk_tokens
     if config != entry.config or chunk < entry.measured_tokens or num_tokens <= chunk:
         return config
-    count = -(-num_tokens // chunk)
-    even = min(chunk, _round_up(-(-num_tokens // count), 256))
-    return config if even == chunk else dataclasses.replace(config, chunk_tokens=even)
+    return dataclasses.replace(config, chunk_tokens=_round_up(num_tokens, 256))
 
 
 def budget_candidates(config: FLCEConfig, dtype: torch.dtype) -> list[FLCEConfig]:

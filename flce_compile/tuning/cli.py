@@ -801,7 +801,7 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
 def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str, tier: float | None) -> Any:
     """The config a study enqueues as the database's current answer: for a budget-tier study the entry of the
     same tier and bucket (a re-tune starts from it), else the plain lookup's answer; None when there is none."""
-    from ..plan.choose import evened_one_chunk_entry  # noqa: PLC0415
+    from ..plan.choose import one_chunk_entry_config  # noqa: PLC0415
     from . import db  # noqa: PLC0415
 
     if tier is not None:
@@ -811,8 +811,8 @@ def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str,
         if same:
             return same[0].config
     found = db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device_name)
-    # What the op runs for this call, so a re-tune starts from it (a one-chunk entry's longer calls are evened).
-    return evened_one_chunk_entry(found, tokens) if found else None
+    # What the op runs for this call, so a re-tune starts from it (a one-chunk entry's longer calls: one chunk).
+    return one_chunk_entry_config(found, tokens) if found else None
 
 
 def _install_sigterm() -> None:
