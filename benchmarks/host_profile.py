@@ -8,7 +8,8 @@ step of the op's path, and how many graph replays a call made), called eagerly a
 graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden states and
 targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second graph,
 return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work; the
-same Function over the op's own two captured graphs, and the op itself, timed alongside. Writes ``host_profile_<gpu>.txt`` (GPU name and versions first).
+same Function over the op's own two captured graphs, and the op itself, timed alongside. Writes
+``host_profile_<gpu>.txt`` (GPU name and versions first).
 
     python benchmarks/host_profile.py                        # 2048x768x50304 bf16 on the GPU
     python benchmarks/host_profile.py --out benchmarks/results --top 30
@@ -93,9 +94,10 @@ def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
     import flce_compile.op as op
 
     replay = (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases")
-    if caller == "in-compile":
+    if caller == "in-compile":  # a call like the last one takes the op body's shortcut to the graph
         return [(op, "_forward_result", "op body"),
-                (graph_replay, "replayed_forward", "graph_replay.replayed_forward"), replay]
+                (graph_replay, "body_shortcut_key", "graph_replay.body_shortcut_key"),
+                (graph_replay, "body_shortcut_replay", "graph_replay.body_shortcut_replay"), replay]
     # An eager call like the last one takes the shortcut (``eager_shortcut``) to the graph.
     return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
             (shortcut, "key_of", "eager_shortcut.key_of"),

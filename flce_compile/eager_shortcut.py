@@ -36,7 +36,7 @@ from .op import (
     check_targets,
     direct_call_ok,
 )
-from .plan import registry, tuning_db
+from .plan.choose import choice_generations
 
 #: Shortcuts kept before the table starts afresh (a training run has one or a few).
 MAX_ENTRIES = 64
@@ -51,7 +51,7 @@ class _Entry:
     """Where a key's calls go: the graph key the full path replayed, and what the call must still match."""
 
     graph_key: tuple
-    generations: tuple[int, int]
+    generations: tuple[int, int | None]
     device_type: str
     vocab: int
     hidden: int
@@ -61,25 +61,19 @@ class _Entry:
 _ENTRIES: dict[tuple, _Entry] = {}
 
 
-def _generations(cuda: bool) -> tuple[int, int] | None:
-    """The registry's and (on a GPU) the tuning DB's generations, as ``plan.choose.op_config`` keys on them."""
-    try:
-        return registry.generation(), (tuning_db.generation() if cuda else 0)
-    except Exception:  # noqa: BLE001 - a DB that cannot be read: the full path reports it and never memoises
-        return None
-
-
 def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
     """The shortcut key of an eager call of ``fused_linear_cross_entropy``, or None when the call cannot take
     the shortcut (and will not record one): ``options`` are its other arguments, in a fixed order. Called
     right before ``replay``, which relies on the state checked here.
 
-    Also clears the graph key a previous forward left behind (``graph_replay.take_replayed_key``), so that
+    Also clears the graph key a previous forward left behind (``graph_replay.forget_replayed_key``), so that
     ``remember`` reads this call's."""
-    graph_replay.take_replayed_key()
-    if bias is not None or ce_weight is not None or type(target) not in _TENSORS:
+    graph_replay.forget_replayed_key()
+    if bias is not None or ce_weight is not None or not torch.is_grad_enabled():
         return None
-    if type(input) not in _TENSORS or type(weight) not in _TENSORS or not torch.is_grad_enabled():
+    if type(input) not in _TENSORS or type(weight) not in _TENSORS or type(target) not in _TENSORS:
+        return None
+    if not graph_replay.replays_on(input.is_cuda):  # (the CPU never replays, but in tests)
         return None
     kinds = tuple(map(type, options))
     if not _PLAIN_OPTIONS.issuperset(kinds) or not direct_call_ok(input, weight, target):
@@ -107,7 +101,7 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
     cuda = entry.device_type == "cuda"
     if not graph_replay.replay_allowed_now(cuda):
         return None
-    if _generations(cuda) != entry.generations:
+    if choice_generations(cuda) != entry.generations:
         del _ENTRIES[key]
         return None
     check_targets(target, entry.vocab, entry.ignore_index)
@@ -120,9 +114,9 @@ def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int
     to that graph."""
     if key is None:
         return
-    graph_key = graph_replay.take_replayed_key()
-    generations = _generations(input.is_cuda)
-    if graph_key is None or generations is None:
+    graph_key = graph_replay.replayed_key()
+    generations = choice_generations(input.is_cuda)
+    if graph_key is None or generations[1] is None:
         return
     if len(_ENTRIES) >= MAX_ENTRIES:
         _ENTRIES.clear()

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from .log import logger
+from .plan.choose import choice_generations
 from .strategies import ForwardResult, Operands
 
 MODES = ("auto", "on", "off")
@@ -104,7 +105,7 @@ def cuda_graphs_mode() -> str:
 class _CallerState(threading.local):
     allowed = False
     disabled = 0
-    replayed_key: tuple | None = None  # the key of this thread's last replayed forward (``take_replayed_key``)
+    replayed_key: tuple | None = None  # the key of this thread's last replayed forward (``replayed_key``)
 
 
 _caller = _CallerState()
@@ -261,6 +262,7 @@ def clear() -> None:
         _cache.seen.clear()
         _cache.captures.clear()
         _cache.failed.clear()
+    _BODY_SHORTCUTS.clear()
 
 
 def held_bytes(device: torch.device | None = None) -> int:
@@ -412,12 +414,22 @@ def replayed_forward(
         return g.replay(ops.x, ops.target)
 
 
-def take_replayed_key() -> tuple | None:
-    """The key of the graph this thread's last forward replayed (None if it ran uncaptured since the last
-    call of this function), and forget it: how the eager shortcut (``eager_shortcut``) learns which graph a
-    call it let through the full path ended in."""
-    key, _caller.replayed_key = _caller.replayed_key, None
-    return key
+def replays_on(cuda: bool) -> bool:
+    """Whether calls on a GPU (``cuda``), or else on the CPU, ever replay graphs (the CPU only in tests, with a
+    stand-in capture): the shortcuts key no call that never could."""
+    return ("cuda" if cuda else "cpu") in _DEVICE_TYPES
+
+
+def replayed_key() -> tuple | None:
+    """The key of the graph this thread's last forward replayed since ``forget_replayed_key``, else None: how the
+    shortcuts (``body_shortcut_replay``, ``eager_shortcut``) learn which graph a call they let through the full
+    path ended in."""
+    return _caller.replayed_key
+
+
+def forget_replayed_key() -> None:
+    """Start a call whose replay (if any) ``replayed_key`` is then to report."""
+    _caller.replayed_key = None
 
 
 def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
@@ -432,8 +444,77 @@ def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
         _cache.graphs.move_to_end(key)
         for g in instances:
             if g.free():
+                _caller.replayed_key = key
                 return run(g)
     return None
+
+
+# -- the op body's shortcut -------------------------------------------------------------------------------------
+#
+# Through the dispatcher (the op in a compiled graph) every call runs the op body: options decoded, the device
+# switched, the config looked up, eligibility asked, the graph key built (~40-60 us on the H200's host, issue
+# #13). A call with the arguments of one whose forward was replayed (same options, config string, gradients,
+# shapes, dtypes, devices, weight address and layout, stream, inference mode, tensor types) has the same
+# answers, so it replays that graph directly; what can change between such calls (the mode, ``disabled``, a
+# dispatch mode, a capture, Inductor's graph trees, the config's generations, a free instance) is asked again.
+
+#: Body calls' keys -> (the graph key their full body replayed, the config's generations then).
+_BODY_SHORTCUTS: dict[tuple, tuple[tuple, tuple]] = {}
+MAX_BODY_SHORTCUTS = 64
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_CPU = torch.device("cpu")
+
+
+def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
+    """The body shortcut's key of a forward on ``ops`` with the op's other arguments ``extra``, or None when the
+    call cannot take the shortcut (a bias or class weights, tensor subclasses, non-contiguous inputs, a device
+    without graphs). Forgets the replayed key a previous forward left behind (``body_shortcut_remember`` reads
+    this call's)."""
+    _caller.replayed_key = None
+    x, weight, target = ops.x, ops.weight, ops.target
+    if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in _PLAIN_TYPES:
+        return None
+    if type(weight) not in _PLAIN_TYPES or type(target) not in _PLAIN_TYPES:
+        return None
+    if not (x.is_contiguous() and target.is_contiguous()):
+        return None
+    cuda = x.is_cuda
+    index = x.get_device()
+    stream = (_raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+              ) if cuda else None
+    return (extra, cuda, index, stream, x.shape, x.dtype, target.shape, target.dtype, weight.shape, weight.dtype,
+            weight.stride(), weight.data_ptr(), weight.get_device(), torch.is_inference_mode_enabled())
+
+
+def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tensor) -> ForwardResult | None:
+    """The forward of a body call through its shortcut (``body_shortcut_key``), or None: run the full body."""
+    hit = _BODY_SHORTCUTS.get(key) if key is not None else None
+    if hit is None:
+        return None
+    graph_key, generations = hit
+    cuda = key[1]
+    if not replay_allowed_now(cuda):
+        return None
+    if not _caller.allowed and _inductor_graph_trees(torch.device("cuda", key[2]) if cuda else _CPU):
+        return None
+    if choice_generations(cuda) != generations:
+        del _BODY_SHORTCUTS[key]
+        return None
+    return replay_free_instance(graph_key, lambda g: g.replay(x, target))
+
+
+def body_shortcut_remember(key: tuple | None, cuda: bool) -> None:
+    """After a body call with ``key`` ran in full: if its forward was replayed, later calls with the key go to
+    that graph."""
+    graph_key = _caller.replayed_key
+    if key is None or graph_key is None:
+        return
+    generations = choice_generations(cuda)
+    if generations[1] is None:
+        return
+    if len(_BODY_SHORTCUTS) >= MAX_BODY_SHORTCUTS:
+        _BODY_SHORTCUTS.clear()
+    _BODY_SHORTCUTS[key] = (graph_key, generations)
 
 
 def replay_allowed_now(cuda: bool) -> bool:

@@ -169,9 +169,15 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
     through a replayed CUDA graph where ``graph_replay`` takes the call."""
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
+    ops = Operands(input, weight, target, bias, ce_weight)
+    # A call like one whose forward was replayed goes straight to that graph (``graph_replay``'s body shortcut).
+    shortcut = graph_replay.body_shortcut_key(ops, (params, accum_dtype, compute_dx, compute_dw, compute_db, config))
+    r = graph_replay.body_shortcut_replay(shortcut, input, target)
+    if r is not None:
+        return r
     later = grads_in_backward(p, config)
     with op_context(input.device):
-        ops, cfg = Operands(input, weight, target, bias, ce_weight), _config(config, input, weight)
+        cfg = _config(config, input, weight)
         grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db)
 
         def run(o: Operands) -> ForwardResult:
@@ -181,7 +187,10 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
             ops, (params, accum_dtype, cfg, grads), run, grads_in_forward=not later,
             estimated_bytes=lambda: _graph_bytes(ops, p, cfg, accum_dtype, grads),
         )
-        return r if r is not None else run(ops)
+        if r is None:
+            return run(ops)
+    graph_replay.body_shortcut_remember(shortcut, input.is_cuda)
+    return r
 
 
 fused_linear_cross_entropy_op = torch.library.custom_op("flce::fused_linear_cross_entropy",

@@ -76,9 +76,15 @@ def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(monkeypatch)
     batches = [(x.view(8, 256, -1), t.view(8, 256)) for x, t in (_inputs(s)[::2] for s in range(1, 6))]
     hits = []
     real = eager_shortcut.replay
-    monkeypatch.setattr(eager_shortcut, "replay", lambda *a: hits.append(real(*a)) or hits[-1])
+
+    def spy(*args):
+        loss = real(*args)
+        hits.append(loss is not None)
+        return loss
+
+    monkeypatch.setattr(eager_shortcut, "replay", spy)
     graphed = _training_run(w0, batches)
-    assert [h is not None for h in hits] == [False, False, True, True, True]
+    assert hits == [False, False, True, True, True]
     set_cuda_graphs("off")
     plain = _training_run(w0, batches)
     for got, expected in zip(graphed, plain):
@@ -173,12 +179,22 @@ def _compiled_steps(mode, steps=4):
     return out
 
 
-def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_exists():
-    """The op called from a function the user compiled with Inductor (default mode): replayed, bit-identical to
-    the same compiled function with graph replay off. (Runs before the reduce-overhead test below, whose
-    CUDA-graph tree manager turns this path off for the rest of the thread.)"""
+def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_exists(monkeypatch):
+    """The op called from a function the user compiled with Inductor (default mode): replayed, from the third
+    step through the op body's shortcut, bit-identical to the same compiled function with graph replay off.
+    (Runs before the reduce-overhead test below, whose CUDA-graph tree manager turns this path off for the rest
+    of the thread.)"""
     x, w, t = _inputs(0, n=1024, h=256, v=8192)
     w.requires_grad_()
+    hits = []
+    real = graph_replay.body_shortcut_replay
+
+    def spy(*args):
+        r = real(*args)
+        hits.append(r is not None)  # not the result: its aliases would keep the graph busy
+        return r
+
+    monkeypatch.setattr(graph_replay, "body_shortcut_replay", spy)
 
     def loss_fn(x, w, t):
         return fused_linear_cross_entropy(x, w, t)
@@ -197,6 +213,7 @@ def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_ex
 
     graphed = steps()
     assert graph_replay.graph_count() == 1
+    assert hits == [False, False, True, True]
     set_cuda_graphs("off")
     for a, b in zip(graphed, steps()):
         for u, v in zip(a, b):

@@ -49,15 +49,22 @@ _OP_CONFIGS: dict[tuple[Any, ...], FLCEConfig] = {}
 OP_CONFIG_CACHE_SIZE = 4096
 
 
+def choice_generations(cuda: bool) -> tuple[int, int | None]:
+    """What decides an op's config besides its arguments: the strategy registry's generation and, on CUDA (the
+    only device that reads it), the loaded tuning DB's, which changes when a rewritten file is reloaded (None
+    when the DB cannot be read: then nothing keyed on it may be memoised). Memos of answers that follow from
+    the config key on it (``op_config``, the replay shortcuts)."""
+    try:
+        db = tuning_db.generation() if cuda else 0
+    except Exception:  # noqa: BLE001 - the DB never breaks a call: the lookup itself reports and falls back
+        db = None
+    return registry.generation(), db
+
+
 def _op_config_key(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[Any, ...]:
-    """What decides an op's config: its arguments, the strategy registry and, on CUDA (the only device that
-    reads it), the loaded tuning DB, whose generation changes when a rewritten file is reloaded."""
-    try:
-        db = tuning_db.generation() if device.type == "cuda" else 0
-    except Exception:  # noqa: BLE001 - the DB never breaks a call: the lookup itself reports and falls back
-        db = None  # a key that is never cached (see op_config)
-    return (config, num_tokens, vocab, hidden, dtype, device, registry.generation(), db)
+    """What decides an op's config: its arguments and ``choice_generations``."""
+    return (config, num_tokens, vocab, hidden, dtype, device) + choice_generations(device.type == "cuda")
 
 
 def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,

@@ -1,6 +1,8 @@
-"""The eager call's shortcut to its CUDA graph (``eager_shortcut``), on the CPU with the stand-in capture
-(``cpu_graphs``): which calls take it, that they get the full path's results bit for bit, and that whatever
-can change between calls with equal arguments sends the call back to the full path."""
+"""The shortcuts to a replayed CUDA graph, on the CPU with the stand-in capture (``cpu_graphs``): the eager
+call's (``eager_shortcut``) and the op body's (``graph_replay.body_shortcut_*``, for calls through the
+dispatcher, as compiled graphs make them): which calls take them, that they get the full path's results bit
+for bit, and that whatever can change between calls with equal arguments sends the call back to the full
+path."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from flce_compile import eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
+from flce_compile.params import LossParams, encode_params
 from flce_compile.plan import registry
 
 
@@ -200,3 +203,79 @@ def test_the_shortcut_checks_targets_and_refuses_a_second_backward(shortcut_hits
     with pytest.raises(RuntimeError, match="double backward"):
         loss.backward(create_graph=True)
     assert shortcut_hits[-2:] == [True, True]
+
+
+@pytest.fixture
+def body_hits(cpu_graphs, monkeypatch):
+    """Whether each op-body call took the body shortcut (True) or ran the full body (False)."""
+    hits: list[bool] = []
+    real = graph_replay.body_shortcut_replay
+
+    def replay(*args):
+        r = real(*args)
+        hits.append(r is not None)
+        return r
+
+    monkeypatch.setattr(graph_replay, "body_shortcut_replay", replay)
+    return hits
+
+
+def _op_args(x, w, t, *, smoothing=0.0, config="", grads=(True, True, False)):
+    return (x, w, t, None, None, encode_params(LossParams(label_smoothing=smoothing)), torch.float32) + grads + (
+        config,)
+
+
+def _op_call(args):
+    """The registered op through the dispatcher, as a compiled graph calls it: (loss, dx, dw) as copies."""
+    loss, _lse, dx, dw, _db, scale = torch.ops.flce.fused_linear_cross_entropy(*args)
+    return loss.clone(), (dx * scale).clone(), (dw * scale).clone()
+
+
+def test_op_calls_like_a_replayed_one_take_the_body_shortcut_with_the_same_results(body_hits):
+    x, w, t = _inputs(5)
+    args = _op_args(x, w, t)
+    set_cuda_graphs("off")
+    expected = _op_call(args)
+    set_cuda_graphs("on")
+    body_hits.clear()
+    results = [_op_call(args) for _ in range(4)]
+    assert body_hits == [False, False, True, True]  # warm-up, capture + replay (recorded), then the shortcut
+    for got in results:
+        _same(got, expected)
+
+
+def test_what_changes_between_equal_op_calls_sends_them_to_the_full_body(body_hits, monkeypatch):
+    x, w, t = _inputs(6)
+    args = _op_args(x, w, t)
+    for _ in range(3):
+        _op_call(args)
+    assert body_hits[-1] is True
+    body_hits.clear()
+    with graph_replay.disabled():
+        _op_call(args)
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: True)  # a tree may be warming up
+    _op_call(args)
+    with graph_replay.allowed():  # the flce backend's own graphs say the call may replay
+        _op_call(args)
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: False)
+    assert body_hits == [False, False, True]
+    body_hits.clear()
+    monkeypatch.setattr(registry, "_generation", registry.generation() + 1)  # the config may differ now
+    _op_call(args)
+    _op_call(args)
+    assert body_hits == [False, True]
+    # other options, config, gradients, weight: keys of their own
+    for other in (_op_args(x, w, t, smoothing=0.1), _op_args(x, w, t, config='{"chunk_tokens": 4}'),
+                  _op_args(x, w, t, grads=(True, False, False)), _op_args(x, w.clone(), t)):
+        body_hits.clear()
+        for _ in range(3):
+            _op_call(other)
+        assert body_hits == [False, False, True]
+    bad = t.clone()
+    bad[0] = w.shape[0]
+    with pytest.raises(ValueError, match="outside"):  # the targets are checked before the shortcut
+        _op_call(_op_args(x, w, bad))
+    graph_replay.clear()  # drops the graphs and the shortcuts
+    body_hits.clear()
+    _op_call(args)
+    assert body_hits == [False]
