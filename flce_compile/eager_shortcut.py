@@ -9,13 +9,13 @@ those questions, so it goes straight to the graph the full path replayed
 (``graph_replay.replay_free_instance``), through an autograd.Function that does what ``op``'s does for a
 replayed forward.
 
-Every call still asks what can change between calls with equal arguments: grad mode, torch modes and
-transforms (``op.direct_call_ok``), autocast, the profiler (the full path names the op in traces), graph
-capture, the graph mode and ``graph_replay.disabled``, the strategy registry's and tuning DB's generations
-(which decide the config), whether a free instance of the graph is there, and the targets where the full path
-checks them (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any other call (the first of its kind,
-a bias or class weights, a tensor or dict option, grad mode off) takes the full path, which records the
-shortcut when its forward was replayed.
+Every call still asks what can change between calls with equal arguments: grad mode, inference mode, torch
+modes and transforms (``op.direct_call_ok``), autocast, the profiler (the full path names the op in traces),
+graph capture, the graph mode and ``graph_replay.disabled``, the strategy registry's and tuning DB's
+generations (which decide the config; part of the key), whether a free instance of the graph is there, and the
+targets where the full path checks them (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any
+other call (the first of its kind, a bias or class weights, a tensor or dict option, grad mode off) takes the
+full path, which records the shortcut when its forward was replayed.
 """
 
 from __future__ import annotations
@@ -43,16 +43,14 @@ MAX_ENTRIES = 64
 #: Option types whose value is the whole option (a tensor's value can change in place; a dict is unhashable).
 _PLAIN_OPTIONS = frozenset({int, float, str, bool, type(None), torch.dtype})
 _TENSORS = (Tensor, torch.nn.Parameter)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """Where a key's calls go: the graph key the full path replayed, and what the call must still match."""
+    """Where a key's calls go: the graph key the full path replayed, and what the targets check needs."""
 
     graph_key: tuple
-    generations: tuple[int, int | None]
-    device_type: str
+    cuda: bool
     vocab: int
     hidden: int
     ignore_index: int
@@ -64,7 +62,8 @@ _ENTRIES: dict[tuple, _Entry] = {}
 def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
     """The shortcut key of an eager call of ``fused_linear_cross_entropy``, or None when the call cannot take
     the shortcut (and will not record one): ``options`` are its other arguments, in a fixed order. Called
-    right before ``replay``, which relies on the state checked here.
+    right before ``replay``, which relies on the state checked here. Ends with the config's generations, read
+    before the full path chooses the config (a change then makes a new key).
 
     Also clears the graph key a previous forward left behind (``graph_replay.forget_replayed_key``), so that
     ``remember`` reads this call's."""
@@ -79,30 +78,24 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     if not _PLAIN_OPTIONS.issuperset(kinds) or not direct_call_ok(input, weight, target):
         return None
     # Under autocast the full path casts the operands first (a graph of other dtypes); a profiled call takes
-    # the full path, which names the op in the trace.
-    if autocast_on(input.device.type) or torch.autograd._profiler_enabled():
+    # the full path, which names the op in the trace; graphs captured in inference mode (grad re-enabled in
+    # it) hold inference tensors, which a call outside it cannot write.
+    if autocast_on(input.device.type) or torch.autograd._profiler_enabled() or torch.is_inference_mode_enabled():
         return None
     if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
         return None
     cuda = input.is_cuda
     index = input.get_device()
-    stream = (_raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
-              ) if cuda else None
-    return (options, kinds, cuda, index, weight.get_device(), target.get_device(), stream,
+    return (options, kinds, cuda, index, weight.get_device(), target.get_device(),
+            graph_replay.stream_handle(index) if cuda else None,
             input.shape, input.dtype, input.requires_grad, target.shape, target.dtype,
-            weight.shape, weight.dtype, weight.requires_grad, weight.data_ptr())
+            weight.shape, weight.dtype, weight.requires_grad, weight.data_ptr(), choice_generations(cuda))
 
 
 def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
     """The loss of a call through its shortcut, or None when the call must take the full path."""
     entry = _ENTRIES.get(key) if key is not None else None
-    if entry is None:
-        return None
-    cuda = entry.device_type == "cuda"
-    if not graph_replay.replay_allowed_now(cuda):
-        return None
-    if choice_generations(cuda) != entry.generations:
-        del _ENTRIES[key]
+    if entry is None or not graph_replay.replay_allowed_now(entry.cuda):
         return None
     check_targets(target, entry.vocab, entry.ignore_index)
     return graph_replay.replay_free_instance(
@@ -111,17 +104,13 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
 
 def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:
     """After a call with ``key`` took the full path: if its forward was replayed, later calls with the key go
-    to that graph."""
-    if key is None:
-        return
+    to that graph (not when the tuning DB could not be read: nothing is memoised on it then)."""
     graph_key = graph_replay.replayed_key()
-    generations = choice_generations(input.is_cuda)
-    if graph_key is None or generations[1] is None:
+    if key is None or graph_key is None or key[-1][1] is None:
         return
     if len(_ENTRIES) >= MAX_ENTRIES:
         _ENTRIES.clear()
-    _ENTRIES[key] = _Entry(graph_key, generations, input.device.type, weight.shape[0], weight.shape[1],
-                           int(ignore_index))
+    _ENTRIES[key] = _Entry(graph_key, input.is_cuda, weight.shape[0], weight.shape[1], int(ignore_index))
 
 
 def clear() -> None:

@@ -335,11 +335,14 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def _stream_id(device: torch.device) -> int | None:
     """The calling stream's handle on ``device`` (CUDA; None elsewhere), to key graphs on."""
-    if device.type != "cuda":
-        return None
+    return stream_handle(device.index) if device.type == "cuda" else None
+
+
+def stream_handle(index: int) -> int:
+    """The calling stream's handle on CUDA device ``index``."""
     if _raw_stream is None:  # a torch without the raw call
-        return torch.cuda.current_stream(device).cuda_stream
-    return _raw_stream(device.index)
+        return torch.cuda.current_stream(index).cuda_stream
+    return _raw_stream(index)
 
 
 def auto_pool_limit(device: torch.device) -> int:
@@ -435,8 +438,9 @@ def forget_replayed_key() -> None:
 def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
     """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds, under the cache's lock (so
     no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when
-    the key was dropped (evicted, ``clear``) or every instance is busy. For the eager shortcut, which keyed the
-    call itself; counts as a use of the key, as a replay through ``replayed_forward`` does."""
+    the key was dropped (evicted, ``clear``) or every instance is busy. For the shortcuts, which keyed the call
+    themselves; counts as a use of the key, as a replay through ``replayed_forward`` does, and is what
+    ``replayed_key`` reports."""
     with _cache.lock:
         instances = _cache.graphs.get(key)
         if instances is None:
@@ -449,6 +453,15 @@ def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
     return None
 
 
+def replay_allowed_now(cuda: bool) -> bool:
+    """What ``_eligible`` asks of this thread's state on every call, beyond the call's own tensors: graphs not
+    turned off, no ``disabled()`` block, no dispatch mode, and (``cuda``: the call's tensors are on a GPU) no
+    capture under way on the current stream."""
+    if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
+        return False
+    return not (cuda and torch.cuda.is_current_stream_capturing())
+
+
 # -- the op body's shortcut -------------------------------------------------------------------------------------
 #
 # Through the dispatcher (the op in a compiled graph) every call runs the op body: options decoded, the device
@@ -458,8 +471,8 @@ def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
 # answers, so it replays that graph directly; what can change between such calls (the mode, ``disabled``, a
 # dispatch mode, a capture, Inductor's graph trees, the config's generations, a free instance) is asked again.
 
-#: Body calls' keys -> (the graph key their full body replayed, the config's generations then).
-_BODY_SHORTCUTS: dict[tuple, tuple[tuple, tuple]] = {}
+#: Body calls' keys -> the graph key their full body replayed.
+_BODY_SHORTCUTS: dict[tuple, tuple] = {}
 MAX_BODY_SHORTCUTS = 64
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _CPU = torch.device("cpu")
@@ -468,8 +481,9 @@ _CPU = torch.device("cpu")
 def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     """The body shortcut's key of a forward on ``ops`` with the op's other arguments ``extra``, or None when the
     call cannot take the shortcut (a bias or class weights, tensor subclasses, non-contiguous inputs, a device
-    without graphs). Forgets the replayed key a previous forward left behind (``body_shortcut_remember`` reads
-    this call's)."""
+    without graphs). Ends with the config's generations, read before the full body chooses the config (a
+    change then makes a new key). Forgets the replayed key a previous forward left behind
+    (``body_shortcut_remember`` reads this call's)."""
     _caller.replayed_key = None
     x, weight, target = ops.x, ops.weight, ops.target
     if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in _PLAIN_TYPES:
@@ -480,50 +494,33 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
         return None
     cuda = x.is_cuda
     index = x.get_device()
-    stream = (_raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
-              ) if cuda else None
-    return (extra, cuda, index, stream, x.shape, x.dtype, target.shape, target.dtype, weight.shape, weight.dtype,
-            weight.stride(), weight.data_ptr(), weight.get_device(), torch.is_inference_mode_enabled())
+    return (extra, cuda, index, stream_handle(index) if cuda else None, x.shape, x.dtype, target.shape,
+            target.dtype, weight.shape, weight.dtype, weight.stride(), weight.data_ptr(), weight.get_device(),
+            torch.is_inference_mode_enabled(), choice_generations(cuda))
 
 
 def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tensor) -> ForwardResult | None:
     """The forward of a body call through its shortcut (``body_shortcut_key``), or None: run the full body."""
-    hit = _BODY_SHORTCUTS.get(key) if key is not None else None
-    if hit is None:
+    graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
+    if graph_key is None:
         return None
-    graph_key, generations = hit
     cuda = key[1]
     if not replay_allowed_now(cuda):
         return None
     if not _caller.allowed and _inductor_graph_trees(torch.device("cuda", key[2]) if cuda else _CPU):
         return None
-    if choice_generations(cuda) != generations:
-        del _BODY_SHORTCUTS[key]
-        return None
     return replay_free_instance(graph_key, lambda g: g.replay(x, target))
 
 
-def body_shortcut_remember(key: tuple | None, cuda: bool) -> None:
+def body_shortcut_remember(key: tuple | None) -> None:
     """After a body call with ``key`` ran in full: if its forward was replayed, later calls with the key go to
-    that graph."""
+    that graph (not when the tuning DB could not be read: nothing is memoised on it then)."""
     graph_key = _caller.replayed_key
-    if key is None or graph_key is None:
-        return
-    generations = choice_generations(cuda)
-    if generations[1] is None:
+    if key is None or graph_key is None or key[-1][1] is None:
         return
     if len(_BODY_SHORTCUTS) >= MAX_BODY_SHORTCUTS:
         _BODY_SHORTCUTS.clear()
-    _BODY_SHORTCUTS[key] = (graph_key, generations)
-
-
-def replay_allowed_now(cuda: bool) -> bool:
-    """What ``_eligible`` asks of this thread's state on every call, beyond the call's own tensors: graphs not
-    turned off, no ``disabled()`` block, no dispatch mode, and (``cuda``: the call's tensors are on a GPU) no
-    capture under way on the current stream."""
-    if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
-        return False
-    return not (cuda and torch.cuda.is_current_stream_capturing())
+    _BODY_SHORTCUTS[key] = graph_key
 
 
 def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:

@@ -189,7 +189,7 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
         )
         if r is None:
             return run(ops)
-    graph_replay.body_shortcut_remember(shortcut, input.is_cuda)
+    graph_replay.body_shortcut_remember(shortcut)
     return r
 
 
@@ -351,7 +351,7 @@ def _keep_for_backward(ctx, inputs: tuple, lse: Tensor | None, dx: Tensor | None
         _keep_forward_grads(ctx, dx, dw, db, grad_scale)
 
 
-def _keep_forward_grads(ctx, dx: Tensor, dw: Tensor, db: Tensor, grad_scale: Tensor) -> None:
+def _keep_forward_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None, grad_scale: Tensor) -> None:
     # The forward-computed gradients are kept on ctx, not saved: backward takes the only reference and
     # returns them scaled in place, so autograd can adopt them as .grad without a copy (a saved tensor
     # would still be referenced, and AccumulateGrad would clone a dW-sized buffer). They are
@@ -372,8 +372,9 @@ def _check_first_order() -> None:
         )
 
 
-def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward-computed (dx, dw, db) times grad_scale * grad_output; each may be empty (not requested)."""
+def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The forward-computed (dx, dw, db) times grad_scale * grad_output; one not requested is empty, or None
+    (the eager shortcut keeps None)."""
     if ctx.grads is None:
         raise RuntimeError(
             "backward ran twice through the fused linear cross-entropy (retain_graph=True, or one "
@@ -410,8 +411,9 @@ def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
     return grad_loss.to(grad_scale.dtype) * grad_scale
 
 
-def _scale_present(grads: tuple[Tensor, Tensor, Tensor], grad_loss: Tensor, grad_scale: Tensor) -> None:
-    """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads``, each element rounded once."""
+def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_scale: Tensor) -> None:
+    """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads`` (None: not requested), each
+    element rounded once."""
     g = _factor(grad_loss, grad_scale)
     present = [t for t in grads if t is not None and t.numel()]
     if _kernel_scales(present, g):  # one launch for all of them

@@ -164,6 +164,59 @@ def test_what_changes_between_equal_calls_sends_them_to_the_full_path(shortcut_h
     assert shortcut_hits == [False, True, False]
 
 
+def test_inference_mode_calls_take_the_full_path_and_leave_other_calls_their_own_graph(shortcut_hits):
+    """Inside inference mode (grad re-enabled) the graph holds inference tensors: its calls never take the eager
+    shortcut, and a later call outside it never reaches that graph."""
+    x, w, t = _inputs(7)
+    w.requires_grad_()
+    with torch.inference_mode(), torch.enable_grad():
+        for _ in range(3):
+            fused_linear_cross_entropy(x, w, t)
+    assert shortcut_hits == [False] * 3
+    expected = _reference(x, w.detach(), t)
+    shortcut_hits.clear()
+
+    def step():
+        loss = fused_linear_cross_entropy(x, w, t)
+        loss.backward()
+        dw, w.grad = w.grad.clone(), None
+        return loss.detach().clone(), None, dw
+
+    for _ in range(3):
+        got = step()
+        _same((got[0], got[2]), (expected[0], expected[2]))
+    assert shortcut_hits == [False, False, True]  # a graph of its own: warm-up, capture, shortcut
+
+
+def test_a_generation_change_while_the_full_path_runs_records_nothing_taken_later(shortcut_hits, monkeypatch):
+    """The config's generations are read before the full path chooses the config: a change in between (another
+    thread registering a strategy, a reloaded tuning DB) leaves an entry no later call matches."""
+    import flce_compile.op as op
+
+    x, w, t = _inputs(8)
+    w.requires_grad_()
+    real_config = op._config
+    bump = [False]
+
+    def config(*args):
+        chosen = real_config(*args)
+        if bump[0]:
+            monkeypatch.setattr(registry, "_generation", registry.generation() + 1)
+            bump[0] = False
+        return chosen
+
+    monkeypatch.setattr(op, "_config", config)
+    fused_linear_cross_entropy(x, w, t).backward()  # warm-up
+    w.grad = None
+    bump[0] = True
+    fused_linear_cross_entropy(x, w, t).backward()  # captured and replayed, the generation moved meanwhile
+    w.grad = None
+    fused_linear_cross_entropy(x, w, t).backward()  # the full path again, at the new generation
+    w.grad = None
+    fused_linear_cross_entropy(x, w, t).backward()
+    assert shortcut_hits == [False, False, False, True]
+
+
 def test_equal_keys_with_results_still_held_get_a_second_instance(shortcut_hits):
     """Gradients kept across micro-batches: the held graph's outputs are never overwritten."""
     x, w, t = _inputs(3)

@@ -117,6 +117,11 @@ def test_a_one_chunk_entry_runs_a_longer_call_as_one_chunk(dbs):
         flce_compile.peak_bytes(stored, 10000, 256000, 2304, torch.bfloat16)
     several = which_config(20000, 151936, 4096, gpu="h200")
     assert several.config.chunk_tokens == 6144 and several.detail == "tuning_db:shipped_exact"
+    # a nearest-bucket answer (no entry for the call's bucket) runs the entry's chunk: one chunk of 65536 tokens
+    # would hold ~34 GB
+    for tokens in (16384, 65536):
+        far = which_config(tokens, 256000, 2304, gpu="h200")
+        assert far.source == "nearest bucket" and far.config.chunk_tokens == 8192, (tokens, far)
 
 
 def test_one_chunk_reads_only_the_entrys_own_config_and_a_sane_measured_count(dbs):

@@ -302,23 +302,31 @@ def choose_config_match(
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
 
 
+#: ``tuning_db.Match`` kinds whose entry was measured in the call's own token bucket.
+EXACT_MATCHES = ("user exact", "shipped exact")
+
+
 def one_chunk_entry_config(match: tuning_db.Match, num_tokens: int) -> FLCEConfig:
     """``match``'s config for a call of ``num_tokens``, run as one chunk where the entry ran as one chunk but the
-    call has more tokens than its chunk.
+    call, in the entry's own token bucket, has more tokens than its chunk.
 
     An entry measured as a single chunk (its chunk holds all the tokens it was timed with) answers its whole
-    token bucket, up to 1.41x those tokens. Taken as stored, a longer call would run a full chunk and a short
-    one, and need the fp32 dW accumulator the one-chunk call did without (Gemma's 256000 x 2304, 8192-token
-    entry: 6.56 GB at 10000 tokens by the memory bound, against 4.20 at 8192). One chunk of all the tokens
-    (rounded up to 256) keeps what was measured: no accumulator, logits memory growing with the tokens. On an
-    H200 (``bench_flce_NVIDIA_H200_one_chunk.md``, ``_evened.md``) it was faster than the stored chunk and than
-    the same chunk count evened out: 55.3 / 56.5 / 55.9 ms at 10000 x 2304 x 256000 (5.12 / 6.56 / 4.98 GB),
-    59.8 vs 62.2 ms (evened) at 11000 tokens (5.63 / 5.24 GB), 46.6 vs 50.0 ms at 5000 x 8192 x 128256 (1.28 /
-    4.86 GB). Only the entry's own config: a nearest-shape answer has its chunk rescaled already (``tuning_db``).
+    token bucket, up to 1.41x the bucket's token count. Taken as stored, a longer call would run a full chunk and
+    a short one, and need the fp32 dW accumulator the one-chunk call did without (Gemma's 256000 x 2304,
+    8192-token entry: 6.56 GB at 10000 tokens by the memory bound, against 4.20 at 8192). One chunk of all the
+    tokens (rounded up to 256) keeps what was measured: no accumulator, logits memory growing with the tokens.
+    On an H200 (``bench_flce_NVIDIA_H200_one_chunk.md``, ``_evened.md``) it was faster than the stored chunk and
+    than the same chunk count evened out: 55.3 / 56.5 / 55.9 ms at 10000 x 2304 x 256000 (5.12 / 6.56 / 4.98
+    GB), 59.8 vs 62.2 ms (evened) at 11000 tokens (5.63 / 5.24 GB), 46.6 vs 50.0 ms at 5000 x 8192 x 128256
+    (1.28 / 4.86 GB). Exact matches only: a nearest-bucket answer may serve far more tokens than the entry's
+    bucket (one chunk of them could take any amount of memory), and a nearest-shape one has its chunk rescaled
+    already (``tuning_db``); both run their config as it is.
     """
     config, entry = match.config, match.entry
     chunk = config.chunk_tokens
-    if config != entry.config or chunk < entry.measured_tokens or num_tokens <= chunk:
+    if match.kind not in EXACT_MATCHES or config != entry.config or chunk < entry.measured_tokens:
+        return config
+    if num_tokens <= chunk or tuning_db.token_bucket(num_tokens) != entry.tokens:
         return config
     return dataclasses.replace(config, chunk_tokens=_round_up(num_tokens, 256))
 
