@@ -88,7 +88,9 @@ STAGE_CALLERS = ("eager", "in-compile")
 
 def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of the functions ``stages`` times, in call order. Inside torch.compile only
-    what runs at run time is timed: the API is traced away, and backward is the compiled graph's."""
+    what runs at run time is timed: the API is traced away, and backward is the compiled graph's. The stages
+    are those of a replayed call through the shortcuts: a shape whose calls run uncaptured (above the "auto"
+    limits) shows only the whole-call lines."""
     import flce_compile.api as api
     import flce_compile.eager_shortcut as shortcut
     import flce_compile.op as op
