@@ -316,8 +316,8 @@ def one_chunk_entry_config(match: tuning_db.Match, num_tokens: int) -> FLCEConfi
     8192-token entry: 6.56 GB at 10000 tokens by the memory bound, against 4.20 at 8192). One chunk of all the
     tokens (rounded up to 256) keeps what was measured: no accumulator, logits memory growing with the tokens.
     On an H200 (``bench_flce_NVIDIA_H200_one_chunk.md``, ``_evened.md``) it was faster than the stored chunk and
-    than the same chunk count evened out: 55.3 / 56.5 / 55.9 ms at 10000 x 2304 x 256000 (5.12 / 6.56 / 4.98
-    GB), 59.8 vs 62.2 ms (evened) at 11000 tokens (5.63 / 5.24 GB), 46.6 vs 50.0 ms at 5000 x 8192 x 128256
+    than the same chunk count evened out: 55.3 / 56.5 / 55.9 ms at 10000 x 2304 x 256000 (5.12 / 6.55 / 4.98
+    GB measured), 59.8 vs 62.2 ms (evened) at 11000 tokens (5.63 / 5.24 GB), 46.6 vs 50.0 ms at 5000 x 8192 x 128256
     (1.28 / 4.86 GB). Exact matches only: a nearest-bucket answer may serve far more tokens than the entry's
     bucket (one chunk of them could take any amount of memory), and a nearest-shape one has its chunk rescaled
     already (``tuning_db``); both run their config as it is.
