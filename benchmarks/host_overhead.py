@@ -4,9 +4,9 @@ What it measures, per forward + backward call of a mean loss:
 
 * host ms: the CPU wall time of issuing one call. On CUDA each call starts on an idle GPU (a synchronize
   before it, not timed), so a full launch queue never blocks the host and inflates the number. The host has just
-  waited for the GPU then, and its threads (ours and the autograd engine's CUDA thread) wake from idle: on the
-  lent H200's host that adds ~100 us to a call (a trivial autograd.Function over two one-node graphs takes
-  ~180 us so, ~45 us in a burst).
+  waited for the GPU then, and its threads (ours and the autograd engine's CUDA thread) start each call from
+  idle: on the lent H200's host the op's drained column read 16-45% above its burst column in the runs of
+  2026-12-01 (``host_overhead_NVIDIA_H200_*shortcut*.md``).
 * burst host ms (CUDA): the CPU wall time of ``BURST_CALLS`` calls issued back to back after one drain, per
   call: the host's cost while it keeps issuing, as in a training loop the host bounds. A burst is short enough
   that the launch queue never fills (a full one would block the host and time the GPU instead).
@@ -167,8 +167,8 @@ def time_rounds(steps: dict[str, Callable[[], None]], calls: int, rounds: int, c
                 ) -> dict[str, dict[str, float]]:
     """Host ms per variant (the median of all its calls) and, on CUDA, burst host ms (``burst_host_times``, the
     median of all its bursts) and e2e ms (the median of its rounds), the variants taking turns: ``rounds``
-    rounds, each timing every variant for ``calls // rounds`` calls. The lent
-    machine's host speed drifts by 20-30% over a run; in turns, every variant sees the same drift."""
+    rounds, each timing every variant for ``calls // rounds`` calls. The lent machine's host speed drifts by
+    20-30% over a run; in turns, every variant sees the same drift."""
     per_round = max(1, calls // rounds)
     host: dict[str, list[float]] = {name: [] for name in steps}
     burst: dict[str, list[float]] = {name: [] for name in steps}

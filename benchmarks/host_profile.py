@@ -204,28 +204,10 @@ class _ReplayFloor(torch.autograd.Function):
         return parts["dx"].detach(), parts["dw"].detach(), None, None
 
 
-class _OwnGraphsFloor(torch.autograd.Function):
-    """``_ReplayFloor`` over the op's own captured graphs (``floors``): what a replayed call of this op costs
-    with nothing of ours around the two replays."""
-
-    @staticmethod
-    def forward(ctx, x, w, t, g):
-        g.x.copy_(x)
-        g.target.copy_(t)
-        g.graph.replay()
-        ctx.graph = g
-        return g.out.loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = ctx.graph
-        g.scale_in.copy_(grad)
-        g.scale_graph.replay()
-        return g.out.dx.detach(), g.out.dw.detach(), None, None
-
-
-def _own_graph(x, w, t) -> graph_replay._Graph | None:
-    """The op's captured graph for (x, w, t) once calls have captured both of its graphs, else None."""
+def _own_graph_parts(x, w, t) -> dict | None:
+    """``_ReplayFloor``'s parts over the op's own captured graphs for (x, w, t), once calls have captured both
+    (the forward's and the gradient scaling's), else None: what a replayed call of this op costs with nothing
+    of ours around the two replays."""
     for _ in range(4):
         x.grad = w.grad = None
         fused_linear_cross_entropy(x, w, t).backward()
@@ -233,7 +215,8 @@ def _own_graph(x, w, t) -> graph_replay._Graph | None:
     for instances in graph_replay._cache.graphs.values():
         for g in instances:
             if g.x.shape == x.shape and g.scale_graph is not None:
-                return g
+                return {"x": g.x, "t": g.target, "forward": g.graph, "loss": g.out.loss, "grad": g.scale_in,
+                        "backward": g.scale_graph, "dx": g.out.dx, "dw": g.out.dw}
     return None
 
 
@@ -271,15 +254,18 @@ def floors(shape: str, calls: int) -> str:
               "copy_ of the hidden states": lambda: parts["x"].copy_(x),
               "torch.cuda.current_stream()": torch.cuda.current_stream,
               "trivial replayed autograd.Function, fwd+bwd": trivial_op}
-    own = _own_graph(x, w, t)
+    own = _own_graph_parts(x, w, t)
     if own is not None:
         def own_graphs_op() -> None:
             x.grad = w.grad = None
-            _OwnGraphsFloor.apply(x, w, t, own).backward()
+            _ReplayFloor.apply(x, w, t, own).backward()
+
+        def the_op() -> None:
+            x.grad = w.grad = None
+            fused_linear_cross_entropy(x, w, t).backward()
 
         pieces["the same Function over the op's own two graphs, fwd+bwd"] = own_graphs_op
-        pieces["the op itself (eager shortcut), fwd+bwd"] = lambda: (
-            setattr(x, "grad", None), setattr(w, "grad", None), fused_linear_cross_entropy(x, w, t).backward())
+        pieces["the op itself (eager shortcut), fwd+bwd"] = the_op
     lines = ["## Floors of this host (us: median, least; the GPU drained before each call)", ""]
     for name, fn in pieces.items():
         for _ in range(20):

@@ -42,7 +42,6 @@ from .plan.choose import choice_generations
 MAX_ENTRIES = 64
 #: Option types whose value is the whole option (a tensor's value can change in place; a dict is unhashable).
 _PLAIN_OPTIONS = frozenset({int, float, str, bool, type(None), torch.dtype})
-_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,8 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     graph_replay.forget_replayed_key()
     if bias is not None or ce_weight is not None or not torch.is_grad_enabled():
         return None
-    if type(input) not in _TENSORS or type(weight) not in _TENSORS or type(target) not in _TENSORS:
+    plain = graph_replay.PLAIN_TENSORS
+    if type(input) not in plain or type(weight) not in plain or type(target) not in plain:
         return None
     if not graph_replay.replays_on(input.is_cuda):  # (the CPU never replays, but in tests)
         return None

@@ -68,6 +68,8 @@ MAX_INSTANCES = 2
 #: A key captured this many times (evicted and back, again and again) runs uncaptured from then on.
 MAX_CAPTURES_PER_KEY = 3
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Tensor types a replayed call may take (a subclass may mean a mode or wrapper the graph would not see).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: Devices with graphs to replay (the CPU tests of the cache policy add "cpu", with a stand-in capture).
 _DEVICE_TYPES = ("cuda",)
 
@@ -301,7 +303,7 @@ def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     if not x.is_contiguous() or not target.is_contiguous():
         return False
     tensors = (x, ops.weight, target, ops.bias, ops.ce_weight)
-    if any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
         return False
     if torch._C._len_torch_dispatch_stack():  # a dispatch mode (a FLOP counter, say) must see every operator
         return False
@@ -381,13 +383,10 @@ def replayed_forward(
            _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
            torch.is_inference_mode_enabled()) + key_extra
     with _cache.lock:
-        instances = _cache.graphs.get(key)
+        instances, free = _free_instance_locked(key)
+        if free is not None:
+            return free.replay(ops.x, ops.target)
         if instances is not None:
-            _cache.graphs.move_to_end(key)
-            for g in instances:
-                if g.free():
-                    _caller.replayed_key = key
-                    return g.replay(ops.x, ops.target)
             if len(instances) >= MAX_INSTANCES:
                 return None
         elif key not in _cache.seen:  # the first call warms up (Triton compiles, cuBLAS initialises)
@@ -442,15 +441,23 @@ def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
     themselves; counts as a use of the key, as a replay through ``replayed_forward`` does, and is what
     ``replayed_key`` reports."""
     with _cache.lock:
-        instances = _cache.graphs.get(key)
-        if instances is None:
-            return None
-        _cache.graphs.move_to_end(key)
-        for g in instances:
-            if g.free():
-                _caller.replayed_key = key
-                return run(g)
-    return None
+        _, free = _free_instance_locked(key)
+        return run(free) if free is not None else None
+
+
+def _free_instance_locked(key: tuple) -> tuple[list[_Graph] | None, _Graph | None]:
+    """(``key``'s captured instances or None, the first whose outputs nobody holds or None), the key marked as
+    used and, when an instance is free, as this thread's replayed key. The caller holds ``_cache.lock`` and
+    replays the free instance before releasing it."""
+    instances = _cache.graphs.get(key)
+    if instances is None:
+        return None, None
+    _cache.graphs.move_to_end(key)
+    for g in instances:
+        if g.free():
+            _caller.replayed_key = key
+            return instances, g
+    return instances, None
 
 
 def replay_allowed_now(cuda: bool) -> bool:
@@ -474,7 +481,6 @@ def replay_allowed_now(cuda: bool) -> bool:
 #: Body calls' keys -> the graph key their full body replayed.
 _BODY_SHORTCUTS: dict[tuple, tuple] = {}
 MAX_BODY_SHORTCUTS = 64
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _CPU = torch.device("cpu")
 
 
@@ -486,9 +492,9 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     (``body_shortcut_remember`` reads this call's)."""
     _caller.replayed_key = None
     x, weight, target = ops.x, ops.weight, ops.target
-    if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in _PLAIN_TYPES:
+    if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in PLAIN_TENSORS:
         return None
-    if type(weight) not in _PLAIN_TYPES or type(target) not in _PLAIN_TYPES:
+    if type(weight) not in PLAIN_TENSORS or type(target) not in PLAIN_TENSORS:
         return None
     if not (x.is_contiguous() and target.is_contiguous()):
         return None

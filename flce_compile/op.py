@@ -588,7 +588,7 @@ class _WithLogitsFunction(torch.autograd.Function):
 
 
 #: Tensor types the direct call takes: plain tensors and parameters (an lm_head's weight), which dispatch alike.
-_DIRECT_TYPES = (Tensor, torch.nn.Parameter)
+_DIRECT_TYPES = graph_replay.PLAIN_TENSORS
 
 
 def direct_call_ok(*tensors: Tensor | None) -> bool:

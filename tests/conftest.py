@@ -1,6 +1,6 @@
 """Shared test set-up: the `gpu` marker skips without CUDA; without CUDA the Triton kernels run in the
 interpreter (TRITON_INTERPRET=1 must be set before the kernel module is imported); ``cpu_graphs``, CUDA-graph
-replay on the CPU with a stand-in capture."""
+replay on the CPU with a stand-in capture; ``shortcut_hits``, which calls took a replay shortcut."""
 
 import os
 
@@ -64,3 +64,24 @@ def cpu_graphs(monkeypatch):
     set_cuda_graphs("auto")
     graph_replay.clear()
     eager_shortcut.clear()
+
+
+@pytest.fixture
+def shortcut_hits(monkeypatch):
+    """``watch(owner, name)`` wraps a shortcut's replay function (``eager_shortcut.replay``,
+    ``graph_replay.body_shortcut_replay``) and returns the list of whether each call took the shortcut (True: it
+    returned a result) or the full path (False). Only the answer is kept: a kept result's aliases would keep the
+    graph busy."""
+    def watch(owner, name):
+        hits: list[bool] = []
+        real = getattr(owner, name)
+
+        def replay(*args):
+            result = real(*args)
+            hits.append(result is not None)
+            return result
+
+        monkeypatch.setattr(owner, name, replay)
+        return hits
+
+    return watch

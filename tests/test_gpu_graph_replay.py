@@ -69,20 +69,12 @@ def test_replay_is_bit_identical_to_the_uncaptured_loop(streams, grad_factor):
             assert torch.equal(u, v), f"step {step}: {name} differs"
 
 
-def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(monkeypatch):
+def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(shortcut_hits):
     """Default options and 3-D hidden states, as a model calls the op: from the third step on the calls take the
     eager shortcut (``eager_shortcut``) to the graph, with the uncaptured loop's results bit for bit."""
     _, w0, _ = _inputs(0)
     batches = [(x.view(8, 256, -1), t.view(8, 256)) for x, t in (_inputs(s)[::2] for s in range(1, 6))]
-    hits = []
-    real = eager_shortcut.replay
-
-    def spy(*args):
-        loss = real(*args)
-        hits.append(loss is not None)
-        return loss
-
-    monkeypatch.setattr(eager_shortcut, "replay", spy)
+    hits = shortcut_hits(eager_shortcut, "replay")
     graphed = _training_run(w0, batches)
     assert hits == [False, False, True, True, True]
     set_cuda_graphs("off")
@@ -179,22 +171,14 @@ def _compiled_steps(mode, steps=4):
     return out
 
 
-def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_exists(monkeypatch):
+def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_exists(shortcut_hits):
     """The op called from a function the user compiled with Inductor (default mode): replayed, from the third
     step through the op body's shortcut, bit-identical to the same compiled function with graph replay off.
     (Runs before the reduce-overhead test below, whose CUDA-graph tree manager turns this path off for the rest
     of the thread.)"""
     x, w, t = _inputs(0, n=1024, h=256, v=8192)
     w.requires_grad_()
-    hits = []
-    real = graph_replay.body_shortcut_replay
-
-    def spy(*args):
-        r = real(*args)
-        hits.append(r is not None)  # not the result: its aliases would keep the graph busy
-        return r
-
-    monkeypatch.setattr(graph_replay, "body_shortcut_replay", spy)
+    hits = shortcut_hits(graph_replay, "body_shortcut_replay")
 
     def loss_fn(x, w, t):
         return fused_linear_cross_entropy(x, w, t)

@@ -16,18 +16,9 @@ from flce_compile.plan import registry
 
 
 @pytest.fixture
-def shortcut_hits(cpu_graphs, monkeypatch):
-    """Whether each call took the shortcut (True) or the full path (False)."""
-    hits: list[bool] = []
-    real = eager_shortcut.replay
-
-    def replay(*args):
-        loss = real(*args)
-        hits.append(loss is not None)
-        return loss
-
-    monkeypatch.setattr(eager_shortcut, "replay", replay)
-    return hits
+def eager_hits(cpu_graphs, shortcut_hits):
+    """Whether each eager call took the eager shortcut (True) or the full path (False)."""
+    return shortcut_hits(eager_shortcut, "replay")
 
 
 def _inputs(seed=0, shape=(12, 8), v=40):
@@ -67,11 +58,11 @@ def _reference(*args, **kwargs):
 
 
 @pytest.mark.parametrize("shape", [(12, 8), (2, 6, 8)])
-def test_a_call_like_a_replayed_one_takes_the_shortcut_with_the_same_results(shortcut_hits, shape):
+def test_a_call_like_a_replayed_one_takes_the_shortcut_with_the_same_results(eager_hits, shape):
     x, w, t = _inputs(shape=shape)
     w = w.requires_grad_()  # one weight, as a model's lm_head: the graph keys on its address
     expected = _reference(x, w.detach(), t, scale=3.0)
-    shortcut_hits.clear()
+    eager_hits.clear()
 
     def step():
         xl = x.clone().requires_grad_()
@@ -82,16 +73,16 @@ def test_a_call_like_a_replayed_one_takes_the_shortcut_with_the_same_results(sho
 
     results = [step() for _ in range(4)]
     # first call warms up, the second captures and replays (the full path, which records the shortcut)
-    assert shortcut_hits == [False, False, True, True]
+    assert eager_hits == [False, False, True, True]
     for got in results:
         _same(got, expected)
 
 
 @pytest.mark.parametrize("grad_x, grad_w", [(True, False), (False, True)])
-def test_one_gradient_asked(shortcut_hits, grad_x, grad_w):
+def test_one_gradient_asked(eager_hits, grad_x, grad_w):
     x, w, t = _inputs(1)
     expected = _reference(x, w, t, grad_x=grad_x, grad_w=grad_w)
-    shortcut_hits.clear()
+    eager_hits.clear()
     w_leaf = w.clone().requires_grad_(grad_w)
 
     def step():  # nothing of a call outlives it (a kept loss would keep x.grad, the graph's output, alive)
@@ -102,7 +93,7 @@ def test_one_gradient_asked(shortcut_hits, grad_x, grad_w):
         return loss.detach().clone(), _copy(xl.grad), dw
 
     results = [step() for _ in range(3)]
-    assert shortcut_hits == [False, False, True]
+    assert eager_hits == [False, False, True]
     for got in results:
         _same(got, expected)
 
@@ -116,11 +107,11 @@ def _live_shortcut(x, w, t, hits):
     hits.clear()
 
 
-def test_what_changes_between_equal_calls_sends_them_to_the_full_path(shortcut_hits, monkeypatch):
+def test_what_changes_between_equal_calls_sends_them_to_the_full_path(eager_hits, monkeypatch):
     x, w, t = _inputs(2)
     x.requires_grad_()
     w.requires_grad_()
-    _live_shortcut(x, w, t, shortcut_hits)
+    _live_shortcut(x, w, t, eager_hits)
 
     def call(*args, **kwargs):
         loss = fused_linear_cross_entropy(*(args or (x, w, t)), **kwargs)
@@ -141,30 +132,30 @@ def test_what_changes_between_equal_calls_sends_them_to_the_full_path(shortcut_h
         call()
     call(label_smoothing=torch.tensor(0.1))  # a tensor option's value can change in place
     call(config={"chunk_tokens": 4})
-    assert shortcut_hits == [False] * 7
+    assert eager_hits == [False] * 7
     assert any(e.name == "flce::fused_linear_cross_entropy" for e in prof.events())  # the trace names the op
-    assert call() is not None and shortcut_hits[-1] is True  # back on the shortcut
+    assert call() is not None and eager_hits[-1] is True  # back on the shortcut
 
     # other options, another weight: each a key of its own, taken once the full path recorded it
     w2 = w.detach().clone().requires_grad_()
     for args, kwargs in (((), {"label_smoothing": 0.1}), ((x, w2, t), {})):
-        shortcut_hits.clear()
+        eager_hits.clear()
         for _ in range(3):
             call(*args, **kwargs)
-        assert shortcut_hits == [False, False, True]
+        assert eager_hits == [False, False, True]
 
     # a new strategy registry or tuning DB may choose another config: the full path decides again (here the
     # same config, so the same graph, which it records anew)
-    shortcut_hits.clear()
+    eager_hits.clear()
     monkeypatch.setattr(registry, "_generation", registry.generation() + 1)
     call()
     call()
     set_cuda_graphs("off")  # drops the graphs
     call()
-    assert shortcut_hits == [False, True, False]
+    assert eager_hits == [False, True, False]
 
 
-def test_inference_mode_calls_take_the_full_path_and_leave_other_calls_their_own_graph(shortcut_hits):
+def test_inference_mode_calls_take_the_full_path_and_leave_other_calls_their_own_graph(eager_hits):
     """Inside inference mode (grad re-enabled) the graph holds inference tensors: its calls never take the eager
     shortcut, and a later call outside it never reaches that graph."""
     x, w, t = _inputs(7)
@@ -172,9 +163,9 @@ def test_inference_mode_calls_take_the_full_path_and_leave_other_calls_their_own
     with torch.inference_mode(), torch.enable_grad():
         for _ in range(3):
             fused_linear_cross_entropy(x, w, t)
-    assert shortcut_hits == [False] * 3
+    assert eager_hits == [False] * 3
     expected = _reference(x, w.detach(), t)
-    shortcut_hits.clear()
+    eager_hits.clear()
 
     def step():
         loss = fused_linear_cross_entropy(x, w, t)
@@ -185,10 +176,10 @@ def test_inference_mode_calls_take_the_full_path_and_leave_other_calls_their_own
     for _ in range(3):
         got = step()
         _same((got[0], got[2]), (expected[0], expected[2]))
-    assert shortcut_hits == [False, False, True]  # a graph of its own: warm-up, capture, shortcut
+    assert eager_hits == [False, False, True]  # a graph of its own: warm-up, capture, shortcut
 
 
-def test_a_generation_change_while_the_full_path_runs_records_nothing_taken_later(shortcut_hits, monkeypatch):
+def test_a_generation_change_while_the_full_path_runs_records_nothing_taken_later(eager_hits, monkeypatch):
     """The config's generations are read before the full path chooses the config: a change in between (another
     thread registering a strategy, a reloaded tuning DB) leaves an entry no later call matches."""
     import flce_compile.op as op
@@ -214,10 +205,10 @@ def test_a_generation_change_while_the_full_path_runs_records_nothing_taken_late
     fused_linear_cross_entropy(x, w, t).backward()  # the full path again, at the new generation
     w.grad = None
     fused_linear_cross_entropy(x, w, t).backward()
-    assert shortcut_hits == [False, False, False, True]
+    assert eager_hits == [False, False, False, True]
 
 
-def test_equal_keys_with_results_still_held_get_a_second_instance(shortcut_hits):
+def test_equal_keys_with_results_still_held_get_a_second_instance(eager_hits):
     """Gradients kept across micro-batches: the held graph's outputs are never overwritten."""
     x, w, t = _inputs(3)
     w.requires_grad_()
@@ -238,15 +229,15 @@ def test_equal_keys_with_results_still_held_get_a_second_instance(shortcut_hits)
         w.grad = None
 
 
-def test_the_shortcut_checks_targets_and_refuses_a_second_backward(shortcut_hits):
+def test_the_shortcut_checks_targets_and_refuses_a_second_backward(eager_hits):
     x, w, t = _inputs(4)
     w.requires_grad_()
-    _live_shortcut(x, w, t, shortcut_hits)
+    _live_shortcut(x, w, t, eager_hits)
     bad = t.clone()
     bad[1] = w.shape[0]
     with pytest.raises(ValueError, match="outside"):
         fused_linear_cross_entropy(x, w, bad)
-    assert shortcut_hits == []  # raised inside the shortcut (the key matches): its own check, as the full path's
+    assert eager_hits == []  # raised inside the shortcut (the key matches): its own check, as the full path's
     loss = fused_linear_cross_entropy(x, w, t)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
@@ -255,22 +246,13 @@ def test_the_shortcut_checks_targets_and_refuses_a_second_backward(shortcut_hits
     loss = fused_linear_cross_entropy(x, w, t)
     with pytest.raises(RuntimeError, match="double backward"):
         loss.backward(create_graph=True)
-    assert shortcut_hits[-2:] == [True, True]
+    assert eager_hits[-2:] == [True, True]
 
 
 @pytest.fixture
-def body_hits(cpu_graphs, monkeypatch):
+def body_hits(cpu_graphs, shortcut_hits):
     """Whether each op-body call took the body shortcut (True) or ran the full body (False)."""
-    hits: list[bool] = []
-    real = graph_replay.body_shortcut_replay
-
-    def replay(*args):
-        r = real(*args)
-        hits.append(r is not None)
-        return r
-
-    monkeypatch.setattr(graph_replay, "body_shortcut_replay", replay)
-    return hits
+    return shortcut_hits(graph_replay, "body_shortcut_replay")
 
 
 def _op_args(x, w, t, *, smoothing=0.0, config="", grads=(True, True, False)):

@@ -44,9 +44,10 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     safe_target = torch.where(ignored | invalid, torch.zeros_like(target), target)
     col = safe_target - offset
     here = (col >= 0) & (col < columns)
+    col_index = torch.where(here, col, 0)[:, None]  # each row's target column in this slice (0 when elsewhere)
     # What the loss and the statistics read of z, taken before z turns into probabilities.
     wants_stats = args.stats_out is not None or args.loss_out is not None
-    z_y = z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1) if wants_stats else None
+    z_y = z.gather(1, col_index).squeeze(1) if wants_stats else None
     wants_sum = eps and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None
@@ -75,7 +76,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
     g.mul_(coef[:, None])
     true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
-    g.scatter_add_(1, torch.where(here, col, 0)[:, None], torch.where(here, true_class, 0.0)[:, None].contiguous())
+    g.scatter_add_(1, col_index, torch.where(here, true_class, 0.0)[:, None].contiguous())
     if eps:
         if class_w is None:
             class_w = torch.ones(columns, dtype=g.dtype, device=g.device)
@@ -87,7 +88,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     g.masked_fill_(ignored[:, None], 0.0).masked_fill_(invalid[:, None], float("nan"))
     out = args.grad_out if args.grad_out is not None else logits
     if args.residual_out is not None:
-        g_y = g.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1)
+        g_y = g.gather(1, col_index).squeeze(1)
         rounding = g_y - g_y.to(out.dtype).to(g_y.dtype)
         args.residual_out.copy_(torch.where(here, rounding, 0.0))
     if out is not g:
