@@ -4,11 +4,11 @@ For each mode: the median and least host time of a whole call (the GPU drained b
 host_overhead.py times it), of its forward and of its backward alone, then the functions with the most own
 time over ``--calls`` back-to-back calls. Then the stages of a call (``stages``: inclusive host time of each
 step of the op's path, and how many graph replays a call made), called eagerly and from inside the user's own
-``torch.compile``. Then the floors of this host, timed the same way: one kernel launch, one
-graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden states and
-targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second graph,
-return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work; the
-same Function over the op's own two captured graphs, and the op itself, timed alongside. Writes
+``torch.compile``. Then the floors of this host, timed the same way, the pieces taking turns: one kernel
+launch, one graph replay, and a trivial autograd.Function built like our replayed call (forward: copy the hidden
+states and targets into a graph's inputs, replay it, clone the loss; backward: copy grad_output, replay a second
+graph, return preformed gradients): what any custom op with CUDA-graph replay costs here before doing any work;
+the same Function over the op's own two captured graphs, and the op itself, timed alongside. Writes
 ``host_profile_<gpu>.txt`` (GPU name and versions first).
 
     python benchmarks/host_profile.py                        # 2048x768x50304 bf16 on the GPU
@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -266,13 +267,31 @@ def floors(shape: str, calls: int) -> str:
 
         pieces["the same Function over the op's own two graphs, fwd+bwd"] = own_graphs_op
         pieces["the op itself (eager shortcut), fwd+bwd"] = the_op
-    lines = ["## Floors of this host (us: median, least; the GPU drained before each call)", ""]
-    for name, fn in pieces.items():
+    for fn in pieces.values():
         for _ in range(20):
             fn()
-        median, least = _host_us(fn, calls)
-        lines.append(f"- {name}: {median:.0f}, {least:.0f}")
+    lines = [f"## Floors of this host (us: median, least; the GPU drained before each call; the pieces take "
+             f"turns, {FLOOR_ROUNDS} rounds)", ""]
+    for name, times in in_turns(pieces, calls).items():
+        lines.append(f"- {name}: {statistics.median(times) * 1e6:.0f}, {min(times) * 1e6:.0f}")
     return "\n".join(lines) + "\n"
+
+
+#: Rounds ``floors`` splits each piece's calls into.
+FLOOR_ROUNDS = 10
+
+
+def in_turns(pieces: dict[str, Callable[[], None]], calls: int, rounds: int = FLOOR_ROUNDS,
+             cuda: bool = True) -> dict[str, list[float]]:
+    """Host seconds of ``calls`` calls of each piece (``host_times``: on CUDA the GPU drained before each), the
+    pieces taking turns over ``rounds`` rounds, so a slow spell of the host falls on all of them alike rather
+    than on whichever ran then (this host's drained times drift by tens of microseconds within a run)."""
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    per_round = [calls // rounds + (i < calls % rounds) for i in range(rounds)]
+    for n in per_round:
+        for name, fn in pieces.items():
+            times[name] += host_times(fn, n, cuda=cuda)
+    return times
 
 
 def main(argv: list[str] | None = None) -> str:

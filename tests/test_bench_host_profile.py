@@ -44,3 +44,13 @@ def test_stages_times_every_named_stage_and_restores_them(cpu_stand_in, caller):
         assert int(line.rsplit(": ", 1)[1]) >= 0
     assert "- whole call: " in text and "- loss.backward() (whole backward): " in text
     assert [owner.__dict__[name] for owner, name, _ in targets] == before  # nothing left wrapped
+
+
+def test_floor_pieces_take_turns_and_each_gets_its_calls():
+    order: list[str] = []
+    pieces = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    times = host_profile.in_turns(pieces, calls=7, rounds=3, cuda=False)
+    assert {name: len(t) for name, t in times.items()} == {"a": 7, "b": 7, "c": 7}
+    assert all(s >= 0 for t in times.values() for s in t)
+    # rounds of 3, 2 and 2 calls, each piece in turn: a slow spell of the host cannot fall on one piece only
+    assert order == ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + (["a"] * 2 + ["b"] * 2 + ["c"] * 2) * 2
