@@ -4,8 +4,8 @@ At GPT-2's 2048 x 768 x 50304 a replayed forward + backward costs the host more 
 argument checks, the option encoding, the config lookup, the graph key and the layers between them ran about
 200 us of Python per call on the H200's host, as much as the replays and autograd's own work (issue #13). A
 call like one that the full path has already checked and replayed (the same tensor types, shapes, dtypes,
-devices, contiguity, weight, gradients asked, options and stream: ``key_of``) gets the same answer to each of
-those questions, so it goes straight to the graph the full path replayed
+devices, contiguity, weight, gradients asked, options, stream and torch's math settings: ``key_of``) gets the
+same answer to each of those questions, so it goes straight to the graph the full path replayed
 (``graph_replay.replay_free_instance``), through an autograd.Function that does what ``op``'s does for a
 replayed forward.
 
@@ -88,8 +88,8 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     index = input.get_device()
     return (options, kinds, cuda, index, weight.get_device(), target.get_device(),
             graph_replay.stream_handle(index) if cuda else None,
-            input.shape, input.dtype, input.requires_grad, target.shape, target.dtype,
-            weight.shape, weight.dtype, weight.requires_grad, weight.data_ptr(), choice_generations(cuda))
+            input.shape, input.dtype, input.requires_grad, target.shape, target.dtype, weight.shape, weight.dtype,
+            weight.requires_grad, weight.data_ptr(), graph_replay.math_settings(), choice_generations(cuda))
 
 
 def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:

@@ -9,20 +9,21 @@ hidden states and targets into the graph's own input buffers and replay. From an
 on, backward's scaling of the outputs by grad_output is replayed from a small graph too. The results are
 bit-identical to the uncaptured loop: the same kernels with the same launch parameters run on the same data.
 
-What a graph keys on (``replayed_forward``): device, calling stream, shapes, dtypes, the weight's (and bias's and class
-weights') address and strides, the loss options, the resolved config and the requested gradients. A graph reads
-the weight where it was at capture; keying on the address makes that the caller's live weight (an optimizer
-updates it in place, so a training loop keeps one key).
+What a graph keys on (``replayed_forward``): device, calling stream, shapes, dtypes, the weight's (and bias's and
+class weights') address and strides, the loss options, the resolved config, the requested gradients and torch's
+global math settings (``math_settings``). A graph reads the weight where it was at capture; keying on the address
+makes that the caller's live weight (an optimizer updates it in place, so a training loop keeps one key).
 
 Outputs. The graph writes dX, dW, db and the gradient scale into memory it owns; a call hands out aliases of
 them (the loss is copied out). Autograd adopts a handed-out dW as ``weight.grad``, so backward needs no copy.
-An instance is only replayed when no alias of its outputs is alive anywhere (the storages' use counts are
-back to what the graph alone holds): a second forward before the first one's backward, or gradients kept
-across micro-batches, captures a second instance (``MAX_INSTANCES``), and beyond that a call runs uncaptured.
-Nothing a caller holds is ever overwritten. As with the caching allocator, a consumer on another stream must be
-ordered after its own use before it drops the tensor. A capture (once per key) puts torch's default CUDA
-generator into capture mode while it lasts: another thread drawing CUDA random numbers in that moment gets an
-error from torch ("off" avoids it). A capture that fails leaves the call to the uncaptured loop.
+An instance is only replayed when no alias of its outputs is alive anywhere (the storages' use counts, and the
+Python references to their storage objects, are back to what the graph alone holds): a second forward before the
+first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
+and beyond that a call runs uncaptured. Nothing a caller holds is ever overwritten. As with the caching
+allocator, a consumer on another stream must be ordered after its own use before it drops the tensor. A capture
+(once per key) puts torch's default CUDA generator into capture mode while it lasts: another thread drawing CUDA
+random numbers in that moment gets an error from torch ("off" avoids it). A capture that fails leaves the call to
+the uncaptured loop.
 
 When (``set_cuda_graphs`` / ``$FLCE_CUDA_GRAPHS``): "auto" (the default) graphs calls of at most
 ``AUTO_MAX_FLOPS`` (6 N H V, the three GEMMs: below it the host's ~1 ms per call is not hidden behind the GPU)
@@ -153,30 +154,55 @@ def disabled() -> Iterator[None]:
         _caller.disabled -= 1
 
 
-def _storage_of(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage (its StorageImpl): stable while ``t`` lives, and what
-    ``torch._C._storage_Use_Count`` takes. Read once at capture: making the Python storage object on every
-    check cost a few microseconds per output per call (issue #13)."""
-    return t.untyped_storage()._cdata
-
-
 _storage_uses = getattr(torch._C, "_storage_Use_Count", None)
 _CAN_COUNT_USES = _storage_uses is not None
 
 
+_HAS_FP16_ACCUMULATION = hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
+
+
+def math_settings() -> tuple:
+    """torch's global settings that decide which kernels the op's GEMMs and operators run, and so what a capture
+    fixes: TF32 for fp32 matmuls, fp16 accumulation, the preferred BLAS library, deterministic algorithms. In every
+    graph and shortcut key: after a change a call takes the full path and gets a graph of its own, as the
+    uncaptured op would follow the change. (The reduced-precision reductions are not: the chunk loop turns them
+    off itself.)"""
+    C = torch._C
+    try:
+        tf32 = C._get_cublas_allow_tf32()
+    except RuntimeError:  # the legacy and new precision APIs were mixed, and torch refuses the legacy read
+        tf32 = C._get_fp32_precision_getter("cuda", "matmul")
+    fp16_accumulation = C._get_cublas_allow_fp16_accumulation() if _HAS_FP16_ACCUMULATION else None
+    return tf32, fp16_accumulation, C._get_blas_preferred_backend(), C._get_deterministic_algorithms()
+
+
+def _python_refs(objects: tuple) -> tuple[int, ...]:
+    """Python references to each of ``objects`` (as counted from here: compare only with this function's own
+    earlier answers)."""
+    return tuple(sys.getrefcount(o) for o in objects)
+
+
 @dataclass
 class _Graph:
-    """One captured forward: the graph, its input buffers and its outputs (with their storages' use counts when
-    only the graph holds them), and once backward has run twice, a second graph that scales the outputs by
-    grad_output (``scale_grads``)."""
+    """One captured forward: the graph, its input buffers and its outputs (with their storages' use counts and
+    Python references when only the graph holds them), and once backward has run twice, a second graph that
+    scales the outputs by grad_output (``scale_grads``).
+
+    A handed-out output is held either through a tensor (an alias, a view, ``.grad``: each adds a use of the
+    storage) or through its Python storage object alone (``t.untyped_storage()`` kept after the tensors are
+    gone). That object is made once, at capture, and counts as one use whether anyone keeps it or not, so
+    keeping it shows only in its Python references. Both are read once at capture: making the storage object
+    on every check cost a few microseconds per output per call (issue #13)."""
 
     graph: Any  # torch.cuda.CUDAGraph
     x: torch.Tensor
     target: torch.Tensor
     out: ForwardResult
     handed: tuple[torch.Tensor, ...]
-    storages: tuple[int, ...]  # ``_storage_of`` each handed output, whose uses ``free`` counts
+    storages: tuple[int, ...]  # each handed output's StorageImpl address, whose uses ``free`` counts
     base_uses: tuple[int, ...]
+    storage_objects: tuple  # each handed output's Python storage object, whose references ``free`` counts
+    base_refs: tuple[int, ...]
     held_bytes: int
     backwards: int = 0
     scale_graph: Any = None
@@ -184,8 +210,9 @@ class _Graph:
     scale_failed: bool = False
 
     def free(self) -> bool:
-        """Whether no alias of the outputs is alive outside (so replaying cannot overwrite anything held)."""
-        return all(_storage_uses(s) == n for s, n in zip(self.storages, self.base_uses))
+        """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
+        return (all(_storage_uses(s) == n for s, n in zip(self.storages, self.base_uses))
+                and _python_refs(self.storage_objects) == self.base_refs)
 
     def replay(self, x: torch.Tensor, target: torch.Tensor) -> ForwardResult:
         self.x.copy_(x)
@@ -381,7 +408,7 @@ def replayed_forward(
     device = ops.x.device
     key = (device, _stream_id(device), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
            _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
-           torch.is_inference_mode_enabled()) + key_extra
+           torch.is_inference_mode_enabled(), math_settings()) + key_extra
     with _cache.lock:
         instances, free = _free_instance_locked(key)
         if free is not None:
@@ -474,7 +501,7 @@ def replay_allowed_now(cuda: bool) -> bool:
 # Through the dispatcher (the op in a compiled graph) every call runs the op body: options decoded, the device
 # switched, the config looked up, eligibility asked, the graph key built (~40-60 us on the H200's host, issue
 # #13). A call with the arguments of one whose forward was replayed (same options, config string, gradients,
-# shapes, dtypes, devices, weight address and layout, stream, inference mode, tensor types) has the same
+# shapes, dtypes, devices, weight address and layout, stream, inference mode, math settings, tensor types) has the same
 # answers, so it replays that graph directly; what can change between such calls (the mode, ``disabled``, a
 # dispatch mode, a capture, Inductor's graph trees, the config's generations, a free instance) is asked again.
 
@@ -502,7 +529,7 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     index = x.get_device()
     return (extra, cuda, index, stream_handle(index) if cuda else None, x.shape, x.dtype, target.shape,
             target.dtype, weight.shape, weight.dtype, weight.stride(), weight.data_ptr(), weight.get_device(),
-            torch.is_inference_mode_enabled(), choice_generations(cuda))
+            torch.is_inference_mode_enabled(), math_settings(), choice_generations(cuda))
 
 
 def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tensor) -> ForwardResult | None:
@@ -537,9 +564,12 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
     if out.lse is not None or out.logits is not None:
         raise RuntimeError("only forwards that form their gradients are captured")
     handed = tuple(t for t in (out.dx, out.dw, out.db, out.grad_scale) if t is not None)
-    storages = tuple(map(_storage_of, handed))  # (the Python storage objects are gone before counting)
-    base_uses = tuple(map(_storage_uses, storages))
-    return _Graph(graph, x, target, out, handed, storages, base_uses, pool_bytes + x.nbytes + target.nbytes)
+    storage_objects = tuple(t.untyped_storage() for t in handed)
+    storages = tuple(o._cdata for o in storage_objects)
+    g = _Graph(graph, x, target, out, handed, storages, tuple(map(_storage_uses, storages)), storage_objects, (),
+               pool_bytes + x.nbytes + target.nbytes)
+    g.base_refs = _python_refs(g.storage_objects)  # read as ``free`` reads them, from where it reads them
+    return g
 
 
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}

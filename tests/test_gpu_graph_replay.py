@@ -254,3 +254,27 @@ def test_fp16_loss_scale_and_fp32_replay_match_uncaptured():
         for a, b in zip(graphed, plain):
             for u, v in zip(a, b):
                 assert torch.equal(u, v)
+
+
+def test_a_tf32_change_after_capture_gets_a_graph_of_its_own():
+    """A capture fixes cuBLAS's math mode: calls after TF32 is turned on match the uncaptured loop under TF32 bit
+    for bit, not the graph captured before in full fp32 (``graph_replay.math_settings`` is in the keys)."""
+    shape = {"n": 1024, "h": 512, "v": 16384, "dtype": torch.float32}
+    _, w0, _ = _inputs(0, **shape)
+    batches = [_inputs(s, **shape)[::2] for s in range(1, 5)]
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        graphed_fp32 = _training_run(w0, batches)  # captured and taken through the shortcut, in full fp32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        graphed_tf32 = _training_run(w0, batches)
+        set_cuda_graphs("off")
+        plain_tf32 = _training_run(w0, batches)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        plain_fp32 = _training_run(w0, batches)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert not torch.equal(plain_tf32[-1][2], plain_fp32[-1][2])  # TF32 changes the results here
+    for graphed, plain in ((graphed_tf32, plain_tf32), (graphed_fp32, plain_fp32)):
+        for got, expected in zip(graphed, plain):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))

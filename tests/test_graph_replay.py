@@ -100,6 +100,22 @@ def test_weight_grad_kept_across_micro_batches_accumulates_exactly(cpu_graphs):
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=1e-6)
 
 
+def test_a_kept_storage_object_alone_holds_the_outputs(cpu_graphs):
+    """Keeping only ``w.grad.untyped_storage()`` (no tensor) holds the graph's dW as a tensor would: the
+    storage object counts as one use whether kept or not, so its Python references tell."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    kept = []
+    for seed in range(4):
+        x, _, t = _inputs(seed + 1)
+        fused_linear_cross_entropy(x, w, t).backward()
+        kept.append((w.grad.untyped_storage(), w.grad.clone()))
+        w.grad = None
+    assert graph_replay.graph_count() == graph_replay.MAX_INSTANCES  # the held storages kept both busy
+    for storage, dw in kept:
+        assert torch.empty(0).set_(storage, 0, dw.shape).equal(dw)  # nothing kept was overwritten
+
+
 def test_a_new_weight_is_a_new_key(cpu_graphs):
     x, w, t = _inputs(0)
     for _ in range(2):

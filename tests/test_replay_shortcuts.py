@@ -314,3 +314,51 @@ def test_what_changes_between_equal_op_calls_sends_them_to_the_full_body(body_hi
     body_hits.clear()
     _op_call(args)
     assert body_hits == [False]
+
+
+#: torch's math settings a capture fixes (``graph_replay.math_settings``), each changed as a user would, or (the
+#: cuBLAS ones, which the CPU build stores but never reads) through the getter the key reads.
+_MATH_CHANGES = {
+    "deterministic algorithms": lambda mp: torch.use_deterministic_algorithms(True),
+    "tf32": lambda mp: mp.setattr(torch._C, "_get_cublas_allow_tf32", lambda: True),
+    "blas library": lambda mp: mp.setattr(torch._C, "_get_blas_preferred_backend", lambda: "cublaslt"),
+}
+
+
+@pytest.mark.parametrize("change", _MATH_CHANGES)
+def test_a_math_setting_change_gets_a_graph_of_its_own(cpu_graphs, eager_hits, monkeypatch, change):
+    """A capture fixes the kernels torch's math settings chose (TF32 for fp32 matmuls, say): after a change
+    neither shortcut nor the full path replays the graph of before; the calls get their own."""
+    x, w, t = _inputs(9)
+    w.requires_grad_()
+    body = _op_args(x, w.detach(), t)  # the op through the dispatcher, as a compiled graph calls it
+    body_hits = []
+    real = graph_replay.body_shortcut_replay
+
+    def body_replay(*args):
+        result = real(*args)
+        body_hits.append(result is not None)
+        return result
+
+    monkeypatch.setattr(graph_replay, "body_shortcut_replay", body_replay)
+
+    def calls():
+        eager_hits.clear()
+        for _ in range(3):
+            fused_linear_cross_entropy(x, w, t).backward()
+            w.grad = None
+        body_hits.clear()  # (the eager calls' full path runs the op body too)
+        for _ in range(3):
+            _op_call(body)
+
+    calls()
+    captures = len(cpu_graphs)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        _MATH_CHANGES[change](monkeypatch)
+        calls()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    # each: warm-up, capture (recorded), then the new graph's shortcut
+    assert eager_hits == [False, False, True] and body_hits == [False, False, True]
+    assert len(cpu_graphs) == captures + 2  # the eager calls' graph and the op body's (which asks for dX too)
