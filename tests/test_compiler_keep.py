@@ -136,6 +136,27 @@ def test_gradient_into_the_returned_logits(inner, softcap, compiled_models):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_logits_written_in_place_before_a_loss_on_them(softcap, compiled_models):
+    """Writing into the returned logits (masking a token before an extra loss on them) works as in eager, also
+    through a softcap, whose derivative then recomputes the capped logits it can no longer read."""
+    model, compiled, _ = compiled_models("aot_eager", softcap)
+    idx, labels = _data()
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss, logits = fn(idx, labels)
+        logits[..., 0] = -3.0
+        (loss + 0.3 * (logits.float() ** 3).mean()).backward()
+        return loss.detach(), _grads(model)
+
+    ref_loss, ref_grads = step(model)
+    loss, grads = step(compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_loss_on_the_logits_inside_the_graph(inner, compiled_models):
     model, compiled, cap = compiled_models(inner, None, True)

@@ -32,15 +32,29 @@ class LogitsGrad(torch.autograd.Function):
     def forward(ctx, out, x, weight, bias, logit_scale, softcap):  # noqa: D401 - autograd API
         result = out.detach()  # the same memory, not a view: the caller may write into it as into any output
         ctx.logit_scale, ctx.softcap, ctx.has_bias = logit_scale, softcap, bias is not None
-        ctx.save_for_backward(x, weight, result if softcap is not None else None)
+        ctx.save_for_backward(x, weight, bias)
+        # The cap's derivative reads the capped logits, which are the caller's output: kept with their version
+        # rather than saved, since a saved output written in place (``out.logits[..., 0] = v``) fails backward
+        # where eager's does not (its last op, the multiply by the cap, saves no output). Once written, backward
+        # recomputes them (``_capped``).
+        ctx.capped = out if softcap is not None else None
+        ctx.capped_version = out._version  # (out and result share their version counter)
         return result
 
     @staticmethod
+    def _capped(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The capped logits as the forward returned them, recomputed when the caller wrote into them since."""
+        if ctx.capped._version == ctx.capped_version:
+            return ctx.capped.float()
+        z = torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return (ctx.softcap * torch.tanh(ctx.logit_scale * z.float() / ctx.softcap)).reshape(ctx.capped.shape)
+
+    @staticmethod
     def backward(ctx, grad_out):
-        x, weight, out = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         g = grad_out.float() if ctx.softcap is not None or ctx.logit_scale != 1.0 else grad_out
         if ctx.softcap is not None:
-            g = g * (1.0 - (out.float() / ctx.softcap) ** 2)
+            g = g * (1.0 - (LogitsGrad._capped(ctx, x, weight, bias) / ctx.softcap) ** 2)
         if ctx.logit_scale != 1.0:
             g = g * ctx.logit_scale
         g = g.to(weight.dtype).reshape(-1, weight.shape[0])
