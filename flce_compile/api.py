@@ -20,7 +20,7 @@ from . import eager_shortcut
 from .dtensor import refuse_dtensors
 from .op import autocast_on, call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
-from .plan.choose import budget_bytes, choose_config_within_budget, fit_budget, resolve_config
+from .plan.choose import config_within_budget
 from .plan.config import FLCEConfig, config_overrides
 from .plan.precision import accum_dtype_for, check_precision, forced_by
 
@@ -375,22 +375,16 @@ def _config_key(config: Any) -> tuple[Any, ...] | None:
 
 def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor, weight: Tensor,
                    bias: Tensor | None, accum_dtype: torch.dtype, params: LossParams, grad_on: bool) -> dict[str, Any]:
-    """Every field of the config that fits ``budget_gb``, chosen now and forced: under torch.compile this runs
-    while tracing, with the traced token count, so the loop (gradients in forward or, for "recompute", in
-    backward) is fixed in the graph, and only a config's numbers could change with the token count. Without
-    forced fields the pick may be a tuning-DB entry tuned under a budget (``choose_config_within_budget``);
-    forced fields are laid over the plain pick, which is then fitted (``fit_budget``)."""
-    limit = budget_bytes(budget_gb)  # a ValueError names memory_budget_gb
-    tokens = _size_hint(x2d.shape[0])
+    """Every field of the config that fits ``budget_gb`` (``config_within_budget``), chosen now and forced: under
+    torch.compile this runs while tracing, with the traced token count, so the loop (gradients in forward or, for
+    "recompute", in backward) is fixed in the graph, and only a config's numbers could change with the token
+    count."""
     vocab, hidden = weight.shape
-    needs = {"need_dx": grad_on and x2d.requires_grad, "need_dw": grad_on and weight.requires_grad,
-             "need_db": grad_on and bias is not None and bias.requires_grad, "softcap": bool(params.softcap)}
-    if not forced:
-        config, _source, _match = choose_config_within_budget(tokens, vocab, hidden, weight.dtype, weight.device,
-                                                              budget_gb, accum_dtype=accum_dtype, **needs)
-        return config.to_dict()
-    base, _source = resolve_config(forced, tokens, vocab, hidden, weight.dtype, weight.device)
-    return fit_budget(base, tokens, vocab, hidden, weight.dtype, accum_dtype, limit, **needs).to_dict()
+    config, _source = config_within_budget(
+        forced, budget_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
+        need_dx=grad_on and x2d.requires_grad, need_dw=grad_on and weight.requires_grad,
+        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap))
+    return config.to_dict()
 
 
 def _size_hint(n: Any) -> int:

@@ -155,3 +155,61 @@ def test_precise_precision_reaches_the_op():
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_explain_follows_the_memory_budget(monkeypatch):
+    """explain reports the config a memory budget makes the op run, and a budget no config fits as the unfused
+    site the backend leaves (bf16 on the CPU: the chunked strategy's fp32 dW accumulator, 8 MiB, cannot fit 7 MiB;
+    the op runs "recompute" there)."""
+    import flce_compile.op as op_module
+
+    lm_head = nn.Linear(256, 8192, bias=False).to(torch.bfloat16)
+
+    def fn(x, t):
+        return F.cross_entropy(lm_head(x).view(-1, 8192).float(), t.view(-1))
+
+    x, t = torch.randn(2, 256, 256, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 8192, (2, 256))
+    for budget, fused, strategy in ((7 / 1024, True, "recompute"), (1e-6, False, None)):
+        options = {"flce.inner": "aot_eager", "flce.memory_budget_gb": budget}
+        (site,) = fc.explain(fn, x, t, options=options)
+        assert site.fused == fused
+        if fused:
+            assert site.strategy.startswith(strategy + " (")
+        else:
+            assert site.reason.startswith("rewrite fails: memory_budget_gb=") and "raise the budget" in site.reason
+        graphs, calls = [], []
+
+        def capture(gm, example_inputs, **kw):
+            graphs.append(gm)
+            return gm.forward
+
+        original = op_module.recompute_backward
+        monkeypatch.setattr(op_module, "recompute_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+        torch._dynamo.reset()
+        torch.compile(fn, backend="flce", options={**options, "flce.inner": capture})(x, t).backward()
+        assert any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes) == fused
+        assert bool(calls) == (strategy == "recompute")  # what explain said is what ran
+
+
+def test_a_second_backward_through_a_compiled_graph_gives_the_same_gradients():
+    """Inside a compiled graph the op's backward scales a copy of the forward's gradients, so
+    ``retain_graph=True`` and a second backward add the same gradients again (a direct call raises instead)."""
+    torch.manual_seed(0)
+    model, (x, t) = Tiny(), _inputs()
+    model(x, t).backward()
+    once = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(x, t)
+    assert any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, 2 * once, rtol=1e-5, atol=1e-6)

@@ -67,6 +67,19 @@ def test_bad_config_is_reported():
         FLCEConfig(block_v=100)
 
 
+def test_a_triton_strategy_off_the_gpu_names_the_strategy_and_the_fix(monkeypatch):
+    """Without Triton's interpreter a forced "triton" strategy cannot run on the CPU: the error says so before
+    any launch (Triton's own is "0 active drivers"); "recompute" runs its torch step there."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    x, w, t = _inputs()
+    x, w = x[:5], w[:29]  # shapes of its own: a config memoised by another test is not asked again
+    for config in ({"strategy": "triton"}, FLCEConfig(strategy="triton")):
+        with pytest.raises(ValueError, match='strategy "triton" launches a Triton kernel.*use strategy "torch"'):
+            fused_linear_cross_entropy(x, w, t[:5] % 29, config=config)
+    expected = fused_linear_cross_entropy(x, w, t[:5] % 29)
+    assert torch.equal(fused_linear_cross_entropy(x, w, t[:5] % 29, config={"strategy": "recompute"}), expected)
+
+
 @pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0)])
 def test_empty_input_behaves_like_torch(reduction, expected):
     x, w, _ = _inputs(n=0)

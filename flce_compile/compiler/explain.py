@@ -97,21 +97,46 @@ class ExplainReport(list):
     __repr__ = __str__
 
 
-def _strategy(res: SiteResult, forced: Mapping[str, Any] | None) -> str | None:
+def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
+    """The strategy the site's op would run, and where its config comes from, as the op chooses it under
+    ``options`` (forced config fields, precision, memory budget). A ValueError when a memory budget leaves no
+    config (the backend then leaves the site unfused)."""
     if res.path == "kept_logits":
         return "chunked-ce-over-kept-logits"
     if res.path == "vocab_parallel":
         return "vocab-parallel (lse in forward, logits recomputed by shard in backward)"
     if res.path not in ("fused", "fused_keep"):
         return None
-    from ..plan.choose import resolve_config
+    from ..plan.choose import config_within_budget, resolve_config
+    from ..plan.precision import accum_dtype_for, forced_by
 
+    forced = forced_by(options.precision, options.config)
+    args = (res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype, res.device)
+    if options.memory_budget_gb is not None:  # errors here are the rewrite's own: let them through
+        cfg, source = config_within_budget(forced, options.memory_budget_gb, *args,
+                                           accum_dtype_for(options.precision, None, res.logits_dtype),
+                                           **_needs(res))
+        return f"{cfg.strategy} ({source})"
     try:
-        cfg, source = resolve_config(forced, res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype,
-                                     res.device)
+        cfg, source = resolve_config(forced, *args)
         return f"{cfg.strategy} ({source})"
     except Exception as exc:  # noqa: BLE001 - reporting only
         return f"unknown ({exc!r})"
+
+
+def _needs(res: SiteResult) -> dict[str, bool]:
+    """The gradients the site's op would form (from the traced tensors; all of them when a tensor is not in the
+    graph), and whether it caps its logits: what its memory bound depends on."""
+    lin = res.site.linear
+
+    def requires_grad(node: fx.Node | None, default: bool) -> bool:
+        value = meta_value(node) if node is not None else None
+        return value.requires_grad if isinstance(value, torch.Tensor) else default
+
+    return {"need_dx": requires_grad(lin.input if lin else None, True),
+            "need_dw": requires_grad(lin.weight if lin else None, True),
+            "need_db": lin is not None and lin.bias is not None and requires_grad(lin.bias, True),
+            "softcap": bool(res.plan and res.plan.softcap)}
 
 
 def _saved_bytes(res: SiteResult) -> int:
@@ -137,9 +162,13 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
         plan = res.plan
         if not options.enabled:
             res = SiteResult(site, "unchanged", "flce.enabled=False")
+        try:
+            strategy = _strategy(res, options)
+        except ValueError as exc:  # the memory budget fits no config: the rewrite fails, as the backend logs
+            res, strategy = SiteResult(site, "unchanged", f"rewrite fails: {exc}"), None
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
-            fused=res.fused, path=res.path, reason=res.reason, strategy=_strategy(res, options.config),
+            fused=res.fused, path=res.path, reason=res.reason, strategy=strategy,
             tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=plan.softcap if plan else None,
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
             est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes, note=res.note,

@@ -96,10 +96,23 @@ def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torc
 def _resolve(forced: Forced, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
              device: torch.device) -> tuple[FLCEConfig, str]:
     if len(forced) == _ALL_FIELDS:
-        return _overlay(None, forced, dtype, device.type, registry.generation()), "forced"
+        return _runnable(_overlay(None, forced, dtype, device.type, registry.generation()), device), "forced"
     chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
-    config = _overlay(chosen, forced, dtype, device.type, registry.generation())
+    config = _runnable(_overlay(chosen, forced, dtype, device.type, registry.generation()), device)
     return config, (f"{source}, forced {', '.join(name for name, _ in forced)}" if forced else source)
+
+
+def _runnable(config: FLCEConfig, device: torch.device) -> FLCEConfig:
+    """``config``, or an error that names its strategy when it cannot run on ``device`` (a Triton kernel off the
+    GPU: asked here rather than met as Triton's "0 active drivers" at the launch). Outside ``_overlay``'s cache:
+    it reads TRITON_INTERPRET."""
+    if registry.get(config.strategy).runs_on(device.type):
+        return config
+    raise ValueError(
+        f'config strategy "{config.strategy}" launches a Triton kernel, which needs a CUDA GPU, and the inputs are '
+        f"on {device.type}: use strategy \"torch\" there (the default off the GPU), or set TRITON_INTERPRET=1 "
+        "before importing triton to run the kernel in Triton's interpreter (slow; for tests)"
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -380,3 +393,21 @@ def fit_budget(
         f"in it; the least memory any needs is {best[0] / 2**30:.3g} GiB ({best[1].strategy}, chunk_tokens="
         f"{best[1].chunk_tokens}); raise the budget"
     )
+
+
+def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: float, num_tokens: int,
+                         vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                         accum_dtype: torch.dtype, **needs: bool) -> tuple[FLCEConfig, str]:
+    """The config of a call with the forced fields ``forced`` under ``memory_budget_gb``, and its source. Without
+    forced fields the pick may be a tuning-DB entry tuned under a budget (``choose_config_within_budget``);
+    forced fields are laid over the plain pick, which is then fitted (``fit_budget``). ``needs``: need_dx,
+    need_dw, need_db, softcap. A ValueError names the budget when nothing fits (or when it is not a positive
+    number). The op (``api``) and ``explain`` both ask this."""
+    limit = budget_bytes(memory_budget_gb)
+    if not forced:
+        config, source, _match = choose_config_within_budget(num_tokens, vocab, hidden, dtype, device,
+                                                             memory_budget_gb, accum_dtype=accum_dtype, **needs)
+        return config, source
+    base, source = resolve_config(forced, num_tokens, vocab, hidden, dtype, device)
+    fitted = fit_budget(base, num_tokens, vocab, hidden, dtype, accum_dtype, limit, **needs)
+    return fitted, source if fitted == base else f"{source}, fitted to memory_budget_gb={memory_budget_gb:g}"
