@@ -56,13 +56,13 @@ class Strategy:
     #: an fp32 V x H dW accumulator) or "recompute" (forward keeps each token's lse; backward recomputes the
     #: logits by vocabulary block, four GEMMs, no V x H buffer). Each loop has its own memory bound.
     loop: str = "chunked"
-    #: Whether its CE step launches a Triton kernel on any device: then it runs on a CUDA GPU only, or anywhere
-    #: under TRITON_INTERPRET=1 (Triton's interpreter: the CPU tests). The others fall back to torch ops.
-    triton_everywhere: bool = False
+    #: Whether its CE step is the Triton kernel on every device, with no torch fallback: then it runs on a CUDA
+    #: GPU only, or anywhere under TRITON_INTERPRET=1 (Triton's interpreter: the CPU tests).
+    triton_only: bool = False
 
     def runs_on(self, device_type: str) -> bool:
         """Whether the CE step can run on ``device_type``."""
-        return not self.triton_everywhere or device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        return not self.triton_only or device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
     def step(self) -> CEStep:
         """The CE step function (its module is imported now, at the first call, not at registration)."""
@@ -180,7 +180,7 @@ register(Strategy(
     check=_kernel_launch_rules,
     devices=("cuda",),
     float64=False,
-    triton_everywhere=True,
+    triton_only=True,
 ))
 register(Strategy(
     name="recompute",
