@@ -65,6 +65,8 @@ def test_bad_config_is_reported():
         fused_linear_cross_entropy(x, w, t, config={"strategy": "magic"})
     with pytest.raises(ValueError, match="power of two"):
         FLCEConfig(block_v=100)
+    with pytest.raises(ValueError, match="num_warps=64 must be at most 32"):  # not Triton's launch error
+        FLCEConfig(num_warps=64)
 
 
 def test_a_triton_strategy_off_the_gpu_names_the_strategy_and_the_fix(monkeypatch):

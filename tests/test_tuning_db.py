@@ -114,6 +114,17 @@ def test_bad_files_are_reported_once_and_ignored(dbs, caplog):
     user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1,
                                 "entries": [{"vocab": "x"}, {**good, "config": {"bogus": 1}}, good]}))
     assert db.read_file(user) == [entry(tokens=4096)]
+    # entries a lookup must never hand out: a config the GPU cannot launch (Triton's "out of resource: threads"
+    # in the user's training call), fp32 logits (the caller's precision choice, never tuned), fields of the
+    # wrong type that a lenient reading would round or coerce
+    bad = [{**good, "config": {**good["config"], "num_warps": 64}},
+           {**good, "config": {**good["config"], "fp32_logits": True}},
+           {**good, "vocab": 151936.7}, {**good, "tokens": 4096.0}, {**good, "ms": True}, {**good, "device": 5}]
+    user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1, "entries": bad + [good]}))
+    assert db.read_file(user) == [entry(tokens=4096)]
+    for data in bad:
+        with pytest.raises(ValueError):
+            db.Entry.from_dict(data)
 
 
 def _writer(args):

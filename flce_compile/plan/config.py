@@ -20,6 +20,8 @@ Forced = tuple[tuple[str, Any], ...]
 #: How dW is accumulated over chunks. "addmm": one GEMM per chunk that adds into the accumulator
 #: (fp32 output from bf16/fp16 operands where torch offers it). "mm_add": a GEMM into a temporary, then an add.
 DW_PATHS = ("addmm", "mm_add")
+#: 1024 threads, the most a GPU thread block holds.
+MAX_NUM_WARPS = 32
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class FLCEConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"config.{name}={value} must be a power of two")
+        if self.num_warps > MAX_NUM_WARPS:  # the launch would fail with Triton's "out of resource: threads"
+            raise ValueError(f"config.num_warps={self.num_warps} must be at most {MAX_NUM_WARPS} (a GPU thread block "
+                             f"holds at most {32 * MAX_NUM_WARPS} threads)")
         for name in ("streams", "pad_vocab", "fp32_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}={getattr(self, name)!r} must be True or False")

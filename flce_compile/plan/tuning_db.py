@@ -251,14 +251,17 @@ class Entry:
         skip it)."""
         known = {"device", "vocab", "hidden", "dtype", "tokens", "config", "ms", "peak_gb", "default_ms",
                  "default_peak_gb", "trials", "torch", "triton", "date", "budget_tier_gb"}
-        ms = float(data["ms"])
-        if not math.isfinite(ms) or ms <= 0:
-            raise ValueError(f"ms={data['ms']!r} must be a positive number")
-        vocab, hidden, tokens = int(data["vocab"]), int(data["hidden"]), int(data["tokens"])
-        if min(vocab, hidden, tokens) < 1:
-            raise ValueError("vocab, hidden and tokens must be positive")
+        ms = data["ms"]
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"ms={ms!r} must be a positive number")
+        vocab, hidden, tokens = (_positive_int(data, name) for name in ("vocab", "hidden", "tokens"))
+        if not isinstance(data["device"], str):
+            raise ValueError(f"device={data['device']!r} must be a string (a GPU kind such as \"h200\")")
+        if data["config"].get("fp32_logits"):
+            raise ValueError("config.fp32_logits=true: fp32 logits are the caller's precision choice "
+                             "(precision=\"precise\"), never a tuned field; set it false")
         return cls(
-            device=normalize_device_name(str(data["device"])),
+            device=normalize_device_name(data["device"]),
             vocab=vocab,
             hidden=hidden,
             dtype=normalize_dtype(data["dtype"]),
@@ -275,6 +278,14 @@ class Entry:
             extra={k: v for k, v in data.items() if k not in known},
             budget_tier_gb=_budget_tier(data.get("budget_tier_gb")),
         )
+
+
+def _positive_int(data: Mapping[str, Any], name: str) -> int:
+    """``data[name]`` as a positive int; a float (even 32064.0), a bool or anything else is an error."""
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return value
 
 
 def _opt_float(value: Any) -> float | None:
