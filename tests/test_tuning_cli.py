@@ -387,6 +387,10 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--replot"], "--replot needs --plot DIR"),
     (["--list", "--plot", "plots"], "--plot DIR goes with tuning or --replot"),
     (["--list-studies", "--replot"], "are separate modes"),
+    (["--list", "--device-kind", ""], "--device-kind '': name a GPU kind"),
+    (["--show", "--device-kind", " "], "name a GPU kind, e.g. h200"),
+    (["--which", "--vocab", "8", "--hidden", "8", "--tokens", "8", "--device-kind", "cpu"], "the CPU has no tuning"),
+    (["--export", "out", "--device-kind", "cuda:0"], "a device such as cuda:0 goes to --device"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""
@@ -397,6 +401,28 @@ def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err
     assert err.count("\n") == 1 and err.startswith("flce-tune: error: "), err
+
+
+def test_a_lock_file_that_cannot_be_made_is_said_at_once(tmp_path):
+    """filelock retries a lock file it cannot create until its timeout, then blamed another tuner for it."""
+    from flce_compile.tuning.atomic import file_lock
+
+    with pytest.raises(OSError, match="cannot create the lock file /proc/flce_nowhere/db.json.lock"):
+        with file_lock(Path("/proc/flce_nowhere/db.json"), timeout=2.0):
+            pass
+
+
+def test_tuning_without_optuna_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from flce_compile.tuning import cli
+
+    _fake_gpu(monkeypatch)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else real(name, *a))
+    assert cli.main(["--vocab", "8", "--hidden", "8", "--tokens", "8", "--out", str(tmp_path / "db.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tuning needs Optuna" in err and "pip install optuna" in err
 
 
 def test_no_home_directory(tmp_path, monkeypatch, capsys):

@@ -33,6 +33,12 @@ def real_path(path: str | os.PathLike[str]) -> Path:
 def file_lock(path: Path, timeout: float) -> Iterator[None]:
     """An inter-process lock next to ``path`` (``filelock`` if installed, else ``fcntl.flock``)."""
     lock_path = path.with_name(path.name + ".lock")
+    # A lock file that cannot be made at all is said now: filelock would retry until the timeout, then blame a lock.
+    try:
+        os.close(os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create the lock file {lock_path} ({exc.strerror}); write the database to a "
+                                 "directory you can write to") from exc
     try:
         import filelock  # noqa: PLC0415
     except ImportError:

@@ -8,9 +8,11 @@ interrupted or time-limited run still leaves valid entries behind. This module m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -610,6 +612,11 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
               "(--list, --show and --export work without a GPU.)", file=sys.stderr)
         return 2
 
+    if importlib.util.find_spec("optuna") is None:  # the search's sampler, imported where it runs
+        print("flce-tune: tuning needs Optuna, a dependency of flce-compile that this environment lacks: "
+              "pip install optuna", file=sys.stderr)
+        return 2
+
     from ..plan.choose import heuristic_config  # noqa: PLC0415
     from . import db  # noqa: PLC0415
     from .measure import Problem, make_objective  # noqa: PLC0415
@@ -826,6 +833,12 @@ def _install_sigterm() -> None:
         pass
 
 
+def _is_gpu_kind(text: str) -> bool:
+    """Whether ``--device-kind`` names a GPU kind: not empty, and not a torch device ("cpu", "cuda", "cuda:1")."""
+    name = text.strip().lower()
+    return bool(name) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     parser = build_parser()
@@ -837,6 +850,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import db  # noqa: PLC0415
 
         db.invalidate_cache()  # lookups re-check the environment only once a second
+    if args.device_kind is not None and not _is_gpu_kind(args.device_kind):
+        parser.error(f"--device-kind {args.device_kind!r}: name a GPU kind, e.g. h200 or \"NVIDIA H200\" (flce-tune "
+                     "--list shows the kinds held); a device such as cuda:0 goes to --device, and the CPU has no "
+                     "tuning entries")
     modes = sum(bool(x) for x in (args.list, args.show, args.export is not None, args.which, args.list_studies,
                                   args.replot is not None, args.retune_ce_tiles))
     if modes > 1:
