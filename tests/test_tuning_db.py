@@ -125,6 +125,11 @@ def test_bad_files_are_reported_once_and_ignored(dbs, caplog):
     for data in bad:
         with pytest.raises(ValueError):
             db.Entry.from_dict(data)
+    # a key twice (a hand edit): the last is used, and the file's problems say so
+    user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1, "entries": [good, {**good, "ms": 2.0}]}))
+    assert db.read_file(user) == [dataclasses.replace(entry(tokens=4096), ms=2.0)]
+    assert db.parse_file(user)[1] == ["entry 0: the same GPU kind, V, H, dtype, token bucket and tier as entry 1, "
+                                      "which is used instead"]
 
 
 def _writer(args):
@@ -261,3 +266,9 @@ def test_export_layout(tmp_path):
     assert len(db.read_file(tmp_path / "out" / "h100.json", strict=True)) == 2
     with pytest.raises(ValueError, match="directory"):
         db.export_shipped(tmp_path / "one.json", entries)
+    # one kind a file, also when the file already holds another kind
+    with pytest.raises(ValueError, match=r"holds entries of GPU kind\(s\) \['h100'\]"):
+        db.export_shipped(tmp_path / "out" / "h100.json", [entry()])
+    assert {e.device for e in db.read_file(tmp_path / "out" / "h100.json", strict=True)} == {"h100"}
+    db.export_shipped(tmp_path / "out" / "h100.json", [entry(device="h100", tokens=8192)])  # same kind: merged
+    assert len(db.read_file(tmp_path / "out" / "h100.json", strict=True)) == 3

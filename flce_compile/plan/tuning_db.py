@@ -343,16 +343,21 @@ def parse_file(path: Path) -> tuple[list[Entry], list[str]]:
     raw_entries = data.get("entries")
     if not isinstance(raw_entries, list):
         raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
-    entries: list[Entry] = []
+    by_key: dict[tuple, tuple[int, Entry]] = {}  # one entry a key, the file's last (a hand edit can repeat one)
     problems: list[str] = []
     for i, item in enumerate(raw_entries):
         try:
             if not isinstance(item, Mapping):
                 raise TypeError("entry is not an object")
-            entries.append(Entry.from_dict(item))
+            entry = Entry.from_dict(item)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
             problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
-    return entries, problems
+            continue
+        if entry.key in by_key:
+            problems.append(f"entry {by_key[entry.key][0]}: the same GPU kind, V, H, dtype, token bucket and tier as "
+                            f"entry {i}, which is used instead")
+        by_key[entry.key] = (i, entry)
+    return [entry for _, entry in sorted(by_key.values(), key=lambda pair: pair[0])], problems
 
 
 def read_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[Entry]:

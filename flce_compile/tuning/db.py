@@ -139,5 +139,11 @@ def export_shipped(path: str | os.PathLike[str], entries: Sequence[Entry]) -> li
                 f"export path {p} is one file but the entries span GPU kinds {sorted(by_device)}; pass a "
                 f"directory to get one <gpu kind>.json per kind"
             )
+        held = {e.device for e in read_file(p)} - set(by_device) if p.is_file() else set()
+        if held:
+            raise ValueError(
+                f"export path {p} holds entries of GPU kind(s) {sorted(held)}, and the shipped layout keeps one kind "
+                f"a file; export {sorted(by_device)} to a directory (one <gpu kind>.json each) or to another file"
+            )
         return [write_entries(p, entries)]
     return [write_entries(p / f"{dev}.json", items) for dev, items in sorted(by_device.items())]
