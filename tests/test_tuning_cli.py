@@ -403,6 +403,18 @@ def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     assert err.count("\n") == 1 and err.startswith("flce-tune: error: "), err
 
 
+def test_list_filters_by_tokens_and_export_names_a_missing_db(tmp_path, capsys):
+    from flce_compile.tuning import cli
+
+    user = tmp_path / "user.json"
+    db.write_entries(user, [make_entry(tokens=8192), make_entry(tokens=16384)])
+    assert cli.main(["--list", "--db", str(user), "--tokens", "13000"]) == 0  # the 16384 bucket (the nearest)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "user:" in line]
+    assert len(rows) == 1 and " 16384 " in rows[0]
+    assert cli.main(["--export", str(tmp_path / "out"), "--db", str(tmp_path / "none.json")]) == 1
+    assert f"nothing to export: {tmp_path / 'none.json'} does not exist" in capsys.readouterr().err
+
+
 def test_a_lock_file_that_cannot_be_made_is_said_at_once(tmp_path):
     """filelock retries a lock file it cannot create until its timeout, then blamed another tuner for it."""
     from flce_compile.tuning.atomic import file_lock

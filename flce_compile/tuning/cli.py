@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--shipped-set", action="store_true",
                       help=f"tune the {len(SHIPPED_SHAPES)} shipped (V, H) shapes, most important first")
     what.add_argument("--tokens", type=int, nargs="+",
-                      help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set")
+                      help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set; "
+                           "also a filter for --list/--show")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="input dtype (default bf16; also a filter for --list/--show)")
     what.add_argument("--strategies", nargs="+", choices=registry.names(),
                       help="strategies to search (default all): " + "; ".join(
@@ -242,10 +243,12 @@ def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
             rows.append((e, f"shipped:{path.name}" + (" (overridden)" if e.key in user_keys else "")))
     dtype = args.dtype
 
+    buckets = {db.token_bucket(t) for t in args.tokens} if args.tokens else None
+
     def keep(e: Any) -> bool:
         return ((args.vocab is None or e.vocab == args.vocab) and (args.hidden is None or e.hidden == args.hidden)
                 and (args.device_kind is None or e.device == db.normalize_device_name(args.device_kind))
-                and (dtype is None or e.dtype == dtype))
+                and (dtype is None or e.dtype == dtype) and (buckets is None or e.tokens in buckets))
 
     return sorted((r for r in rows if keep(r[0])), key=lambda r: (r[0].sort_key, r[1]))
 
@@ -272,7 +275,7 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 
     rows = _db_rows(args)
     if not rows:
-        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind, args.dtype)) else ""))
+        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind, args.dtype, args.tokens)) else ""))
         print(f"user DB: {_user_path(args) or NO_USER_DB}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
     if not detailed:
@@ -303,8 +306,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         kind = db.normalize_device_name(args.device_kind)
         entries = [e for e in entries if e.device == kind]
     if not entries:
-        print(f"flce-tune: nothing to export: {user_path} has no entries" + (" for that --device-kind" if args.device_kind else ""),
-              file=sys.stderr)
+        held = "does not exist" if not user_path.exists() else "has no entries" + (
+            " for that --device-kind" if args.device_kind else "")
+        print(f"flce-tune: nothing to export: {user_path} {held}", file=sys.stderr)
         return 1
     try:
         paths = db.export_shipped(args.export, entries)
