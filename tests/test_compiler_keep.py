@@ -6,6 +6,8 @@ DDPOptimizer's split graphs, and the fallback when the target cannot be computed
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,3 +276,29 @@ def test_graph_outputs_restored_exactly():
     out = torch.compile(Twice(), backend="flce", options={"flce.inner": "aot_eager", "flce.logits": "drop"})(
         idx, labels)
     assert out[1] is None and out[2] is None and out[0].requires_grad
+
+
+def test_a_softcap_left_symbolic_by_dynamic_true_is_reported_and_warned(caplog, monkeypatch):
+    """Under ``dynamic=True`` Dynamo traces a float attribute (the softcap here, Gemma-2's
+    ``final_logit_softcapping``) as a symbolic input, which the pass cannot fold: explain says so, as the
+    compiled model does, and the backend warns with the fix; the loss is eager's. With the float specialized,
+    the same model fuses."""
+    from flce_compile.compiler import rewrite
+
+    torch.manual_seed(0)
+    model = LM(softcap=5.0)
+    idx, labels = _data()
+    ref_loss, _, _ = _reference(model, idx, labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
+    (site,) = fc.explain(compiled, idx, labels)
+    assert not site.fused and "Python float Dynamo left symbolic" in site.reason
+    assert "specialize_float = True" in site.reason
+    monkeypatch.setattr(rewrite, "_warned_symbolic_float", False)
+    caplog.set_level(logging.WARNING, logger="flce_compile")
+    loss, _ = compiled(idx, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert any(r.levelno == logging.WARNING and "left symbolic" in r.getMessage() for r in caplog.records)
+    with torch._dynamo.config.patch(specialize_float=True):
+        (site,) = fc.explain(compiled, idx, labels)
+    assert site.fused

@@ -158,14 +158,24 @@ def compiled_options(model: Any) -> FLCEOptions | None:
     return split_options({**(bound or {}), **(kwargs.get("options") or {})})[0]
 
 
-def _compile_wrapper(model: Any) -> Any:
-    """torch.compile's backend wrapper (an object with ``compiler_fn`` and ``kwargs``) behind a compiled model."""
+def compiled_dynamic(model: Any) -> bool | None:
+    """The ``dynamic=`` a compiled model was compiled with (None: not given, or not a compiled model)."""
+    return getattr(_dynamo_context(model), "_dynamic", None)
+
+
+def _dynamo_context(model: Any) -> Any:
+    """Dynamo's context object behind a compiled model (its backend and ``dynamic=``), or None."""
     ctx = getattr(model, "dynamo_ctx", None)  # torch.compile(module): an OptimizedModule
     if ctx is None:
         fn = getattr(model, "_compiled_call_impl", None) or model  # module.compile(), or a compiled function
         cells = getattr(fn, "__closure__", None) or ()
         ctx = next((c.cell_contents for c in cells if hasattr(_cell(c), "callback")), None)
-    backend = getattr(ctx, "callback", None)
+    return ctx
+
+
+def _compile_wrapper(model: Any) -> Any:
+    """torch.compile's backend wrapper (an object with ``compiler_fn`` and ``kwargs``) behind a compiled model."""
+    backend = getattr(_dynamo_context(model), "callback", None)
     for _ in range(8):  # Dynamo's wrappers around the backend, outermost first
         if backend is None or hasattr(backend, "compiler_fn") and hasattr(backend, "kwargs"):
             return backend

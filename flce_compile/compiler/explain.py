@@ -9,6 +9,7 @@ with, or ``options=`` (the same dict ``torch.compile`` takes).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -16,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..log import logger
-from .backend import compiled_options
+from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
@@ -208,7 +209,8 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     table; it is also logged at INFO on the ``flce_compile`` logger.
     """
     opts = split_options(options)[0] if options is not None else compiled_options(model) or FLCEOptions()
-    out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
+    with _dynamic_as(compiled_dynamic(model)):  # the graphs the compiled model gets (floats left symbolic, say)
+        out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
     report = ExplainReport()
     report.options = opts
     report.graph_count = out.graph_count
@@ -229,6 +231,16 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     logger.info("%s", report)
     return report
+
+
+def _dynamic_as(dynamic: bool | None) -> contextlib.AbstractContextManager:
+    """Dynamo's settings for ``torch.compile(dynamic=dynamic)``, as torch.compile applies them (None: as they
+    are)."""
+    if dynamic is None:
+        return contextlib.nullcontext()
+    if dynamic:
+        return torch._dynamo.config.patch(assume_static_by_default=False)
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True)
 
 
 def _uncompiled(model: Any) -> Any:

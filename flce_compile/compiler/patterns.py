@@ -99,6 +99,11 @@ def meta_value(node: Any) -> Any:
 #: on logging calls; with the type set, the head and the loss share one graph and are fused.
 HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks the graph there on a logged "
                      "warning: set model.loss_type = 'ForCausalLM' before compiling")
+#: Why a scale or softcap read from a Python float (Gemma-2's ``final_logit_softcapping``) blocks fusion under
+#: ``dynamic=True``, and the fix: the pass folds constants only, and Dynamo leaves such floats symbolic there.
+SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynamic=True) with "
+                       "torch._dynamo.config.specialize_float=False, the default); only constants fold into the op: "
+                       "compile without dynamic=True, or set torch._dynamo.config.specialize_float = True")
 #: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
 ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
 
@@ -124,6 +129,11 @@ def _is_last_dim_shard(placement: Any, ndim: int) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _symbolic_float(x: Any) -> bool:
+    """Whether ``x`` is a graph node holding a symbolic Python float (``SYMBOLIC_FLOAT_HINT``)."""
+    return isinstance(x, fx.Node) and isinstance(meta_value(x), torch.SymFloat)
 
 
 def _static_int(x: Any) -> int | None:
@@ -376,6 +386,8 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return Step("scale", node, a, factor=float(b)), a
         if isinstance(b, fx.Node) and _is_number(a):
             return Step("scale", node, b, factor=float(a)), b
+        if _symbolic_float(a) or _symbolic_float(b):
+            return f"multiplication by {SYMBOLIC_FLOAT_HINT}"
         return "multiplication by a tensor (only constant scales can be folded)"
     if _is_fn(node, _DIV_FNS) or _is_method(node, ("div", "__truediv__", "true_divide")):
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
@@ -383,6 +395,8 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "division with a rounding_mode"
         if isinstance(a, fx.Node) and _is_number(b) and b != 0:
             return Step("scale", node, a, factor=1.0 / float(b)), a
+        if _symbolic_float(b):
+            return f"division by {SYMBOLIC_FLOAT_HINT}"
         return "division by a tensor (only constant divisors can be folded)"
     if _is_fn(node, _TANH_FNS) or _is_method(node, ("tanh",)):
         return Step("tanh", node, first), first

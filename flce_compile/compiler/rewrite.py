@@ -25,7 +25,7 @@ from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
-from .patterns import HF_LOSS_TYPE_HINT, meta_value
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, meta_value
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -165,6 +165,7 @@ class PassResult:
 _logged_keep = False
 _warned_kept_logits = False
 _warned_graph_break = False
+_warned_symbolic_float = False
 
 
 def run_pass(
@@ -220,10 +221,15 @@ def run_pass(
 
 
 def _log_unfused(res: SiteResult) -> None:
-    """INFO for a site left unfused; a WARNING, once a process, for a loss whose logits come from outside the
-    compiled graph: the user asked for the fusion and gets none. Either only the loss was compiled, or a graph break
-    separates it from the lm_head, whose usual cause in Hugging Face models has a one-line fix."""
-    global _warned_graph_break
+    """INFO for a site left unfused; a WARNING, once a process each, where the user asked for the fusion and gets
+    none for a reason with a one-line fix: a softcap or scale Dynamo left symbolic (``dynamic=True``), or a loss
+    whose logits come from outside the compiled graph (only the loss was compiled, or a graph break separates it
+    from the lm_head, whose usual cause in Hugging Face models has a one-line fix)."""
+    global _warned_graph_break, _warned_symbolic_float
+    if SYMBOLIC_FLOAT_HINT in (res.reason or "") and not _warned_symbolic_float:
+        _warned_symbolic_float = True  # a model that fuses without dynamic=True: the user loses the fusion silently
+        logger.warning("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
+        return
     if res.site.from_outside_graph and not _warned_graph_break:
         _warned_graph_break = True
         logger.warning(
