@@ -119,11 +119,12 @@ def test_bad_files_are_reported_once_and_ignored(dbs, caplog):
     # wrong type that a lenient reading would round or coerce
     bad = [{**good, "config": {**good["config"], "num_warps": 64}},
            {**good, "config": {**good["config"], "fp32_logits": True}},
-           {**good, "vocab": 151936.7}, {**good, "tokens": 4096.0}, {**good, "ms": True}, {**good, "device": 5}]
+           {**good, "vocab": 151936.7}, {**good, "tokens": 4096.0}, {**good, "ms": True}, {**good, "device": 5},
+           {**good, "config": "triton"}]
     user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1, "entries": bad + [good]}))
     assert db.read_file(user) == [entry(tokens=4096)]
     for data in bad:
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, TypeError)):
             db.Entry.from_dict(data)
     # a key twice (a hand edit): the last is used, and the file's problems say so
     user.write_text(json.dumps({"format": db.FORMAT, "schema_version": 1, "entries": [good, {**good, "ms": 2.0}]}))

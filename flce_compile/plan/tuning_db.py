@@ -257,6 +257,8 @@ class Entry:
         vocab, hidden, tokens = (_positive_int(data, name) for name in ("vocab", "hidden", "tokens"))
         if not isinstance(data["device"], str):
             raise ValueError(f"device={data['device']!r} must be a string (a GPU kind such as \"h200\")")
+        if not isinstance(data["config"], Mapping):
+            raise TypeError(f"config={data['config']!r} must be an object of config fields")
         if data["config"].get("fp32_logits"):
             raise ValueError("config.fp32_logits=true: fp32 logits are the caller's precision choice "
                              "(precision=\"precise\"), never a tuned field; set it false")
