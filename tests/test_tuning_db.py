@@ -273,3 +273,15 @@ def test_export_layout(tmp_path):
     assert {e.device for e in db.read_file(tmp_path / "out" / "h100.json", strict=True)} == {"h100"}
     db.export_shipped(tmp_path / "out" / "h100.json", [entry(device="h100", tokens=8192)])  # same kind: merged
     assert len(db.read_file(tmp_path / "out" / "h100.json", strict=True)) == 3
+
+
+def test_a_shipped_dir_that_is_not_there_is_said_once(dbs, monkeypatch, caplog):
+    user, shipped = dbs
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(shipped / "typo"))
+    db.invalidate_cache()
+    caplog.set_level(logging.WARNING, logger="flce_compile")
+    for _ in range(3):
+        assert find() is None  # nothing shipped to answer from; the heuristic decides
+        db.invalidate_cache()
+    warnings = [r.getMessage() for r in caplog.records if "is not a directory" in r.getMessage()]
+    assert len(warnings) == 1 and db.ENV_SHIPPED_DIR in warnings[0]

@@ -422,7 +422,11 @@ def shipped_dirs(package_dir: Path | None = None) -> list[Path]:
     """
     env = os.environ.get(ENV_SHIPPED_DIR)
     if env and package_dir is None:
-        return [Path(env).expanduser()]
+        chosen = Path(env).expanduser()
+        if not chosen.is_dir():  # a typo would silently drop every shipped entry
+            _warn_once(f"${ENV_SHIPPED_DIR}", f"${ENV_SHIPPED_DIR}={env} is not a directory: no shipped tuning "
+                                              "entries are read; unset it to use the packaged ones")
+        return [chosen]
     package_dir = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
     packaged = package_dir / "tuning_db"
     if packaged.is_dir():
