@@ -65,7 +65,7 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     before the full path chooses the config (a change then makes a new key).
 
     Also clears the graph key a previous forward left behind (``graph_replay.forget_replayed_key``), so that
-    ``remember`` reads this call's."""
+    ``remember`` records this call's."""
     graph_replay.forget_replayed_key()
     if bias is not None or ce_weight is not None or not torch.is_grad_enabled():
         return None
@@ -104,13 +104,9 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
 
 def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:
     """After a call with ``key`` took the full path: if its forward was replayed, later calls with the key go
-    to that graph (not when the tuning DB could not be read: nothing is memoised on it then)."""
-    graph_key = graph_replay.replayed_key()
-    if key is None or graph_key is None or key[-1][1] is None:
-        return
-    if len(_ENTRIES) >= MAX_ENTRIES:
-        _ENTRIES.clear()
-    _ENTRIES[key] = _Entry(graph_key, input.is_cuda, weight.shape[0], weight.shape[1], int(ignore_index))
+    to that graph (``graph_replay.record_shortcut``)."""
+    graph_replay.record_shortcut(_ENTRIES, MAX_ENTRIES, key, lambda graph_key: _Entry(
+        graph_key, input.is_cuda, weight.shape[0], weight.shape[1], int(ignore_index)))
 
 
 def clear() -> None:

@@ -108,7 +108,7 @@ def cuda_graphs_mode() -> str:
 class _CallerState(threading.local):
     allowed = False
     disabled = 0
-    replayed_key: tuple | None = None  # the key of this thread's last replayed forward (``replayed_key``)
+    replayed_key: tuple | None = None  # the key of this thread's last replayed forward (``record_shortcut``)
 
 
 _caller = _CallerState()
@@ -321,7 +321,7 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     x, target = ops.x, ops.target
-    if _mode == "off" or _caller.disabled or not grads_in_forward or not _CAN_COUNT_USES:
+    if not grads_in_forward or not replay_allowed_now(x.is_cuda):
         return False
     if x.device.type not in _DEVICE_TYPES or x.dtype not in _DTYPES or x.numel() == 0:
         return False
@@ -330,11 +330,7 @@ def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     if not x.is_contiguous() or not target.is_contiguous():
         return False
     tensors = (x, ops.weight, target, ops.bias, ops.ce_weight)
-    if any(t is not None and type(t) not in PLAIN_TENSORS for t in tensors):
-        return False
-    if torch._C._len_torch_dispatch_stack():  # a dispatch mode (a FLOP counter, say) must see every operator
-        return False
-    return x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    return all(t is None or type(t) in PLAIN_TENSORS for t in tensors)
 
 
 def _inductor_graph_trees(device: torch.device) -> bool:
@@ -449,16 +445,23 @@ def replays_on(cuda: bool) -> bool:
     return ("cuda" if cuda else "cpu") in _DEVICE_TYPES
 
 
-def replayed_key() -> tuple | None:
-    """The key of the graph this thread's last forward replayed since ``forget_replayed_key``, else None: how the
-    shortcuts (``body_shortcut_replay``, ``eager_shortcut``) learn which graph a call they let through the full
-    path ended in."""
-    return _caller.replayed_key
-
-
 def forget_replayed_key() -> None:
-    """Start a call whose replay (if any) ``replayed_key`` is then to report."""
+    """Start a call whose replay (if any) ``record_shortcut`` is then to record."""
     _caller.replayed_key = None
+
+
+def record_shortcut(table: dict, limit: int, key: tuple | None, value_of: Callable[[tuple], Any]) -> None:
+    """After a call with shortcut ``key`` ran in full: if its forward was replayed (the key of the graph this
+    thread replayed since ``forget_replayed_key``), ``table[key] = value_of(graph key)``, so later calls with
+    the key go to that graph; the table starts afresh beyond ``limit`` keys. Nothing is recorded when the tuning
+    DB could not be read (the last of ``key``, its ``choice_generations``, holds None): nothing is memoised on
+    it then. The shortcuts' common last step (``body_shortcut_remember``, ``eager_shortcut.remember``)."""
+    graph_key = _caller.replayed_key
+    if key is None or graph_key is None or key[-1][1] is None:
+        return
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value_of(graph_key)
 
 
 def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
@@ -466,7 +469,7 @@ def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
     no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when
     the key was dropped (evicted, ``clear``) or every instance is busy. For the shortcuts, which keyed the call
     themselves; counts as a use of the key, as a replay through ``replayed_forward`` does, and is what
-    ``replayed_key`` reports."""
+    ``record_shortcut`` records."""
     with _cache.lock:
         _, free = _free_instance_locked(key)
         return run(free) if free is not None else None
@@ -488,9 +491,10 @@ def _free_instance_locked(key: tuple) -> tuple[list[_Graph] | None, _Graph | Non
 
 
 def replay_allowed_now(cuda: bool) -> bool:
-    """What ``_eligible`` asks of this thread's state on every call, beyond the call's own tensors: graphs not
-    turned off, no ``disabled()`` block, no dispatch mode, and (``cuda``: the call's tensors are on a GPU) no
-    capture under way on the current stream."""
+    """What ``_eligible`` (and the shortcuts) ask of this thread's state on every call, beyond the call's own
+    tensors: graphs not turned off, no ``disabled()`` block, no dispatch mode (a FLOP counter, say, must see
+    every operator), and (``cuda``: the call's tensors are on a GPU) no capture under way on the current
+    stream."""
     if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
         return False
     return not (cuda and torch.cuda.is_current_stream_capturing())
@@ -517,7 +521,7 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     without graphs). Ends with the config's generations, read before the full body chooses the config (a
     change then makes a new key). Forgets the replayed key a previous forward left behind
     (``body_shortcut_remember`` reads this call's)."""
-    _caller.replayed_key = None
+    forget_replayed_key()
     x, weight, target = ops.x, ops.weight, ops.target
     if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in PLAIN_TENSORS:
         return None
@@ -547,13 +551,8 @@ def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tenso
 
 def body_shortcut_remember(key: tuple | None) -> None:
     """After a body call with ``key`` ran in full: if its forward was replayed, later calls with the key go to
-    that graph (not when the tuning DB could not be read: nothing is memoised on it then)."""
-    graph_key = _caller.replayed_key
-    if key is None or graph_key is None or key[-1][1] is None:
-        return
-    if len(_BODY_SHORTCUTS) >= MAX_BODY_SHORTCUTS:
-        _BODY_SHORTCUTS.clear()
-    _BODY_SHORTCUTS[key] = graph_key
+    that graph (``record_shortcut``)."""
+    record_shortcut(_BODY_SHORTCUTS, MAX_BODY_SHORTCUTS, key, lambda graph_key: graph_key)
 
 
 def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:
