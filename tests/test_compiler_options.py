@@ -66,6 +66,20 @@ def _captured(options=None, mode=None, backend="flce"):
     return seen
 
 
+def _recording(graphs: list, inner: str | None = None):
+    """An inner compiler that appends each graph it gets to ``graphs`` and runs it as it is, or through the
+    backend named ``inner``."""
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        if inner is None:
+            return gm.forward
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(inner)(gm, example_inputs, **kwargs)
+
+    return backend
+
+
 def test_other_options_and_mode_reach_the_inner_compiler():
     seen = _captured({"some.inner.option": 3})
     assert seen["kwargs"] == {"options": {"some.inner.option": 3}}
@@ -112,14 +126,9 @@ def test_precision_and_memory_budget_reach_the_op():
         return F.cross_entropy(lm_head(x).view(-1, 64), t.view(-1))
 
     graphs = []
-
-    def capture(gm, example_inputs, **kw):
-        graphs.append(gm)
-        return gm.forward
-
     x, t = torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))
     torch._dynamo.reset()
-    options = {"flce.inner": capture, "flce.precision": "compact", "flce.memory_budget_gb": 0.5}
+    options = {"flce.inner": _recording(graphs), "flce.precision": "compact", "flce.memory_budget_gb": 0.5}
     loss = torch.compile(fn, backend="flce", options=options)(x, t)
     torch.testing.assert_close(loss, fn(x, t), rtol=1e-5, atol=1e-6)
     (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
@@ -139,14 +148,10 @@ def test_precise_precision_reaches_the_op():
         return F.cross_entropy(lm_head(x).view(-1, 64), t.view(-1))
 
     graphs = []
-
-    def capture(gm, example_inputs, **kw):
-        graphs.append(gm)
-        return gm.forward
-
     x, t = torch.randn(2, 8, 16, requires_grad=True), torch.randint(0, 64, (2, 8))
     torch._dynamo.reset()
-    loss = torch.compile(fn, backend="flce", options={"flce.inner": capture, "flce.precision": "precise"})(x, t)
+    options = {"flce.inner": _recording(graphs), "flce.precision": "precise"}
+    loss = torch.compile(fn, backend="flce", options=options)(x, t)
     (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
     assert node.kwargs == {"precision": "precise"}
     (gx,) = torch.autograd.grad(loss, [x])
@@ -169,6 +174,9 @@ def test_explain_follows_the_memory_budget(monkeypatch):
         return F.cross_entropy(lm_head(x).view(-1, 8192).float(), t.view(-1))
 
     x, t = torch.randn(2, 256, 256, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 8192, (2, 256))
+    calls = []
+    original = op_module.recompute_backward
+    monkeypatch.setattr(op_module, "recompute_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
     for budget, fused, strategy in ((7 / 1024, True, "recompute"), (1e-6, False, None)):
         options = {"flce.inner": "aot_eager", "flce.memory_budget_gb": budget}
         (site,) = fc.explain(fn, x, t, options=options)
@@ -177,16 +185,10 @@ def test_explain_follows_the_memory_budget(monkeypatch):
             assert site.strategy.startswith(strategy + " (")
         else:
             assert site.reason.startswith("rewrite fails: memory_budget_gb=") and "raise the budget" in site.reason
-        graphs, calls = [], []
-
-        def capture(gm, example_inputs, **kw):
-            graphs.append(gm)
-            return gm.forward
-
-        original = op_module.recompute_backward
-        monkeypatch.setattr(op_module, "recompute_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+        graphs = []
+        calls.clear()
         torch._dynamo.reset()
-        torch.compile(fn, backend="flce", options={**options, "flce.inner": capture})(x, t).backward()
+        torch.compile(fn, backend="flce", options={**options, "flce.inner": _recording(graphs)})(x, t).backward()
         assert any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes) == fused
         assert bool(calls) == (strategy == "recompute")  # what explain said is what ran
 
@@ -200,15 +202,8 @@ def test_a_second_backward_through_a_compiled_graph_gives_the_same_gradients():
     once = model.lm_head.weight.grad.clone()
     model.zero_grad(set_to_none=True)
     graphs = []
-
-    def capture(gm, example_inputs, **kw):
-        graphs.append(gm)
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
-
     torch._dynamo.reset()
-    loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(x, t)
+    loss = torch.compile(model, backend="flce", options={"flce.inner": _recording(graphs, "aot_eager")})(x, t)
     assert any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes)
     loss.backward(retain_graph=True)
     loss.backward()
