@@ -37,6 +37,7 @@ group's ``group_name`` across the custom-op boundary. No value is read back to t
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Mapping, Optional
 
 import torch
@@ -79,13 +80,59 @@ def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
 
 
+#: Groups whose first vocab-parallel call checked the shards' tiling on the host (on the GPU; see ``_check_tiling``).
+_CHECKED_GROUPS: set[str] = set()
+
+
+def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v_local: int, vocab_total: int,
+                  device: torch.device) -> None:
+    """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
+    shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
+    otherwise give a wrong loss. One all-gather of three numbers per rank and a host read: on the CPU and under
+    FLCE_DEBUG=1 at every call, on the GPU (where the read is a host sync) at the group's first call only, or
+    the first outside a CUDA-graph capture; later calls there have the device-side guard (``_layout_row``,
+    ``_combine``: a NaN loss). Every rank checks the same gathered numbers and every rank of a group makes the
+    same calls, so all raise or none does, and none waits in a collective for a rank that raised."""
+    every_call = device.type == "cpu" or os.environ.get("FLCE_DEBUG") == "1"
+    if not every_call and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
+        return
+    mine = torch.tensor([vocab_start, v_local, vocab_total], dtype=torch.int64, device=device)
+    every = mine.new_empty(dist.get_world_size(group) * 3)
+    _all_gather_single(every, mine, group=group)
+    problem = _tiling_problem(every.view(-1, 3).tolist())
+    if problem is not None:
+        raise ValueError(problem)
+    _CHECKED_GROUPS.add(group_name)
+
+
+def _tiling_problem(layouts: list[list[int]]) -> str | None:
+    """Why the shards ``layouts`` (per rank: first class, rows, classes in all) do not tile [0, V), or None."""
+    totals = sorted({total for _start, _rows, total in layouts})
+    end = 0
+    for start, rows, _total in sorted(layouts):
+        if start != end:
+            break
+        end = start + rows
+    else:
+        if len(totals) == 1 and end == totals[0]:
+            return None
+    shards = ", ".join(f"rank {rank} [{start}, {start + rows})" for rank, (start, rows, _t) in enumerate(layouts))
+    return (f"the ranks' weight shards do not tile the vocabulary: classes {shards} of V = "
+            f"{' / '.join(map(str, totals))}. Pass each rank's first class id as vocab_start= and the number of "
+            "classes as vocab_size= (the defaults, rank x rows and world x rows, hold for equal shards only; "
+            "Shard(0) of a V the world size does not divide leaves the last shards short), or a DTensor weight")
+
+
 def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int, vocab_total: int) -> Tensor:
-    """(3, N): this slice's lse, target z and smoothing sum per token (``CEStepArgs.stats_out``), chunk by chunk."""
+    """(3, N + 1): this slice's lse, target z and smoothing sum per token (``CEStepArgs.stats_out``), chunk by
+    chunk, and last this rank's layout (``_layout_row``)."""
     x, weight, bias = ops.x, ops.weight, ops.bias
     n = x.shape[0]
     v_local = weight.shape[0]
     dtype = math_dtype(x.dtype)
-    stats = torch.empty(3, n, dtype=dtype, device=x.device)
+    stats = torch.empty(3, n + 1, dtype=dtype, device=x.device)
+    for row, number in enumerate((vocab_start, v_local, vocab_total)):  # fills: no host memory, capturable
+        stats[row, n].fill_(number)
     chunk = max(1, min(config.chunk_tokens, n))
     buffer = torch.empty(chunk, padded_row_elements(v_local, x.element_size()), dtype=x.dtype, device=x.device)
     one = torch.ones((), dtype=dtype, device=x.device)
@@ -108,11 +155,26 @@ def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: 
     return stats
 
 
-def _combine(stats: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
-    """(loss, lse) from every rank's slice statistics, ``stats`` (world, 3, N), combined in rank order."""
+def _tiles(layouts: Tensor, vocab_total: int) -> Tensor:
+    """Whether the ranks' shards tile [0, V), on the device (0-dim bool, no host read): ``layouts`` (world, 3) holds
+    each rank's first class, rows and classes in all."""
+    starts, rows, totals = layouts.unbind(1)
+    order = starts.argsort(stable=True)
+    first, ends = starts[order], (starts + rows)[order]
+    return ((first[1:] == ends[:-1]).all() & (first[0] == 0) & (ends[-1] == vocab_total)
+            & (totals == vocab_total).all())
+
+
+def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
+    """(loss, lse) from every rank's ``_slice_stats``, ``gathered`` (world, 3, N + 1), combined in rank order.
+    When the ranks' layouts (the last column) do not tile the vocabulary, both are NaN: the guard of the calls
+    whose layout ``_check_tiling`` did not read on the host."""
     target, ce_weight = ops.target, ops.ce_weight
+    stats = gathered[:, :, :-1]
+    tiled = _tiles(gathered[:, :, -1], vocab_total)
     dtype = stats.dtype
     lse = torch.logsumexp(stats[:, 0], dim=0)
+    lse = torch.where(tiled, lse, torch.full_like(lse, float("nan")))
     z_y = stats[:, 1].sum(dim=0)
     weighted_z = stats[:, 2].sum(dim=0) if p.label_smoothing else None
     ignored = target == p.ignore_index
@@ -123,9 +185,8 @@ def _combine(stats: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> t
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
     scales = _gradient_scales(ce_scale, z_scale)
     rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored, invalid)
-    if p.reduction == "none":
-        return rows, lse
-    return _reduced_loss(rows, ce_scale, scales, p), lse
+    loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
+    return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), lse
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy", mutates_args=())
@@ -144,10 +205,12 @@ def vocab_parallel_cross_entropy_op(
 ) -> tuple[Tensor, Tensor]:
     """(loss, lse) of this rank's shard ``weight`` (V_local, H), rows [vocab_start, +V_local) of ``vocab_total``,
     over the group ``group_name``; see the module docstring. ``accum_dtype`` is for backward."""
+    group = _group(group_name)
+    # First: a rank whose own checks raised while the others waited in a collective would hang them.
+    _check_tiling(group, group_name, vocab_start, weight.shape[0], vocab_total, input.device)
     p = decode_params(params)
     check_targets(target, vocab_total, p.ignore_index)
     ops = Operands(input, weight, target, bias, ce_weight)
-    group = _group(group_name)
     logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
                  vocab_start + weight.shape[0], vocab_total)
     with op_context(input.device):

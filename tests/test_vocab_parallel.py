@@ -270,7 +270,10 @@ def _errors(mesh, group) -> dict:
     """Each bad call's error message (or 'no error')."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    import torch.distributed as dist
+
     x, w, _b, t, _o, _g = _inputs("mean")
+    rank = dist.get_rank(group)
     calls = {
         "vp_shard1": lambda: fc.vocab_parallel_linear_cross_entropy(x, distribute_tensor(w, mesh, [Shard(1)]), t),
         "vp_replicate": lambda: fc.vocab_parallel_linear_cross_entropy(
@@ -293,6 +296,13 @@ def _errors(mesh, group) -> dict:
         "precise": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, precision="precise"),
         "target_range": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t.clamp(max=V - 1) + 1,
                                                                        group=group),
+        # 13 and 11 rows: the defaults (rank x rows, world x rows) would not tile [0, 24)
+        "uneven_defaults": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:13] if rank == 0 else w[13:], t,
+                                                                          group=group),
+        "overlapping": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=0,
+                                                                      vocab_size=24),
+        "uneven_given": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:13] if rank == 0 else w[13:], t, group=group, vocab_start=0 if rank == 0 else 13, vocab_size=24),
     }
     out = {}
     for name, call in calls.items():
@@ -419,6 +429,9 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("start_no_size", ["vocab_start=0 needs vocab_size="]),
     ("ce_weight_shard", ["ce_weight", "(24,)"]),
     ("target_range", ["outside [0, 24)", "ignore_index"]),
+    ("uneven_defaults", ["do not tile", "rank 0 [0, 13), rank 1 [11, 22)", "V = 22 / 26", "vocab_start=",
+                         "vocab_size="]),
+    ("overlapping", ["do not tile", "rank 0 [0, 12), rank 1 [0, 12) of V = 24"]),
 ])
 def test_errors_name_the_fix(ranks, name, fragments):
     for r in ranks:
@@ -428,6 +441,11 @@ def test_errors_name_the_fix(ranks, name, fragments):
             assert fragment in message, (fragment, message)
 
 
+def test_uneven_local_shards_with_their_offsets_are_accepted(ranks):
+    """13 and 11 rows with vocab_start and vocab_size: the shards tile [0, 24), so the layout check passes."""
+    assert [r["errors"]["uneven_given"] for r in ranks] == ["no error", "no error"]
+
+
 @pytest.mark.parametrize("name, option", [("return_logits", "return_logits=True"),
                                           ("memory_budget", "memory_budget_gb"),
                                           ("precise", "precision='precise'")])
@@ -435,6 +453,36 @@ def test_unsupported_options_raise_not_implemented(ranks, name, option):
     for r in ranks:
         message = r["errors"][name]
         assert message.startswith(f"NotImplementedError: {option} is not supported"), message
+
+
+@pytest.mark.parametrize("layouts, tiled", [
+    ([[0, 12, 24], [12, 12, 24]], True),
+    ([[12, 12, 24], [0, 12, 24]], True),  # any rank order
+    ([[0, 13, 24], [13, 11, 24], [24, 0, 24]], True),  # uneven, and an empty shard
+    ([[0, 13, 26], [11, 11, 22]], False),  # uneven shards with the equal-shard defaults
+    ([[0, 12, 24], [0, 12, 24]], False),  # overlapping
+    ([[0, 12, 24], [13, 11, 24]], False),  # a gap
+    ([[0, 12, 24], [12, 11, 24]], False),  # short of V
+    ([[0, 12, 23], [12, 11, 24]], False),  # the ranks disagree on V
+])
+def test_the_device_side_tiling_guard(layouts, tiled):
+    """``_tiles`` (no host read) and ``_tiling_problem`` (the host check's message) agree on every layout, and
+    ``_combine`` gives a NaN loss and lse for one that does not tile."""
+    from flce_compile.params import LossParams
+    from flce_compile.strategies import Operands
+    from flce_compile.vocab_parallel import _combine, _tiles, _tiling_problem
+
+    total = max(layout[2] for layout in layouts)
+    as_tensor = torch.tensor(layouts, dtype=torch.float32)
+    assert bool(_tiles(as_tensor, 24)) is tiled
+    assert (_tiling_problem(layouts) is None) is tiled
+    n = 5
+    stats = torch.randn(len(layouts), 3, n + 1)
+    stats[:, :, -1] = as_tensor
+    target = torch.tensor([0, 3, -100, 23, 7])
+    loss, lse = _combine(stats, Operands(torch.zeros(n, 2), torch.zeros(12, 2), target, None, None),
+                         LossParams(), total)
+    assert bool(loss.isnan()) is not tiled and bool(lse.isnan().all()) is not tiled
 
 
 def test_stats_step_triton_matches_torch():
