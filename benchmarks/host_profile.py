@@ -200,8 +200,11 @@ class _ReplayFloor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         parts = ctx.parts
-        parts["grad"].copy_(grad)
-        parts["backward"].replay()
+        if parts.get("direct_at") == grad.data_ptr():  # the op's graph reading grad_output where it lies
+            parts["direct"].replay()
+        else:
+            parts["grad"].copy_(grad)
+            parts["backward"].replay()
         return parts["dx"].detach(), parts["dw"].detach(), None, None
 
 
@@ -217,7 +220,8 @@ def _own_graph_parts(x, w, t) -> dict | None:
         for g in instances:
             if g.x.shape == x.shape and g.scale_graph is not None:
                 return {"x": g.x, "t": g.target, "forward": g.graph, "loss": g.out.loss, "grad": g.scale_in,
-                        "backward": g.scale_graph, "dx": g.out.dx, "dw": g.out.dw}
+                        "backward": g.scale_graph, "dx": g.out.dx, "dw": g.out.dw, "direct": g.direct_graph,
+                        "direct_at": g.direct_at[0] if g.direct_at is not None else None}
     return None
 
 

@@ -21,9 +21,10 @@ Python references to their storage objects, are back to what the graph alone hol
 first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
 and beyond that a call runs uncaptured. Nothing a caller holds is ever overwritten. As with the caching
 allocator, a consumer on another stream must be ordered after its own use before it drops the tensor. A capture
-(once per key) puts torch's default CUDA generator into capture mode while it lasts: another thread drawing CUDA
-random numbers in that moment gets an error from torch ("off" avoids it). A capture that fails leaves the call to
-the uncaptured loop.
+(the forward's, once per key and instance; the backward scaling's, a few times per instance) puts torch's default
+CUDA generator into capture mode while it lasts: another thread drawing CUDA random numbers in that moment gets an
+error from torch ("off" avoids it: then nothing is captured, in forward or backward). A capture that fails leaves
+the call to the uncaptured loop.
 
 When (``set_cuda_graphs`` / ``$FLCE_CUDA_GRAPHS``): "auto" (the default) graphs calls of at most
 ``AUTO_MAX_FLOPS`` (6 N H V, the three GEMMs: below it the host's ~1 ms per call is not hidden behind the GPU)
@@ -157,6 +158,9 @@ def disabled() -> Iterator[None]:
 _storage_uses = getattr(torch._C, "_storage_Use_Count", None)
 _CAN_COUNT_USES = _storage_uses is not None
 
+#: How many times an instance captures the scaling graph that reads grad_output where it lies (again when
+#: grad_output settles at another address); after that the graph that copies grad_output serves every call.
+MAX_DIRECT_CAPTURES = 4
 
 _HAS_FP16_ACCUMULATION = hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
 
@@ -182,11 +186,11 @@ def _python_refs(objects: tuple) -> tuple[int, ...]:
     return tuple(sys.getrefcount(o) for o in objects)
 
 
-@dataclass
+@dataclass(repr=False)  # the generated repr would print every element of the outputs' storages
 class _Graph:
     """One captured forward: the graph, its input buffers and its outputs (with their storages' use counts and
-    Python references when only the graph holds them), and once backward has run twice, a second graph that
-    scales the outputs by grad_output (``scale_grads``).
+    Python references when only the graph holds them), and once backward has run twice, the graphs that
+    scale the outputs by grad_output (``scale_grads``: one reading a copy of it, one reading it in place).
 
     A handed-out output is held either through a tensor (an alias, a view, ``.grad``: each adds a use of the
     storage) or through its Python storage object alone (``t.untyped_storage()`` kept after the tensors are
@@ -208,6 +212,15 @@ class _Graph:
     scale_graph: Any = None
     scale_in: torch.Tensor | None = None
     scale_failed: bool = False
+    direct_graph: Any = None  # the scaling reading grad_output where it lies, at ``direct_at``
+    direct_at: tuple | None = None  # (address, dtype) of the grad_output ``direct_graph`` reads
+    last_grad_at: tuple | None = None  # (address, dtype) of the previous backward's grad_output
+    direct_captures: int = 0
+    direct_bytes: int = 0  # what ``direct_graph``'s pool holds (it replaces the last one's)
+
+    def __repr__(self) -> str:
+        return (f"_Graph(x={tuple(self.x.shape)} {self.x.dtype} on {self.x.device}, held_bytes={self.held_bytes}, "
+                f"backwards={self.backwards}, scale_graph={self.scale_graph is not None}, direct_at={self.direct_at})")
 
     def free(self) -> bool:
         """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
@@ -226,33 +239,70 @@ class _Graph:
 
     def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]
                     ) -> bool:
-        """Scale the outputs in place by grad_output through the captured ``scale(grads, grad_output,
-        grad_scale)`` (captured at the second backward: the first compiles and warms what it launches). False:
-        run it uncaptured."""
+        """Scale the outputs in place by grad_output through a captured ``scale(grads, grad_output, grad_scale)``
+        (captured at the second backward: the first compiles and warms what it launches). False: run it
+        uncaptured.
+
+        The first graph reads a copy of grad_output (``scale_in``). In a training loop ``loss.backward()``'s
+        grad_output (``ones_like``) usually comes from the same caching-allocator block every step, so once two
+        backwards in a row had it at one address, a second graph is captured that reads grad_output there
+        itself, and calls with grad_output at that address (and of that dtype) replay it without the copy: a
+        copy issued while the forward's graph still runs cost ~30-50 us of host time on the H200 (issue #13).
+        The graph reads whatever lies at the address when it runs, which is then this call's grad_output."""
         self.backwards += 1
+        # A negative view's (or a zero tensor's) memory is not its value: only the copy reads those right.
+        plain = not (grad_output.is_neg() or grad_output._is_zerotensor())
+        at = (grad_output.data_ptr(), grad_output.dtype) if plain else None
+        if at is not None and at == self.direct_at:
+            self.direct_graph.replay()
+            return True
         if self.scale_graph is None:
             if self.scale_failed or self.backwards < 2:
                 return False
-            out = self.out
-            grads = tuple(t if t is not None else out.grad_scale.new_empty(0) for t in (out.dx, out.dw, out.db))
             grad_in = torch.empty_like(grad_output)
-
-            def body() -> None:
-                scale(grads, grad_in, out.grad_scale)
-
-            with _cache.lock:  # one capture at a time on the device's capture stream
-                try:
-                    self.scale_graph, _, pool_bytes = _captured(body, grad_output.device,
-                                                                _current_stream(grad_output.device), outputs=False)
-                except Exception as exc:  # noqa: BLE001 - run it uncaptured
-                    self.scale_failed = True
-                    logger.warning("flce: CUDA-graph capture of the gradient scaling failed, running it "
-                                   "uncaptured: %r", exc)
-                    return False
+            if not self._capture_scaling(grad_in, scale, direct=False):
+                return False
             self.scale_in = grad_in
-            self.held_bytes += pool_bytes
+        elif (at is not None and at == self.last_grad_at and self.direct_captures < MAX_DIRECT_CAPTURES
+              and self._capture_scaling(grad_output, scale, direct=True)):
+            self.direct_at = at
+            self.direct_graph.replay()
+            return True
+        self.last_grad_at = at
         self.scale_in.copy_(grad_output)
         self.scale_graph.replay()
+        return True
+
+    def _capture_scaling(self, grad_in: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None],
+                         direct: bool) -> bool:
+        """Capture ``scale`` reading grad_output from ``grad_in`` into ``direct_graph`` (``direct``: the caller's
+        own grad_output, not kept) or ``scale_graph``; False, logged, when the capture fails (the first
+        graph's failure turns captured scaling off for this instance)."""
+        out = self.out
+        grads = tuple(t if t is not None else out.grad_scale.new_empty(0) for t in (out.dx, out.dw, out.db))
+
+        def body() -> None:
+            scale(grads, grad_in, out.grad_scale)
+
+        with _cache.lock:  # one capture at a time on the device's capture stream
+            try:
+                graph, _, pool_bytes = _captured(body, grad_in.device, _current_stream(grad_in.device),
+                                                 outputs=False)
+            except Exception as exc:  # noqa: BLE001 - run it uncaptured
+                if direct:
+                    self.direct_captures = MAX_DIRECT_CAPTURES
+                else:
+                    self.scale_failed = True
+                logger.warning("flce: CUDA-graph capture of the gradient scaling failed, running it %s: %r",
+                               "from the copied grad_output" if direct else "uncaptured", exc)
+                return False
+        if direct:
+            self.held_bytes -= self.direct_bytes
+            self.direct_graph, self.direct_bytes = graph, pool_bytes
+            self.direct_captures += 1
+        else:
+            self.scale_graph = graph
+        self.held_bytes += pool_bytes
         return True
 
 
@@ -603,9 +653,12 @@ def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
                     scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]) -> bool:
     """Backward's scaling of a replayed forward's outputs (``grad_scale`` is its handed-out alias) by
     ``grad_output``, replayed from a graph of ``scale(grads, grad_output, grad_scale)``; False when this call
-    must run it itself (not a replayed forward, an unusual grad_output, inside a capture or a dispatch mode)."""
+    must run it itself (not a replayed forward, an unusual grad_output, inside a capture or a dispatch mode, graphs
+    turned off since the forward or a ``disabled()`` block)."""
     owner = getattr(grad_scale, "_flce_graph", None)
     if owner is None or type(grad_output) is not torch.Tensor or grad_output.dim() != 0:
+        return False
+    if _mode == "off" or _caller.disabled:
         return False
     # Device indices and is_cuda, not device objects: this runs in every backward of a replayed call.
     if grad_output.get_device() != grad_scale.get_device() or grad_output.is_cuda != grad_scale.is_cuda:

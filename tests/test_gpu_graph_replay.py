@@ -84,6 +84,48 @@ def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(shortcut_hit
             assert a.shape == b.shape and torch.equal(a, b)
 
 
+def test_the_scaling_reads_a_settled_grad_output_in_place_bit_identically():
+    """The backward scaling's graph that reads grad_output where it lies (``_Graph.scale_grads``): with the same
+    gradient tensor every step, its value changed in place (1, 0.5, 3, 1/3, ...), and in a steady loop of plain
+    ``loss.backward()``, whose ``ones_like`` the caching allocator then hands the same block each step; both
+    bit-identical to the uncaptured loop."""
+    _, w0, _ = _inputs(0)
+    batches = [_inputs(s)[::2] for s in range(1, 8)]
+    grad = torch.ones((), device="cuda")
+
+    def run():
+        w = w0.clone().requires_grad_()
+        out = []
+        for (x, t), factor in zip(batches, (1.0, 1.0, 0.5, 3.0, 1 / 3, 0.1, 2.0)):
+            x = x.clone().requires_grad_()
+            loss = fused_linear_cross_entropy(x * 1, w, t)
+            grad.fill_(factor)
+            loss.backward(grad)
+            out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
+            w.grad = None
+        return out
+
+    def steady():  # nothing kept across steps: the allocator's state repeats
+        x, t = batches[0]
+        x, w = x.clone().requires_grad_(), w0.clone().requires_grad_()
+        for _ in range(6):
+            x.grad = w.grad = None
+            fused_linear_cross_entropy(x, w, t).backward()
+        return [(x.grad.clone(), w.grad.clone())]
+
+    graphed = run()
+    instances = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    assert [g.direct_at for g in instances] == [(grad.data_ptr(), torch.float32)]
+    graph_replay.clear()
+    eager_shortcut.clear()
+    graphed += steady()
+    assert [g.direct_graph is not None for gs in graph_replay._cache.graphs.values() for g in gs] == [True]
+    set_cuda_graphs("off")
+    for got, expected in zip(graphed, run() + steady()):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+
 def test_outputs_held_by_the_caller_are_never_overwritten():
     x, w, t = _inputs(0)
     w.requires_grad_()

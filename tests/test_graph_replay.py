@@ -249,12 +249,97 @@ def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
 
     graphed = run()
     (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
-    # step 1 warms up, step 2 captures the forward (its backward runs uncaptured), step 3 captures the scaling
-    assert instance.scale_graph is not None and instance.scale_graph.replays == 4
+    # step 1 warms up, step 2 captures the forward (its backward runs uncaptured), step 3 captures the scaling;
+    # the later ones replay it, or the graph reading grad_output in place where the allocator's address repeated
+    direct = instance.direct_graph.replays if instance.direct_graph is not None else 0
+    assert instance.scale_graph is not None and instance.scale_graph.replays + direct == 4
     set_cuda_graphs("off")
     for a, b in zip(graphed, run()):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+
+
+def test_backward_scaling_reads_a_settled_grad_output_where_it_lies(cpu_graphs):
+    """Once two backwards in a row got grad_output at one address, the scaling replays a graph that reads it
+    there, without copying it: the value there may change in place between calls; a grad_output elsewhere goes
+    back to the copying graph. Every result is the uncaptured one."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    settled, elsewhere = torch.ones(()), torch.ones(())
+    steps = [(_inputs(s)[::2], g, factor) for s, (g, factor) in enumerate(
+        [(settled, 1.0), (settled, 1.0), (settled, 0.5), (settled, 3.0), (elsewhere, 0.25), (settled, 1 / 3)])]
+
+    def run():
+        out = []
+        for (x, t), g, factor in steps:
+            x = x.clone().requires_grad_()
+            g.fill_(factor)
+            fused_linear_cross_entropy(x, w, t).backward(g)
+            out.append((x.grad.clone(), w.grad.clone()))
+            w.grad = None
+        return out
+
+    graphed = run()
+    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    # backward 2 (step 3) captures the copying graph; backward 3 (step 4) finds grad_output where backward 2 had
+    # it and captures the in-place one; step 5 copies; step 6 is back at the settled address
+    assert instance.scale_graph.replays == 2 and instance.direct_graph.replays == 2
+    assert instance.direct_at == (settled.data_ptr(), torch.float32) and instance.direct_captures == 1
+    assert len(repr(instance)) < 300  # not the outputs' storages, element by element
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, run()):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_a_negative_view_at_the_settled_address_is_copied_not_read_in_place(cpu_graphs):
+    """``z.conj().imag`` lies where ``z.imag`` does, with the same dtype, but reads as its negation: the graph
+    reading grad_output in place would see the memory, +2, so such a grad_output takes the copying graph."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    z = torch.tensor(1 + 2j)
+    grads = [z.imag] * 4 + [z.conj().imag]
+    assert grads[-1].data_ptr() == grads[0].data_ptr() and grads[-1].is_neg()
+
+    def run():
+        out = []
+        for s, g in enumerate(grads):
+            x, _, t = _inputs(s + 1)
+            x.requires_grad_()
+            fused_linear_cross_entropy(x, w, t).backward(g)
+            out.append((x.grad.clone(), w.grad.clone()))
+            w.grad = None
+        return out
+
+    graphed = run()
+    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    assert instance.direct_graph.replays == 1 and instance.scale_graph.replays == 2
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, run()):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_no_backward_capture_once_graphs_are_off(cpu_graphs):
+    """A forward replayed before ``set_cuda_graphs("off")`` scales its gradients uncaptured in a backward after
+    it: "off" means no capture anywhere (a capture briefly puts torch's CUDA generator in capture mode)."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    grad = torch.ones(())
+    for s in range(3):  # warm-up, forward captured, scaling captured
+        x, _, t = _inputs(s + 1)
+        fused_linear_cross_entropy(x, w, t).backward(grad)
+    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    w.grad = None
+    x, _, t = _inputs(4)
+    loss = fused_linear_cross_entropy(x, w, t)  # replayed
+    set_cuda_graphs("off")
+    grad.fill_(0.5)
+    loss.backward(grad)  # the second backward in a row with grad at one address: would capture the in-place graph
+    assert instance.direct_graph is None and instance.scale_graph.replays == 1
+    expected_w = w.detach().clone().requires_grad_()
+    fused_linear_cross_entropy(x, expected_w, t).backward(grad)
+    assert torch.equal(w.grad, expected_w.grad)
 
 
 def test_backend_wrapper_allows_replay_only_inside_the_compiled_call_and_keeps_boxed_calls():
