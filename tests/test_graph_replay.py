@@ -259,6 +259,20 @@ def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
             assert torch.equal(u, v)
 
 
+def _steps_with_gradients(w, grads, before=lambda step: None):
+    """One step per gradient: ``before(step)``, forward on fresh inputs, ``backward(grads[step])``; returns each
+    step's (dx, dw) copies."""
+    out = []
+    for step, g in enumerate(grads):
+        before(step)
+        x, _, t = _inputs(step + 1)
+        x.requires_grad_()
+        fused_linear_cross_entropy(x, w, t).backward(g)
+        out.append((x.grad.clone(), w.grad.clone()))
+        w.grad = None
+    return out
+
+
 def test_backward_scaling_reads_a_settled_grad_output_where_it_lies(cpu_graphs):
     """Once two backwards in a row got grad_output at one address, the scaling replays a graph that reads it
     there, without copying it: the value there may change in place between calls; a grad_output elsewhere goes
@@ -266,18 +280,10 @@ def test_backward_scaling_reads_a_settled_grad_output_where_it_lies(cpu_graphs):
     _, w, _ = _inputs(0)
     w.requires_grad_()
     settled, elsewhere = torch.ones(()), torch.ones(())
-    steps = [(_inputs(s)[::2], g, factor) for s, (g, factor) in enumerate(
-        [(settled, 1.0), (settled, 1.0), (settled, 0.5), (settled, 3.0), (elsewhere, 0.25), (settled, 1 / 3)])]
+    steps = [(settled, 1.0), (settled, 1.0), (settled, 0.5), (settled, 3.0), (elsewhere, 0.25), (settled, 1 / 3)]
 
     def run():
-        out = []
-        for (x, t), g, factor in steps:
-            x = x.clone().requires_grad_()
-            g.fill_(factor)
-            fused_linear_cross_entropy(x, w, t).backward(g)
-            out.append((x.grad.clone(), w.grad.clone()))
-            w.grad = None
-        return out
+        return _steps_with_gradients(w, [g for g, _ in steps], before=lambda i: steps[i][0].fill_(steps[i][1]))
 
     graphed = run()
     (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
@@ -302,14 +308,7 @@ def test_a_negative_view_at_the_settled_address_is_copied_not_read_in_place(cpu_
     assert grads[-1].data_ptr() == grads[0].data_ptr() and grads[-1].is_neg()
 
     def run():
-        out = []
-        for s, g in enumerate(grads):
-            x, _, t = _inputs(s + 1)
-            x.requires_grad_()
-            fused_linear_cross_entropy(x, w, t).backward(g)
-            out.append((x.grad.clone(), w.grad.clone()))
-            w.grad = None
-        return out
+        return _steps_with_gradients(w, grads)
 
     graphed = run()
     (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
