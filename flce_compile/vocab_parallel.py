@@ -330,8 +330,8 @@ def _shard0_offset(vocab: int, world: int, rank: int, local_rows: int) -> int:
     if local_rows != min(chunk, vocab - start):
         raise ValueError(
             f"the weight's local shard has {local_rows} rows where Shard(0) of {vocab} rows over {world} ranks "
-            f"gives rank {rank} {min(chunk, vocab - start)}: pass its local shard (weight.to_local()) with group= "
-            "and vocab_start="
+            f"gives rank {rank} {min(chunk, vocab - start)}: pass its local shard (weight.to_local()) with group=, "
+            "vocab_start= (its first class) and vocab_size= (all classes)"
         )
     return start
 
@@ -443,7 +443,8 @@ def vocab_parallel_linear_cross_entropy(
     _validate_scalars(ignore_index, logit_scale, z_loss)
     if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
         raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the whole "
-                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype}")
+                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype}; the "
+                         f"vocabulary's size is vocab_size=, or {total} = world size x this rank's rows by default")
     if check_precision(precision) == "precise":
         # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
         raise NotImplementedError(

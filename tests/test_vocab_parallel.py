@@ -485,6 +485,14 @@ def test_the_device_side_tiling_guard(layouts, tiled):
     assert bool(loss.isnan()) is not tiled and bool(lse.isnan().all()) is not tiled
 
 
+def test_a_shard0_shard_of_the_wrong_size_names_every_argument_of_the_fix():
+    from flce_compile.vocab_parallel import _shard0_offset
+
+    assert _shard0_offset(24, 3, 2, 8) == 16
+    with pytest.raises(ValueError, match="group=, vocab_start= .* and vocab_size="):
+        _shard0_offset(24, 3, 1, 9)
+
+
 def test_stats_step_triton_matches_torch():
     """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
     pytest.importorskip("triton")
