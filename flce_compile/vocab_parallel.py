@@ -90,9 +90,10 @@ def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
     otherwise give a wrong loss. One all-gather of three numbers per rank and a host read: on the CPU and under
     FLCE_DEBUG=1 at every call, on the GPU (where the read is a host sync) at the group's first call only, or
-    the first outside a CUDA-graph capture; later calls there have the device-side guard (``_layout_row``,
-    ``_combine``: a NaN loss). Every rank checks the same gathered numbers and every rank of a group makes the
-    same calls, so all raise or none does, and none waits in a collective for a rank that raised."""
+    the first outside a CUDA-graph capture; later calls there have the device-side guard (each rank's layout
+    rides in ``_slice_stats``' all-gather, ``_tiles`` checks it, ``_combine`` returns a NaN loss). Every rank
+    checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
+    and none waits in a collective for a rank that raised."""
     every_call = device.type == "cpu" or os.environ.get("FLCE_DEBUG") == "1"
     if not every_call and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
         return
@@ -125,7 +126,7 @@ def _tiling_problem(layouts: list[list[int]]) -> str | None:
 
 def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int, vocab_total: int) -> Tensor:
     """(3, N + 1): this slice's lse, target z and smoothing sum per token (``CEStepArgs.stats_out``), chunk by
-    chunk, and last this rank's layout (``_layout_row``)."""
+    chunk, and in the last column this rank's first class, rows and classes in all (for ``_tiles``)."""
     x, weight, bias = ops.x, ops.weight, ops.bias
     n = x.shape[0]
     v_local = weight.shape[0]
@@ -443,8 +444,8 @@ def vocab_parallel_linear_cross_entropy(
     _validate_scalars(ignore_index, logit_scale, z_loss)
     if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
         raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the whole "
-                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype}; the "
-                         f"vocabulary's size is vocab_size=, or {total} = world size x this rank's rows by default")
+                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype} (V is "
+                         "vocab_size= when given, else the world size x this rank's rows)")
     if check_precision(precision) == "precise":
         # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
         raise NotImplementedError(
