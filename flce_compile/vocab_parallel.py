@@ -37,7 +37,6 @@ group's ``group_name`` across the custom-op boundary. No value is read back to t
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Mapping, Optional
 
 import torch
@@ -80,6 +79,14 @@ def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
 
 
+def _checks_every_call(group: dist.ProcessGroup) -> bool:
+    """Whether the cross-rank checks (``_check_tiling``, ``_agree_on_arguments``) run at every call on ``group``
+    (a CPU group: gloo) or only at its first (NCCL, where reading the answer is a host sync). From the group's
+    backend, which every rank shares: a setting that could differ between ranks (an environment variable) could
+    send one rank into a collective the others skip."""
+    return "nccl" not in str(dist.get_backend(group))
+
+
 #: Groups whose first vocab-parallel call checked the shards' tiling on the host (on the GPU; see ``_check_tiling``).
 _CHECKED_GROUPS: set[str] = set()
 
@@ -88,14 +95,13 @@ def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v
                   device: torch.device) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
-    otherwise give a wrong loss. One all-gather of three numbers per rank and a host read: on the CPU and under
-    FLCE_DEBUG=1 at every call, on the GPU (where the read is a host sync) at the group's first call only, or
-    the first outside a CUDA-graph capture; later calls there have the device-side guard (each rank's layout
+    otherwise give a wrong loss. One all-gather of three numbers per rank and a host read (``_checks_every_call``:
+    at every call on the CPU; on the GPU, where the read is a host sync, at the group's first call only, or the
+    first outside a CUDA-graph capture); later calls there have the device-side guard (each rank's layout
     rides in ``_slice_stats``' all-gather, ``_tiles`` checks it, ``_combine`` returns a NaN loss). Every rank
     checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
     and none waits in a collective for a rank that raised."""
-    every_call = device.type == "cpu" or os.environ.get("FLCE_DEBUG") == "1"
-    if not every_call and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
+    if not _checks_every_call(group) and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
         return
     mine = torch.tensor([vocab_start, v_local, vocab_total], dtype=torch.int64, device=device)
     every = mine.new_empty(dist.get_world_size(group) * 3)
@@ -382,6 +388,49 @@ def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int 
     return weight, bias, group, start, total
 
 
+#: Groups whose ranks agreed on a call's arguments; on GPU groups the agreement runs at their first call only.
+_AGREED_GROUPS: set[str] = set()
+
+
+def _agreement_group(weight: Any, group: Any) -> Any:
+    """The group whose ranks must agree on a call's arguments: ``group``, or a vocabulary-sharded DTensor weight's
+    mesh group; None when there is none (then the call's own error is the same on every rank)."""
+    if group is not None:
+        return group
+    return weight.device_mesh.get_group() if is_vocab_sharded(weight) else None
+
+
+def _agree_on_arguments(group: Any, error: Exception | None) -> None:
+    """Raise on every rank of ``group`` when any rank refused its arguments (``error``: this rank's refusal, or
+    None), so that no rank waits in the op's first collective for one that raised: an uneven or mistyped
+    layout (``vocab_start``, ``vocab_size``, a shard's rows, a class-weight shape) can be wrong on some ranks
+    only. The ranks exchange their refusals (``all_gather_object``, a host sync): at every call on CPU (gloo)
+    groups, at a group's first call on NCCL ones (``_checks_every_call``). While the call is traced (Dynamo, AOT
+    autograd, a dispatch mode) or a CUDA graph is being captured, a rank raises its own error alone."""
+    # Tracing (Dynamo, asked first: it would break the graph on the rest; AOT autograd's fake-tensor trace, a
+    # dispatch mode on the stack) runs no collective; neither does a capture.
+    if (group is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        if error is not None:
+            raise error
+        return
+    if not _checks_every_call(group) and group.group_name in _AGREED_GROUPS:
+        if error is not None:
+            raise error
+        return
+    refusals: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(refusals, None if error is None else (type(error).__name__, str(error)), group=group)
+    failed = [(rank, refusal) for rank, refusal in enumerate(refusals) if refusal is not None]
+    if not failed:
+        _AGREED_GROUPS.add(group.group_name)
+        return
+    if error is not None and len(failed) == len(refusals) and len({refusal for _, refusal in failed}) == 1:
+        raise error  # every rank refused the same way: its own error, as a single process would raise it
+    ranks = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in failed)
+    raise ValueError(f"vocab_parallel_linear_cross_entropy: the arguments were refused on {len(failed)} of "
+                     f"{len(refusals)} ranks (every rank raises this) - {ranks}") from error
+
+
 def vocab_parallel_linear_cross_entropy(
     input: Tensor,
     weight: Tensor,
@@ -436,16 +485,22 @@ def vocab_parallel_linear_cross_entropy(
             "local logits and the recompute backward's buffers; pass config={'chunk_tokens': ..., 'vocab_block': "
             "...} to make them smaller"
         )
-    weight_local, bias_local, group, start, total = _shard_of(weight, bias, group, vocab_start, vocab_size)
-    input = _replicated_local(input, "input")
-    target = _replicated_local(target, "target")
-    ce_weight = _replicated_local(ce_weight, "ce_weight")
-    _validate(input, weight_local, target, bias_local, None, reduction, label_smoothing, softcap)
-    _validate_scalars(ignore_index, logit_scale, z_loss)
-    if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
-        raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the whole "
-                         f"vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype} (V is "
-                         "vocab_size= when given, else the world size x this rank's rows)")
+    agreeing = _agreement_group(weight, group)
+    try:  # checks that may fail on some ranks only: every rank hears of a refusal before any raises
+        weight_local, bias_local, group, start, total = _shard_of(weight, bias, group, vocab_start, vocab_size)
+        input = _replicated_local(input, "input")
+        target = _replicated_local(target, "target")
+        ce_weight = _replicated_local(ce_weight, "ce_weight")
+        _validate(input, weight_local, target, bias_local, None, reduction, label_smoothing, softcap)
+        _validate_scalars(ignore_index, logit_scale, z_loss)
+        if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):
+            raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the "
+                             f"whole vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype} (V is "
+                             "vocab_size= when given, else the world size x this rank's rows)")
+    except (ValueError, TypeError) as exc:
+        _agree_on_arguments(agreeing, exc)
+        raise
+    _agree_on_arguments(agreeing, None)
     if check_precision(precision) == "precise":
         # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
         raise NotImplementedError(

@@ -301,6 +301,13 @@ def _errors(mesh, group) -> dict:
                                                                           group=group),
         "overlapping": lambda: fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=0,
                                                                       vocab_size=24),
+        # refused on one rank only: the other ranks must raise too, not wait in the op's first collective
+        "off_by_one_start": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t, group=group, vocab_start=0 if rank == 0 else 13, vocab_size=24),
+        "empty_shard": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:24] if rank == 0 else w[24:], t, group=group, vocab_start=0 if rank == 0 else 24, vocab_size=24),
+        "uneven_ce_weight": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:13] if rank == 0 else w[13:], t, group=group, ce_weight=torch.ones(24)),
         "uneven_given": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:13] if rank == 0 else w[13:], t, group=group, vocab_start=0 if rank == 0 else 13, vocab_size=24),
     }
@@ -432,6 +439,10 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("uneven_defaults", ["do not tile", "rank 0 [0, 13), rank 1 [11, 22)", "V = 22 / 26", "vocab_start=",
                          "vocab_size="]),
     ("overlapping", ["do not tile", "rank 0 [0, 12), rank 1 [0, 12) of V = 24"]),
+    ("off_by_one_start", ["refused on 1 of 2 ranks", "rank 1: ValueError: vocab_start=13"]),
+    ("empty_shard", ["refused on 1 of 2 ranks", "rank 1: ValueError: weight has no classes"]),
+    ("uneven_ce_weight", ["refused on 2 of 2 ranks", "rank 0: ValueError: ce_weight", "(26,)", "rank 1:", "(22,)",
+                          "vocab_size="]),
 ])
 def test_errors_name_the_fix(ranks, name, fragments):
     for r in ranks:
