@@ -400,17 +400,25 @@ def _agreement_group(weight: Any, group: Any) -> Any:
     return weight.device_mesh.get_group() if is_vocab_sharded(weight) else None
 
 
-def _agree_on_arguments(group: Any, error: Exception | None) -> None:
+def _traced() -> bool:
+    """Whether this call is being traced, as it is on every rank alike (Dynamo, or AOT autograd's trace with fake
+    tensors): the wrapper's cross-rank check runs no collective then. A user's own dispatch mode (a FLOP counter,
+    perhaps on one rank only) is not tracing: the check runs under it as without it, so the ranks' collectives
+    stay paired."""
+    if torch.compiler.is_compiling():  # (asked first: Dynamo would break the graph on the rest)
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
+
+
+def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None:
     """Raise on every rank of ``group`` when any rank refused its arguments (``error``: this rank's refusal, or
     None), so that no rank waits in the op's first collective for one that raised: an uneven or mistyped
     layout (``vocab_start``, ``vocab_size``, a shard's rows, a class-weight shape) can be wrong on some ranks
-    only. The ranks exchange their refusals (``all_gather_object``, a host sync): at every call on CPU (gloo)
-    groups, at a group's first call on NCCL ones (``_checks_every_call``). While the call is traced (Dynamo, AOT
-    autograd, a dispatch mode) or a CUDA graph is being captured, a rank raises its own error alone."""
-    # Tracing (Dynamo, asked first: it would break the graph on the rest; AOT autograd's fake-tensor trace, a
-    # dispatch mode on the stack) runs no collective; neither does a capture.
-    if (group is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+    only. One all-gather of a flag per rank and a host read (at every call on CPU groups, at a group's first
+    call on NCCL ones: ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused.
+    While the call is traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
+    if group is None or _traced() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         if error is not None:
             raise error
         return
@@ -418,17 +426,31 @@ def _agree_on_arguments(group: Any, error: Exception | None) -> None:
         if error is not None:
             raise error
         return
-    refusals: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(refusals, None if error is None else (type(error).__name__, str(error)), group=group)
-    failed = [(rank, refusal) for rank, refusal in enumerate(refusals) if refusal is not None]
-    if not failed:
+    world = dist.get_world_size(group)
+    flag = torch.tensor([error is not None], dtype=torch.int64, device=_collective_device(group, input))
+    flags = flag.new_empty(world)
+    _all_gather_single(flags, flag, group=group)
+    if not bool(flags.any()):
         _AGREED_GROUPS.add(group.group_name)
         return
-    if error is not None and len(failed) == len(refusals) and len({refusal for _, refusal in failed}) == 1:
+    refusals: list[Any] = [None] * world
+    dist.all_gather_object(refusals, None if error is None else (type(error).__name__, str(error)), group=group)
+    failed = [(rank, refusal) for rank, refusal in enumerate(refusals) if refusal is not None]
+    if error is not None and len(failed) == world and len({refusal for _, refusal in failed}) == 1:
         raise error  # every rank refused the same way: its own error, as a single process would raise it
     ranks = "; ".join(f"rank {rank}: {kind}: {message}" for rank, (kind, message) in failed)
     raise ValueError(f"vocab_parallel_linear_cross_entropy: the arguments were refused on {len(failed)} of "
-                     f"{len(refusals)} ranks (every rank raises this) - {ranks}") from error
+                     f"{world} ranks (every rank raises this) - {ranks}") from error
+
+
+def _collective_device(group: Any, input: Any) -> torch.device:
+    """Where this rank's tensors for a collective on ``group`` go: the CPU for gloo; for NCCL the input's GPU, or
+    the current one when the input is not a CUDA tensor (a refused call's)."""
+    if "nccl" not in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if isinstance(input, Tensor) and input.is_cuda:
+        return input.device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -497,10 +519,10 @@ def vocab_parallel_linear_cross_entropy(
             raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the "
                              f"whole vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype} (V is "
                              "vocab_size= when given, else the world size x this rank's rows)")
-    except (ValueError, TypeError) as exc:
-        _agree_on_arguments(agreeing, exc)
+    except Exception as exc:  # any refusal (a None weight's AttributeError too) is agreed on before it is raised
+        _agree_on_arguments(agreeing, exc, input)
         raise
-    _agree_on_arguments(agreeing, None)
+    _agree_on_arguments(agreeing, None, input)
     if check_precision(precision) == "precise":
         # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
         raise NotImplementedError(

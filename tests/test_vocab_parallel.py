@@ -306,6 +306,8 @@ def _errors(mesh, group) -> dict:
             x, w[:12], t, group=group, vocab_start=0 if rank == 0 else 13, vocab_size=24),
         "empty_shard": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:24] if rank == 0 else w[24:], t, group=group, vocab_start=0 if rank == 0 else 24, vocab_size=24),
+        "none_weight_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12] if rank == 0 else None, t, group=group),
         "uneven_ce_weight": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:13] if rank == 0 else w[13:], t, group=group, ce_weight=torch.ones(24)),
         "uneven_given": lambda: fc.vocab_parallel_linear_cross_entropy(
@@ -319,6 +321,17 @@ def _errors(mesh, group) -> dict:
         except Exception as exc:  # noqa: BLE001 - the message is the result
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _run_with_a_mode_on_rank0(rank: int, world: int, group) -> dict:
+    """The "mean" case with rank 0 alone under a dispatch mode (a FLOP counter, as rank-0-only logging does): the
+    cross-rank checks must run, and pair their collectives, as without it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if rank != 0:
+        return _run_case("mean", rank, world, group)
+    with FlopCounterMode(display=False):
+        return _run_case("mean", rank, world, group)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -337,6 +350,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["compiled"] = _run_compiled(rank, world, group)
         results["compiled_dtensor"] = _run_compiled_dtensor(mesh)
         results["errors"] = _errors(mesh, group)
+        results["mode_on_rank0"] = _run_with_a_mode_on_rank0(rank, world, group)
         results["tp_site"] = _run_tp_site(mesh)
     except Exception:  # noqa: BLE001 - reported by the test
         results["crash"] = traceback.format_exc()
@@ -403,6 +417,10 @@ def test_all_ignored_mean_is_nan_with_zero_gradients(ranks):
         assert not got["dx"].any() and not got["dw"].any()
 
 
+def test_a_dispatch_mode_on_one_rank_keeps_the_collectives_paired(ranks):
+    _check([r["mode_on_rank0"] for r in ranks], _reference("mean"))
+
+
 def test_dtensor_weight_and_bias(ranks):
     x, w, _b, t, _opts, _g = _inputs("dtensor", v=V - 1)
     b = torch.randn(V - 1, generator=torch.Generator().manual_seed(3))
@@ -441,6 +459,7 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("overlapping", ["do not tile", "rank 0 [0, 12), rank 1 [0, 12) of V = 24"]),
     ("off_by_one_start", ["refused on 1 of 2 ranks", "rank 1: ValueError: vocab_start=13"]),
     ("empty_shard", ["refused on 1 of 2 ranks", "rank 1: ValueError: weight has no classes"]),
+    ("none_weight_one_rank", ["refused on 1 of 2 ranks", "rank 1: AttributeError"]),
     ("uneven_ce_weight", ["refused on 2 of 2 ranks", "rank 0: ValueError: ce_weight", "(26,)", "rank 1:", "(22,)",
                           "vocab_size="]),
 ])
@@ -584,7 +603,11 @@ def _gpu_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         x, w, t = _gpu_inputs(torch.device("cuda", rank))
         xs, ws = x.clone().requires_grad_(), w.chunk(world)[rank].clone().requires_grad_()
-        torch.cuda.set_sync_debug_mode("error")  # no host sync anywhere in forward or backward
+        # The group's first call checks the ranks' arguments and shards on the host (one sync each); later ones
+        # have no host sync anywhere in forward or backward.
+        fc.vocab_parallel_linear_cross_entropy(xs, ws, t, group=dist.group.WORLD, **GPU_OPTIONS).backward()
+        xs.grad = ws.grad = None
+        torch.cuda.set_sync_debug_mode("error")
         loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, group=dist.group.WORLD, **GPU_OPTIONS)
         loss.backward()
         torch.cuda.set_sync_debug_mode(0)
