@@ -541,9 +541,9 @@ def _free_instance_locked(key: tuple) -> tuple[list[_Graph] | None, _Graph | Non
 
 
 def replay_allowed_now(cuda: bool) -> bool:
-    """What ``_eligible`` (and the shortcuts) ask of this thread's state on every call, beyond the call's own
-    tensors: graphs not turned off, no ``disabled()`` block, no dispatch mode (a FLOP counter, say, must see
-    every operator), and (``cuda``: the call's tensors are on a GPU) no capture under way on the current
+    """What ``_eligible``, the shortcuts and ``scaled_by_graph`` ask of this thread's state on every call, beyond
+    the call's own tensors: graphs not turned off, no ``disabled()`` block, no dispatch mode (a FLOP counter, say,
+    must see every operator), and (``cuda``: the call's tensors are on a GPU) no capture under way on the current
     stream."""
     if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
         return False
@@ -658,12 +658,10 @@ def scaled_by_graph(grad_scale: torch.Tensor, grad_output: torch.Tensor,
     owner = getattr(grad_scale, "_flce_graph", None)
     if owner is None or type(grad_output) is not torch.Tensor or grad_output.dim() != 0:
         return False
-    if _mode == "off" or _caller.disabled:
-        return False
     # Device indices and is_cuda, not device objects: this runs in every backward of a replayed call.
     if grad_output.get_device() != grad_scale.get_device() or grad_output.is_cuda != grad_scale.is_cuda:
         return False
-    if torch._C._len_torch_dispatch_stack() or (grad_output.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not replay_allowed_now(grad_output.is_cuda):  # the thread state a forward's replay asks of too
         return False
     return owner.scale_grads(grad_output, scale)
 
