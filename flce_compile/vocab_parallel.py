@@ -103,26 +103,26 @@ def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v
     and none waits in a collective for a rank that raised."""
     if not _checks_every_call(group) and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
         return
-    mine = torch.tensor([vocab_start, v_local, vocab_total], dtype=torch.int64, device=device)
-    every = mine.new_empty(dist.get_world_size(group) * 3)
-    _all_gather_single(every, mine, group=group)
-    problem = _tiling_problem(every.view(-1, 3).tolist())
+    problem = _tiling_problem(_all_gathered(group, [vocab_start, v_local, vocab_total], device).tolist())
     if problem is not None:
         raise ValueError(problem)
     _CHECKED_GROUPS.add(group_name)
 
 
+def _all_gathered(group: Any, values: list[int], device: torch.device) -> Tensor:
+    """Every rank's ``values`` (world, len(values)) as int64 on ``device``: one all-gather."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = mine.new_empty(dist.get_world_size(group) * len(values))
+    _all_gather_single(every, mine, group=group)
+    return every.view(-1, len(values))
+
+
 def _tiling_problem(layouts: list[list[int]]) -> str | None:
-    """Why the shards ``layouts`` (per rank: first class, rows, classes in all) do not tile [0, V), or None."""
+    """Why the shards ``layouts`` (per rank: first class, rows, classes in all) do not tile [0, V), or None; the
+    test is the device guard's own (``_tiles``)."""
+    if bool(_tiles(torch.tensor(layouts), layouts[0][2])):
+        return None
     totals = sorted({total for _start, _rows, total in layouts})
-    end = 0
-    for start, rows, _total in sorted(layouts):
-        if start != end:
-            break
-        end = start + rows
-    else:
-        if len(totals) == 1 and end == totals[0]:
-            return None
     shards = ", ".join(f"rank {rank} [{start}, {start + rows})" for rank, (start, rows, _t) in enumerate(layouts))
     return (f"the ranks' weight shards do not tile the vocabulary: classes {shards} of V = "
             f"{' / '.join(map(str, totals))}. Pass each rank's first class id as vocab_start= and the number of "
@@ -427,10 +427,7 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None
             raise error
         return
     world = dist.get_world_size(group)
-    flag = torch.tensor([error is not None], dtype=torch.int64, device=_collective_device(group, input))
-    flags = flag.new_empty(world)
-    _all_gather_single(flags, flag, group=group)
-    if not bool(flags.any()):
+    if not bool(_all_gathered(group, [error is not None], _collective_device(group, input)).any()):
         _AGREED_GROUPS.add(group.group_name)
         return
     refusals: list[Any] = [None] * world
