@@ -99,7 +99,7 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
         return None
     check_targets(target, entry.vocab, entry.ignore_index)
     return graph_replay.replay_free_instance(
-        entry.graph_key, lambda graph: _APPLY(input, weight, target, graph, entry.hidden))
+        entry.graph_key, input, weight, target, lambda graph: _APPLY(input, weight, target, graph, entry.hidden))
 
 
 def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:

@@ -5,9 +5,12 @@ At GPT-2's 2048 x 768 x 50304 the GPU finishes a forward + backward in about 1 m
 (the chunk loop, a dozen launches, allocations) takes as long (issue #13). A CUDA graph issues the same work
 in one launch. The first call with a given key runs as usual (it compiles the Triton kernels, warms cuBLAS);
 the second captures the chunk loop into a graph on a side stream and replays it; later calls only copy the
-hidden states and targets into the graph's own input buffers and replay. From an instance's second backward
-on, backward's scaling of the outputs by grad_output is replayed from a small graph too. The results are
-bit-identical to the uncaptured loop: the same kernels with the same launch parameters run on the same data.
+hidden states and targets into the graph's own input buffers and replay. Once an instance gets them at the same
+addresses twice in a row (a training loop's allocator hands out the same blocks each step), it is captured again
+reading them where they lie, and calls with them there replay it with no copies (``_Graph.bound_at``). From an
+instance's second backward on, backward's scaling of the outputs by grad_output is replayed from a small graph
+too. The results are bit-identical to the uncaptured loop: the same kernels with the same launch parameters run
+on the same data.
 
 What a graph keys on (``replayed_forward``): device, calling stream, shapes, dtypes, the weight's (and bias's and
 class weights') address and strides, the loss options, the resolved config, the requested gradients and torch's
@@ -69,6 +72,9 @@ MAX_GRAPHS = 4
 MAX_INSTANCES = 2
 #: A key captured this many times (evicted and back, again and again) runs uncaptured from then on.
 MAX_CAPTURES_PER_KEY = 3
+#: Captures per key that read the hidden states and targets in place (``_Graph.bound_at``); after that, a key
+#: whose inputs keep moving between addresses copies them in.
+MAX_BINDS = 3
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Tensor types a replayed call may take (a subclass may mean a mode or wrapper the graph would not see).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -199,8 +205,8 @@ class _Graph:
     on every check cost a few microseconds per output per call (issue #13)."""
 
     graph: Any  # torch.cuda.CUDAGraph
-    x: torch.Tensor
-    target: torch.Tensor
+    x: torch.Tensor | None  # the graph's own input buffers, which each call copies into (None when bound)
+    target: torch.Tensor | None
     out: ForwardResult
     handed: tuple[torch.Tensor, ...]
     storages: tuple[int, ...]  # each handed output's StorageImpl address, whose uses ``free`` counts
@@ -217,10 +223,16 @@ class _Graph:
     last_grad_at: tuple | None = None  # (address, dtype) of the previous backward's grad_output
     direct_captures: int = 0
     direct_bytes: int = 0  # what ``direct_graph``'s pool holds (it replaces the last one's)
+    # The forward's own capture (``_capture``): ``run`` captures it again, reading the call's hidden states and
+    # targets in place when the instance gets them at one address twice in a row (``last_at``); a bound instance
+    # replays only for calls with them at ``bound_at`` and copies nothing.
+    run: Callable[[Operands], ForwardResult] | None = None
+    bound_at: tuple[int, int] | None = None  # (hidden states' address, targets' address) the graph reads
+    last_at: tuple[int, int] | None = None  # the addresses of this instance's last call (unbound instances)
 
     def __repr__(self) -> str:
-        return (f"_Graph(x={tuple(self.x.shape)} {self.x.dtype} on {self.x.device}, held_bytes={self.held_bytes}, "
-                f"backwards={self.backwards}, scale_graph={self.scale_graph is not None}, direct_at={self.direct_at})")
+        return (f"_Graph(bound_at={self.bound_at}, held_bytes={self.held_bytes}, backwards={self.backwards}, "
+                f"scale_graph={self.scale_graph is not None}, direct_at={self.direct_at})")
 
     def free(self) -> bool:
         """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
@@ -228,8 +240,10 @@ class _Graph:
                 and _python_refs(self.storage_objects) == self.base_refs)
 
     def replay(self, x: torch.Tensor, target: torch.Tensor) -> ForwardResult:
-        self.x.copy_(x)
-        self.target.copy_(target)
+        """The forward on ``x`` and ``target`` (a bound instance's caller has checked they lie at ``bound_at``)."""
+        if self.bound_at is None:
+            self.x.copy_(x)
+            self.target.copy_(target)
         self.graph.replay()
         out = self.out
         grad_scale = _alias(out.grad_scale)
@@ -316,8 +330,9 @@ class _Cache:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.graphs: OrderedDict[tuple, list[_Graph]] = OrderedDict()
-        self.seen: OrderedDict[tuple, None] = OrderedDict()
+        self.seen: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # key -> its warm-up call's input addresses
         self.captures: dict[tuple, int] = {}
+        self.binds: dict[tuple, int] = {}
         self.failed: set[tuple] = set()
 
     def count(self) -> int:
@@ -340,6 +355,7 @@ def clear() -> None:
         _cache.graphs.clear()
         _cache.seen.clear()
         _cache.captures.clear()
+        _cache.binds.clear()
         _cache.failed.clear()
     _BODY_SHORTCUTS.clear()
 
@@ -456,14 +472,15 @@ def replayed_forward(
            _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
            torch.is_inference_mode_enabled(), math_settings()) + key_extra
     with _cache.lock:
-        instances, free = _free_instance_locked(key)
+        instances, free = _free_instance_locked(key, ops.x, ops.target, lambda: ops)
         if free is not None:
             return free.replay(ops.x, ops.target)
+        at = _addresses(ops.x, ops.target)
         if instances is not None:
             if len(instances) >= MAX_INSTANCES:
                 return None
         elif key not in _cache.seen:  # the first call warms up (Triton compiles, cuBLAS initialises)
-            _cache.seen[key] = None
+            _cache.seen[key] = at
             while len(_cache.seen) > 256:
                 _cache.seen.popitem(last=False)
             return None
@@ -474,8 +491,11 @@ def replayed_forward(
         _cache.captures[key] = _cache.captures.get(key, 0) + 1
         if len(_cache.captures) > 1024:
             _cache.captures.clear()
+            _cache.binds.clear()
+        # The warm-up call had its inputs where this one has them: read them there from the start.
+        bind = instances is None and _cache.seen.get(key) == at and _take_bind(key)
         try:
-            g = _capture(ops, run, _current_stream(device))
+            g = _capture(ops, run, _current_stream(device), bind=bind)
         except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
             _cache.failed.add(key)
             logger.warning("flce: CUDA-graph capture of the fused op failed, running it uncaptured: %r", exc)
@@ -514,30 +534,95 @@ def record_shortcut(table: dict, limit: int, key: tuple | None, value_of: Callab
     table[key] = value_of(graph_key)
 
 
-def replay_free_instance(key: tuple, run: Callable[[_Graph], Any]) -> Any:
-    """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds, under the cache's lock (so
-    no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when
-    the key was dropped (evicted, ``clear``) or every instance is busy. For the shortcuts, which keyed the call
-    themselves; counts as a use of the key, as a replay through ``replayed_forward`` does, and is what
-    ``record_shortcut`` records."""
+def replay_free_instance(key: tuple, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         run: Callable[[_Graph], Any]) -> Any:
+    """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds and that can read ``x`` and
+    ``target`` (the call's hidden states and targets, of any leading dimensions), under the cache's lock (so no
+    other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when the
+    key was dropped (evicted, ``clear``) or every instance is busy. For the shortcuts, which keyed the call
+    themselves (a call without bias or class weights); counts as a use of the key, as a replay through
+    ``replayed_forward`` does, and is what ``record_shortcut`` records."""
+    def operands() -> Operands:
+        return Operands(x.view(-1, x.shape[-1]), weight, target.view(-1))
+
     with _cache.lock:
-        _, free = _free_instance_locked(key)
+        _, free = _free_instance_locked(key, x, target, operands)
         return run(free) if free is not None else None
 
 
-def _free_instance_locked(key: tuple) -> tuple[list[_Graph] | None, _Graph | None]:
-    """(``key``'s captured instances or None, the first whose outputs nobody holds or None), the key marked as
-    used and, when an instance is free, as this thread's replayed key. The caller holds ``_cache.lock`` and
-    replays the free instance before releasing it."""
+def _addresses(x: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+    return x.data_ptr(), target.data_ptr()
+
+
+def _free_instance_locked(key: tuple, x: torch.Tensor, target: torch.Tensor, operands: Callable[[], Operands]
+                          ) -> tuple[list[_Graph] | None, _Graph | None]:
+    """(``key``'s captured instances or None, an instance to replay for a call on ``x`` and ``target`` or None),
+    the key marked as used and, when there is an instance to replay, as this thread's replayed key. The caller
+    holds ``_cache.lock`` and replays the instance before releasing it.
+
+    Of the instances whose outputs nobody holds, one bound where the call's inputs lie comes first, then one
+    that copies them in. A copying instance that gets them at its last call's addresses again is captured anew
+    bound there (``operands()``: the call's operands, for the capture), and a free instance bound elsewhere, when
+    no other can take the call, is captured anew copying: either replaces the old instance, whose memory it
+    frees."""
     instances = _cache.graphs.get(key)
     if instances is None:
         return None, None
     _cache.graphs.move_to_end(key)
-    for g in instances:
-        if g.free():
+    at = _addresses(x, target)
+    copying = elsewhere = None
+    for i, g in enumerate(instances):
+        if not g.free():
+            continue
+        if g.bound_at is None:
+            if copying is None:
+                copying = i
+        elif g.bound_at == at:
             _caller.replayed_key = key
             return instances, g
-    return instances, None
+        elif elsewhere is None:
+            elsewhere = i
+    if copying is not None:
+        g = instances[copying]
+        settled, g.last_at = g.last_at == at, at
+        if settled and _take_bind(key):
+            g = _captured_again(key, instances, copying, operands(), bind=True) or g
+    elif elsewhere is not None:
+        g = _captured_again(key, instances, elsewhere, operands(), bind=False)
+        if g is None:
+            return instances, None
+    else:
+        return instances, None
+    _caller.replayed_key = key
+    return instances, g
+
+
+def _take_bind(key: tuple) -> bool:
+    """Whether ``key`` may capture one more graph that reads its inputs in place (``MAX_BINDS``); counts it."""
+    taken = _cache.binds.get(key, 0)
+    if taken >= MAX_BINDS:
+        return False
+    _cache.binds[key] = taken + 1
+    return True
+
+
+def _captured_again(key: tuple, instances: list[_Graph], i: int, ops: Operands, *, bind: bool) -> _Graph | None:
+    """Instance ``i`` of ``key`` captured anew on ``ops``, reading their hidden states and targets in place
+    (``bind``) or copies of them, in the old instance's place (the old one's outputs are free: nothing held is
+    lost); None when the key's captures have failed before or this one fails (logged; the key then captures
+    nothing more, and its instances serve the calls they can)."""
+    if key in _cache.failed:
+        return None
+    try:
+        g = _capture(ops, instances[i].run, _current_stream(ops.x.device), bind=bind)
+    except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
+        _cache.failed.add(key)
+        logger.warning("flce: CUDA-graph capture of the fused op %s failed, running such calls uncaptured: %r",
+                       "reading its inputs in place" if bind else "copying its inputs", exc)
+        return None
+    instances[i] = g
+    logger.debug("flce: captured the fused op again, %s", "reading its inputs in place" if bind else "copying them")
+    return g
 
 
 def replay_allowed_now(cuda: bool) -> bool:
@@ -586,7 +671,7 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
             torch.is_inference_mode_enabled(), math_settings(), choice_generations(cuda))
 
 
-def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tensor) -> ForwardResult | None:
+def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | None:
     """The forward of a body call through its shortcut (``body_shortcut_key``), or None: run the full body."""
     graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
     if graph_key is None:
@@ -596,7 +681,8 @@ def body_shortcut_replay(key: tuple | None, x: torch.Tensor, target: torch.Tenso
         return None
     if not _caller.allowed and _inductor_graph_trees(torch.device("cuda", key[2]) if cuda else _CPU):
         return None
-    return replay_free_instance(graph_key, lambda g: g.replay(x, target))
+    x, target = ops.x, ops.target
+    return replay_free_instance(graph_key, x, ops.weight, target, lambda g: g.replay(x, target))
 
 
 def body_shortcut_remember(key: tuple | None) -> None:
@@ -605,18 +691,27 @@ def body_shortcut_remember(key: tuple | None) -> None:
     record_shortcut(_BODY_SHORTCUTS, MAX_BODY_SHORTCUTS, key, lambda graph_key: graph_key)
 
 
-def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any) -> _Graph:
-    """Capture ``run`` on copies of the hidden states and targets, ordered after ``stream``."""
-    x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
-    static = dataclasses.replace(ops, x=x, target=target)
-    graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream)
+def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any, *, bind: bool = False
+             ) -> _Graph:
+    """Capture ``run`` ordered after ``stream``, on copies of the hidden states and targets, or (``bind``) on
+    them where they lie: the graph then keeps only their addresses, which a call must match to replay it."""
+    if bind:  # the caller's memory, not its tensors (nothing may keep its leaves, or their .grad, alive)
+        x = target = None
+        static = dataclasses.replace(ops, x=ops.x.detach(), target=ops.target.detach())
+    else:
+        x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
+        static = dataclasses.replace(ops, x=x, target=target)
+    with torch.no_grad():  # a shortcut captures again outside the op's autograd Function
+        graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream)
     if out.lse is not None or out.logits is not None:
         raise RuntimeError("only forwards that form their gradients are captured")
     handed = tuple(t for t in (out.dx, out.dw, out.db, out.grad_scale) if t is not None)
     storage_objects = tuple(t.untyped_storage() for t in handed)
     storages = tuple(o._cdata for o in storage_objects)
+    buffers = 0 if bind else x.nbytes + target.nbytes
+    at = _addresses(ops.x, ops.target)
     g = _Graph(graph, x, target, out, handed, storages, tuple(map(_storage_uses, storages)), storage_objects, (),
-               pool_bytes + x.nbytes + target.nbytes)
+               pool_bytes + buffers, run=run, bound_at=at if bind else None, last_at=at)
     g.base_refs = _python_refs(g.storage_objects)  # read as ``free`` reads them, from where it reads them
     return g
 

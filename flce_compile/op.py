@@ -172,7 +172,7 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
     ops = Operands(input, weight, target, bias, ce_weight)
     # A call like one whose forward was replayed goes straight to that graph (``graph_replay``'s body shortcut).
     shortcut = graph_replay.body_shortcut_key(ops, (params, accum_dtype, compute_dx, compute_dw, compute_db, config))
-    r = graph_replay.body_shortcut_replay(shortcut, input, target)
+    r = graph_replay.body_shortcut_replay(shortcut, ops)
     if r is not None:
         return r
     later = grads_in_backward(p, config)
@@ -181,7 +181,9 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
         grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db)
 
         def run(o: Operands) -> ForwardResult:
-            return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
+            # In its own context too: graph_replay may capture it again later from a shortcut, outside this one.
+            with op_context(o.x.device):
+                return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
 
         r = graph_replay.replayed_forward(
             ops, (params, accum_dtype, cfg, grads), run, grads_in_forward=not later,

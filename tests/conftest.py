@@ -46,9 +46,9 @@ def cpu_graphs(monkeypatch):
     captures = []
     real_capture = graph_replay._capture
 
-    def capture(ops, run, stream):
+    def capture(ops, run, stream, *, bind=False):
         captures.append(ops.weight.data_ptr())  # not the operands: holding the caller's input would hold its .grad
-        return real_capture(ops, run, stream)
+        return real_capture(ops, run, stream, bind=bind)
 
     def captured(fn, device, stream, *, outputs=True):
         result = fn() if outputs else None  # a real capture runs nothing; outputs need allocating here

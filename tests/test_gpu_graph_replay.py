@@ -126,6 +126,36 @@ def test_the_scaling_reads_a_settled_grad_output_in_place_bit_identically():
             assert torch.equal(a, b)
 
 
+def test_inputs_read_in_place_where_they_settle_are_bit_identical_and_never_read_elsewhere():
+    """A loop whose hidden states and targets stay at one address (values changed in place) replays a graph that
+    reads them there; inputs elsewhere get the copying graph, then a bound one again once they settle."""
+    x0, w0, t0 = _inputs(0)
+
+    def run():
+        w = w0.clone().requires_grad_()
+        a, b = (x0.clone(), t0.clone()), ((x0 * 0.5).clone(), t0.flip(0).clone())
+        out, bound = [], []
+        for x, t in [a] * 4 + [b] + [a] * 3:
+            with torch.no_grad():
+                x.mul_(1.25)
+            loss = fused_linear_cross_entropy(x.requires_grad_(), w, t)
+            loss.backward()
+            out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
+            x.grad = w.grad = None
+            del loss
+            bound.append([g.bound_at is not None and g.x is None for gs in graph_replay._cache.graphs.values()
+                          for g in gs])
+        return out, bound
+
+    graphed, bound = run()
+    assert bound == [[], [True], [True], [True], [False], [False], [True], [True]]
+    set_cuda_graphs("off")
+    expected, _ = run()
+    for got, want in zip(graphed, expected):
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+
+
 def test_outputs_held_by_the_caller_are_never_overwritten():
     x, w, t = _inputs(0)
     w.requires_grad_()

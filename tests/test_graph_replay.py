@@ -341,6 +341,77 @@ def test_no_backward_capture_once_graphs_are_off(cpu_graphs):
     assert torch.equal(w.grad, expected_w.grad)
 
 
+def _instances():
+    return [g for gs in graph_replay._cache.graphs.values() for g in gs]
+
+
+def _steps_at(w, places):
+    """One step per (x, t) of ``places``: x's values changed in place (same memory), forward, backward; returns
+    each step's (loss, dx, dw) copies and the instances' ``bound_at`` after it."""
+    out, bound = [], []
+    for x, t in places:
+        with torch.no_grad():
+            x.mul_(1.25)
+        loss = fused_linear_cross_entropy(x.requires_grad_(), w, t)
+        loss.backward()
+        out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+        del loss
+        bound.append([g.bound_at for g in _instances()])
+    return out, bound
+
+
+def _two_places():
+    (xa, _, ta), (xb, _, tb) = _inputs(1), _inputs(2)
+    return (xa, ta), (xb, tb)
+
+
+def _addresses(place):
+    return place[0].data_ptr(), place[1].data_ptr()
+
+
+def test_inputs_where_the_last_call_had_them_are_read_in_place_and_never_elsewhere(cpu_graphs, shortcut_hits):
+    """A call with its hidden states and targets where the key's last call had them replays a graph that reads
+    them there, with no copies (values changed in place are read); inputs elsewhere get a copying graph again,
+    in the bound one's place. Every result is the uncaptured one."""
+    from flce_compile import eager_shortcut
+
+    hits = shortcut_hits(eager_shortcut, "replay")
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    a, b = _two_places()
+    graphed, bound = _steps_at(w, [a, a, a, a, b, a])
+    # step 1 warms up; step 2 has its inputs where step 1 had them: captured reading them in place; step 5's
+    # are elsewhere: captured copying them (through the shortcut), and step 6 copies too (its last call was at b)
+    assert bound == [[], [_addresses(a)], [_addresses(a)], [_addresses(a)], [None], [None]]
+    assert hits == [False, False, True, True, True, True]
+    assert len(cpu_graphs) == 2 and _instances()[0].x is not None
+    set_cuda_graphs("off")
+    a, b = _two_places()
+    expected, _ = _steps_at(w, [a, a, a, a, b, a])
+    for got, want in zip(graphed, expected):
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+
+
+def test_a_key_whose_inputs_keep_moving_binds_a_bounded_number_of_times(cpu_graphs):
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    a, b = _two_places()
+    places = [a, a, b, b] * 3
+    graphed, bound = _steps_at(w, places)
+    # bound at a, b, a (MAX_BINDS), each undone by the next move; from then on the copying graph takes them all
+    at_a, at_b = _addresses(a), _addresses(b)
+    assert graph_replay.MAX_BINDS == 3 and len(cpu_graphs) == 2 * graph_replay.MAX_BINDS
+    assert bound == [[]] + [[at] for at in (at_a, None, at_b, None, at_a, None)] + [[None]] * 5
+    set_cuda_graphs("off")
+    a, b = _two_places()
+    expected, _ = _steps_at(w, [a, a, b, b] * 3)
+    for got, want in zip(graphed, expected):
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+
+
 def test_backend_wrapper_allows_replay_only_inside_the_compiled_call_and_keeps_boxed_calls():
     from flce_compile.compiler.backend import _AllowGraphReplay
 
