@@ -37,6 +37,7 @@ group's ``group_name`` across the custom-op boundary. No value is read back to t
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any, Mapping, Optional
 
 import torch
@@ -88,10 +89,12 @@ def _checks_every_call(group: dist.ProcessGroup) -> bool:
 
 
 #: Groups whose first vocab-parallel call checked the shards' tiling on the host (on the GPU; see ``_check_tiling``).
-_CHECKED_GROUPS: set[str] = set()
+#: The group objects, not their names: torch names a new world's groups "0", "1", ... again after
+#: ``destroy_process_group()``, and a new group must get its own first-call checks.
+_CHECKED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 
-def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v_local: int, vocab_total: int,
+def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, vocab_total: int,
                   device: torch.device) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
@@ -101,12 +104,17 @@ def _check_tiling(group: dist.ProcessGroup, group_name: str, vocab_start: int, v
     rides in ``_slice_stats``' all-gather, ``_tiles`` checks it, ``_combine`` returns a NaN loss). Every rank
     checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
     and none waits in a collective for a rank that raised."""
-    if not _checks_every_call(group) and (group_name in _CHECKED_GROUPS or torch.cuda.is_current_stream_capturing()):
+    if not _checks_every_call(group) and (group in _CHECKED_GROUPS or _capturing()):
         return
     problem = _tiling_problem(_all_gathered(group, [vocab_start, v_local, vocab_total], device).tolist())
     if problem is not None:
         raise ValueError(problem)
-    _CHECKED_GROUPS.add(group_name)
+    _CHECKED_GROUPS.add(group)
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never on a torch without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _all_gathered(group: Any, values: list[int], device: torch.device) -> Tensor:
@@ -214,7 +222,7 @@ def vocab_parallel_cross_entropy_op(
     over the group ``group_name``; see the module docstring. ``accum_dtype`` is for backward."""
     group = _group(group_name)
     # First: a rank whose own checks raised while the others waited in a collective would hang them.
-    _check_tiling(group, group_name, vocab_start, weight.shape[0], vocab_total, input.device)
+    _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device)
     p = decode_params(params)
     check_targets(target, vocab_total, p.ignore_index)
     ops = Operands(input, weight, target, bias, ce_weight)
@@ -389,7 +397,8 @@ def _shard_of(weight: Tensor, bias: Tensor | None, group: Any, vocab_start: int 
 
 
 #: Groups whose ranks agreed on a call's arguments; on GPU groups the agreement runs at their first call only.
-_AGREED_GROUPS: set[str] = set()
+#: (Group objects, as ``_CHECKED_GROUPS``.)
+_AGREED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _agreement_group(weight: Any, group: Any) -> Any:
@@ -418,17 +427,17 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None
     only. One all-gather of a flag per rank and a host read (at every call on CPU groups, at a group's first
     call on NCCL ones: ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused.
     While the call is traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
-    if group is None or _traced() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if group is None or _traced() or _capturing():
         if error is not None:
             raise error
         return
-    if not _checks_every_call(group) and group.group_name in _AGREED_GROUPS:
+    if not _checks_every_call(group) and group in _AGREED_GROUPS:
         if error is not None:
             raise error
         return
     world = dist.get_world_size(group)
     if not bool(_all_gathered(group, [error is not None], _collective_device(group, input)).any()):
-        _AGREED_GROUPS.add(group.group_name)
+        _AGREED_GROUPS.add(group)
         return
     refusals: list[Any] = [None] * world
     dist.all_gather_object(refusals, None if error is None else (type(error).__name__, str(error)), group=group)

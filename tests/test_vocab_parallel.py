@@ -523,6 +523,35 @@ def test_a_shard0_shard_of_the_wrong_size_names_every_argument_of_the_fix():
         _shard0_offset(24, 3, 1, 9)
 
 
+def test_a_new_world_reusing_group_names_gets_its_own_first_call_checks(monkeypatch):
+    """After ``destroy_process_group()`` torch names a new world's groups as it named the last one's. On GPU groups
+    the cross-rank checks run at a group's first call only; a new group under an old name must still get them
+    (here one gloo rank with the GPU cadence, whose shard in the second world misses half the classes: unchecked,
+    its loss would be NaN instead of the error)."""
+    import torch.distributed as dist
+
+    from flce_compile import vocab_parallel
+
+    monkeypatch.setattr(vocab_parallel, "_checks_every_call", lambda group: False)
+    x, w, _b, t, _o, _g = _inputs("mean")
+    names = []
+    for world in range(2):
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            group = dist.new_group([0])
+            names.append(group.group_name)
+            if world == 0:  # the group's first call: checked, and fine
+                assert torch.isfinite(fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group))
+            else:
+                with pytest.raises(ValueError, match="do not tile the vocabulary"):
+                    fc.vocab_parallel_linear_cross_entropy(x, w[:12], t, group=group, vocab_start=0, vocab_size=V)
+        finally:
+            dist.destroy_process_group()
+    assert names[0] == names[1]
+
+
 def test_stats_step_triton_matches_torch():
     """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
     pytest.importorskip("triton")
