@@ -24,7 +24,8 @@ Python references to their storage objects, are back to what the graph alone hol
 first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
 and beyond that a call runs uncaptured. Nothing a caller holds is ever overwritten. As with the caching
 allocator, a consumer on another stream must be ordered after its own use before it drops the tensor. A capture
-(the forward's, once per key and instance; the backward scaling's, a few times per instance) puts torch's default
+(the forward's, once per key and instance and again when its inputs settle or move; the backward scaling's, a few
+times per instance) puts torch's default
 CUDA generator into capture mode while it lasts: another thread drawing CUDA random numbers in that moment gets an
 error from torch ("off" avoids it: then nothing is captured, in forward or backward). A capture that fails leaves
 the call to the uncaptured loop.
@@ -214,6 +215,8 @@ class _Graph:
     storage_objects: tuple  # each handed output's Python storage object, whose references ``free`` counts
     base_refs: tuple[int, ...]
     held_bytes: int
+    pool_bytes: int = 0  # what the forward graph's memory pool holds (a replacement reuses it: ``retire``)
+    target_dtype: torch.dtype | None = None  # the targets' dtype the graph was captured for
     backwards: int = 0
     scale_graph: Any = None
     scale_in: torch.Tensor | None = None
@@ -224,15 +227,22 @@ class _Graph:
     direct_captures: int = 0
     direct_bytes: int = 0  # what ``direct_graph``'s pool holds (it replaces the last one's)
     # The forward's own capture (``_capture``): ``run`` captures it again, reading the call's hidden states and
-    # targets in place when the instance gets them at one address twice in a row (``last_at``); a bound instance
-    # replays only for calls with them at ``bound_at`` and copies nothing.
+    # targets in place when the instance gets them where its last call had them (``last_at``); a bound instance
+    # replays only for calls with them at ``bound_at`` and copies nothing. (Both as ``_addresses`` gives them.)
     run: Callable[[Operands], ForwardResult] | None = None
-    bound_at: tuple[int, int] | None = None  # (hidden states' address, targets' address) the graph reads
-    last_at: tuple[int, int] | None = None  # the addresses of this instance's last call (unbound instances)
+    bound_at: tuple | None = None  # where the hidden states and targets the graph reads lie
+    last_at: tuple | None = None  # where the last call's lay
 
     def __repr__(self) -> str:
         return (f"_Graph(bound_at={self.bound_at}, held_bytes={self.held_bytes}, backwards={self.backwards}, "
                 f"scale_graph={self.scale_graph is not None}, direct_at={self.direct_at})")
+
+    def retire(self) -> None:
+        """Drop what this free instance holds (outputs, input buffers, scaling graphs) but its forward graph, which
+        keeps the graph's memory pool alive for the capture that replaces it to reuse (``_captured_again``): the
+        instance is never replayed again."""
+        self.out = self.handed = self.storage_objects = self.x = self.target = self.scale_in = None
+        self.scale_graph = self.direct_graph = None
 
     def free(self) -> bool:
         """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
@@ -472,7 +482,7 @@ def replayed_forward(
            _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
            torch.is_inference_mode_enabled(), math_settings()) + key_extra
     with _cache.lock:
-        instances, free = _free_instance_locked(key, ops.x, ops.target, lambda: ops)
+        instances, free = _free_instance_locked(key, ops.x, ops.target, lambda dtype: ops)
         if free is not None:
             return free.replay(ops.x, ops.target)
         at = _addresses(ops.x, ops.target)
@@ -493,7 +503,7 @@ def replayed_forward(
             _cache.captures.clear()
             _cache.binds.clear()
         # The warm-up call had its inputs where this one has them: read them there from the start.
-        bind = instances is None and _cache.seen.get(key) == at and _take_bind(key)
+        bind = instances is None and at is not None and _cache.seen.get(key) == at and _take_bind(key)
         try:
             g = _capture(ops, run, _current_stream(device), bind=bind)
         except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
@@ -537,34 +547,41 @@ def record_shortcut(table: dict, limit: int, key: tuple | None, value_of: Callab
 def replay_free_instance(key: tuple, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          run: Callable[[_Graph], Any]) -> Any:
     """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds and that can read ``x`` and
-    ``target`` (the call's hidden states and targets, of any leading dimensions), under the cache's lock (so no
-    other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None, running nothing, when the
-    key was dropped (evicted, ``clear``) or every instance is busy. For the shortcuts, which keyed the call
-    themselves (a call without bias or class weights); counts as a use of the key, as a replay through
-    ``replayed_forward`` does, and is what ``record_shortcut`` records."""
-    def operands() -> Operands:
-        return Operands(x.view(-1, x.shape[-1]), weight, target.view(-1))
+    ``target`` (the call's hidden states and targets, of any leading dimensions, the targets of any integer dtype),
+    under the cache's lock (so no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None,
+    running nothing, when the key was dropped (evicted, ``clear``), every instance is busy, or capturing one for
+    this call failed. For the shortcuts, which keyed the call themselves (a call without bias or class weights);
+    counts as a use of the key, as a replay through ``replayed_forward`` does, and is what ``record_shortcut``
+    records."""
+    def operands(dtype: torch.dtype) -> Operands:  # the full path converts the targets to the graph's dtype
+        return Operands(x.view(-1, x.shape[-1]), weight, target.view(-1).to(dtype))
 
     with _cache.lock:
         _, free = _free_instance_locked(key, x, target, operands)
         return run(free) if free is not None else None
 
 
-def _addresses(x: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
-    return x.data_ptr(), target.data_ptr()
+def _addresses(x: torch.Tensor, target: torch.Tensor) -> tuple | None:
+    """Where a call's hidden states and targets lie, with the targets' dtype (a graph keyed on other targets'
+    dtype reads converted copies), as a bound graph reads them in place; None when their memory is not their
+    value (a negative view, a zero tensor): such a call copies. (The hidden states' dtype is in every key.)"""
+    if x.is_neg() or target.is_neg() or x._is_zerotensor() or target._is_zerotensor():
+        return None
+    return x.data_ptr(), target.data_ptr(), target.dtype
 
 
-def _free_instance_locked(key: tuple, x: torch.Tensor, target: torch.Tensor, operands: Callable[[], Operands]
-                          ) -> tuple[list[_Graph] | None, _Graph | None]:
+def _free_instance_locked(key: tuple, x: torch.Tensor, target: torch.Tensor,
+                          operands: Callable[[torch.dtype], Operands]) -> tuple[list[_Graph] | None, _Graph | None]:
     """(``key``'s captured instances or None, an instance to replay for a call on ``x`` and ``target`` or None),
     the key marked as used and, when there is an instance to replay, as this thread's replayed key. The caller
     holds ``_cache.lock`` and replays the instance before releasing it.
 
     Of the instances whose outputs nobody holds, one bound where the call's inputs lie comes first, then one
-    that copies them in. A copying instance that gets them at its last call's addresses again is captured anew
-    bound there (``operands()``: the call's operands, for the capture), and a free instance bound elsewhere, when
-    no other can take the call, is captured anew copying: either replaces the old instance, whose memory it
-    frees."""
+    that copies them in. A copying instance that gets them where its last call had them is captured anew, bound
+    there, and a free instance bound elsewhere, when no other can take the call, is captured anew copying
+    (``operands(dtype)``: the call's operands, its targets in that dtype, for the capture): either replaces the
+    old instance and reuses its memory. When that capture fails the old instance is gone too, and the answer is
+    None."""
     instances = _cache.graphs.get(key)
     if instances is None:
         return None, None
@@ -584,14 +601,15 @@ def _free_instance_locked(key: tuple, x: torch.Tensor, target: torch.Tensor, ope
             elsewhere = i
     if copying is not None:
         g = instances[copying]
-        settled, g.last_at = g.last_at == at, at
-        if settled and _take_bind(key):
-            g = _captured_again(key, instances, copying, operands(), bind=True) or g
-    elif elsewhere is not None:
-        g = _captured_again(key, instances, elsewhere, operands(), bind=False)
-        if g is None:
-            return instances, None
+        settled = at is not None and at == g.last_at and at[2] == g.target_dtype
+        g.last_at = at
+        if settled and key not in _cache.failed and _take_bind(key):
+            g = _captured_again(key, instances, copying, operands(g.target_dtype), bind=True)
+    elif elsewhere is not None and key not in _cache.failed:
+        g = _captured_again(key, instances, elsewhere, operands(instances[elsewhere].target_dtype), bind=False)
     else:
+        g = None
+    if g is None:
         return instances, None
     _caller.replayed_key = key
     return instances, g
@@ -607,17 +625,21 @@ def _take_bind(key: tuple) -> bool:
 
 
 def _captured_again(key: tuple, instances: list[_Graph], i: int, ops: Operands, *, bind: bool) -> _Graph | None:
-    """Instance ``i`` of ``key`` captured anew on ``ops``, reading their hidden states and targets in place
-    (``bind``) or copies of them, in the old instance's place (the old one's outputs are free: nothing held is
-    lost); None when the key's captures have failed before or this one fails (logged; the key then captures
-    nothing more, and its instances serve the calls they can)."""
-    if key in _cache.failed:
-        return None
+    """Instance ``i`` of ``key`` (free: nothing held is lost) captured anew on ``ops``, reading their hidden states
+    and targets in place (``bind``) or copies of them, in the old one's place and its memory pool: the old outputs
+    are dropped first, so the new graph's take their memory instead of adding to it. None when the capture fails
+    (logged): the old instance is gone, the key binds no more, and the call takes the full path (which captures a
+    copying instance, or runs uncaptured)."""
+    old = instances[i]
+    old.retire()
     try:
-        g = _capture(ops, instances[i].run, _current_stream(ops.x.device), bind=bind)
+        g = _capture(ops, old.run, _current_stream(ops.x.device), bind=bind, pool_of=old)
     except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
-        _cache.failed.add(key)
-        logger.warning("flce: CUDA-graph capture of the fused op %s failed, running such calls uncaptured: %r",
+        del instances[i]
+        if not instances:
+            del _cache.graphs[key]
+        _cache.binds[key] = MAX_BINDS
+        logger.warning("flce: CUDA-graph capture of the fused op %s failed; its inputs are copied from now on: %r",
                        "reading its inputs in place" if bind else "copying its inputs", exc)
         return None
     instances[i] = g
@@ -691,18 +713,22 @@ def body_shortcut_remember(key: tuple | None) -> None:
     record_shortcut(_BODY_SHORTCUTS, MAX_BODY_SHORTCUTS, key, lambda graph_key: graph_key)
 
 
-def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any, *, bind: bool = False
-             ) -> _Graph:
+def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: Any, *, bind: bool = False,
+             pool_of: _Graph | None = None) -> _Graph:
     """Capture ``run`` ordered after ``stream``, on copies of the hidden states and targets, or (``bind``) on
-    them where they lie: the graph then keeps only their addresses, which a call must match to replay it."""
+    them where they lie: the graph then keeps only their addresses, which a call must match to replay it.
+    ``pool_of``: a retired instance whose memory pool the graph allocates from (``_captured_again``)."""
     if bind:  # the caller's memory, not its tensors (nothing may keep its leaves, or their .grad, alive)
         x = target = None
         static = dataclasses.replace(ops, x=ops.x.detach(), target=ops.target.detach())
     else:
         x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
         static = dataclasses.replace(ops, x=x, target=target)
+    pool = pool_of.graph.pool() if pool_of is not None else None
     with torch.no_grad():  # a shortcut captures again outside the op's autograd Function
-        graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream)
+        graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream, pool=pool)
+    if pool_of is not None:
+        pool_bytes += pool_of.pool_bytes
     if out.lse is not None or out.logits is not None:
         raise RuntimeError("only forwards that form their gradients are captured")
     handed = tuple(t for t in (out.dx, out.dw, out.db, out.grad_scale) if t is not None)
@@ -711,7 +737,8 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
     buffers = 0 if bind else x.nbytes + target.nbytes
     at = _addresses(ops.x, ops.target)
     g = _Graph(graph, x, target, out, handed, storages, tuple(map(_storage_uses, storages)), storage_objects, (),
-               pool_bytes + buffers, run=run, bound_at=at if bind else None, last_at=at)
+               pool_bytes + buffers, pool_bytes=pool_bytes, target_dtype=ops.target.dtype, run=run,
+               bound_at=at if bind else None, last_at=at)
     g.base_refs = _python_refs(g.storage_objects)  # read as ``free`` reads them, from where it reads them
     return g
 
@@ -719,12 +746,13 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _captured(fn: Callable[[], Any], device: torch.device, stream: Any, *, outputs: bool = True
+def _captured(fn: Callable[[], Any], device: torch.device, stream: Any, *, outputs: bool = True, pool: Any = None
               ) -> tuple[Any, Any, int]:
     """Capture ``fn()`` into a CUDA graph on the device's capture stream, ordered after ``stream`` (and
     ``stream`` after it): (the graph, what ``fn`` returned, the bytes its memory pool took). ``outputs``: whether
     ``fn`` returns the tensors the graph writes, or only updates tensors in place (the CPU tests' stand-in
-    capture has to run the first kind once, and must not run the second)."""
+    capture has to run the first kind once, and must not run the second). ``pool``: another graph's memory pool
+    to allocate from (``torch.cuda.CUDAGraph.pool()``), else a new one."""
     side = _capture_streams.get(device)
     if side is None:
         side = _capture_streams[device] = torch.cuda.Stream(device)
@@ -735,7 +763,7 @@ def _captured(fn: Callable[[], Any], device: torch.device, stream: Any, *, outpu
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         # thread_local: another thread's CUDA calls during the capture neither break it nor are refused.
-        _ended_or_reset(graph.capture_begin, side, capture_error_mode="thread_local")
+        _ended_or_reset(graph.capture_begin, side, pool=pool, capture_error_mode="thread_local")
         try:
             result = fn()
         finally:

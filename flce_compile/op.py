@@ -181,12 +181,14 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
         grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db)
 
         def run(o: Operands) -> ForwardResult:
-            # In its own context too: graph_replay may capture it again later from a shortcut, outside this one.
+            return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
+
+        def run_in_context(o: Operands) -> ForwardResult:  # graph_replay may capture it again from a shortcut
             with op_context(o.x.device):
-                return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
+                return run(o)
 
         r = graph_replay.replayed_forward(
-            ops, (params, accum_dtype, cfg, grads), run, grads_in_forward=not later,
+            ops, (params, accum_dtype, cfg, grads), run_in_context, grads_in_forward=not later,
             estimated_bytes=lambda: _graph_bytes(ops, p, cfg, accum_dtype, grads),
         )
         if r is None:

@@ -28,6 +28,9 @@ class _Rerun:
     def __init__(self, fn, result) -> None:
         self.fn, self.result, self.replays = fn, result, 0
 
+    def pool(self) -> None:  # a real graph's memory pool, which a replacing capture reuses
+        return None
+
     def replay(self) -> None:
         self.replays += 1
         fresh = self.fn()
@@ -46,11 +49,11 @@ def cpu_graphs(monkeypatch):
     captures = []
     real_capture = graph_replay._capture
 
-    def capture(ops, run, stream, *, bind=False):
+    def capture(ops, run, stream, **options):
         captures.append(ops.weight.data_ptr())  # not the operands: holding the caller's input would hold its .grad
-        return real_capture(ops, run, stream, bind=bind)
+        return real_capture(ops, run, stream, **options)
 
-    def captured(fn, device, stream, *, outputs=True):
+    def captured(fn, device, stream, *, outputs=True, pool=None):
         result = fn() if outputs else None  # a real capture runs nothing; outputs need allocating here
         return _Rerun(fn, result), result, 0
 

@@ -128,13 +128,14 @@ def test_the_scaling_reads_a_settled_grad_output_in_place_bit_identically():
 
 def test_inputs_read_in_place_where_they_settle_are_bit_identical_and_never_read_elsewhere():
     """A loop whose hidden states and targets stay at one address (values changed in place) replays a graph that
-    reads them there; inputs elsewhere get the copying graph, then a bound one again once they settle."""
+    reads them there; inputs elsewhere get the copying graph, then a bound one again once they settle. Each
+    capture again takes the memory of the graph it replaces: the reserved memory stays where the first left it."""
     x0, w0, t0 = _inputs(0)
 
     def run():
         w = w0.clone().requires_grad_()
         a, b = (x0.clone(), t0.clone()), ((x0 * 0.5).clone(), t0.flip(0).clone())
-        out, bound = [], []
+        out, bound, reserved = [], [], []
         for x, t in [a] * 4 + [b] + [a] * 3:
             with torch.no_grad():
                 x.mul_(1.25)
@@ -145,12 +146,15 @@ def test_inputs_read_in_place_where_they_settle_are_bit_identical_and_never_read
             del loss
             bound.append([g.bound_at is not None and g.x is None for gs in graph_replay._cache.graphs.values()
                           for g in gs])
-        return out, bound
+            reserved.append(torch.cuda.memory_reserved())
+        return out, bound, reserved
 
-    graphed, bound = run()
+    graphed, bound, reserved = run()
     assert bound == [[], [True], [True], [True], [False], [False], [True], [True]]
+    # steps 2-4 hold the first bound graph and its scaling graphs; steps 5 and 7 replaced it twice
+    assert max(reserved[3:]) - reserved[3] <= 0.05 * graph_replay.held_bytes(), (reserved, graph_replay.held_bytes())
     set_cuda_graphs("off")
-    expected, _ = run()
+    expected, _, _ = run()
     for got, want in zip(graphed, expected):
         for u, v in zip(got, want):
             assert torch.equal(u, v)

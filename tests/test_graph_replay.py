@@ -140,7 +140,7 @@ def test_least_recently_used_graphs_are_dropped_and_a_churning_key_stops_capturi
 def test_failed_capture_runs_uncaptured_once_and_is_not_retried(cpu_graphs, monkeypatch, caplog):
     calls = []
 
-    def failing(fn, device, stream, *, outputs=True):
+    def failing(fn, device, stream, **options):
         calls.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -367,7 +367,7 @@ def _two_places():
 
 
 def _addresses(place):
-    return place[0].data_ptr(), place[1].data_ptr()
+    return place[0].data_ptr(), place[1].data_ptr(), place[1].dtype
 
 
 def test_inputs_where_the_last_call_had_them_are_read_in_place_and_never_elsewhere(cpu_graphs, shortcut_hits):
@@ -407,6 +407,77 @@ def test_a_key_whose_inputs_keep_moving_binds_a_bounded_number_of_times(cpu_grap
     set_cuda_graphs("off")
     a, b = _two_places()
     expected, _ = _steps_at(w, [a, a, b, b] * 3)
+    for got, want in zip(graphed, expected):
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+
+
+def _graphed_and_off(run):
+    """``run()`` with graphs on (the fixture's), then off; asserts every result equal; returns what run() did."""
+    graphed = run()
+    set_cuda_graphs("off")
+    for got, want in zip(graphed, run()):
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+    return graphed
+
+
+def test_targets_of_another_dtype_or_a_negative_view_are_never_read_in_place(cpu_graphs):
+    """A bound graph reads memory: int32 targets lying where its int64 ones did (a freed block handed on, here a
+    view), int32 targets in a loop (the full path converts them, so the graph's are int64), or a negative view of
+    its hidden states (their memory, negated) must each be converted or copied, not read as they lie."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+
+    def run():
+        x, _, t = _inputs(1)
+        _, _, other = _inputs(2)
+        labels = other.clamp(min=0).int()
+        out = []
+
+        def step(xx, tt):
+            loss = fused_linear_cross_entropy(xx, w, tt)
+            loss.backward()
+            out.append((loss.detach().clone(), w.grad.clone()))
+            w.grad = None
+
+        x.requires_grad_()
+        for _ in range(3):  # int64 targets: bound at x, t from the second call on
+            step(x, t)
+        t32 = t.view(torch.int32)[:t.numel()]  # int32 labels in t's memory
+        t32.copy_(labels)
+        for _ in range(3):
+            step(x, t32)
+        for _ in range(2):
+            step(torch._neg_view(x), t32)
+        return out
+
+    _graphed_and_off(run)
+
+
+def test_a_failed_capture_again_drops_the_instance_and_later_calls_copy(cpu_graphs, monkeypatch, caplog):
+    """When capturing a bound instance anew as a copying one fails, the instance is dropped, the key binds no more,
+    and the call takes the full path, which captures a copying instance: it then takes inputs anywhere."""
+    failures = [1]
+    real = graph_replay._capture
+
+    def capture(ops, run, stream, **options):
+        if options.get("pool_of") is not None and failures:
+            failures.pop()
+            raise torch.OutOfMemoryError("injected")
+        return real(ops, run, stream, **options)
+
+    monkeypatch.setattr(graph_replay, "_capture", capture)
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    a, b = _two_places()
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        graphed, bound = _steps_at(w, [a, a, b, b, a, b])
+    assert "its inputs are copied from now on" in caplog.text
+    assert bound == [[], [_addresses(a)]] + [[None]] * 4
+    set_cuda_graphs("off")
+    a, b = _two_places()
+    expected, _ = _steps_at(w, [a, a, b, b, a, b])
     for got, want in zip(graphed, expected):
         for u, v in zip(got, want):
             assert torch.equal(u, v)

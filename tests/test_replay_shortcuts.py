@@ -276,7 +276,7 @@ def test_op_calls_like_a_replayed_one_take_the_body_shortcut_with_the_same_resul
     results = [_op_call(args) for _ in range(4)]
     assert body_hits == [False, False, True, True]  # warm-up, capture + replay (recorded), then the shortcut
     bound = [g.bound_at for gs in graph_replay._cache.graphs.values() for g in gs]
-    assert bound == [(x.data_ptr(), t.data_ptr())]  # the capture read them where the warm-up had them
+    assert bound == [(x.data_ptr(), t.data_ptr(), t.dtype)]  # the capture read them where the warm-up had them
     moved = _op_args(x.clone(), w, t)  # inputs elsewhere: the shortcut captures a copying graph in its place
     results.append(_op_call(moved))
     assert body_hits[-1] and [g.bound_at for gs in graph_replay._cache.graphs.values() for g in gs] == [None]
