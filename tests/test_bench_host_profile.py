@@ -17,7 +17,7 @@ class _NoReplay:
 
 @pytest.fixture
 def cpu_stand_in(monkeypatch):
-    def captured(fn, device, stream, *, outputs=True):
+    def captured(fn, device, stream, *, outputs=True, pool=None):
         result = fn() if outputs else None
         return _NoReplay(), result, 0
 
