@@ -240,7 +240,8 @@ class _Graph:
     def retire(self) -> None:
         """Drop what this free instance holds (outputs, input buffers, scaling graphs) but its forward graph, which
         keeps the graph's memory pool alive for the capture that replaces it to reuse (``_captured_again``): the
-        instance is never replayed again."""
+        instance is never replayed again, and never stays in the cache (its ``free`` would read storages that are
+        gone). Its scaling graphs' small pools are not reused: the replacement's take new ones."""
         self.out = self.handed = self.storage_objects = self.x = self.target = self.scale_in = None
         self.scale_graph = self.direct_graph = None
 
@@ -629,16 +630,19 @@ def _captured_again(key: tuple, instances: list[_Graph], i: int, ops: Operands, 
     and targets in place (``bind``) or copies of them, in the old one's place and its memory pool: the old outputs
     are dropped first, so the new graph's take their memory instead of adding to it. None when the capture fails
     (logged): the old instance is gone, the key binds no more, and the call takes the full path (which captures a
-    copying instance, or runs uncaptured)."""
+    copying instance, or runs uncaptured). (A capture that CUDA itself refused leaves torch counting one more
+    graph on the old pool, which is then never released: rare, and one pool per key at most.)"""
     old = instances[i]
     old.retire()
     try:
         g = _capture(ops, old.run, _current_stream(ops.x.device), bind=bind, pool_of=old)
-    except Exception as exc:  # noqa: BLE001 - a capture problem must not fail the call: run it uncaptured
+    except BaseException as exc:  # a retired instance must never stay in the cache, even on KeyboardInterrupt
         del instances[i]
         if not instances:
             del _cache.graphs[key]
         _cache.binds[key] = MAX_BINDS
+        if not isinstance(exc, Exception):  # the call is abandoned (an interrupt)
+            raise
         logger.warning("flce: CUDA-graph capture of the fused op %s failed; its inputs are copied from now on: %r",
                        "reading its inputs in place" if bind else "copying its inputs", exc)
         return None

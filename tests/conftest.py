@@ -28,8 +28,8 @@ class _Rerun:
     def __init__(self, fn, result) -> None:
         self.fn, self.result, self.replays = fn, result, 0
 
-    def pool(self) -> None:  # a real graph's memory pool, which a replacing capture reuses
-        return None
+    def pool(self) -> "_Rerun":  # a real graph's memory pool id, which a replacing capture reuses: here itself
+        return self
 
     def replay(self) -> None:
         self.replays += 1

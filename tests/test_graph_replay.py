@@ -483,6 +483,47 @@ def test_a_failed_capture_again_drops_the_instance_and_later_calls_copy(cpu_grap
             assert torch.equal(u, v)
 
 
+def test_a_capture_again_allocates_from_the_replaced_graphs_pool_and_an_interrupt_leaves_nothing_retired(
+        cpu_graphs, monkeypatch):
+    """A capture that replaces an instance allocates from the old forward graph's memory pool (first captures get
+    a new one); an interrupt during it (Ctrl-C while Triton compiles) leaves no retired instance in the cache
+    (its ``free`` would fail, and read storages that are gone, on every later call of the key)."""
+    pools = []
+    stand_in = graph_replay._captured
+
+    def captured(fn, device, stream, *, outputs=True, pool=None):
+        if outputs:  # the forward's captures
+            pools.append(pool)
+        return stand_in(fn, device, stream, outputs=outputs, pool=pool)
+
+    monkeypatch.setattr(graph_replay, "_captured", captured)
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    a, b = _two_places()
+    _steps_at(w, [a, a])  # warm-up, then captured bound
+    (bound,) = _instances()
+    _steps_at(w, [b])  # elsewhere: captured again, copying, in the bound one's pool
+    assert pools == [None, bound.graph]
+    real = graph_replay._capture
+
+    def interrupted(ops, run, stream, **options):
+        if options.get("pool_of") is not None:
+            raise KeyboardInterrupt
+        return real(ops, run, stream, **options)
+
+    monkeypatch.setattr(graph_replay, "_capture", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _steps_at(w, [b])  # where the copying instance's last call was: bound anew, interrupted
+    assert _instances() == []
+    twin = (a[0].detach().clone(), a[1].clone())
+    with graph_replay.disabled():
+        expected, _ = _steps_at(w, [twin])
+    graphed, _ = _steps_at(w, [a])  # the key works again: captured anew
+    assert len(_instances()) == 1
+    for u, v in zip(graphed[0], expected[0]):
+        assert torch.equal(u, v)
+
+
 def test_backend_wrapper_allows_replay_only_inside_the_compiled_call_and_keeps_boxed_calls():
     from flce_compile.compiler.backend import _AllowGraphReplay
 
