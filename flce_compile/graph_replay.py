@@ -341,7 +341,7 @@ class _Cache:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.graphs: OrderedDict[tuple, list[_Graph]] = OrderedDict()
-        self.seen: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # key -> its warm-up call's input addresses
+        self.seen: OrderedDict[tuple, tuple | None] = OrderedDict()  # key -> its warm-up call's ``_addresses``
         self.captures: dict[tuple, int] = {}
         self.binds: dict[tuple, int] = {}
         self.failed: set[tuple] = set()
