@@ -9,7 +9,6 @@ both bound for that case.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,9 +37,7 @@ def flce_backend(
     """
     opts, inner_options = split_options(options)
     inner = _inner_compiler(opts, mode, inner_options, kwargs)
-    wrap, fused, folded = None, False, []
-    # The graph as traced, for calls whose symbolic floats differ from those folded into the op (below).
-    as_traced = _graph_copy(gm) if opts.enabled and _has_symbolic_floats(gm) else None
+    wrap, fused = None, False
     if opts.enabled and opts.causal_masks:
         _drop_causal_masks(gm)
     if opts.enabled:
@@ -50,60 +47,13 @@ def flce_backend(
             result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
                               memory_budget_gb=opts.memory_budget_gb)
             wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
-            folded = result.folded
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
     compiled = inner(gm, example_inputs)
     if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
-    compiled = wrap(compiled) if wrap is not None else compiled
-    if folded and as_traced is not None:
-        names = [node.target for node in as_traced.graph.nodes if node.op == "placeholder"]
-        compiled = _FoldedFloatsChecked(compiled, as_traced, [(i, value, names[i]) for i, value in folded])
-    return compiled
-
-
-def _has_symbolic_floats(gm: fx.GraphModule) -> bool:
-    return any(isinstance(node.meta.get("example_value"), torch.SymFloat) for node in gm.graph.nodes)
-
-
-def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with a copy of its graph (the passes change ``gm``'s in place), sharing its parameters and
-    submodules."""
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
-
-
-class _FoldedFloatsChecked:
-    """The compiled, fused graph for calls whose symbolic floats are those folded into the op when it was traced
-    (``folded``: (input position, value, input name)); the graph as traced, run eagerly, for a call that brings another
-    value (Dynamo does not guard a float it left symbolic, so the same compiled graph gets every later value).
-    Reading a value is one ``.item()`` of a 0-d CPU tensor, or a float's own value."""
-
-    def __init__(self, compiled: Callable[..., Any], as_traced: fx.GraphModule,
-                 folded: list[tuple[int, float, str]]) -> None:
-        self.compiled, self.as_traced, self.folded = compiled, as_traced, folded
-        self._boxed_call = getattr(compiled, "_boxed_call", False)  # (see ``_AllowGraphReplay``)
-        self._warned = False
-
-    def __call__(self, *args: Any) -> Any:
-        # One list when called "boxed" (graph inputs are tensors and numbers, never a list), else the inputs.
-        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-        for i, value, name in self.folded:
-            now = inputs[i].item() if isinstance(inputs[i], torch.Tensor) else float(inputs[i])
-            if now != value:
-                return self._as_traced(list(inputs), name, value, now)
-        return self.compiled(*args)
-
-    def _as_traced(self, inputs: list[Any], name: str, value: float, now: float) -> Any:
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "flce: a Python float folded into the fused loss changed (%s: %g when compiled, now %g; "
-                "torch.compile(dynamic=True) does not recompile for it): calls with another value run the graph "
-                "unfused, eagerly. To fuse a value that changes, compile without dynamic=True or set "
-                "torch._dynamo.config.specialize_float = True (one graph per value).", name, value, now)
-        return self.as_traced(*inputs)
+    return wrap(compiled) if wrap is not None else compiled
 
 
 def _drop_causal_masks(gm: fx.GraphModule) -> None:

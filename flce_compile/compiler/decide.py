@@ -25,17 +25,7 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
-from .patterns import (
-    ADVICE,
-    FoldedFloat,
-    Plan,
-    Site,
-    find_sites,
-    fold_steps,
-    hint_int,
-    meta_value,
-    output_transform,
-)
+from .patterns import ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
 from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -73,21 +63,10 @@ def analyze(gm: fx.GraphModule, logits: str = "keep") -> list[SiteResult]:
     aliases = AliasMap(gm)
     for site in find_sites(gm):
         try:
-            res = _decide(site, logits, aliases)
+            results.append(_decide(site, logits, aliases))
         except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
-            res = SiteResult(site, "unchanged", f"analysis failed: {exc!r}")
-        if res.fused and folded_floats(site):
-            values = ", ".join(f"{f.input.name} = {f.value:g}" for f in dict.fromkeys(folded_floats(site)))
-            res.note = (f"{res.note}; " if res.note else "") + (
-                f"folded {values} as traced (Python floats Dynamo left symbolic): the compiled graph checks them "
-                "at every call and runs unfused for other values")
-        results.append(res)
+            results.append(SiteResult(site, "unchanged", f"analysis failed: {exc!r}"))
     return results
-
-
-def folded_floats(site: Site) -> list[FoldedFloat]:
-    """The symbolic floats folded into ``site``'s fused op (``patterns.FoldedFloat``), in step order."""
-    return [step.folded for step in site.steps if step.folded is not None]
 
 
 def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:

@@ -99,10 +99,10 @@ def meta_value(node: Any) -> Any:
 #: on logging calls; with the type set, the head and the loss share one graph and are fused.
 HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks the graph there on a logged "
                      "warning: set model.loss_type = 'ForCausalLM' before compiling")
-#: Why a scale or softcap Dynamo left symbolic under ``dynamic=True`` blocks fusion when it is not a graph input
-#: the compiled graph can check (``folded_float``): computed in the graph, or on a GPU. And the fix.
+#: Why a scale or softcap read from a Python float (Gemma-2's ``final_logit_softcapping``) blocks fusion under
+#: ``dynamic=True``, and the fix: the pass folds constants only, and Dynamo leaves such floats symbolic there.
 SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynamic=True) with "
-                       "torch._dynamo.config.specialize_float=False, the default) that is not a plain graph input: "
+                       "torch._dynamo.config.specialize_float=False, the default); only constants fold into the op: "
                        "compile without dynamic=True, or set torch._dynamo.config.specialize_float = True")
 #: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
 ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
@@ -134,33 +134,6 @@ def _is_number(x: Any) -> bool:
 def _symbolic_float(x: Any) -> bool:
     """Whether ``x`` is a graph node holding a symbolic Python float (``SYMBOLIC_FLOAT_HINT``)."""
     return isinstance(x, fx.Node) and isinstance(meta_value(x), torch.SymFloat)
-
-
-@dataclass(frozen=True)
-class FoldedFloat:
-    """A Python float Dynamo left symbolic (``dynamic=True``: Gemma-2's ``final_logit_softcapping``, a logit
-    scale) folded into the fused op as the constant it was when traced. Dynamo does not guard such a float, so a
-    later call can bring another value to the same compiled graph: the graph input that carries it (``input``: a
-    0-d CPU tensor Dynamo wraps it in, or the float itself) is checked at every call, and a call with another
-    value runs the graph as traced (``compiler.backend``)."""
-
-    input: fx.Node
-    value: float
-
-
-def folded_float(x: Any) -> FoldedFloat | None:
-    """``x`` as a FoldedFloat when it is a symbolic float read straight from a graph input (``t.item()`` of a 0-d
-    CPU tensor input, or a float input) with a known trace-time value; None otherwise."""
-    if not _symbolic_float(x):
-        return None
-    hint = getattr(meta_value(x).node, "hint", None)
-    source = x.args[0] if x.op == "call_method" and x.target == "item" and len(x.args) == 1 else x
-    if hint is None or not isinstance(source, fx.Node) or source.op != "placeholder":
-        return None
-    carrier = meta_value(source)
-    if isinstance(carrier, torch.Tensor) and (carrier.dim() != 0 or carrier.device.type != "cpu"):
-        return None  # reading a GPU tensor's value at every call would sync the host
-    return FoldedFloat(source, float(hint))
 
 
 def _static_int(x: Any) -> int | None:
@@ -232,7 +205,6 @@ class Step:
     input: fx.Node  # the logits-side input of ``node``
     index: Any = None  # slice: the getitem index; transpose: the dim permutation; log_softmax: dim
     factor: float = 1.0  # scale factor (x * factor)
-    folded: FoldedFloat | None = None  # the symbolic float ``factor`` was folded from (scale steps)
 
 
 @dataclass
@@ -414,10 +386,6 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return Step("scale", node, a, factor=float(b)), a
         if isinstance(b, fx.Node) and _is_number(a):
             return Step("scale", node, b, factor=float(a)), b
-        for logits, other in ((a, b), (b, a)):
-            folded = folded_float(other)
-            if folded is not None and isinstance(meta_value(logits), torch.Tensor):
-                return Step("scale", node, logits, factor=folded.value, folded=folded), logits
         if _symbolic_float(a) or _symbolic_float(b):
             return f"multiplication by {SYMBOLIC_FLOAT_HINT}"
         return "multiplication by a tensor (only constant scales can be folded)"
@@ -427,9 +395,6 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "division with a rounding_mode"
         if isinstance(a, fx.Node) and _is_number(b) and b != 0:
             return Step("scale", node, a, factor=1.0 / float(b)), a
-        folded = folded_float(b)
-        if folded is not None and folded.value != 0 and isinstance(meta_value(a), torch.Tensor):
-            return Step("scale", node, a, factor=1.0 / folded.value, folded=folded), a
         if _symbolic_float(b):
             return f"division by {SYMBOLIC_FLOAT_HINT}"
         return "division by a tensor (only constant divisors can be folded)"

@@ -22,10 +22,10 @@ from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import SiteResult, analyze, folded_floats
+from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, FoldedFloat, meta_value
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, meta_value
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -160,9 +160,6 @@ class PassResult:
     sites: list[SiteResult]
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     regions: list[CheckpointRegion] = field(default_factory=list)  # checkpointed regions holding sites
-    # (graph input position, value) of each symbolic float folded into a fused op (``patterns.FoldedFloat``):
-    # the compiled graph is fused for calls that bring these values
-    folded: list[tuple[int, float]] = field(default_factory=list)
 
 
 _logged_keep = False
@@ -196,7 +193,6 @@ def run_pass(
     fake_mode = _fake_mode(gm, example_inputs)
     fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
-    folded: set[FoldedFloat] = set()
     for res in results:
         if res.fused and res.path == "vocab_parallel" and precision == "precise":
             # The vocabulary-parallel op refuses it when the graph runs; decide here, where the site can stay.
@@ -214,7 +210,6 @@ def run_pass(
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
             continue
-        folded.update(folded_floats(res.site))
         _log_rewrite(res)
     wrap = None
     if any(r.new_node is not None for r in results):
@@ -222,8 +217,7 @@ def run_pass(
         wrap = fixup.apply(gm)
         gm.graph.lint()
         gm.recompile()
-    inputs = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    return PassResult(results, wrap, regions, sorted({(inputs[f.input], f.value) for f in folded}))
+    return PassResult(results, wrap, regions)
 
 
 def _log_unfused(res: SiteResult) -> None:
