@@ -10,6 +10,7 @@ test_gpu_graph_replay.py.
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 import torch
@@ -522,6 +523,71 @@ def test_a_capture_again_allocates_from_the_replaced_graphs_pool_and_an_interrup
     assert len(_instances()) == 1
     for u, v in zip(graphed[0], expected[0]):
         assert torch.equal(u, v)
+
+
+def _random_calls(seed: int, toggles: random.Random | None) -> list[torch.Tensor]:
+    """A random sequence of eager calls and backwards, the same for a given ``seed``: hidden states and targets
+    that stay put (values changed in place) or move, int64 or int32 targets in one memory, negative views of the
+    hidden states, 3-D inputs, two weights, up to two forwards pending and their backwards in any order,
+    gradients kept or dropped.
+    ``toggles`` (graphed run only) adds ``clear()`` and graphs off for a few calls. Returns what each step got."""
+    rng = random.Random(seed)
+    weights = [_inputs(50 + k)[1].requires_grad_() for k in range(2)]
+    # (hidden states, the targets' memory, the labels): the labels go into that memory as int64 or int32, as a
+    # freed block of the allocator takes either
+    places = [[_inputs(s)[0].requires_grad_(), torch.empty(12, dtype=torch.int64), _inputs(s)[2]]
+              for s in range(1, 3)]
+    pending, got, off_until = [], [], -1
+    for step in range(60):
+        if toggles is not None:
+            if toggles.random() < 0.05:
+                graph_replay.clear()
+            if toggles.random() < 0.05:
+                set_cuda_graphs("off")
+                off_until = step + toggles.randrange(1, 4)
+            if step == off_until:
+                set_cuda_graphs("on")
+        if not pending or (len(pending) < 2 and rng.random() < 0.3):
+            place = places[0 if rng.random() < 0.8 else 1]
+            if rng.random() < 0.1:  # the inputs move
+                place[0], place[1] = place[0].detach().clone().requires_grad_(), place[1].clone()
+            x, memory, labels = place
+            with torch.no_grad():
+                x.mul_(1.0 + 0.01 * rng.random())
+            t = memory.view(torch.int32)[:12] if rng.random() < 0.3 else memory
+            t.copy_(labels)
+            x_in = torch._neg_view(x) if rng.random() < 0.15 else x  # at x's address, the value -x
+            if rng.random() < 0.3:
+                x_in, t = x_in.view(3, 4, -1), t.view(3, 4)
+            w = weights[0 if rng.random() < 0.9 else 1]
+            loss = fused_linear_cross_entropy(x_in, w, t)
+            got.append(loss.detach().clone())
+            pending.append((loss, x, w))
+            if len(pending) > 2:
+                pending.pop(0)
+        else:
+            loss, x, w = pending.pop(rng.randrange(len(pending)))
+            loss.backward()
+            got += [x.grad.clone(), w.grad.clone()]
+            if rng.random() < 0.7:
+                x.grad = None
+            if rng.random() < 0.6:
+                w.grad = None
+    set_cuda_graphs("on" if toggles is not None else "off")
+    return got
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_call_sequences_match_the_uncaptured_op(cpu_graphs, seed):
+    """The replay policy as a whole (instances, binds and their replacements, shortcuts, scaling graphs,
+    ``clear()``, graphs off and on) against the uncaptured op, bit for bit."""
+    graphed = _random_calls(seed, random.Random(1000 + seed))
+    assert len(cpu_graphs) > 0
+    set_cuda_graphs("off")
+    expected = _random_calls(seed, None)
+    assert len(graphed) == len(expected)
+    for step, (u, v) in enumerate(zip(graphed, expected)):
+        assert torch.equal(u, v), step
 
 
 def test_backend_wrapper_allows_replay_only_inside_the_compiled_call_and_keeps_boxed_calls():
