@@ -18,6 +18,7 @@ import torch
 from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 from flce_compile.compiler.backend import _no_cuda_graphs_of_its_own
 from flce_compile.compiler.options import FLCEOptions
+from flce_compile.params import LossParams, encode_params
 
 
 def _inputs(seed, n=12, h=8, v=40):
@@ -525,11 +526,14 @@ def test_a_capture_again_allocates_from_the_replaced_graphs_pool_and_an_interrup
         assert torch.equal(u, v)
 
 
+_PARAMS = encode_params(LossParams())
+
+
 def _random_calls(seed: int, toggles: random.Random | None) -> list[torch.Tensor]:
-    """A random sequence of eager calls and backwards, the same for a given ``seed``: hidden states and targets
-    that stay put (values changed in place) or move, int64 or int32 targets in one memory, negative views of the
-    hidden states, 3-D inputs, two weights, up to two forwards pending and their backwards in any order,
-    gradients kept or dropped.
+    """A random sequence of eager calls (some through the dispatcher) and backwards, the same for a given
+    ``seed``: hidden states and targets that stay put (values changed in place) or move, int64 or int32 targets in
+    one memory, negative views of the hidden states, 3-D inputs, two weights, up to two forwards pending and their
+    backwards in any order, gradients kept or dropped.
     ``toggles`` (graphed run only) adds ``clear()`` and graphs off for a few calls. Returns what each step got."""
     rng = random.Random(seed)
     weights = [_inputs(50 + k)[1].requires_grad_() for k in range(2)]
@@ -557,6 +561,13 @@ def _random_calls(seed: int, toggles: random.Random | None) -> list[torch.Tensor
             t = memory.view(torch.int32)[:12] if rng.random() < 0.3 else memory
             t.copy_(labels)
             x_in = torch._neg_view(x) if rng.random() < 0.15 else x  # at x's address, the value -x
+            if rng.random() < 0.15:  # through the dispatcher, as a compiled graph calls the op (int64 targets)
+                memory.copy_(labels)
+                loss, _lse, dx, dw, _db, scale = torch.ops.flce.fused_linear_cross_entropy(
+                    x_in.detach(), weights[0].detach(), memory, None, None, _PARAMS, torch.float32, True, True,
+                    False, "")
+                got += [loss.clone(), dx * scale, dw * scale]
+                continue
             if rng.random() < 0.3:
                 x_in, t = x_in.view(3, 4, -1), t.view(3, 4)
             w = weights[0 if rng.random() < 0.9 else 1]
