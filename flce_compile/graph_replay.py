@@ -25,10 +25,9 @@ first one's backward, or gradients kept across micro-batches, captures a second 
 and beyond that a call runs uncaptured. Nothing a caller holds is ever overwritten. As with the caching
 allocator, a consumer on another stream must be ordered after its own use before it drops the tensor. A capture
 (the forward's, once per key and instance and again when its inputs settle or move; the backward scaling's, a few
-times per instance) puts torch's default
-CUDA generator into capture mode while it lasts: another thread drawing CUDA random numbers in that moment gets an
-error from torch ("off" avoids it: then nothing is captured, in forward or backward). A capture that fails leaves
-the call to the uncaptured loop.
+times per instance) puts torch's default CUDA generator into capture mode while it lasts: another thread drawing
+CUDA random numbers in that moment gets an error from torch ("off" avoids it: then nothing is captured, in forward
+or backward). A capture that fails leaves the call to the uncaptured loop.
 
 When (``set_cuda_graphs`` / ``$FLCE_CUDA_GRAPHS``): "auto" (the default) graphs calls of at most
 ``AUTO_MAX_FLOPS`` (6 N H V, the three GEMMs: below it the host's ~1 ms per call is not hidden behind the GPU)
@@ -275,9 +274,7 @@ class _Graph:
         copy issued while the forward's graph still runs cost ~30-50 us of host time on the H200 (issue #13).
         The graph reads whatever lies at the address when it runs, which is then this call's grad_output."""
         self.backwards += 1
-        # A negative view's (or a zero tensor's) memory is not its value: only the copy reads those right.
-        plain = not (grad_output.is_neg() or grad_output._is_zerotensor())
-        at = (grad_output.data_ptr(), grad_output.dtype) if plain else None
+        at = (grad_output.data_ptr(), grad_output.dtype) if _memory_is_value(grad_output) else None
         if at is not None and at == self.direct_at:
             self.direct_graph.replay()
             return True
@@ -562,11 +559,17 @@ def replay_free_instance(key: tuple, x: torch.Tensor, weight: torch.Tensor, targ
         return run(free) if free is not None else None
 
 
+def _memory_is_value(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its value, so that a graph may read it where it lies: not for a negative view
+    (``z.conj().imag`` lies where ``z.imag`` does) or a zero tensor; those are copied in."""
+    return not (t.is_neg() or t._is_zerotensor())
+
+
 def _addresses(x: torch.Tensor, target: torch.Tensor) -> tuple | None:
     """Where a call's hidden states and targets lie, with the targets' dtype (a graph keyed on other targets'
     dtype reads converted copies), as a bound graph reads them in place; None when their memory is not their
-    value (a negative view, a zero tensor): such a call copies. (The hidden states' dtype is in every key.)"""
-    if x.is_neg() or target.is_neg() or x._is_zerotensor() or target._is_zerotensor():
+    value (``_memory_is_value``): such a call copies. (The hidden states' dtype is in every key.)"""
+    if not (_memory_is_value(x) and _memory_is_value(target)):
         return None
     return x.data_ptr(), target.data_ptr(), target.dtype
 
