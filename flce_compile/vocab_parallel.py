@@ -80,12 +80,17 @@ def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
     return op_config(config, input.shape[0], weight.shape[0], weight.shape[1], input.dtype, input.device)
 
 
+def _is_nccl(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs on NCCL (GPU tensors; reading a result back is a host sync) rather than gloo."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def _checks_every_call(group: dist.ProcessGroup) -> bool:
     """Whether the cross-rank checks (``_check_tiling``, ``_agree_on_arguments``) run at every call on ``group``
     (a CPU group: gloo) or only at its first (NCCL, where reading the answer is a host sync). From the group's
     backend, which every rank shares: a setting that could differ between ranks (an environment variable) could
     send one rank into a collective the others skip."""
-    return "nccl" not in str(dist.get_backend(group))
+    return not _is_nccl(group)
 
 
 #: Groups whose first vocab-parallel call checked the shards' tiling on the host (on the GPU; see ``_check_tiling``).
@@ -427,11 +432,8 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None
     only. One all-gather of a flag per rank and a host read (at every call on CPU groups, at a group's first
     call on NCCL ones: ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused.
     While the call is traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
-    if group is None or _traced() or _capturing():
-        if error is not None:
-            raise error
-        return
-    if not _checks_every_call(group) and group in _AGREED_GROUPS:
+    if (group is None or _traced() or _capturing()
+            or (not _checks_every_call(group) and group in _AGREED_GROUPS)):  # no exchange: a rank's own error
         if error is not None:
             raise error
         return
@@ -452,7 +454,7 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None
 def _collective_device(group: Any, input: Any) -> torch.device:
     """Where this rank's tensors for a collective on ``group`` go: the CPU for gloo; for NCCL the input's GPU, or
     the current one when the input is not a CUDA tensor (a refused call's)."""
-    if "nccl" not in str(dist.get_backend(group)):
+    if not _is_nccl(group):
         return torch.device("cpu")
     if isinstance(input, Tensor) and input.is_cuda:
         return input.device
