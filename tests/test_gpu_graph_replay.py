@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import flce_compile.compiler  # noqa: F401  (registers backend="flce" without the installed entry point)
 from cuda_capture import plain_and_captured
+from replay_steps import instances, steps_at
 from flce_compile import FLCEConfig, eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 
 pytestmark = pytest.mark.gpu
@@ -114,12 +115,11 @@ def test_the_scaling_reads_a_settled_grad_output_in_place_bit_identically():
         return [(x.grad.clone(), w.grad.clone())]
 
     graphed = run()
-    instances = [g for gs in graph_replay._cache.graphs.values() for g in gs]
-    assert [g.direct_at for g in instances] == [(grad.data_ptr(), torch.float32)]
+    assert [g.direct_at for g in instances()] == [(grad.data_ptr(), torch.float32)]
     graph_replay.clear()
     eager_shortcut.clear()
     graphed += steady()
-    assert [g.direct_graph is not None for gs in graph_replay._cache.graphs.values() for g in gs] == [True]
+    assert [g.direct_graph is not None for g in instances()] == [True]
     set_cuda_graphs("off")
     for got, expected in zip(graphed, run() + steady()):
         for a, b in zip(got, expected):
@@ -132,22 +132,14 @@ def test_inputs_read_in_place_where_they_settle_are_bit_identical_and_never_read
     capture again takes the memory of the graph it replaces: the reserved memory stays where the first left it."""
     x0, w0, t0 = _inputs(0)
 
+    def observe():
+        return [g.bound_at is not None and g.x is None for g in instances()], torch.cuda.memory_reserved()
+
     def run():
         w = w0.clone().requires_grad_()
         a, b = (x0.clone(), t0.clone()), ((x0 * 0.5).clone(), t0.flip(0).clone())
-        out, bound, reserved = [], [], []
-        for x, t in [a] * 4 + [b] + [a] * 3:
-            with torch.no_grad():
-                x.mul_(1.25)
-            loss = fused_linear_cross_entropy(x.requires_grad_(), w, t)
-            loss.backward()
-            out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
-            x.grad = w.grad = None
-            del loss
-            bound.append([g.bound_at is not None and g.x is None for gs in graph_replay._cache.graphs.values()
-                          for g in gs])
-            reserved.append(torch.cuda.memory_reserved())
-        return out, bound, reserved
+        out, seen = steps_at(w, [a] * 4 + [b] + [a] * 3, observe)
+        return out, [bound for bound, _ in seen], [reserved for _, reserved in seen]
 
     graphed, bound, reserved = run()
     assert bound == [[], [True], [True], [True], [False], [False], [True], [True]]

@@ -19,6 +19,7 @@ from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_grap
 from flce_compile.compiler.backend import _no_cuda_graphs_of_its_own
 from flce_compile.compiler.options import FLCEOptions
 from flce_compile.params import LossParams, encode_params
+from replay_steps import instances, steps_at
 
 
 def _inputs(seed, n=12, h=8, v=40):
@@ -250,7 +251,7 @@ def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
         return out
 
     graphed = run()
-    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    (instance,) = instances()
     # step 1 warms up, step 2 captures the forward (its backward runs uncaptured), step 3 captures the scaling;
     # the later ones replay it, or the graph reading grad_output in place where the allocator's address repeated
     direct = instance.direct_graph.replays if instance.direct_graph is not None else 0
@@ -288,7 +289,7 @@ def test_backward_scaling_reads_a_settled_grad_output_where_it_lies(cpu_graphs):
         return _steps_with_gradients(w, [g for g, _ in steps], before=lambda i: steps[i][0].fill_(steps[i][1]))
 
     graphed = run()
-    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    (instance,) = instances()
     # backward 2 (step 3) captures the copying graph; backward 3 (step 4) finds grad_output where backward 2 had
     # it and captures the in-place one; step 5 copies; step 6 is back at the settled address
     assert instance.scale_graph.replays == 2 and instance.direct_graph.replays == 2
@@ -313,7 +314,7 @@ def test_a_negative_view_at_the_settled_address_is_copied_not_read_in_place(cpu_
         return _steps_with_gradients(w, grads)
 
     graphed = run()
-    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    (instance,) = instances()
     assert instance.direct_graph.replays == 1 and instance.scale_graph.replays == 2
     set_cuda_graphs("off")
     for a, b in zip(graphed, run()):
@@ -330,7 +331,7 @@ def test_no_backward_capture_once_graphs_are_off(cpu_graphs):
     for s in range(3):  # warm-up, forward captured, scaling captured
         x, _, t = _inputs(s + 1)
         fused_linear_cross_entropy(x, w, t).backward(grad)
-    (instance,) = [g for gs in graph_replay._cache.graphs.values() for g in gs]
+    (instance,) = instances()
     w.grad = None
     x, _, t = _inputs(4)
     loss = fused_linear_cross_entropy(x, w, t)  # replayed
@@ -341,26 +342,6 @@ def test_no_backward_capture_once_graphs_are_off(cpu_graphs):
     expected_w = w.detach().clone().requires_grad_()
     fused_linear_cross_entropy(x, expected_w, t).backward(grad)
     assert torch.equal(w.grad, expected_w.grad)
-
-
-def _instances():
-    return [g for gs in graph_replay._cache.graphs.values() for g in gs]
-
-
-def _steps_at(w, places):
-    """One step per (x, t) of ``places``: x's values changed in place (same memory), forward, backward; returns
-    each step's (loss, dx, dw) copies and the instances' ``bound_at`` after it."""
-    out, bound = [], []
-    for x, t in places:
-        with torch.no_grad():
-            x.mul_(1.25)
-        loss = fused_linear_cross_entropy(x.requires_grad_(), w, t)
-        loss.backward()
-        out.append((loss.detach().clone(), x.grad.clone(), w.grad.clone()))
-        x.grad = w.grad = None
-        del loss
-        bound.append([g.bound_at for g in _instances()])
-    return out, bound
 
 
 def _two_places():
@@ -382,15 +363,15 @@ def test_inputs_where_the_last_call_had_them_are_read_in_place_and_never_elsewhe
     _, w, _ = _inputs(0)
     w.requires_grad_()
     a, b = _two_places()
-    graphed, bound = _steps_at(w, [a, a, a, a, b, a])
+    graphed, bound = steps_at(w, [a, a, a, a, b, a])
     # step 1 warms up; step 2 has its inputs where step 1 had them: captured reading them in place; step 5's
     # are elsewhere: captured copying them (through the shortcut), and step 6 copies too (its last call was at b)
     assert bound == [[], [_addresses(a)], [_addresses(a)], [_addresses(a)], [None], [None]]
     assert hits == [False, False, True, True, True, True]
-    assert len(cpu_graphs) == 2 and _instances()[0].x is not None
+    assert len(cpu_graphs) == 2 and instances()[0].x is not None
     set_cuda_graphs("off")
     a, b = _two_places()
-    expected, _ = _steps_at(w, [a, a, a, a, b, a])
+    expected, _ = steps_at(w, [a, a, a, a, b, a])
     for got, want in zip(graphed, expected):
         for u, v in zip(got, want):
             assert torch.equal(u, v)
@@ -401,14 +382,14 @@ def test_a_key_whose_inputs_keep_moving_binds_a_bounded_number_of_times(cpu_grap
     w.requires_grad_()
     a, b = _two_places()
     places = [a, a, b, b] * 3
-    graphed, bound = _steps_at(w, places)
+    graphed, bound = steps_at(w, places)
     # bound at a, b, a (MAX_BINDS), each undone by the next move; from then on the copying graph takes them all
     at_a, at_b = _addresses(a), _addresses(b)
     assert graph_replay.MAX_BINDS == 3 and len(cpu_graphs) == 2 * graph_replay.MAX_BINDS
     assert bound == [[]] + [[at] for at in (at_a, None, at_b, None, at_a, None)] + [[None]] * 5
     set_cuda_graphs("off")
     a, b = _two_places()
-    expected, _ = _steps_at(w, [a, a, b, b] * 3)
+    expected, _ = steps_at(w, [a, a, b, b] * 3)
     for got, want in zip(graphed, expected):
         for u, v in zip(got, want):
             assert torch.equal(u, v)
@@ -474,12 +455,12 @@ def test_a_failed_capture_again_drops_the_instance_and_later_calls_copy(cpu_grap
     w.requires_grad_()
     a, b = _two_places()
     with caplog.at_level(logging.WARNING, logger="flce_compile"):
-        graphed, bound = _steps_at(w, [a, a, b, b, a, b])
+        graphed, bound = steps_at(w, [a, a, b, b, a, b])
     assert "its inputs are copied from now on" in caplog.text
     assert bound == [[], [_addresses(a)]] + [[None]] * 4
     set_cuda_graphs("off")
     a, b = _two_places()
-    expected, _ = _steps_at(w, [a, a, b, b, a, b])
+    expected, _ = steps_at(w, [a, a, b, b, a, b])
     for got, want in zip(graphed, expected):
         for u, v in zip(got, want):
             assert torch.equal(u, v)
@@ -502,9 +483,9 @@ def test_a_capture_again_allocates_from_the_replaced_graphs_pool_and_an_interrup
     _, w, _ = _inputs(0)
     w.requires_grad_()
     a, b = _two_places()
-    _steps_at(w, [a, a])  # warm-up, then captured bound
-    (bound,) = _instances()
-    _steps_at(w, [b])  # elsewhere: captured again, copying, in the bound one's pool
+    steps_at(w, [a, a])  # warm-up, then captured bound
+    (bound,) = instances()
+    steps_at(w, [b])  # elsewhere: captured again, copying, in the bound one's pool
     assert pools == [None, bound.graph]
     real = graph_replay._capture
 
@@ -515,13 +496,13 @@ def test_a_capture_again_allocates_from_the_replaced_graphs_pool_and_an_interrup
 
     monkeypatch.setattr(graph_replay, "_capture", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _steps_at(w, [b])  # where the copying instance's last call was: bound anew, interrupted
-    assert _instances() == []
+        steps_at(w, [b])  # where the copying instance's last call was: bound anew, interrupted
+    assert instances() == []
     twin = (a[0].detach().clone(), a[1].clone())
     with graph_replay.disabled():
-        expected, _ = _steps_at(w, [twin])
-    graphed, _ = _steps_at(w, [a])  # the key works again: captured anew
-    assert len(_instances()) == 1
+        expected, _ = steps_at(w, [twin])
+    graphed, _ = steps_at(w, [a])  # the key works again: captured anew
+    assert len(instances()) == 1
     for u, v in zip(graphed[0], expected[0]):
         assert torch.equal(u, v)
 

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flce_compile import eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 from flce_compile.params import LossParams, encode_params
 from flce_compile.plan import registry
+from replay_steps import instances
 
 
 @pytest.fixture
@@ -275,11 +276,11 @@ def test_op_calls_like_a_replayed_one_take_the_body_shortcut_with_the_same_resul
     body_hits.clear()
     results = [_op_call(args) for _ in range(4)]
     assert body_hits == [False, False, True, True]  # warm-up, capture + replay (recorded), then the shortcut
-    bound = [g.bound_at for gs in graph_replay._cache.graphs.values() for g in gs]
+    bound = [g.bound_at for g in instances()]
     assert bound == [(x.data_ptr(), t.data_ptr(), t.dtype)]  # the capture read them where the warm-up had them
     moved = _op_args(x.clone(), w, t)  # inputs elsewhere: the shortcut captures a copying graph in its place
     results.append(_op_call(moved))
-    assert body_hits[-1] and [g.bound_at for gs in graph_replay._cache.graphs.values() for g in gs] == [None]
+    assert body_hits[-1] and [g.bound_at for g in instances()] == [None]
     for got in results:
         _same(got, expected)
 
