@@ -191,8 +191,9 @@ class _ReplayFloor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, parts):
-        parts["x"].copy_(x)
-        parts["t"].copy_(t)
+        if parts["x"] is not None:  # a bound graph (``graph_replay``) reads them where they lie: no buffers
+            parts["x"].copy_(x)
+            parts["t"].copy_(t)
         parts["forward"].replay()
         ctx.parts = parts
         return parts["loss"].clone()
@@ -218,7 +219,7 @@ def _own_graph_parts(x, w, t) -> dict | None:
     x.grad = w.grad = None
     for instances in graph_replay._cache.graphs.values():
         for g in instances:
-            if g.x.shape == x.shape and g.scale_graph is not None:
+            if g.out.dx.shape == x.shape and g.scale_graph is not None:
                 return {"x": g.x, "t": g.target, "forward": g.graph, "loss": g.out.loss, "grad": g.scale_in,
                         "backward": g.scale_graph, "dx": g.out.dx, "dw": g.out.dw, "direct": g.direct_graph,
                         "direct_at": g.direct_at[0] if g.direct_at is not None else None}

@@ -17,7 +17,7 @@ TORCH_MODULES = Path(torch.__file__).parent / "nn" / "modules"
 def test_host_overhead_runs_on_the_cpu(tmp_path):
     result = host_overhead.main(["--device", "cpu", "--shape", "16x8x32", "--calls", "5", "--warmup", "2",
                                  "--breakdown-calls", "8", "--reps", "2", "--out", str(tmp_path)])
-    assert set(result["timings"]) == {"flce", "eager"}
+    assert set(result["timings"]) == {"flce", "eager", "autograd-floor"}
     assert all(row["host_ms"] > 0 for row in result["timings"].values())
     breakdown = result["breakdown_us"]
     assert breakdown["fwd+bwd, whole call"] > 0 and breakdown["choose config (op_config)"] > 0
@@ -27,6 +27,20 @@ def test_host_overhead_runs_on_the_cpu(tmp_path):
     assert saved["env"]["device"] == "cpu" and saved["env"]["torch"] == torch.__version__
     table = (tmp_path / "host_overhead_cpu.md").read_text()
     assert "| flce |" in table and "| eager |" in table and "validate arguments" in table
+
+
+def test_autograd_floor_hands_out_a_copied_loss_and_its_held_gradients():
+    """The floor row does what a replayed call of the op does around its replays: a loss the next call does not
+    overwrite, and gradients autograd adopts as .grad (each call's backward runs its small kernel once)."""
+    x, w, t = host_overhead._inputs("16x8x32", "cpu", torch.float32)
+    loss_fn = host_overhead._losses(["autograd-floor"], None, False, (x, w, t))["autograd-floor"]
+    first = loss_fn(x, w, t)
+    first.backward()
+    x.grad = w.grad = None  # as the benchmark's step does
+    second = loss_fn(x, w, t)
+    second.backward()
+    assert (first.item(), second.item()) == (1.0, 2.0)
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and x.grad[0, 0].item() == 2.0
 
 
 def test_no_op_ce_step_is_restored():
