@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import eager_shortcut
 from .dtensor import refuse_dtensors
-from .op import autocast_on, call_fused
+from .op import RUNTIME_SOFTCAP, autocast_on, call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import config_within_budget
 from .plan.config import FLCEConfig, config_overrides
@@ -31,7 +31,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 
 def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
-              reduction: str, label_smoothing: float, softcap: float | None) -> None:
+              reduction: str, label_smoothing: float, softcap: float | Tensor | None) -> None:
     if not isinstance(input, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
         raise TypeError("input, weight and target must be tensors")
     if weight.dim() != 2:
@@ -82,8 +82,24 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
         raise ValueError(f"reduction={reduction!r} is unknown; use one of {REDUCTIONS}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
-    if softcap is not None and not softcap > 0:
+    if isinstance(softcap, Tensor):
+        _validate_softcap_tensor(softcap)
+    elif softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap} must be > 0 (inf means no cap), or None for no softcap")
+
+
+def _validate_softcap_tensor(softcap: Tensor) -> None:
+    """A softcap the op reads at run time (``op.runtime_params``): a 0-dim floating CPU tensor, the way Dynamo
+    passes a Python float it leaves symbolic. On a GPU, reading it would wait for the GPU; a gradient for it would
+    be lost."""
+    if softcap.dim() != 0 or not softcap.is_floating_point() or softcap.device.type != "cpu":
+        raise ValueError(
+            f"softcap as a tensor must be a 0-dim floating CPU tensor (read at run time), got shape "
+            f"{tuple(softcap.shape)} {softcap.dtype} on {softcap.device}; pass a Python float otherwise"
+        )
+    if softcap.requires_grad:
+        raise TypeError("softcap is a tensor that requires grad, but the fused op reads it as a constant at run "
+                        "time and would give it no gradient: pass softcap.detach()")
 
 
 def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: float) -> None:
@@ -104,9 +120,12 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
 
 
-def _softcap_arg(softcap: float | None) -> float:
+def _softcap_arg(softcap: float | Tensor | None) -> float:
     """The op's softcap argument: 0 for no cap, which is also what an infinite cap means (its tanh is the
-    identity; computed, it would be inf * 0 = nan)."""
+    identity; computed, it would be inf * 0 = nan). A tensor's value is read by the op at run time: its
+    ``params`` then hold ``RUNTIME_SOFTCAP`` until the op puts the value in (``op.runtime_params``)."""
+    if isinstance(softcap, Tensor):
+        return RUNTIME_SOFTCAP
     if softcap is None or math.isinf(softcap):
         return 0.0
     return float(softcap)
@@ -133,7 +152,7 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-    softcap: float | None = None,
+    softcap: float | Tensor | None = None,
     logit_scale: float = 1.0,
     z_loss: float = 0.0,
     accum_dtype: torch.dtype | None = None,
@@ -164,8 +183,11 @@ def fused_linear_cross_entropy(
         memory_budget_gb: the most the op may use above its inputs and gradients (GiB, by its memory bound): the
             config is the first that fits, from the usual one with smaller chunks to the "recompute" strategy
             (four GEMMs, no V x H buffer); an error says when nothing fits.
-        softcap: a cap > 0; None or inf for none. logit_scale: a constant (a tensor that requires grad is an
-            error: it would get no gradient). z_loss: >= 0.
+        softcap: a cap > 0; None or inf for none; or a 0-dim floating CPU tensor, read at run time (as
+            Dynamo passes a Python float it leaves symbolic: the ``flce`` backend's graphs under
+            ``dynamic=True``), whose cap is |value| (``c * tanh(s / c)`` for any c != 0); a value 0, inf or nan
+            is an error there. logit_scale: a constant (a tensor that requires grad is an error: it would get no
+            gradient). z_loss: >= 0.
         config: force an execution config: an ``FLCEConfig`` fixes every field; a dict (or JSON object) fixes
             only its keys, e.g. ``{"chunk_tokens": 1024}``, and the tuning database / heuristic picks the rest
             from the real token count at run time, as it does for everything when None.
@@ -227,6 +249,7 @@ def fused_linear_cross_entropy(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
         config_text,
+        *((softcap,) if isinstance(softcap, Tensor) else ()),  # read at run time (``op.runtime_params``)
     )
     if return_logits:
         return loss, logits.view(*input.shape[:-1], weight.shape[0])
@@ -243,7 +266,7 @@ _PARAMS_ARGS: dict[tuple[Any, ...], tuple[LossParams, str]] = {}
 _PLAIN_OPTION_TYPES = (int, float, str, type(None))
 
 
-def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softcap: float | None,
+def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softcap: float | Tensor | None,
                 logit_scale: float | Tensor, z_loss: float) -> tuple[LossParams, str]:
     """The loss options (already validated) as ``LossParams`` and as the op's ``params`` string.
 

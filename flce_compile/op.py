@@ -13,6 +13,8 @@ body and autograd formula without the dispatcher's Python round trip when nothin
 (``direct_call_ok``): at small shapes the op is bound by host work.
 
 Every op takes the loss options as one string, ``params`` (``params.encode_params`` of a ``LossParams``), and
+optionally, last, ``softcap_value``: a 0-dim CPU tensor whose value is the softcap, read at run time
+(``runtime_params``; how a softcap Dynamo left symbolic reaches the op), and
 the config as the JSON of the fields the caller forces, ``config`` ("" for none). Both are decoded through
 memoised functions, and the choice of the rest of the config (``plan.choose.op_config``) is memoised too, so
 the "none" backward, which gets the forward's ``config`` string, makes the same choice for the cost of a few
@@ -23,6 +25,8 @@ backward is traced before the forward op first runs, so only a tensor could carr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any, Optional
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from . import graph_replay
 from .log import logger
-from .params import LossParams, decode_params, math_dtype
+from .params import LossParams, decode_params, encode_params, math_dtype
 from .plan import registry
 from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
@@ -41,6 +45,28 @@ from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per
 from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
+
+
+#: The softcap a caller's ``params`` hold when the op reads it at run time from ``softcap_value`` (any cap > 0:
+#: memory estimates made from those ``params`` count the softcap's buffer).
+RUNTIME_SOFTCAP = 1.0
+
+
+def runtime_params(params: str, softcap_value: Tensor | None) -> str:
+    """``params`` with the softcap read from ``softcap_value`` now (None: ``params`` as they are). Called first
+    in each op body, so that every key and choice after it (the CUDA graphs', the shortcuts') sees the value.
+
+    ``c * tanh(s / c)`` is the cap |c| for any c != 0 (tanh is odd); for c = 0, inf or nan it is nan or no cap at
+    all, which the model that computed it cannot have meant: an error names the value."""
+    if softcap_value is None:
+        return params
+    value = softcap_value.item()  # a CPU tensor (checked by the API): no wait for a GPU
+    if value == 0 or not math.isfinite(value):
+        raise ValueError(
+            f"the softcap read at run time is {value}: a softcap c * tanh(s / c) needs a finite c != 0 (c = 0 is "
+            "nan, and c = inf caps nothing); fix the value the model reads (e.g. config.final_logit_softcapping)"
+        )
+    return encode_params(dataclasses.replace(decode_params(params), softcap=abs(value)))
 
 
 def _config(config: str, input: Tensor, weight: Tensor) -> FLCEConfig:
@@ -154,19 +180,21 @@ def _fused_forward_body(
     compute_dw: bool,
     compute_db: bool,
     config: str,
+    softcap_value: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused op on (input (N,H), weight (V,H), target (N,)); see the module docstring."""
     r = _forward_result(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx, compute_dw,
-                        compute_db, config)
+                        compute_db, config, softcap_value)
     lse = r.lse if r.lse is not None else input.new_empty(_EMPTY, dtype=math_dtype(input.dtype))
     return (r.loss, lse) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
 
 def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ce_weight: Tensor | None,
                     params: str, accum_dtype: torch.dtype, compute_dx: bool, compute_dw: bool, compute_db: bool,
-                    config: str) -> ForwardResult:
+                    config: str, softcap_value: Tensor | None = None) -> ForwardResult:
     """The fused forward's results (``lse`` set when backward forms the gradients, else dx/dw/db as asked),
     through a replayed CUDA graph where ``graph_replay`` takes the call."""
+    params = runtime_params(params, softcap_value)
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
     ops = Operands(input, weight, target, bias, ce_weight)
@@ -224,7 +252,7 @@ def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, 
 
 @fused_linear_cross_entropy_op.register_fake
 def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx,
-                                     compute_dw, compute_db, config):
+                                     compute_dw, compute_db, config, softcap_value=None):
     n = input.shape[0]
     p = decode_params(params)
     per_token, later = p.reduction == "none", grads_in_backward(p, config)
@@ -254,6 +282,7 @@ def _with_logits_body(
     compute_dw: bool,
     compute_db: bool,
     config: str,
+    softcap_value: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused op that also returns the raw logits ``input @ weight.T + bias`` (N, V), exact and intact.
 
@@ -262,7 +291,7 @@ def _with_logits_body(
     buffer, and dX/dW are formed in forward (divided by grad_scale) as in ``fused_linear_cross_entropy``, so
     nothing of size N x V is saved for backward. The logits are contiguous.
     """
-    p = decode_params(params)
+    p = decode_params(runtime_params(params, softcap_value))
     check_targets(target, weight.shape[0], p.ignore_index)
     with op_context(input.device):
         r = fused_forward(
@@ -278,7 +307,7 @@ fused_linear_cross_entropy_with_logits_op = torch.library.custom_op(
 
 @fused_linear_cross_entropy_with_logits_op.register_fake
 def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, params, accum_dtype,
-                                                 compute_dx, compute_dw, compute_db, config):
+                                                 compute_dx, compute_dw, compute_db, config, softcap_value=None):
     n, vocab = input.shape[0], weight.shape[0]
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((), dtype=dtype)
@@ -301,11 +330,12 @@ def _backward_body(
     compute_dw: bool,
     compute_db: bool,
     config: str,
+    softcap_value: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of a loss whose forward kept each token's lse, recomputing the logits: with the
     "recompute" loop, of the loss (``params``' reduction) times ``grad_rows`` (0-dim, or per row for "none"), by
     vocabulary block; else of sum_i grad_rows[i] * loss_i for reduction "none", by token chunk."""
-    p = decode_params(params)
+    p = decode_params(runtime_params(params, softcap_value))
     ops = Operands(input, weight, target, bias, ce_weight)
     cfg = _config(config, input, weight)
     grads = GradRequest(compute_dx, compute_dw, compute_db)
@@ -323,12 +353,13 @@ fused_linear_cross_entropy_backward_op = torch.library.custom_op(
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows, params,
-                                              accum_dtype, compute_dx, compute_dw, compute_db, config):
+                                              accum_dtype, compute_dx, compute_dw, compute_db, config,
+                                              softcap_value=None):
     return _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
 
 
 _ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "params", "accum_dtype", "compute_dx", "compute_dw",
-              "compute_db", "config")
+              "compute_db", "config", "softcap_value")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -349,8 +380,9 @@ def _keep_for_backward(ctx, inputs: tuple, lse: Tensor | None, dx: Tensor | None
     config = inputs[10]
     ctx.params, ctx.accum_dtype, ctx.config = params, accum_dtype, config
     ctx.has_bias = bias is not None
-    if grads_in_backward(decode_params(params), config):
-        ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
+    if grads_in_backward(decode_params(params), config):  # (the softcap read at run time decides neither)
+        softcap_value = inputs[11] if len(inputs) > 11 else None
+        ctx.save_for_backward(input, weight, target, bias, ce_weight, lse, softcap_value)
     else:
         _keep_forward_grads(ctx, dx, dw, db, grad_scale)
 
@@ -470,11 +502,11 @@ def _backward(ctx, grad_loss, *_other_outputs):
         return _input_grads(ctx, None, None, None)
     if grads_in_backward(decode_params(ctx.params), ctx.config):
         need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
-        input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+        input, weight, target, bias, ce_weight, lse, softcap_value = ctx.saved_tensors
         args = (input, weight, target, bias, ce_weight, lse, grad_loss, ctx.params, ctx.accum_dtype, need_x, need_w,
-                bool(need_b and ctx.has_bias), ctx.config)
-        dx, dw, db = (_backward_body(*args) if direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss)
-                      else fused_linear_cross_entropy_backward_op(*args))
+                bool(need_b and ctx.has_bias), ctx.config, softcap_value)
+        direct = direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss, softcap_value)
+        dx, dw, db = _backward_body(*args) if direct else fused_linear_cross_entropy_backward_op(*args)
     else:
         dx, dw, db = _scaled_forward_grads(ctx, grad_loss)
     return _input_grads(ctx, dx, dw, db)
@@ -644,7 +676,7 @@ def call_fused(return_logits: bool, *args) -> tuple[Tensor, Tensor | None]:
     the same body and autograd formula, so the results are identical. The direct path names itself in a
     profiler trace as the op would."""
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
-    if not direct_call_ok(*args[:5]):
+    if not direct_call_ok(*args[:5], *args[11:]):  # (and the softcap tensor, when there is one)
         out = op(*args)
     elif torch.autograd._profiler_enabled():  # a range named after the op, so traces look the same
         with torch.autograd.profiler.record_function(op._qualname):

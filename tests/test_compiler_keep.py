@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flce_compile.compiler as fc
-from flce_compile.compiler.rewrite import flce_fused_loss_keep, flce_kept_logits_loss
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 
 V, H, B, S = 96, 16, 2, 24  # B*S*V (logits) > V*H (dW) > B*S*H (dX): sizes tell the buffers apart
 LOGITS_NUMEL = B * S * V
@@ -278,27 +278,133 @@ def test_graph_outputs_restored_exactly():
     assert out[1] is None and out[2] is None and out[0].requires_grad
 
 
-def test_a_softcap_left_symbolic_by_dynamic_true_is_reported_and_warned(caplog, monkeypatch):
-    """Under ``dynamic=True`` Dynamo traces a float attribute (the softcap here, Gemma-2's
-    ``final_logit_softcapping``) as a symbolic input, which the pass cannot fold: explain says so, as the
-    compiled model does, and the backend warns with the fix; the loss is eager's. With the float specialized,
-    the same model fuses."""
-    from flce_compile.compiler import rewrite
+class _Inner:
+    """An inner compiler (``flce.inner``) that keeps the graphs it is given and compiles them with aot_eager."""
 
+    def __init__(self) -> None:
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs, **kw):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+
+def _softcap_args(gm) -> list:
+    """The softcap argument of each fused-op call in ``gm``."""
+    return [n.args[8] for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (flce_fused_loss, flce_fused_loss_keep)]
+
+
+@pytest.mark.parametrize("logits", ["keep", "drop"])
+def test_a_softcap_left_symbolic_by_dynamic_true_is_read_at_run_time(logits):
+    """Under ``dynamic=True`` Dynamo passes a float attribute (the softcap here, Gemma-2's
+    ``final_logit_softcapping``) as a graph input: the op takes it as a tensor and reads it at each call. One graph
+    serves every value (a new value recompiles nothing), and the loss, the gradients and the returned logits are
+    eager's for each, a negative cap included (``c * tanh(s / c)`` caps at |c|)."""
     torch.manual_seed(0)
     model = LM(softcap=5.0)
     idx, labels = _data()
-    ref_loss, _, _ = _reference(model, idx, labels)
+    inner = _Inner()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": inner, "flce.logits": logits},
+                             dynamic=True)
     (site,) = fc.explain(compiled, idx, labels)
-    assert not site.fused and "Python float Dynamo left symbolic" in site.reason
-    assert "specialize_float = True" in site.reason
+    assert site.fused and "(read at run time)" in str(site.softcap), site
+    compiled_graphs = []
+    for cap in (5.0, 7.0, -3.0):
+        model.softcap = cap
+        ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+        model.zero_grad(set_to_none=True)
+        loss, out_logits = compiled(idx, labels)
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, g in _grads(model).items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        if logits == "keep":
+            torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
+        else:
+            assert out_logits is None
+        compiled_graphs.append(len(inner.graphs))
+    # (The first call may compile twice: Dynamo traces again once AOT autograd specializes the embedding's float
+    # norm_type, which no op reads at run time.)
+    assert compiled_graphs[1:] == compiled_graphs[:1] * 2, "a new softcap value recompiled"
+    (softcap,) = _softcap_args(inner.graphs[-1])
+    assert isinstance(softcap, torch.fx.Node)  # read at run time, not folded
+    model.softcap = 0.0  # eager's c * tanh(s / c) is nan: an error names the value instead
+    with pytest.raises(ValueError, match="softcap read at run time is 0.0"):
+        compiled(idx, labels)
+
+
+def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time():
+    """The head and the loss inside ``torch.utils.checkpoint`` (Dynamo's checkpoint region, whose body gets
+    the float as an argument): fused, the value read at each call, eager's loss and gradients."""
+
+    class Checkpointed(LM):
+        def head_loss(self, h, labels):
+            logits = self.lm_head(h)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+            return F.cross_entropy(logits.float().view(-1, V), labels.reshape(-1))
+
+        def forward(self, idx, labels):
+            h = torch.tanh(self.proj(self.emb(idx)))
+            return torch.utils.checkpoint.checkpoint(self.head_loss, h, labels, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Checkpointed(softcap=5.0)
+    idx, labels = _data()
+    inner = _Inner()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": inner}, dynamic=True)
+    for cap in (5.0, 9.0):
+        model.softcap = cap
+        model.zero_grad(set_to_none=True)
+        ref = model(idx, labels)
+        ref.backward()
+        ref_grads = _grads(model)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(idx, labels)
+        loss.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        for name, g in _grads(model).items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert len({id(g) for g in inner.graphs}) <= 2 and len(_softcap_args(inner.graphs[-1])) == 1
+
+
+def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog, monkeypatch):
+    """What the op cannot read at run time stays unfused, with the fix in explain and in a warning: a logit scale
+    Dynamo left symbolic, and a symbolic softcap on the kept-logits path (a per-token loss whose logits are
+    returned). The losses are eager's."""
+    from flce_compile.compiler import rewrite
+
+    class Scaled(LM):  # returns the unscaled logits
+        def forward(self, idx, labels):
+            logits = self.lm_head(torch.tanh(self.proj(self.emb(idx))))
+            return F.cross_entropy((logits * self.softcap).float().view(-1, V), labels.reshape(-1)), logits
+
+    class PerToken(LM):  # returns the uncapped logits
+        def forward(self, idx, labels):
+            logits = self.lm_head(torch.tanh(self.proj(self.emb(idx))))
+            capped = torch.tanh(logits / self.softcap) * self.softcap
+            loss = F.cross_entropy(capped.float().view(-1, V), labels.reshape(-1), reduction="none")
+            return loss.mean(), logits
+
     monkeypatch.setattr(rewrite, "_warned_symbolic_float", False)
     caplog.set_level(logging.WARNING, logger="flce_compile")
-    loss, _ = compiled(idx, labels)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert any(r.levelno == logging.WARNING and "left symbolic" in r.getMessage() for r in caplog.records)
-    with torch._dynamo.config.patch(specialize_float=True):
+    idx, labels = _data()
+    for cls in (Scaled, PerToken):
+        torch.manual_seed(0)
+        model = cls(softcap=0.5)
+        ref_loss, _, _ = _reference(model, idx, labels)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
         (site,) = fc.explain(compiled, idx, labels)
-    assert site.fused
+        assert not site.fused and "Python float Dynamo left symbolic" in site.reason, (cls, site)
+        assert "specialize_float = True" in site.reason
+        loss, _ = compiled(idx, labels)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        with torch._dynamo.config.patch(specialize_float=True):
+            (site,) = fc.explain(compiled, idx, labels)
+        assert site.fused, (cls, site)
+    assert any(r.levelno == logging.WARNING and "left symbolic" in r.getMessage() for r in caplog.records)

@@ -499,3 +499,43 @@ def test_chunk_gemms_reduce_in_full_precision_and_restore_the_flags():
             assert matmul.allow_bf16_reduced_precision_reduction  # one chunk: eager's own GEMMs and flags
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_softcap_tensor_is_read_at_run_time(reduction):
+    """A 0-dim CPU tensor softcap (how the backend passes one Dynamo left symbolic) gives the float's results bit
+    for bit, its magnitude for a negative value (``c * tanh(s / c)`` caps at |c|), and the value it holds at each
+    call; per-token losses recompute in backward with it too. Through the dispatcher alike (opcheck)."""
+    x, w, t = _inputs()
+    cap = torch.tensor(-3.0, dtype=torch.float64)
+
+    def run(softcap):
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xr, wr, t, softcap=softcap, reduction=reduction)
+        loss.sum().backward()
+        return loss.detach(), xr.grad, wr.grad
+
+    for expected, got in zip(run(3.0), run(cap)):
+        assert torch.equal(expected, got)
+    cap.fill_(5.0)  # changed in place: the next call reads 5
+    for expected, got in zip(run(5.0), run(cap)):
+        assert torch.equal(expected, got)
+    torch.testing.assert_close(run(cap)[0], reference_loss(x, w, t, softcap=5.0, reduction=reduction))
+    params = encode_params(LossParams(reduction=reduction, softcap=1.0))
+    torch.library.opcheck(
+        torch.ops.flce.fused_linear_cross_entropy.default,
+        (x, w.requires_grad_(), t, None, None, params, torch.float32, False, True, False, "", cap),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_a_bad_softcap_tensor_is_refused():
+    x, w, t = _inputs()
+    for bad, error, match in ((torch.tensor([2.0]), ValueError, "0-dim floating CPU tensor"),
+                              (torch.tensor(2), ValueError, "0-dim floating CPU tensor"),
+                              (torch.tensor(2.0, requires_grad=True), TypeError, "softcap.detach"),
+                              (torch.tensor(0.0), ValueError, "softcap read at run time is 0.0"),
+                              (torch.tensor(float("inf")), ValueError, "softcap read at run time is inf"),
+                              (torch.tensor(float("nan")), ValueError, "softcap read at run time is nan")):
+        with pytest.raises(error, match=match):
+            fused_linear_cross_entropy(x, w, t, softcap=bad)

@@ -25,7 +25,8 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
-from .patterns import ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform
+from .patterns import (ADVICE, SYMBOLIC_FLOAT_HINT, Plan, Site, find_sites, fold_steps, hint_int, meta_value,
+                       output_transform, runtime_softcap)
 from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -110,6 +111,8 @@ def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.
     plan = fold_steps(site, 0) if obstacle is None else None
     if isinstance(plan, str):
         obstacle = f"{ADVICE} ({plan})"
+    elif plan is not None and runtime_softcap(plan):
+        obstacle = f"{ADVICE} (a softcap read from {SYMBOLIC_FLOAT_HINT})"
     write = _head_write(site, aliases) if obstacle is None else None
     if write is not None:
         obstacle = f"{ADVICE} ({describe(write)} may write to a tensor the lm_head reads)"
@@ -160,6 +163,8 @@ def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
     chain = site.chain
     last = max(chain.index(n) for n in res.escapes)
     plan = fold_steps(site, last)
+    if not isinstance(plan, str) and runtime_softcap(plan):  # the kept-logits loss takes constants only
+        plan = f"a softcap read from {SYMBOLIC_FLOAT_HINT}"
     if isinstance(plan, str):
         res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
         return res

@@ -22,7 +22,7 @@ from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .options import FLCEOptions, split_options
-from .patterns import HF_LOSS_TYPE_HINT, hint_int, match_linear, meta_value
+from .patterns import HF_LOSS_TYPE_HINT, Plan, hint_int, match_linear, meta_value
 from .tensor_parallel import LONE_HEAD, returned_through_redistribute
 
 
@@ -39,7 +39,7 @@ class SiteReport:
     tokens: int | None
     vocab: int | None
     hidden: int | None
-    softcap: float | None = None
+    softcap: float | str | None = None  # a str names the graph input the op reads it from at run time
     logit_scale: float = 1.0
     logits_escape: bool = False
     est_saved_bytes: int = 0
@@ -51,7 +51,9 @@ class SiteReport:
         if not self.fused:
             return head + f"NOT fused - {self.reason}"
         extra = []
-        if self.softcap is not None:
+        if isinstance(self.softcap, str):
+            extra.append(f"softcap={self.softcap}")
+        elif self.softcap is not None:
             extra.append(f"softcap={self.softcap:g}")
         if self.logit_scale != 1.0:
             extra.append(f"logit_scale={self.logit_scale:g}")
@@ -137,7 +139,14 @@ def _needs(res: SiteResult) -> dict[str, bool]:
     return {"need_dx": requires_grad(lin.input if lin else None, True),
             "need_dw": requires_grad(lin.weight if lin else None, True),
             "need_db": lin is not None and lin.bias is not None and requires_grad(lin.bias, True),
-            "softcap": bool(res.plan and res.plan.softcap)}
+            "softcap": res.plan is not None and res.plan.softcap is not None}
+
+
+def _softcap_text(plan: Plan | None) -> float | str | None:
+    """The report's softcap: the constant, or where the op reads it at run time (``runtime_float``)."""
+    if plan is None or not isinstance(plan.softcap, fx.Node):
+        return plan.softcap if plan is not None else None
+    return f"{plan.softcap.args[0].name} (read at run time)"
 
 
 def _saved_bytes(res: SiteResult) -> int:
@@ -170,7 +179,7 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
             fused=res.fused, path=res.path, reason=res.reason, strategy=strategy,
-            tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=plan.softcap if plan else None,
+            tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=_softcap_text(plan),
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
             est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
         ))

@@ -99,11 +99,13 @@ def meta_value(node: Any) -> Any:
 #: on logging calls; with the type set, the head and the loss share one graph and are fused.
 HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks the graph there on a logged "
                      "warning: set model.loss_type = 'ForCausalLM' before compiling")
-#: Why a scale or softcap read from a Python float (Gemma-2's ``final_logit_softcapping``) blocks fusion under
-#: ``dynamic=True``, and the fix: the pass folds constants only, and Dynamo leaves such floats symbolic there.
+#: Why a scale or softcap read from a Python float blocks fusion under ``dynamic=True``, and the fix: Dynamo
+#: leaves such floats symbolic there, and the pass folds constants only, except a softcap ``c * tanh(s / c)``
+#: on the fused paths, whose ``c`` the op reads at run time (Gemma-2's ``final_logit_softcapping``).
 SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynamic=True) with "
-                       "torch._dynamo.config.specialize_float=False, the default); only constants fold into the op: "
-                       "compile without dynamic=True, or set torch._dynamo.config.specialize_float = True")
+                       "torch._dynamo.config.specialize_float=False, the default); the fused op reads one at run time "
+                       "only as the c of a softcap c * tanh(s / c): compile without dynamic=True, or set "
+                       "torch._dynamo.config.specialize_float = True")
 #: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
 ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
 
@@ -134,6 +136,22 @@ def _is_number(x: Any) -> bool:
 def _symbolic_float(x: Any) -> bool:
     """Whether ``x`` is a graph node holding a symbolic Python float (``SYMBOLIC_FLOAT_HINT``)."""
     return isinstance(x, fx.Node) and isinstance(meta_value(x), torch.SymFloat)
+
+
+def runtime_float(x: Any) -> fx.Node | None:
+    """The graph input a symbolic float ``x`` is read from, when ``x`` is ``t.item()`` of a 0-dim floating CPU
+    tensor that is a graph input: how Dynamo passes a Python float it leaves symbolic (a model's
+    ``config.final_logit_softcapping`` under ``dynamic=True``). The fused op can take that tensor as an argument and
+    read it at run time, which adds no guard on its value. None for any other value."""
+    if not (_symbolic_float(x) and x.op == "call_method" and x.target == "item" and len(x.args) == 1):
+        return None
+    source = x.args[0]
+    val = meta_value(source)
+    if not (isinstance(source, fx.Node) and source.op == "placeholder" and isinstance(val, torch.Tensor)):
+        return None
+    if val.dim() != 0 or not val.is_floating_point() or val.device.type != "cpu":
+        return None
+    return source
 
 
 def _static_int(x: Any) -> int | None:
@@ -205,6 +223,10 @@ class Step:
     input: fx.Node  # the logits-side input of ``node``
     index: Any = None  # slice: the getitem index; transpose: the dim permutation; log_softmax: dim
     factor: float = 1.0  # scale factor (x * factor)
+    # A scale by a float Dynamo left symbolic: its ``item()`` node (``runtime_float``), and whether the logits
+    # are divided by it (``factor`` is then unused).
+    symbol: fx.Node | None = None
+    inverse: bool = False
 
 
 @dataclass
@@ -386,6 +408,9 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return Step("scale", node, a, factor=float(b)), a
         if isinstance(b, fx.Node) and _is_number(a):
             return Step("scale", node, b, factor=float(a)), b
+        for logits, number in ((a, b), (b, a)):
+            if runtime_float(number) is not None and isinstance(meta_value(logits), torch.Tensor):
+                return Step("scale", node, logits, symbol=number), logits
         if _symbolic_float(a) or _symbolic_float(b):
             return f"multiplication by {SYMBOLIC_FLOAT_HINT}"
         return "multiplication by a tensor (only constant scales can be folded)"
@@ -395,6 +420,8 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "division with a rounding_mode"
         if isinstance(a, fx.Node) and _is_number(b) and b != 0:
             return Step("scale", node, a, factor=1.0 / float(b)), a
+        if runtime_float(b) is not None and isinstance(meta_value(a), torch.Tensor):
+            return Step("scale", node, a, symbol=b, inverse=True), a
         if _symbolic_float(b):
             return f"division by {SYMBOLIC_FLOAT_HINT}"
         return "division by a tensor (only constant divisors can be folded)"
@@ -454,19 +481,45 @@ class Plan:
 
     indices: list[Any] = field(default_factory=list)  # getitem indices to apply to the base, in order
     logit_scale: float = 1.0
-    softcap: float | None = None
+    # A constant, or the ``item()`` node of a symbolic one (``runtime_float``), which the op reads at run time.
+    softcap: float | fx.Node | None = None
+
+
+def runtime_softcap(plan: Plan) -> bool:
+    """Whether ``plan``'s softcap is read at run time (a graph input, ``runtime_float``): the fused op takes it
+    (both fused paths); the kept-logits and vocab-parallel losses take constants only."""
+    return isinstance(plan.softcap, fx.Node)
 
 
 class _ScaleFolder:
-    """Folds constant scales and one ``c * tanh(...)`` into (logit_scale, softcap), in step order."""
+    """Folds constant scales and one ``c * tanh(...)`` into (logit_scale, softcap), in step order; ``c`` may be
+    a symbolic float in exactly ``c * tanh(f * s / c)`` (``add_symbolic``)."""
 
     def __init__(self) -> None:
         self.scale = 1.0
-        self.softcap: float | None = None
+        self.softcap: float | fx.Node | None = None
         self.logit_scale: float | None = None
         self.pending_tanh = False
+        self.divisor: fx.Node | None = None  # the graph input of ``s / c``'s c, until ``c * tanh(...)``
+
+    def add_symbolic(self, symbol: fx.Node, inverse: bool) -> str | None:
+        """A scale by the symbolic float ``symbol`` (an ``item()`` node; divided by it when ``inverse``): the
+        softcap's two uses of one ``c`` (read from one graph input), ``s / c`` before the tanh and
+        ``c * tanh(...)`` after it, and nothing else. With ``c * tanh(s / c) == |c| * tanh(s / |c|)`` the op's
+        softcap is |c| and the scales before it stay the logit scale."""
+        source = runtime_float(symbol)
+        if inverse and self.divisor is None and not self.pending_tanh and self.softcap is None:
+            self.divisor = source
+            return None
+        if not inverse and self.pending_tanh and self.divisor is source:
+            self.softcap, self.logit_scale = symbol, self.scale
+            self.pending_tanh, self.divisor = False, None
+            return None
+        return f"a scale by {SYMBOLIC_FLOAT_HINT}"
 
     def add_scale(self, factor: float) -> str | None:
+        if self.divisor is not None:
+            return f"a constant scale inside a softcap read from {SYMBOLIC_FLOAT_HINT}"
         if self.pending_tanh:  # c * tanh(f*s)  ==  softcap |c| with logit_scale f*c (tanh is odd)
             if factor == 0.0:
                 return "tanh multiplied by 0 (not a softcap)"
@@ -487,6 +540,8 @@ class _ScaleFolder:
     def finish(self, plan: Plan) -> str | None:
         if self.pending_tanh:
             return "tanh is not followed by a constant multiply (not a softcap)"
+        if self.divisor is not None:
+            return f"a division by {SYMBOLIC_FLOAT_HINT}"
         plan.softcap = self.softcap
         plan.logit_scale = self.logit_scale if self.softcap is not None else self.scale
         return None
@@ -553,7 +608,8 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         elif step.kind == "scale":
             if log_softmax_seen:
                 return "a scale after log_softmax"
-            problem = folder.add_scale(step.factor)
+            problem = (folder.add_scale(step.factor) if step.symbol is None
+                       else folder.add_symbolic(step.symbol, step.inverse))
             if problem:
                 return problem
         elif step.kind == "tanh":
@@ -593,6 +649,8 @@ def output_transform(site: Site, node: fx.Node) -> Plan | str:
         ):
             pass
         elif step.kind == "scale":
+            if step.symbol is not None:  # the replayed gradient takes constants only
+                return f"a scale by {SYMBOLIC_FLOAT_HINT}"
             problem = folder.add_scale(step.factor)
             if problem:
                 return problem

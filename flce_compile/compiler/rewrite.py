@@ -4,7 +4,8 @@ removed.
 
 Shifts on the logits side (``logits[:, :-1]``) are replayed on the hidden states (or, when the op also returns
 the logits, on the target, with ignore_index on the rows the loss does not see), a constant scale and a
-Gemma2-style ``tanh`` softcap become the op's ``logit_scale`` / ``softcap``, and every cast/view in between is
+Gemma2-style ``tanh`` softcap become the op's ``logit_scale`` / ``softcap`` (a softcap Dynamo left symbolic is
+passed as the tensor it reads, on the plain fused path), and every cast/view in between is
 dropped (the op flattens input and target itself and accumulates in fp32). The graph is only changed once a
 site's new nodes are built and typed; a failure before that point leaves the graph as it was.
 """
@@ -25,7 +26,7 @@ from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, meta_value
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, meta_value, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -47,7 +48,7 @@ def flce_fused_loss(
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
-    softcap: Optional[float],
+    softcap: Optional[float | torch.Tensor],
     logit_scale: float,
     config: Optional[dict],
     out_dtype: torch.dtype,
@@ -60,7 +61,8 @@ def flce_fused_loss(
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
     travels as a plain dict so the generated graph code stays printable. ``compute_dtype``: see
-    ``_compute_operands``.
+    ``_compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic float in
+    (``patterns.runtime_float``), which the op reads at run time.
     """
     from ..api import fused_linear_cross_entropy
 
@@ -313,11 +315,14 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     if res.path == "fused_keep":
         for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
             lin.node.prepend(node)
+        if runtime_softcap(plan):  # its read of a graph input, too (``patterns.runtime_float``)
+            lin.node.prepend(plan.softcap)
     anchor = lin.node if res.path == "fused_keep" else loss.node
     try:
         with gm.graph.inserting_before(anchor):
             ce_weight = new.add("get_attr", loss.ce_weight_attr, ()) if loss.ce_weight_attr else loss.ce_weight
-            loss_args = (ce_weight, loss.ignore_index, loss.reduction, loss.label_smoothing, plan.softcap,
+            softcap = _runtime_softcap_tensor(new, plan.softcap) if runtime_softcap(plan) else plan.softcap
+            loss_args = (ce_weight, loss.ignore_index, loss.reduction, loss.label_smoothing, softcap,
                          plan.logit_scale)
             if res.path == "vocab_parallel":
                 weight, bias = _head_operands(gm, lin, new)
@@ -373,6 +378,16 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         maybe_dead += res.dropped
     res.new_node = result
     return maybe_dead
+
+
+def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
+    """The op's softcap argument for a softcap Dynamo left symbolic (``scalar``, its ``item()`` node): a 0-dim
+    CPU fp64 tensor, ``ones * scalar``. Not the graph input itself: AOT autograd's pass that turns symbolic
+    floats into tensors (``tensorify_python_scalars``) specializes any float it finds no arithmetic on, and
+    Dynamo then traces the frame again with the value as a constant (a recompile per value); the product is
+    such arithmetic, which the pass turns into a read of the graph input at run time."""
+    one = new.add("call_function", torch.ones, ((),), {"dtype": torch.float64, "device": "cpu"})
+    return new.add("call_function", operator.mul, (one, scalar))
 
 
 def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Node, fx.Node | None]:
