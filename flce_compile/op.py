@@ -634,7 +634,7 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     subclass tensors included, goes through the registered op, which those systems know.
 
     Why: the custom op's Python dispatch path (``torch.library``'s autograd wrapper, its ``fill_defaults`` over
-    the 11-argument schema, the redispatch) cost about 100-200 us per forward + backward on the CPU, more than
+    the 12-argument schema, the redispatch) cost about 100-200 us per forward + backward on the CPU, more than
     the rest of the op's host work at small shapes.
     """
     if torch.compiler.is_compiling() or torch.jit.is_tracing():

@@ -521,6 +521,9 @@ def vocab_parallel_linear_cross_entropy(
         input = _replicated_local(input, "input")
         target = _replicated_local(target, "target")
         ce_weight = _replicated_local(ce_weight, "ce_weight")
+        if isinstance(softcap, torch.Tensor):
+            raise TypeError("softcap must be a Python float or None here: the vocab-parallel op takes it as a "
+                            "constant (fused_linear_cross_entropy alone also reads a 0-dim CPU tensor at run time)")
         _validate(input, weight_local, target, bias_local, None, reduction, label_smoothing, softcap)
         _validate_scalars(ignore_index, logit_scale, z_loss)
         if ce_weight is not None and (tuple(ce_weight.shape) != (total,) or not ce_weight.is_floating_point()):

@@ -313,12 +313,15 @@ def test_a_softcap_left_symbolic_by_dynamic_true_is_read_at_run_time(logits):
     (site,) = fc.explain(compiled, idx, labels)
     assert site.fused and "(read at run time)" in str(site.softcap), site
     compiled_graphs = []
-    for cap in (5.0, 7.0, -3.0):
+    if logits == "keep":  # the returned capped logits' gradient is replayed outside the graph, as for a constant
+        assert site.note is None, site.note
+    for cap, logits_weight in ((5.0, 0.0), (7.0, 0.5), (-3.0, 0.5)):
         model.softcap = cap
-        ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+        ref_loss, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight if logits == "keep" else 0.0)
         model.zero_grad(set_to_none=True)
         loss, out_logits = compiled(idx, labels)
-        loss.backward()
+        extra = logits_weight * (out_logits.float() ** 3).mean() if logits == "keep" else 0.0
+        (loss + extra).backward()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for name, g in _grads(model).items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -332,9 +335,43 @@ def test_a_softcap_left_symbolic_by_dynamic_true_is_read_at_run_time(logits):
     assert compiled_graphs[1:] == compiled_graphs[:1] * 2, "a new softcap value recompiled"
     (softcap,) = _softcap_args(inner.graphs[-1])
     assert isinstance(softcap, torch.fx.Node)  # read at run time, not folded
+    loss, out_logits = compiled(idx, labels)
+    del out_logits  # as in `loss = model(...).loss`
+    with _BigAllocations(LOGITS_NUMEL) as big:
+        loss.backward()
+    assert big.seen == []  # no zero tangent, no logits gradient, nothing logits-sized
     model.softcap = 0.0  # eager's c * tanh(s / c) is nan: an error names the value instead
     with pytest.raises(ValueError, match="softcap read at run time is 0.0"):
         compiled(idx, labels)
+
+
+def test_a_symbolic_softcap_also_read_before_the_head_fuses_with_the_logits_kept():
+    """The float is read once as a graph input (one ``item()``) and used before the lm_head too: the fused op with
+    logits keeps that read where it is (it comes before the head already) and takes the softcap from it."""
+
+    class ReadEarly(LM):
+        def forward(self, idx, labels):
+            h = torch.tanh(self.proj(self.emb(idx)) / self.softcap)
+            logits = torch.tanh(self.lm_head(h) / self.softcap) * self.softcap
+            return F.cross_entropy(logits.float().view(-1, V), labels.reshape(-1)), logits
+
+    torch.manual_seed(0)
+    model = ReadEarly(softcap=5.0)
+    idx, labels = _data()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
+    (site,) = fc.explain(compiled, idx, labels)
+    assert site.fused and site.path == "fused_keep", site
+    for cap in (5.0, -2.0):
+        model.softcap = cap
+        ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+        model.zero_grad(set_to_none=True)
+        loss, out_logits = compiled(idx, labels)
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
+        for name, g in _grads(model).items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time():

@@ -552,6 +552,24 @@ def test_a_new_world_reusing_group_names_gets_its_own_first_call_checks(monkeypa
     assert names[0] == names[1]
 
 
+def test_a_softcap_tensor_is_refused(monkeypatch):
+    """fused_linear_cross_entropy reads a 0-dim CPU tensor softcap at run time; the vocab-parallel op takes
+    constants only, so a tensor is an error (before, its placeholder cap of 1.0 was used instead)."""
+    import torch.distributed as dist
+
+    x, w, _b, t, _o, _g = _inputs("mean")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        with pytest.raises(TypeError, match="softcap must be a Python float or None here"):
+            fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, softcap=torch.tensor(30.0))
+        assert torch.isfinite(fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, softcap=30.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_stats_step_triton_matches_torch():
     """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
     pytest.importorskip("triton")

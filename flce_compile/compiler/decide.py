@@ -25,8 +25,8 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
-from .patterns import (ADVICE, SYMBOLIC_FLOAT_HINT, Plan, Site, find_sites, fold_steps, hint_int, meta_value,
-                       output_transform, runtime_softcap)
+from .patterns import (ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform,
+                       runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -112,7 +112,7 @@ def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.
     if isinstance(plan, str):
         obstacle = f"{ADVICE} ({plan})"
     elif plan is not None and runtime_softcap(plan):
-        obstacle = f"{ADVICE} (a softcap read from {SYMBOLIC_FLOAT_HINT})"
+        obstacle = f"{ADVICE} ({symbolic_softcap_refused('the vocab-parallel loss')})"
     write = _head_write(site, aliases) if obstacle is None else None
     if write is not None:
         obstacle = f"{ADVICE} ({describe(write)} may write to a tensor the lm_head reads)"
@@ -148,6 +148,9 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
                     "gradient flows through the op (a logits-sized gradient buffer in backward)")
         return None
     transforms = {node: output_transform(site, node) for node in res.escapes}
+    for node, t in transforms.items():  # the op's softcap tensor serves the replayed gradient too (``outputs``)
+        if isinstance(t, Plan) and runtime_softcap(t) and t.softcap is not plan.softcap:
+            transforms[node] = "a softcap read at run time from another graph input"
     blocked = {n.name: t for n, t in transforms.items() if isinstance(t, str)}
     if blocked:
         res.note = (f"the returned logits {', '.join(blocked)} are computed through "
@@ -163,8 +166,8 @@ def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
     chain = site.chain
     last = max(chain.index(n) for n in res.escapes)
     plan = fold_steps(site, last)
-    if not isinstance(plan, str) and runtime_softcap(plan):  # the kept-logits loss takes constants only
-        plan = f"a softcap read from {SYMBOLIC_FLOAT_HINT}"
+    if not isinstance(plan, str) and runtime_softcap(plan):
+        plan = symbolic_softcap_refused("the kept-logits loss")
     if isinstance(plan, str):
         res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
         return res

@@ -75,6 +75,7 @@ class LogitsOutput:
     bias: int | None
     logit_scale: float
     softcap: float | None
+    softcap_extra: int | None = None  # where the softcap read at run time sits among the extras (a 0-dim tensor)
 
 
 @dataclass
@@ -141,8 +142,11 @@ class _Restore:
                 if not positions:
                     continue
                 bias = extras[spec.bias] if spec.bias is not None else None
+                softcap = spec.softcap
+                if spec.softcap_extra is not None:  # c * tanh(s / c) caps at |c|; a CPU tensor: no GPU wait
+                    softcap = abs(float(extras[spec.softcap_extra]))
                 attached = LogitsGrad.apply(result[positions[0]], extras[spec.x], extras[spec.weight], bias,
-                                            spec.logit_scale, spec.softcap)
+                                            spec.logit_scale, softcap)
                 for i in positions:
                     result[i] = attached
         return result

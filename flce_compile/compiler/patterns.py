@@ -102,10 +102,16 @@ HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks
 #: Why a scale or softcap read from a Python float blocks fusion under ``dynamic=True``, and the fix: Dynamo
 #: leaves such floats symbolic there, and the pass folds constants only, except a softcap ``c * tanh(s / c)``
 #: on the fused paths, whose ``c`` the op reads at run time (Gemma-2's ``final_logit_softcapping``).
+SYMBOLIC_FLOAT_FIX = "compile without dynamic=True, or set torch._dynamo.config.specialize_float = True"
 SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynamic=True) with "
                        "torch._dynamo.config.specialize_float=False, the default); the fused op reads one at run time "
-                       "only as the c of a softcap c * tanh(s / c): compile without dynamic=True, or set "
-                       "torch._dynamo.config.specialize_float = True")
+                       "only as the c of a softcap written logits / c, tanh, then times c: " + SYMBOLIC_FLOAT_FIX)
+
+
+def symbolic_softcap_refused(loss: str) -> str:
+    """Why a softcap read at run time (``runtime_float``) cannot go to ``loss``, and the fix."""
+    return (f"a softcap read from a Python float Dynamo left symbolic (dynamic=True), which {loss} takes only as a "
+            f"constant: {SYMBOLIC_FLOAT_FIX}")
 #: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
 ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
 
@@ -649,9 +655,8 @@ def output_transform(site: Site, node: fx.Node) -> Plan | str:
         ):
             pass
         elif step.kind == "scale":
-            if step.symbol is not None:  # the replayed gradient takes constants only
-                return f"a scale by {SYMBOLIC_FLOAT_HINT}"
-            problem = folder.add_scale(step.factor)
+            problem = (folder.add_scale(step.factor) if step.symbol is None
+                       else folder.add_symbolic(step.symbol, step.inverse))
             if problem:
                 return problem
         elif step.kind == "tanh":

@@ -26,7 +26,7 @@ from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LogitsOutput, OutputFixup
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_HINT, meta_value, runtime_softcap
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -228,7 +228,7 @@ def _log_unfused(res: SiteResult) -> None:
     whose logits come from outside the compiled graph (only the loss was compiled, or a graph break separates it
     from the lm_head, whose usual cause in Hugging Face models has a one-line fix)."""
     global _warned_graph_break, _warned_symbolic_float
-    if SYMBOLIC_FLOAT_HINT in (res.reason or "") and not _warned_symbolic_float:
+    if SYMBOLIC_FLOAT_FIX in (res.reason or "") and not _warned_symbolic_float:
         _warned_symbolic_float = True  # a model that fuses without dynamic=True: the user loses the fusion silently
         logger.warning("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
         return
@@ -315,8 +315,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     if res.path == "fused_keep":
         for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
             lin.node.prepend(node)
-        if runtime_softcap(plan):  # its read of a graph input, too (``patterns.runtime_float``)
-            lin.node.prepend(plan.softcap)
+        if runtime_softcap(plan) and not _comes_before(plan.softcap, lin.node):
+            lin.node.prepend(plan.softcap)  # its read of a graph input, too (``patterns.runtime_float``)
     anchor = lin.node if res.path == "fused_keep" else loss.node
     try:
         with gm.graph.inserting_before(anchor):
@@ -365,9 +365,11 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     if res.path == "fused_keep":
         lin.node.replace_all_uses_with(graph_logits)
         for node, transform in res.logits_outputs.items():
+            runtime = runtime_softcap(transform)  # (``decide`` took only the op's own softcap input)
             fixup.logits.append(LogitsOutput(
                 graph_logits if node is lin.node else node, fixup.add_extra(lin.input), fixup.add_extra(weight),
-                fixup.add_extra(bias) if bias is not None else None, transform.logit_scale, transform.softcap,
+                fixup.add_extra(bias) if bias is not None else None, transform.logit_scale,
+                None if runtime else transform.softcap, fixup.add_extra(softcap) if runtime else None,
             ))
     loss.node.replace_all_uses_with(result)
     gm.graph.erase_node(loss.node)
@@ -378,6 +380,16 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         maybe_dead += res.dropped
     res.new_node = result
     return maybe_dead
+
+
+def _comes_before(a: fx.Node, b: fx.Node) -> bool:
+    """Whether node ``a`` comes before node ``b`` in their graph."""
+    for node in a.graph.nodes:
+        if node is a:
+            return True
+        if node is b:
+            return False
+    return False
 
 
 def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
