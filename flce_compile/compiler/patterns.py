@@ -667,6 +667,8 @@ def output_transform(site: Site, node: fx.Node) -> Plan | str:
             return f"{step.kind} {step.node.name}"
         if step.node is node:
             break
+    if folder.divisor is not None:  # ``s / c`` returned before the softcap's tanh: not a replayable transform
+        return "a division by a float read at run time, returned before the softcap's tanh"
     plan = Plan()
     return folder.finish(plan) or plan
 
