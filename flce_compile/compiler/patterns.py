@@ -107,13 +107,14 @@ SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynam
                        "torch._dynamo.config.specialize_float=False, the default); the fused op reads one at run time "
                        "only as the c of a softcap written logits / c, tanh, then times c: " + SYMBOLIC_FLOAT_FIX)
 
+#: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
+ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
+
 
 def symbolic_softcap_refused(loss: str) -> str:
     """Why a softcap read at run time (``runtime_float``) cannot go to ``loss``, and the fix."""
     return (f"a softcap read from a Python float Dynamo left symbolic (dynamic=True), which {loss} takes only as a "
             f"constant: {SYMBOLIC_FLOAT_FIX}")
-#: What explain says of a tensor-parallel lm_head it cannot fuse (``tensor_parallel`` rewrites the one it can).
-ADVICE = "tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy"
 
 
 def redistribute_step_ok(node: fx.Node) -> str | None:

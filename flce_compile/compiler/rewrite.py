@@ -5,7 +5,7 @@ removed.
 Shifts on the logits side (``logits[:, :-1]``) are replayed on the hidden states (or, when the op also returns
 the logits, on the target, with ignore_index on the rows the loss does not see), a constant scale and a
 Gemma2-style ``tanh`` softcap become the op's ``logit_scale`` / ``softcap`` (a softcap Dynamo left symbolic is
-passed as the tensor it reads, on the plain fused path), and every cast/view in between is
+passed as the tensor it reads, on the fused paths), and every cast/view in between is
 dropped (the op flattens input and target itself and accumulates in fp32). The graph is only changed once a
 site's new nodes are built and typed; a failure before that point leaves the graph as it was.
 """
