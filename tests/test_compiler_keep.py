@@ -374,9 +374,11 @@ def test_a_symbolic_softcap_also_read_before_the_head_fuses_with_the_logits_kept
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time():
+@pytest.mark.parametrize("read_before", [False, True])
+def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time(read_before):
     """The head and the loss inside ``torch.utils.checkpoint`` (Dynamo's checkpoint region, whose body gets
-    the float as an argument): fused, the value read at each call, eager's loss and gradients."""
+    the float as an argument: the graph input, or, when the float was read before the region too, that read as a
+    plain number): fused, the value read at each call, eager's loss and gradients."""
 
     class Checkpointed(LM):
         def head_loss(self, h, labels):
@@ -386,6 +388,8 @@ def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time():
 
         def forward(self, idx, labels):
             h = torch.tanh(self.proj(self.emb(idx)))
+            if read_before:
+                h = h * (self.softcap / 5.0)
             return torch.utils.checkpoint.checkpoint(self.head_loss, h, labels, use_reentrant=False)
 
     torch.manual_seed(0)

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from .decide import analyze
+from .patterns import outer_floats, runtime_float
 
 
 @dataclass
@@ -69,7 +70,10 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
         if found is None:
             continue
         name, body = found
-        results = [r for r in analyze(body, logits) if r.fused]
+        placeholders = body_placeholders(node, body) or []
+        floats = {p: a for p, a in zip(placeholders, node.args[1:]) if runtime_float(a) is not None}
+        with outer_floats(floats):  # a float read before the region too: inlined, the op reads it at run time
+            results = [r for r in analyze(body, logits) if r.fused]
         if not results:
             continue
         site_nodes = {n for r in results for n in (r.site.chain + [r.site.loss_node])}

@@ -9,7 +9,10 @@ softcap) and drop the rest. Nothing here mutates the graph; each site carries th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -145,11 +148,31 @@ def _symbolic_float(x: Any) -> bool:
     return isinstance(x, fx.Node) and isinstance(meta_value(x), torch.SymFloat)
 
 
+#: While a checkpointed region's body is analyzed (``checkpoints``): its placeholders that hold a symbolic float,
+#: mapped to their operands in the outer graph (a float read before the region reaches its body as a number).
+_OUTER_FLOATS: contextvars.ContextVar[dict] = contextvars.ContextVar("flce_outer_floats", default={})
+
+
+@contextlib.contextmanager
+def outer_floats(operands: dict[fx.Node, fx.Node]) -> Iterator[None]:
+    """Analyze a checkpoint body with ``operands`` (body placeholder -> outer operand) known to ``runtime_float``:
+    a body that would fuse once inlined is then seen to."""
+    token = _OUTER_FLOATS.set(operands)
+    try:
+        yield
+    finally:
+        _OUTER_FLOATS.reset(token)
+
+
 def runtime_float(x: Any) -> fx.Node | None:
     """The graph input a symbolic float ``x`` is read from, when ``x`` is ``t.item()`` of a 0-dim floating CPU
     tensor that is a graph input: how Dynamo passes a Python float it leaves symbolic (a model's
     ``config.final_logit_softcapping`` under ``dynamic=True``). The fused op can take that tensor as an argument and
-    read it at run time, which adds no guard on its value. None for any other value."""
+    read it at run time, which adds no guard on its value. In a checkpoint body (``outer_floats``), also a
+    placeholder whose outer operand is such a read. None for any other value."""
+    if isinstance(x, fx.Node) and x.op == "placeholder":
+        outer = _OUTER_FLOATS.get().get(x)
+        return runtime_float(outer) if outer is not None and _symbolic_float(x) else None
     if not (_symbolic_float(x) and x.op == "call_method" and x.target == "item" and len(x.args) == 1):
         return None
     source = x.args[0]
