@@ -415,8 +415,8 @@ def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time(read_before)
 
 def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog, monkeypatch):
     """What the op cannot read at run time stays unfused, with the fix in explain and in a warning: a logit scale
-    Dynamo left symbolic, and a symbolic softcap on the kept-logits path (a per-token loss whose logits are
-    returned). The losses are eager's."""
+    Dynamo left symbolic (also inside a checkpointed region, which then stays), and a symbolic softcap on the
+    kept-logits path (a per-token loss whose uncapped logits are returned). The losses are eager's."""
     from flce_compile.compiler import rewrite
 
     class Scaled(LM):  # returns the unscaled logits
@@ -431,10 +431,20 @@ def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog
             loss = F.cross_entropy(capped.float().view(-1, V), labels.reshape(-1), reduction="none")
             return loss.mean(), logits
 
-    monkeypatch.setattr(rewrite, "_warned_symbolic_float", False)
-    caplog.set_level(logging.WARNING, logger="flce_compile")
+    class CheckpointedScaled(LM):  # the scaled head and its loss inside a checkpointed region
+        def head_loss(self, h, labels):
+            logits = self.lm_head(h) * self.softcap
+            return F.cross_entropy(logits.float().view(-1, V), labels.reshape(-1))
+
+        def forward(self, idx, labels):
+            h = torch.tanh(self.proj(self.emb(idx)))
+            return torch.utils.checkpoint.checkpoint(self.head_loss, h, labels, use_reentrant=False), h
+
     idx, labels = _data()
-    for cls in (Scaled, PerToken):
+    for cls in (Scaled, PerToken, CheckpointedScaled):
+        monkeypatch.setattr(rewrite, "_warned_symbolic_float", False)
+        caplog.clear()
+        caplog.set_level(logging.WARNING, logger="flce_compile")
         torch.manual_seed(0)
         model = cls(softcap=0.5)
         ref_loss, _, _ = _reference(model, idx, labels)
@@ -445,7 +455,7 @@ def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog
         assert "specialize_float = True" in site.reason
         loss, _ = compiled(idx, labels)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert any(r.levelno == logging.WARNING and "left symbolic" in r.getMessage() for r in caplog.records), cls
         with torch._dynamo.config.patch(specialize_float=True):
             (site,) = fc.explain(compiled, idx, labels)
         assert site.fused, (cls, site)
-    assert any(r.levelno == logging.WARNING and "left symbolic" in r.getMessage() for r in caplog.records)

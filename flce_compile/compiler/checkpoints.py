@@ -11,24 +11,26 @@ in backward (each region is reported). A region that cannot be inlined is left a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
-from .decide import analyze
+from .decide import SiteResult, analyze
 from .patterns import outer_floats, runtime_float
 
 
 @dataclass
 class CheckpointRegion:
-    """A checkpointed region whose body holds a fusable loss site."""
+    """A checkpointed region whose body holds a fusable loss site, or only loss sites that cannot be fused
+    (``unfused``: then it stays, and the pass and ``explain`` report them as they would outside a region)."""
 
     name: str  # the body's attribute name, e.g. wrap_body_0
-    sites: int  # fusable loss sites in its body
+    sites: int  # fusable loss sites in its body (unfusable ones when there is none)
     other_ops: int  # ops of the body that are not part of those sites' head and loss (no longer recomputed)
     inlined: bool = False
     reason: str | None = None  # why it was not inlined
+    unfused: list[SiteResult] = field(default_factory=list)  # its loss sites, when none can be fused
 
     def __str__(self) -> str:
         if not self.inlined:
@@ -73,8 +75,15 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
         placeholders = body_placeholders(node, body) or []
         floats = {p: a for p, a in zip(placeholders, node.args[1:]) if runtime_float(a) is not None}
         with outer_floats(floats):  # a float read before the region too: inlined, the op reads it at run time
-            results = [r for r in analyze(body, logits) if r.fused]
+            analyzed = analyze(body, logits)
+        results = [r for r in analyzed if r.fused]
         if not results:
+            # A head and loss the body holds, left as they are: named as outside a region (not a loss whose logits
+            # come into the region from outside: the site is then the outer graph's lm_head and this loss).
+            unfused = [r for r in analyzed if not r.site.from_outside_graph]
+            if unfused:
+                reason = "; ".join(f"{r.site.loss_node.name}: {r.reason}" for r in unfused)
+                regions.append(CheckpointRegion(name, len(unfused), 0, reason=reason, unfused=unfused))
             continue
         site_nodes = {n for r in results for n in (r.site.chain + [r.site.loss_node])}
         work = [n for r in results for n in (r.site.loss.target, r.site.loss.ce_weight) if isinstance(n, fx.Node)]

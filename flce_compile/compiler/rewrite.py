@@ -190,7 +190,11 @@ def run_pass(
     """
     regions = inline_fusable_checkpoints(gm, logits)
     for region in regions:
-        logger.info("flce: %s", region)
+        if region.unfused:  # as a site outside a region is logged (a warning where the fix is one line)
+            for res in region.unfused:
+                _log_unfused(res)
+        else:
+            logger.info("flce: %s", region)
     results = analyze(gm, logits)
     fake_mode = _fake_mode(gm, example_inputs)
     fixup = OutputFixup()
