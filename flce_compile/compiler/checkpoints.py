@@ -6,7 +6,8 @@ region (a common way to avoid keeping the logits) are invisible to a pass over t
 them gains nothing once they are fused: the op keeps no activations worth recomputing, and a fused op inside a
 checkpoint would run twice (its gradients are computed in forward). So a region whose body holds a site the
 pass would fuse is inlined into the outer graph; the rest of that region's ops are then no longer recomputed
-in backward (each region is reported). A region that cannot be inlined is left as it is, with the reason.
+in backward (each region is reported). A region that cannot be inlined is left as it is, with the reason, as is
+one whose head and loss cannot be fused (reported like a site outside a region).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def body_placeholders(node: fx.Node, body: fx.GraphModule) -> list[fx.Node] | No
 
 def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list[CheckpointRegion]:
     """Inline (in place) every checkpointed region of ``gm`` whose body holds a loss site the pass would fuse
-    under ``logits``; returns one record per such region."""
+    under ``logits``; returns one record per such region, and one per region left as it is whose body holds only
+    loss sites that cannot be fused (``CheckpointRegion.unfused``, so that they are reported)."""
     regions = []
     for node in list(gm.graph.nodes):
         found = checkpoint_body(gm, node)
