@@ -107,21 +107,21 @@ def _floor_loss(x: torch.Tensor, w: torch.Tensor) -> Callable:
         dx[0, :1].add_(1.0)
 
     if x.is_cuda:
-        forward, backward = (_cuda_graph(fn).replay for fn in (forward, backward))
+        forward, backward = (graph_of(fn).replay for fn in (forward, backward))
     parts = {"forward": forward, "backward": backward, "loss": loss, "dx": dx, "dw": dw}
     return lambda x, w, t: _FloorFunction.apply(x, w, t, parts)
 
 
-def _cuda_graph(fn: Callable[[], None]) -> Any:
-    """``fn`` captured in a CUDA graph (warmed up once on the capture's side stream first)."""
+def graph_of(fn: Callable[[], Any]) -> Any:
+    """``fn`` captured in a CUDA graph on a side stream, after one run there outside the capture (warm-up)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return graph
 
 

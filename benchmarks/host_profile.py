@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import make_inputs, versions  # noqa: E402
-from benchmarks.host_overhead import host_times  # noqa: E402
+from benchmarks.host_overhead import graph_of, host_times  # noqa: E402
 from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_graphs  # noqa: E402
 
 
@@ -226,18 +226,6 @@ def _own_graph_parts(x, w, t) -> dict | None:
     return None
 
 
-def _graph_of(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    return graph
-
-
 def floors(shape: str, calls: int) -> str:
     """Host us (median, least) of the pieces any replayed custom op pays, timed as a whole call is."""
     n, h, v = (int(s) for s in shape.split("x"))
@@ -247,9 +235,9 @@ def floors(shape: str, calls: int) -> str:
     small = torch.zeros(16, device="cuda")
     parts = {"x": torch.empty_like(x), "t": torch.empty_like(t), "loss": torch.zeros((), device="cuda"),
              "grad": torch.zeros((), device="cuda"), "dx": torch.zeros_like(x), "dw": torch.zeros_like(w)}
-    parts["forward"] = _graph_of(lambda: parts["loss"].add_(parts["x"][0, 0].float()))
-    parts["backward"] = _graph_of(lambda: parts["dx"][0].mul_(parts["grad"].to(x.dtype)))
-    one_node = _graph_of(lambda: small.add_(1))
+    parts["forward"] = graph_of(lambda: parts["loss"].add_(parts["x"][0, 0].float()))
+    parts["backward"] = graph_of(lambda: parts["dx"][0].mul_(parts["grad"].to(x.dtype)))
+    one_node = graph_of(lambda: small.add_(1))
 
     def trivial_op() -> None:
         x.grad = w.grad = None

@@ -134,7 +134,7 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     write = aliases.first_write(site.linear.node, site.loss_node, aliases.roots_of([site.linear.node]))
     if write is not None:
         return f"{describe(write)} may write the logits between the lm_head and the loss"
-    prelude = _target_prelude(site, aliases)
+    prelude = _target_prelude(site, aliases, [plan.softcap] if runtime_softcap(plan) else [])
     if isinstance(prelude, str):
         return prelude
     out = meta_value(site.linear.node)
@@ -148,9 +148,6 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
                     "gradient flows through the op (a logits-sized gradient buffer in backward)")
         return None
     transforms = {node: output_transform(site, node) for node in res.escapes}
-    for node, t in transforms.items():  # the op's softcap tensor serves the replayed gradient too (``outputs``)
-        if isinstance(t, Plan) and runtime_softcap(t) and t.softcap is not plan.softcap:
-            transforms[node] = "a softcap read at run time from another graph input"
     blocked = {n.name: t for n, t in transforms.items() if isinstance(t, str)}
     if blocked:
         res.note = (f"the returned logits {', '.join(blocked)} are computed through "
@@ -185,12 +182,13 @@ def _head_write(site: Site, aliases: AliasMap) -> fx.Node | None:
     return aliases.first_write(lin.node, site.loss_node, roots)
 
 
-def _target_prelude(site: Site, aliases: AliasMap) -> list[fx.Node] | str:
-    """The nodes between the lm_head and the loss that compute the loss's target and class weights, which
-    fused_keep moves before the lm_head; a str says why they can't move."""
+def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[fx.Node] | str:
+    """The nodes between the lm_head and the loss that compute the loss's target and class weights (and ``also``:
+    a softcap's read of a graph input, ``patterns.runtime_float``), which fused_keep moves before the lm_head; a
+    str says why they can't move."""
     loss, lin = site.loss, site.linear
     start, stop = aliases.position[lin.node], aliases.position[site.loss_node]
-    needed = [n for n in (loss.target, loss.ce_weight) if isinstance(n, fx.Node)]
+    needed = [n for n in (loss.target, loss.ce_weight) if isinstance(n, fx.Node)] + also
     prelude: set[fx.Node] = set()
     work = list(needed)
     while work:

@@ -319,8 +319,6 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     if res.path == "fused_keep":
         for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
             lin.node.prepend(node)
-        if runtime_softcap(plan) and not _comes_before(plan.softcap, lin.node):
-            lin.node.prepend(plan.softcap)  # its read of a graph input, too (``patterns.runtime_float``)
     anchor = lin.node if res.path == "fused_keep" else loss.node
     try:
         with gm.graph.inserting_before(anchor):
@@ -369,7 +367,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     if res.path == "fused_keep":
         lin.node.replace_all_uses_with(graph_logits)
         for node, transform in res.logits_outputs.items():
-            runtime = runtime_softcap(transform)  # (``decide`` took only the op's own softcap input)
+            # A transform's softcap read at run time is the op's: both fold the same steps of the one chain.
+            runtime = runtime_softcap(transform)
             fixup.logits.append(LogitsOutput(
                 graph_logits if node is lin.node else node, fixup.add_extra(lin.input), fixup.add_extra(weight),
                 fixup.add_extra(bias) if bias is not None else None, transform.logit_scale,
@@ -384,16 +383,6 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         maybe_dead += res.dropped
     res.new_node = result
     return maybe_dead
-
-
-def _comes_before(a: fx.Node, b: fx.Node) -> bool:
-    """Whether node ``a`` comes before node ``b`` in their graph."""
-    for node in a.graph.nodes:
-        if node is a:
-            return True
-        if node is b:
-            return False
-    return False
 
 
 def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
