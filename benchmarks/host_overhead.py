@@ -24,7 +24,10 @@ flce-backend (eager's code compiled with backend="flce", which rewrites it into 
 --no-reduce-overhead on CUDA the compiled ones with mode="reduce-overhead" (Inductor's CUDA graphs), and
 autograd-floor: an autograd.Function that only replays a one-node CUDA graph each way and hands out a copied loss
 and ready gradients, as a replayed call of our op does (``_FloorFunction``): the least any op called through
-torch's autograd pays on this host, in the same turns.
+torch's autograd pays on this host, in the same turns; and (CUDA) autograd-floor-busy: the same Function whose
+forward graph also keeps the GPU busy, with one sleep kernel, as long as one call of our op keeps it (no memory
+traffic, one node): the least any op with our op's GPU time pays. On the lent H200's host a busy GPU slows the
+host's own work (2026-12-02, ``host_floor_h200.md``), so this row, not the first, is the floor our op is held to.
 
     python benchmarks/host_overhead.py                      # CUDA: 2048x768x50304 bf16 + GPU idle at 6 shapes
     python benchmarks/host_overhead.py --device cpu         # CPU: 64x16x64 fp32 in 2 chunks, with the breakdown
@@ -52,7 +55,8 @@ IDLE_SHAPES = ["16384x4096x128256", "16384x4096x151936", "8192x2304x256000", "40
 CPU_SHAPE = "64x16x64"
 #: Calls per burst (``burst_host_times``): a dozen launches each at most, far below the launch queue's depth.
 BURST_CALLS = 8
-VARIANTS = ("flce", "flce-uncaptured", "eager", "compile", "flce-in-compile", "flce-backend", "autograd-floor")
+VARIANTS = ("flce", "flce-uncaptured", "eager", "compile", "flce-in-compile", "flce-backend", "autograd-floor",
+            "autograd-floor-busy")
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -96,11 +100,15 @@ class _FloorFunction(torch.autograd.Function):
         return parts["dx"].detach(), parts["dw"].detach(), None, None
 
 
-def _floor_loss(x: torch.Tensor, w: torch.Tensor) -> Callable:
-    """``_FloorFunction`` over parts shaped like a call on ``x`` and ``w`` (graphs captured on CUDA)."""
+def _floor_loss(x: torch.Tensor, w: torch.Tensor, busy_us: float = 0.0) -> Callable:
+    """``_FloorFunction`` over parts shaped like a call on ``x`` and ``w`` (graphs captured on CUDA); with
+    ``busy_us`` (CUDA) its forward graph first sleeps on the GPU that long (``_sleep_cycles``)."""
     loss, dx, dw = torch.zeros((), device=x.device), torch.zeros_like(x), torch.zeros_like(w)
+    cycles = _sleep_cycles(busy_us) if busy_us > 0 else 0
 
     def forward() -> None:
+        if cycles:
+            torch.cuda._sleep(cycles)
         loss.add_(1.0)
 
     def backward() -> None:
@@ -110,6 +118,24 @@ def _floor_loss(x: torch.Tensor, w: torch.Tensor) -> Callable:
         forward, backward = (graph_of(fn).replay for fn in (forward, backward))
     parts = {"forward": forward, "backward": backward, "loss": loss, "dx": dx, "dw": dw}
     return lambda x, w, t: _FloorFunction.apply(x, w, t, parts)
+
+
+def _gpu_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """GPU microseconds per call of ``fn`` issued back to back (CUDA events), after one untimed call."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def _sleep_cycles(us: float) -> int:
+    """The ``torch.cuda._sleep`` cycles that keep this GPU busy for about ``us`` microseconds."""
+    probe = 1_000_000
+    return max(1, round(probe * us / _gpu_us(lambda: torch.cuda._sleep(probe), calls=5)))
 
 
 def graph_of(fn: Callable[[], Any]) -> Any:
@@ -160,6 +186,12 @@ def _losses(names: list[str], config: dict | None, reduce_overhead: bool,
             table[name] = torch.compile(_own_code(flce, "in_compile"), dynamic=False)
         elif name == "autograd-floor" and inputs is not None:
             table[name] = _floor_loss(*inputs[:2])
+        elif name == "autograd-floor-busy" and inputs is not None and inputs[0].is_cuda:
+            x, w, t = inputs
+            op_step = _step(flce, x, w, t, False)
+            for _ in range(5):  # past the op's captures (``graph_replay``), to time the replayed call
+                op_step()
+            table[name] = _floor_loss(x, w, busy_us=_gpu_us(op_step))
     if reduce_overhead:
         if "compile" in names:
             table["compile (reduce-overhead)"] = torch.compile(eager_loss_for("compile_ro"), dynamic=False,
@@ -470,6 +502,10 @@ def table(result: dict[str, Any]) -> str:
         lines += ["", "autograd-floor: an autograd.Function that replays a one-node graph in forward and in backward, "
                   "and hands out a copied loss and ready gradients, as a replayed call of our op does: the least an "
                   "op called through torch's autograd costs this host."]
+    if "autograd-floor-busy" in result["timings"]:
+        lines += ["", "autograd-floor-busy: the same, its forward graph also sleeping on the GPU as long as one call of "
+                  "our op keeps the GPU busy (one kernel, no memory traffic): the least an op with our op's GPU time "
+                  "costs this host."]
     if result.get("gpu_idle"):
         lines += ["", "GPU idle share of one call of our op (torch.profiler; 1 - busy / first-to-last span):", "",
                   "| BT x H x V | idle | span ms |", "|---|---|---|"]

@@ -43,6 +43,17 @@ def test_autograd_floor_hands_out_a_copied_loss_and_its_held_gradients():
     assert x.grad.shape == x.shape and w.grad.shape == w.shape and x.grad[0, 0].item() == 2.0
 
 
+@pytest.mark.gpu
+def test_busy_floor_keeps_the_gpu_as_busy_as_the_op():
+    """autograd-floor-busy is held against our op because its GPU time matches the op's: one call of each keeps
+    the GPU busy about as long."""
+    x, w, t = host_overhead._inputs("2048x768x50304", "cuda", torch.bfloat16)
+    losses = host_overhead._losses(["flce", "autograd-floor-busy"], None, False, (x, w, t))
+    op_us, floor_us = (host_overhead._gpu_us(host_overhead._step(losses[name], x, w, t, False))
+                       for name in ("flce", "autograd-floor-busy"))
+    assert 0.8 * op_us < floor_us < 1.25 * op_us, (op_us, floor_us)
+
+
 def test_no_op_ce_step_is_restored():
     from flce_compile.strategies import chunked
 
