@@ -12,47 +12,21 @@ from flce_compile.compiler import flce_backend  # noqa: E402  (registers backend
 from flce_compile.compiler.outputs import LogitsGrad  # noqa: E402
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep  # noqa: E402
 
-V, H = 160, 32
-COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
+from benchmarks.hf_families import V, H, batch as _batch, make_model  # noqa: E402
+from benchmarks.hf_families import train_step as _step  # noqa: E402
 
-
-def _families() -> dict:
-    t = transformers
-    return {
-        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**COMMON)),
-        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON)),
-        "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=8)),
-        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**COMMON)),
-        "gemma2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**COMMON, head_dim=8, final_logit_softcapping=5.0,
-                                                                attn_logit_softcapping=None)),
-        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=V, n_embd=H, n_layer=1, n_head=4, n_positions=64)),
-        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**COMMON, pad_token_id=0)),
-    }
-
-
-FAMILIES = list(_families())
+#: The families kept here (``benchmarks/hf_families.py`` sweeps them all): the common layouts, a final-logit softcap
+#: (Gemma 2 and 3), a logit scale multiplied (Cohere) or divided (Granite) into the logits, a router's auxiliary
+#: loss added to the cross-entropy (Mixtral), latent attention (DeepSeek V3) and no attention at all (Mamba).
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "phi3", "cohere", "granite", "gemma3",
+            "mixtral_aux", "deepseek_v3", "mamba"]
 
 
 def _make(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = _families()[name]().float()
-    model.config.use_cache = False
-    # GPT2LMHeadModel's class name maps to no loss type, and transformers then logs a warning_once that is a
-    # graph break between lm_head and the loss; naming the loss type avoids it (see
-    # test_gpt2_without_a_loss_type_warns_and_explain_names_the_fix).
-    if getattr(model, "loss_type", None) is None:
-        model.loss_type = "ForCausalLM"
-    model.eval()  # dropout off (GPT-2 has some) so runs compare exactly; gradients still flow
-    return model
-
-
-def _batch(seq: int = 8, batch: int = 2):
-    g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, V, (batch, seq), generator=g)
-    labels = ids.clone()
-    labels[0, :2] = -100
-    return ids, labels
+    try:
+        return make_model(name)
+    except AttributeError as exc:  # a family this transformers does not have
+        pytest.skip(f"transformers {transformers.__version__}: {exc}")
 
 
 class Capture:
@@ -67,14 +41,6 @@ class Capture:
 
         self.graphs.append(gm)
         return lookup_backend(self.inner)(gm, example_inputs, **kwargs)
-
-
-def _step(model, fn, ids, labels, **kw):
-    model.zero_grad(set_to_none=True)
-    out = fn(input_ids=ids, labels=labels, **kw)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out, grads
 
 
 def _assert_same(ref, got, ref_grads, got_grads):
@@ -128,13 +94,16 @@ def test_family_drop_logits_parity_and_graph(name, reference):
     assert _targets(gm).count(flce_fused_loss) == 1
     assert torch.nn.functional.cross_entropy not in _targets(gm)
     assert _logits_gemms(gm) == 0, gm.code
-    if name == "gemma2":  # the final-logit softcap was absorbed into the op
-        node = next(n for n in gm.graph.nodes if n.target is flce_fused_loss)
-        assert node.args[8] == pytest.approx(5.0) and node.args[9] == pytest.approx(1.0)
+    node = next(n for n in gm.graph.nodes if n.target is flce_fused_loss)
+    softcap, scale = {"gemma2": (5.0, 1.0), "gemma3": (4.0, 1.0), "cohere": (None, 0.25), "granite": (None, 0.25)
+                      }.get(name, (None, 1.0))
+    assert node.args[8] == (pytest.approx(softcap) if softcap else None), node.args  # absorbed into the op
+    assert node.args[9] == pytest.approx(scale), node.args
+    if softcap:
         assert torch.tanh not in _targets(gm)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "cohere", "gemma3", "mixtral_aux"])
 def test_family_keep_logits_exact(name, reference):
     model, ids, labels, ref, ref_grads = reference(name)
     cap = Capture("eager")

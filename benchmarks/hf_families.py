@@ -1,0 +1,218 @@
+"""Which Hugging Face causal-LM families ``backend="flce"`` fuses, and how close it stays to eager.
+
+For each family: a one-layer random model (fp32, CPU by default), one forward + backward of
+``model(input_ids=ids, labels=labels).loss`` run as is and through ``torch.compile(model, backend="flce")`` with the
+logits kept (the default) and dropped; ``explain`` says whether the head was fused and what the op absorbed (a
+softcap, a logit scale). Reported: the largest absolute difference to eager in the loss, the parameters' gradients
+and the kept logits. A family this transformers lacks is listed as such.
+
+    python benchmarks/hf_families.py                       # every family, inner compiler aot_eager
+    python benchmarks/hf_families.py llama gemma3 --inner inductor
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the repository's flce_compile and benchmarks
+V, H = 160, 32
+
+
+def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Family name -> a function that builds a tiny random model of it (AttributeError: this transformers has none)."""
+    import transformers as t
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    head8 = dict(common, head_dim=8)
+
+    def hf(model: str, config: str, **kw: Any) -> Callable[[], torch.nn.Module]:
+        return lambda: getattr(t, model)(getattr(t, config)(**kw))
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden)
+    return {
+        "llama": hf("LlamaForCausalLM", "LlamaConfig", **common),
+        "mistral": hf("MistralForCausalLM", "MistralConfig", **common),
+        "qwen2": hf("Qwen2ForCausalLM", "Qwen2Config", **common),
+        "qwen3": hf("Qwen3ForCausalLM", "Qwen3Config", **head8),
+        "phi3": hf("Phi3ForCausalLM", "Phi3Config", **common, pad_token_id=0),
+        "gemma": hf("GemmaForCausalLM", "GemmaConfig", **head8),
+        "gemma2": hf("Gemma2ForCausalLM", "Gemma2Config", **head8, final_logit_softcapping=5.0,
+                     attn_logit_softcapping=None),
+        "gemma3": hf("Gemma3ForCausalLM", "Gemma3TextConfig", **head8, final_logit_softcapping=4.0),
+        "cohere": hf("CohereForCausalLM", "CohereConfig", **common, logit_scale=0.25),
+        "cohere2": hf("Cohere2ForCausalLM", "Cohere2Config", **common, logit_scale=0.5),
+        "granite": hf("GraniteForCausalLM", "GraniteConfig", **common, logits_scaling=4.0),
+        "granitemoe": hf("GraniteMoeForCausalLM", "GraniteMoeConfig", **common, logits_scaling=2.0,
+                         num_local_experts=4, num_experts_per_tok=2),
+        "olmo": hf("OlmoForCausalLM", "OlmoConfig", **common),
+        "olmo2": hf("Olmo2ForCausalLM", "Olmo2Config", **common),
+        "phi": hf("PhiForCausalLM", "PhiConfig", **common),
+        "stablelm": hf("StableLmForCausalLM", "StableLmConfig", **common),
+        "starcoder2": hf("Starcoder2ForCausalLM", "Starcoder2Config", **common),
+        "mixtral_aux": hf("MixtralForCausalLM", "MixtralConfig", **common, num_local_experts=4, num_experts_per_tok=2,
+                          output_router_logits=True, router_aux_loss_coef=0.01),
+        "qwen2moe": hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **common, **moe,
+                       shared_expert_intermediate_size=hidden),
+        "qwen3moe_aux": hf("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **head8, **moe, output_router_logits=True),
+        "deepseek_v3": hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **{**common, "num_key_value_heads": 4},
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, q_lora_rank=None,
+                          kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                          first_k_dense_replace=0, n_group=1, topk_group=1),
+        "gpt_oss": hf("GptOssForCausalLM", "GptOssConfig", **head8, num_local_experts=4, num_experts_per_tok=2),
+        "nemotron": hf("NemotronForCausalLM", "NemotronConfig", **common),
+        "glm": hf("GlmForCausalLM", "GlmConfig", **head8, pad_token_id=0),
+        "helium": hf("HeliumForCausalLM", "HeliumConfig", **head8),
+        "smollm3": hf("SmolLM3ForCausalLM", "SmolLM3Config", **common, pad_token_id=0),
+        "exaone4": hf("Exaone4ForCausalLM", "Exaone4Config", **common),
+        "gpt2": hf("GPT2LMHeadModel", "GPT2Config", vocab_size=vocab, n_embd=hidden, n_layer=1, n_head=4,
+                   n_positions=64),
+        "gptj": hf("GPTJForCausalLM", "GPTJConfig", vocab_size=vocab, n_embd=hidden, n_layer=1, n_head=4,
+                   rotary_dim=4),
+        "gpt_bigcode": hf("GPTBigCodeForCausalLM", "GPTBigCodeConfig", vocab_size=vocab, n_embd=hidden, n_layer=1,
+                          n_head=4),
+        "gpt_neox": hf("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=vocab, hidden_size=hidden,
+                       num_hidden_layers=1, num_attention_heads=4, intermediate_size=2 * hidden),
+        "falcon": hf("FalconForCausalLM", "FalconConfig", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                     num_attention_heads=4),
+        "bloom": hf("BloomForCausalLM", "BloomConfig", vocab_size=vocab, hidden_size=hidden, n_layer=1, n_head=4),
+        "opt": hf("OPTForCausalLM", "OPTConfig", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                  num_attention_heads=4, ffn_dim=2 * hidden, word_embed_proj_dim=hidden),
+        "mamba": hf("MambaForCausalLM", "MambaConfig", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                    state_size=4),
+    }
+
+
+def make_model(name: str) -> torch.nn.Module:
+    """Family ``name``'s tiny model, seeded, fp32, dropout off (runs compare exactly; gradients still flow),
+    without a KV cache, with its loss type named (GPT-2's class name maps to none, and transformers then warns
+    once between lm_head and the loss: a graph break)."""
+    torch.manual_seed(0)
+    model = builders()[name]().float()
+    model.config.use_cache = False
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+    return model.eval()
+
+
+def batch(seq: int = 8, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels (the ids, two positions ignored)."""
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, V, (rows, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ids, labels
+
+
+def train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any
+               ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``fn(input_ids=ids, labels=labels, **kwargs)``, its loss's backward, and the parameters' gradients."""
+    model.zero_grad(set_to_none=True)
+    out = fn(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_family(name: str, inner: str) -> dict[str, Any]:
+    """One family's row: what explain reports, and each logits mode's differences to eager."""
+    from flce_compile.compiler.explain import explain
+
+    try:
+        model = make_model(name)
+    except AttributeError as exc:
+        return {"family": name, "status": f"not in this transformers ({exc})"}
+    ids, labels = batch()
+    ref, ref_grads = train_step(model, model, ids, labels)
+    report = explain(model, input_ids=ids, labels=labels)
+    row: dict[str, Any] = {"family": name, "graphs": report.graph_count,
+                           "sites": [{"fused": s.fused, "reason": s.reason, "softcap": s.softcap,
+                                      "logit_scale": s.logit_scale} for s in report]}
+    for logits in ("keep", "drop"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="flce", options={"flce.inner": inner, "flce.logits": logits})
+        out, grads = train_step(model, compiled, ids, labels)
+        if grads.keys() != ref_grads.keys():
+            row[logits] = {"error": f"gradients of {sorted(grads.keys() ^ ref_grads.keys())} differ in presence"}
+            continue
+        row[logits] = {
+            "loss": (out.loss - ref.loss).abs().item(),
+            "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
+            "logits": (out.logits - ref.logits).abs().max().item() if logits == "keep" else None,
+            "logits_dropped": out.logits is None,
+        }
+    row["status"] = "ok"
+    return row
+
+
+def table(result: dict[str, Any]) -> str:
+    env = result["env"]
+    lines = [f"# hf_families: backend=\"flce\" on tiny Hugging Face causal LMs, {env['date']}", "",
+             f"torch {env['torch']}, transformers {env['transformers']}, inner compiler {result['inner']}, fp32 on "
+             "the CPU; one forward + backward of `model(input_ids=ids, labels=labels).loss`, one-layer random models, "
+             "2 x 8 tokens, vocab 160. Differences are the largest absolute ones to the model run as is.", "",
+             "| family | fused | softcap | logit scale | graphs | loss (keep) | grads (keep) | logits (keep) | "
+             "loss (drop) | grads (drop) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['family']} | {row['status']} |" + " |" * 8)
+            continue
+        sites = row["sites"]
+        fused = ", ".join("yes" if s["fused"] else f"no: {s['reason']}" for s in sites) or "no site"
+
+        def cell(mode: str, key: str) -> str:
+            value = row[mode].get(key)
+            return row[mode]["error"] if "error" in row[mode] else "-" if value is None else f"{value:.1e}"
+
+        lines.append(f"| {row['family']} | {fused} | {', '.join(str(s['softcap']) for s in sites)} | "
+                     f"{', '.join(str(s['logit_scale']) for s in sites)} | {row['graphs']} | {cell('keep', 'loss')} | "
+                     f"{cell('keep', 'grads')} | {cell('keep', 'logits')} | {cell('drop', 'loss')} | "
+                     f"{cell('drop', 'grads')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("families", nargs="*", help="family names (default: all of them)")
+    parser.add_argument("--inner", default="aot_eager", help="the backend's inner compiler")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args(argv)
+    import transformers
+
+    import flce_compile.compiler  # noqa: F401  (registers backend="flce" in a source tree)
+    from benchmarks._common import versions
+
+    unknown = set(args.families) - set(builders())
+    if unknown:
+        raise SystemExit(f"unknown families {sorted(unknown)}; choose from {sorted(builders())}")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    rows = []
+    for name in args.families or list(builders()):
+        try:
+            rows.append(check_family(name, args.inner))
+        except Exception as exc:  # noqa: BLE001 - a failing family is a row of the table, not the end of the sweep
+            rows.append({"family": name, "status": f"error: {type(exc).__name__}: {str(exc)[:200]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"env": {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
+                      **versions()}, "inner": args.inner, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"hf_families_{args.inner}{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(table(result) + "\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
