@@ -123,15 +123,15 @@ def train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor, labels: 
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_family(name: str, inner: str) -> dict[str, Any]:
+def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
     """One family's row: what explain reports, and each logits mode's differences to eager."""
     from flce_compile.compiler.explain import explain
 
     try:
-        model = make_model(name)
+        model = make_model(name).to(device)
     except AttributeError as exc:
         return {"family": name, "status": f"not in this transformers ({exc})"}
-    ids, labels = batch()
+    ids, labels = (t.to(device) for t in batch())
     ref, ref_grads = train_step(model, model, ids, labels)
     report = explain(model, input_ids=ids, labels=labels)
     row: dict[str, Any] = {"family": name, "graphs": report.graph_count,
@@ -158,7 +158,8 @@ def table(result: dict[str, Any]) -> str:
     env = result["env"]
     lines = [f"# hf_families: backend=\"flce\" on tiny Hugging Face causal LMs, {env['date']}", "",
              f"torch {env['torch']}, transformers {env['transformers']}, inner compiler {result['inner']}, fp32 on "
-             "the CPU; one forward + backward of `model(input_ids=ids, labels=labels).loss`, one-layer random models, "
+             f"{env.get('device', 'cpu')}; one forward + backward of `model(input_ids=ids, labels=labels).loss`, "
+             "one-layer random models, "
              "2 x 8 tokens, vocab 160. Differences are the largest absolute ones to the model run as is.", "",
              "| family | fused | softcap | logit scale | graphs | loss (keep) | grads (keep) | logits (keep) | "
              "loss (drop) | grads (drop) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", help="family names (default: all of them)")
     parser.add_argument("--inner", default="aot_eager", help="the backend's inner compiler")
+    parser.add_argument("--device", default="cpu", help="where the models run (fp32 either way)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -200,14 +202,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for name in args.families or list(builders()):
         try:
-            rows.append(check_family(name, args.inner))
+            rows.append(check_family(name, args.inner, args.device))
         except Exception as exc:  # noqa: BLE001 - a failing family is a row of the table, not the end of the sweep
             rows.append({"family": name, "status": f"error: {type(exc).__name__}: {str(exc)[:200]}"})
         print(json.dumps(rows[-1]), flush=True)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     result = {"env": {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-                      **versions()}, "inner": args.inner, "rows": rows}
+                      "device": device, **versions()}, "inner": args.inner, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"hf_families_{args.inner}{args.tag}"
+    where = "" if args.device == "cpu" else "_" + args.device.split(":")[0]
+    stem = args.out / f"hf_families_{args.inner}{where}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(table(result) + "\n")
     print(table(result))
