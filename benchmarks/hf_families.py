@@ -28,8 +28,13 @@ sys.path.insert(0, str(REPO))  # run as a script: the repository's flce_compile 
 V, H = 160, 32
 
 
+class FamilyMissing(LookupError):
+    """The installed transformers has no model or config class of this family."""
+
+
 def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn.Module]]:
-    """Family name -> a function that builds a tiny random model of it (AttributeError: this transformers has none)."""
+    """Family name -> a function that builds a tiny random model of it (``FamilyMissing``: this transformers has
+    none; any other error is the model's own)."""
     import transformers as t
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
@@ -37,7 +42,13 @@ def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn
     head8 = dict(common, head_dim=8)
 
     def hf(model: str, config: str, **kw: Any) -> Callable[[], torch.nn.Module]:
-        return lambda: getattr(t, model)(getattr(t, config)(**kw))
+        def build() -> torch.nn.Module:
+            missing = [name for name in (model, config) if not hasattr(t, name)]
+            if missing:
+                raise FamilyMissing(f"transformers {t.__version__} has no {', '.join(missing)}")
+            return getattr(t, model)(getattr(t, config)(**kw))
+
+        return build
 
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden)
     return {
@@ -105,10 +116,10 @@ def make_model(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-def batch(seq: int = 8, rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(seq: int = 8, rows: int = 2, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and labels (the ids, two positions ignored)."""
     g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, V, (rows, seq), generator=g)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
     labels = ids.clone()
     labels[0, :2] = -100
     return ids, labels
@@ -123,61 +134,100 @@ def train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor, labels: 
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+class _Recorder:
+    """An inner compiler that records the graphs it gets (after the flce pass) and hands them to ``inner``."""
+
+    def __init__(self, inner: str) -> None:
+        self.inner = inner
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+
+    def fused_ops(self) -> dict[str, int]:
+        """How many of each fused op the compiled graphs hold (what ran, not what ``explain`` predicts)."""
+        from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep
+
+        targets = [n.target for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
+        return {"fused": targets.count(flce_fused_loss), "fused_keep": targets.count(flce_fused_loss_keep)}
+
+
 def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
-    """One family's row: what explain reports, and each logits mode's differences to eager."""
+    """One family's row: for each logits mode, what ``explain`` says the pass does with each site (path and
+    reason), the fused ops the compiled graphs really hold, whether the returned logits were dropped, and the
+    differences to eager."""
     from flce_compile.compiler.explain import explain
 
     try:
         model = make_model(name).to(device)
-    except AttributeError as exc:
+    except FamilyMissing as exc:
         return {"family": name, "status": f"not in this transformers ({exc})"}
     ids, labels = (t.to(device) for t in batch())
     ref, ref_grads = train_step(model, model, ids, labels)
-    report = explain(model, input_ids=ids, labels=labels)
-    row: dict[str, Any] = {"family": name, "graphs": report.graph_count,
-                           "sites": [{"fused": s.fused, "reason": s.reason, "softcap": s.softcap,
-                                      "logit_scale": s.logit_scale} for s in report]}
+    row: dict[str, Any] = {"family": name}
     for logits in ("keep", "drop"):
+        report = explain(model, input_ids=ids, labels=labels, options={"flce.logits": logits})
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="flce", options={"flce.inner": inner, "flce.logits": logits})
+        recorder = _Recorder(inner)
+        compiled = torch.compile(model, backend="flce", options={"flce.inner": recorder, "flce.logits": logits})
         out, grads = train_step(model, compiled, ids, labels)
-        if grads.keys() != ref_grads.keys():
-            row[logits] = {"error": f"gradients of {sorted(grads.keys() ^ ref_grads.keys())} differ in presence"}
-            continue
-        row[logits] = {
-            "loss": (out.loss - ref.loss).abs().item(),
-            "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
-            "logits": (out.logits - ref.logits).abs().max().item() if logits == "keep" else None,
+        mode: dict[str, Any] = {
+            "graphs": report.graph_count, "graph_breaks": report.graph_breaks,
+            "sites": [{"path": s.path, "reason": s.reason, "softcap": s.softcap, "logit_scale": s.logit_scale}
+                      for s in report],
+            "compiled_graphs": len(recorder.graphs), "fused_ops": recorder.fused_ops(),
             "logits_dropped": out.logits is None,
         }
+        if grads.keys() != ref_grads.keys():
+            mode["error"] = f"gradients of {sorted(grads.keys() ^ ref_grads.keys())} differ in presence"
+        else:
+            mode["loss"] = (out.loss - ref.loss).abs().item()
+            mode["grads"] = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+            mode["logits"] = (out.logits - ref.logits).abs().max().item() if out.logits is not None else None
+        row[logits] = mode
     row["status"] = "ok"
     return row
 
 
 def table(result: dict[str, Any]) -> str:
+    """The sweep as a markdown table: one row per family, keep and drop side by side."""
     env = result["env"]
     lines = [f"# hf_families: backend=\"flce\" on tiny Hugging Face causal LMs, {env['date']}", "",
              f"torch {env['torch']}, transformers {env['transformers']}, inner compiler {result['inner']}, fp32 on "
              f"{env.get('device', 'cpu')}; one forward + backward of `model(input_ids=ids, labels=labels).loss`, "
-             "one-layer random models, "
-             "2 x 8 tokens, vocab 160. Differences are the largest absolute ones to the model run as is.", "",
-             "| family | fused | softcap | logit scale | graphs | loss (keep) | grads (keep) | logits (keep) | "
-             "loss (drop) | grads (drop) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "one-layer random models, 2 x 8 tokens, vocab 160, as is and through `torch.compile(model, "
+             "backend=\"flce\")` with `flce.logits` \"keep\" (the default) and \"drop\". path: what `explain` says the "
+             "pass does with each loss site (with its reason when not fused); ops: the fused ops the compiled graphs "
+             "hold; dropped: whether the returned logits were None; differences are the largest absolute ones to "
+             "the model run as is.", "",
+             "| family | softcap | logit scale | graphs | keep: path | ops | loss | grads | logits | drop: path | ops "
+             "| dropped | loss | grads |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def paths(mode: dict) -> str:
+        return ", ".join(s["path"] + (f" ({s['reason']})" if s["reason"] else "") for s in mode["sites"]) or "no site"
+
+    def ops(mode: dict) -> str:
+        return "+".join(f"{n} {k}" for k, n in mode["fused_ops"].items() if n) or "none"
+
+    def num(mode: dict, key: str) -> str:
+        value = mode.get(key)
+        return mode["error"] if "error" in mode else "-" if value is None else f"{value:.1e}"
+
     for row in result["rows"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['family']} | {row['status']} |" + " |" * 8)
+            lines.append(f"| {row['family']} | {row['status']} |" + " |" * 12)
             continue
-        sites = row["sites"]
-        fused = ", ".join("yes" if s["fused"] else f"no: {s['reason']}" for s in sites) or "no site"
-
-        def cell(mode: str, key: str) -> str:
-            value = row[mode].get(key)
-            return row[mode]["error"] if "error" in row[mode] else "-" if value is None else f"{value:.1e}"
-
-        lines.append(f"| {row['family']} | {fused} | {', '.join(str(s['softcap']) for s in sites)} | "
-                     f"{', '.join(str(s['logit_scale']) for s in sites)} | {row['graphs']} | {cell('keep', 'loss')} | "
-                     f"{cell('keep', 'grads')} | {cell('keep', 'logits')} | {cell('drop', 'loss')} | "
-                     f"{cell('drop', 'grads')} |")
+        keep, drop = row["keep"], row["drop"]
+        sites = keep["sites"]
+        graphs = f"{keep['graphs']}" if keep["graphs"] == drop["graphs"] else f"{keep['graphs']} / {drop['graphs']}"
+        lines.append(f"| {row['family']} | {', '.join(str(s['softcap']) for s in sites)} | "
+                     f"{', '.join(str(s['logit_scale']) for s in sites)} | {graphs} | {paths(keep)} | {ops(keep)} | "
+                     f"{num(keep, 'loss')} | {num(keep, 'grads')} | {num(keep, 'logits')} | {paths(drop)} | "
+                     f"{ops(drop)} | {'yes' if drop['logits_dropped'] else '**no**'} | {num(drop, 'loss')} | "
+                     f"{num(drop, 'grads')} |")
     return "\n".join(lines)
 
 
@@ -197,8 +247,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(args.families) - set(builders())
     if unknown:
         raise SystemExit(f"unknown families {sorted(unknown)}; choose from {sorted(builders())}")
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = []
     for name in args.families or list(builders()):
         try:
@@ -219,4 +267,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    warnings.filterwarnings("ignore")  # transformers' deprecation notes, once per family, would bury the rows
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     main()

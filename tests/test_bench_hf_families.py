@@ -15,22 +15,47 @@ from benchmarks import hf_families  # noqa: E402
 def test_sweep_row_and_table(tmp_path):
     result = hf_families.main(["gemma2", "--inner", "eager", "--out", str(tmp_path)])
     (row,) = result["rows"]
-    assert row["status"] == "ok" and row["graphs"] == 1
-    assert [s["fused"] for s in row["sites"]] == [True] and row["sites"][0]["softcap"] == pytest.approx(5.0)
-    assert row["keep"]["loss"] < 1e-5 and row["keep"]["grads"] < 1e-5 and row["keep"]["logits"] == 0.0
-    assert row["drop"]["logits_dropped"] and row["drop"]["grads"] < 1e-5
+    keep, drop = row["keep"], row["drop"]
+    assert row["status"] == "ok" and keep["graphs"] == drop["graphs"] == 1
+    assert [s["path"] for s in keep["sites"]] == ["fused_keep"] and [s["path"] for s in drop["sites"]] == ["fused"]
+    assert keep["sites"][0]["softcap"] == pytest.approx(5.0)
+    # What the compiled graphs held, not only what explain predicted.
+    assert keep["fused_ops"] == {"fused": 0, "fused_keep": 1} and drop["fused_ops"] == {"fused": 1, "fused_keep": 0}
+    assert keep["loss"] < 1e-5 and keep["grads"] < 1e-5 and keep["logits"] == 0.0 and not keep["logits_dropped"]
+    assert drop["logits_dropped"] and drop["logits"] is None and drop["grads"] < 1e-5
     saved = json.loads((tmp_path / "hf_families_eager.json").read_text())
     assert saved["rows"] == result["rows"] and saved["env"]["transformers"]
-    assert "| gemma2 | yes | 5.0 | 1.0 | 1 |" in (tmp_path / "hf_families_eager.md").read_text()
+    table = (tmp_path / "hf_families_eager.md").read_text()
+    assert "| gemma2 | 5.0 | 1.0 | 1 | fused_keep | 1 fused_keep |" in table and "| fused | 1 fused | yes |" in table
+
+
+def test_sweep_leaves_logging_alone(tmp_path):
+    """main() is also called from tests: the transformers logger and warning filters stay as they were."""
+    import logging
+    import warnings
+
+    level, filters = logging.getLogger("transformers").level, list(warnings.filters)
+    hf_families.main(["llama", "--inner", "eager", "--out", str(tmp_path)])
+    assert logging.getLogger("transformers").level == level and warnings.filters == filters
 
 
 def test_missing_family_is_a_row(monkeypatch):
     def missing():
-        raise AttributeError("module transformers has no attribute 'NewForCausalLM'")
+        raise hf_families.FamilyMissing("transformers 0.0 has no NewForCausalLM")
 
     monkeypatch.setattr(hf_families, "builders", lambda: {"new": missing})
     row = hf_families.check_family("new", "eager")
     assert row["status"].startswith("not in this transformers")
+
+
+def test_a_broken_config_is_not_a_missing_family(monkeypatch):
+    """An error inside a family's own construction is the model's, not a missing class: it is raised."""
+    def broken():
+        raise AttributeError("'LlamaConfig' object has no attribute 'something'")
+
+    monkeypatch.setattr(hf_families, "builders", lambda: {"llama": broken})
+    with pytest.raises(AttributeError, match="something"):
+        hf_families.check_family("llama", "eager")
 
 
 def test_unknown_family_is_refused(tmp_path):
