@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -26,7 +27,9 @@ def test_sweep_row_and_table(tmp_path):
     saved = json.loads((tmp_path / "hf_families_eager.json").read_text())
     assert saved["rows"] == result["rows"] and saved["env"]["transformers"]
     table = (tmp_path / "hf_families_eager.md").read_text()
-    assert "| gemma2 | 5.0 | 1.0 | 1 | fused_keep | 1 fused_keep |" in table and "| fused | 1 fused | yes |" in table
+    assert "| gemma2 | 5.0 | 1.0 | 1 (1 compiled) / 1 (1 compiled) | fused_keep | 1 fused_keep |" in table
+    assert "| fused | 1 fused | yes |" in table
+    assert keep["inner_failures"] == drop["inner_failures"] == 0
 
 
 def test_sweep_leaves_logging_alone(tmp_path):
@@ -37,6 +40,21 @@ def test_sweep_leaves_logging_alone(tmp_path):
     level, filters = logging.getLogger("transformers").level, list(warnings.filters)
     hf_families.main(["llama", "--inner", "eager", "--out", str(tmp_path)])
     assert logging.getLogger("transformers").level == level and warnings.filters == filters
+
+
+def test_recorder_counts_only_what_the_inner_compiler_compiled(monkeypatch):
+    """A graph the inner compiler fails on never runs (Dynamo splits it): it is a failure, not a compiled graph."""
+    from torch._dynamo.backends import registry
+
+    def failing(gm, example_inputs, **kwargs):
+        raise RuntimeError("aten._local_scalar_dense.default")
+
+    monkeypatch.setattr(registry, "lookup_backend", lambda name: failing)
+    recorder = hf_families._Recorder("inductor")
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError):
+        recorder(gm, [])
+    assert recorder.failed == 1 and recorder.graphs == []
 
 
 def test_missing_family_is_a_row(monkeypatch):
