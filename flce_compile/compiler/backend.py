@@ -49,11 +49,31 @@ def flce_backend(
             wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
-    compiled = inner(gm, example_inputs)
+    try:
+        compiled = inner(gm, example_inputs)
+    except Exception as exc:
+        if fused:  # Dynamo will split the graph and retry: say what that costs the fused site
+            _log_inner_failure(opts, exc)
+        raise
     if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
+
+
+def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:
+    """The inner compiler failed on a graph holding a fused site. torch.compile raises the error, or for some
+    errors (a data-dependent operator under torch 2.11) splits the graph at breaks and compiles the pieces; the
+    lm_head and its loss may then land in different pieces and the site is no longer fused (the pass says so on
+    the piece with the loss). Seen with Inductor on transformers 5.17's MoE models on CUDA, which fail the same
+    way without this backend."""
+    name = opts.inner if isinstance(opts.inner, str) else getattr(opts.inner, "__name__", type(opts.inner).__name__)
+    logger.warning(
+        "flce: the inner compiler %r failed on a graph with a fused lm_head/loss site (%s: %s). torch.compile "
+        "raises it, or (for a data-dependent operator, say) splits the graph and compiles the pieces, and the site "
+        "stays unfused if the lm_head and the loss end up in different pieces. If torch.compile with backend=%r alone fails too (Inductor does on transformers 5.17's "
+        "MoE models on CUDA), the cause is outside the head; if it does not, the fused op is: please report it",
+        name, type(exc).__name__, str(exc)[:300], name)
 
 
 def _drop_causal_masks(gm: fx.GraphModule) -> None:
