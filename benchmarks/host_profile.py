@@ -96,18 +96,20 @@ def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
     import flce_compile.eager_shortcut as shortcut
     import flce_compile.op as op
 
-    replay = (graph_replay._Graph, "replay", "graph replay: copies, replay, aliases")
+    label = "graph replay: copies, replay, aliases"
     if caller == "in-compile":  # a call like the last one takes the op body's shortcut to the graph
         return [(op, "_forward_result", "op body"),
                 (graph_replay, "body_shortcut_key", "graph_replay.body_shortcut_key"),
-                (graph_replay, "body_shortcut_replay", "graph_replay.body_shortcut_replay"), replay]
+                (graph_replay, "body_shortcut_replay", "graph_replay.body_shortcut_replay"),
+                (graph_replay._Graph, "replay", label)]
     # An eager call like the last one takes the shortcut (``eager_shortcut``) to the graph.
     return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
             (shortcut, "key_of", "eager_shortcut.key_of"),
             (shortcut, "replay", "eager_shortcut.replay"),
-            (shortcut._ReplayedCall, "forward", "autograd.Function forward"), replay,
+            (shortcut._ReplayedCall, "forward", "autograd.Function forward"),
+            (graph_replay._Graph, "replay_unbiased", label),
             (shortcut._ReplayedCall, "backward", "shortcut backward"),
-            (graph_replay, "scaled_by_graph", "graph_replay.scaled_by_graph")]
+            (graph_replay._Graph, "scale_grads", "backward's scaling (graph_replay._Graph.scale_grads)")]
 
 
 def stages(shape: str, calls: int, caller: str = "eager", compile_backend: str = "inductor") -> str:
@@ -177,7 +179,7 @@ def stages(shape: str, calls: int, caller: str = "eager", compile_backend: str =
             setattr(owner, name, original)
     lines = [f"## Stages of a call, {caller} ({graph_replay.graph_count()} captured; replays per call: "
              f"{statistics.median(replays_per_call):g}; us per call, median, inclusive)", ""]
-    in_backward = {"backward", "scaled_by_graph"}  # the stages that run inside loss.backward()
+    in_backward = {"backward", "scale_grads"}  # the stages that run inside loss.backward()
     forward = [label for _, name, label in targets if name not in in_backward]
     rest = [label for _, name, label in targets if name in in_backward]
     for label in ["whole call"] + forward + ["loss.backward() (whole backward)"] + rest:

@@ -10,7 +10,7 @@ same answer to each of those questions, so it goes straight to the graph the ful
 replayed forward.
 
 Every call still asks what can change between calls with equal arguments: grad mode, inference mode, torch
-modes and transforms (``op.direct_call_ok``), autocast, the profiler (the full path names the op in traces),
+modes and transforms (``op.interception_free``), autocast, the profiler (the full path names the op in traces),
 graph capture, the graph mode and ``graph_replay.disabled``, the strategy registry's and tuning DB's
 generations (which decide the config; part of the key), whether a free instance of the graph is there, and the
 targets where the full path checks them (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any
@@ -29,12 +29,15 @@ from torch import Tensor
 from . import graph_replay
 from .op import (
     _check_first_order,
+    _factor,
     _function_apply,
-    _keep_forward_grads,
-    _scaled_forward_grads,
+    _is_functorch_wrapped,
+    _scale_present,
     autocast_on,
     check_targets,
-    direct_call_ok,
+    interception_free,
+    raise_backward_twice,
+    targets_checked,
 )
 from .plan.choose import choice_generations
 
@@ -50,6 +53,7 @@ class _Entry:
 
     graph_key: tuple
     cuda: bool
+    index: int  # the device's (``Tensor.get_device``), which backward's grad_output must share
     vocab: int
     hidden: int
     ignore_index: int
@@ -61,8 +65,9 @@ _ENTRIES: dict[tuple, _Entry] = {}
 def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
     """The shortcut key of an eager call of ``fused_linear_cross_entropy``, or None when the call cannot take
     the shortcut (and will not record one): ``options`` are its other arguments, in a fixed order. Called
-    right before ``replay``, which relies on the state checked here. Ends with the config's generations, read
-    before the full path chooses the config (a change then makes a new key).
+    right before ``replay``, which relies on the state checked here, and only outside Dynamo (the caller asks).
+    Ends with the config's generations, read before the full path chooses the config (a change then makes a new
+    key).
 
     Also clears the graph key a previous forward left behind (``graph_replay.forget_replayed_key``), so that
     ``remember`` records this call's."""
@@ -72,19 +77,26 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     plain = graph_replay.PLAIN_TENSORS
     if type(input) not in plain or type(weight) not in plain or type(target) not in plain:
         return None
-    if not graph_replay.replays_on(input.is_cuda):  # (the CPU never replays, but in tests)
+    cuda = input.is_cuda
+    if not graph_replay.replays_on(cuda):  # (the CPU never replays, but in tests)
         return None
     kinds = tuple(map(type, options))
-    if not _PLAIN_OPTIONS.issuperset(kinds) or not direct_call_ok(input, weight, target):
+    # What ``op.direct_call_ok`` asks, but what was asked already: plain tensors, of one device type (the
+    # device indices are in the key), and nothing that intercepts operators.
+    if not _PLAIN_OPTIONS.issuperset(kinds) or not interception_free():
+        return None
+    if not (weight.is_cuda and target.is_cuda if cuda else input.is_cpu and weight.is_cpu and target.is_cpu):
+        return None
+    if _is_functorch_wrapped(input) or _is_functorch_wrapped(weight) or _is_functorch_wrapped(target):
         return None
     # Under autocast the full path casts the operands first (a graph of other dtypes); a profiled call takes
     # the full path, which names the op in the trace; graphs captured in inference mode (grad re-enabled in
     # it) hold inference tensors, which a call outside it cannot write.
-    if autocast_on(input.device.type) or torch.autograd._profiler_enabled() or torch.is_inference_mode_enabled():
+    if autocast_on("cuda" if cuda else "cpu") or torch.autograd._profiler_enabled() or \
+            torch.is_inference_mode_enabled():
         return None
     if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
         return None
-    cuda = input.is_cuda
     index = input.get_device()
     return (options, kinds, cuda, index, weight.get_device(), target.get_device(),
             graph_replay.stream_handle(index) if cuda else None,
@@ -97,16 +109,17 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
     entry = _ENTRIES.get(key) if key is not None else None
     if entry is None or not graph_replay.replay_allowed_now(entry.cuda):
         return None
-    check_targets(target, entry.vocab, entry.ignore_index)
+    if targets_checked(not entry.cuda):
+        check_targets(target, entry.vocab, entry.ignore_index)
     return graph_replay.replay_free_instance(
-        entry.graph_key, input, weight, target, lambda graph: _APPLY(input, weight, target, graph, entry.hidden))
+        entry.graph_key, input, weight, target, lambda graph: _APPLY(input, weight, target, graph, entry))
 
 
 def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:
     """After a call with ``key`` took the full path: if its forward was replayed, later calls with the key go
     to that graph (``graph_replay.record_shortcut``)."""
     graph_replay.record_shortcut(_ENTRIES, MAX_ENTRIES, key, lambda graph_key: _Entry(
-        graph_key, input.is_cuda, weight.shape[0], weight.shape[1], int(ignore_index)))
+        graph_key, input.is_cuda, input.get_device(), weight.shape[0], weight.shape[1], int(ignore_index)))
 
 
 def clear() -> None:
@@ -115,27 +128,44 @@ def clear() -> None:
 
 
 class _ReplayedCall(torch.autograd.Function):
-    """A shortcut call: the graph's forward replayed, its gradients scaled in backward, as ``op``'s
-    ``_FusedFunction`` does for a replayed forward (same helpers, same results)."""
+    """A shortcut call: the graph's forward replayed, its gradients scaled in backward, with the same results as
+    ``op``'s ``_FusedFunction`` for a replayed forward (same graph, same scaling). Leaner than it: the call has
+    no bias, its dtype is one a graph takes (never fp64), and backward has the graph at hand."""
 
     @staticmethod
-    def forward(ctx, input, weight, target, graph, hidden):
+    def forward(ctx, input, weight, target, graph, entry):
+        hidden = entry.hidden
         x = input if input.dim() == 2 else input.view(-1, hidden)
         t = target if target.dim() == 1 else target.view(-1)
-        r = graph.replay(x, t)
+        loss, dx, dw, grad_scale = graph.replay_unbiased(x, t)
         ctx.set_materialize_grads(False)  # an unused loss gives backward None
-        ctx.input_shape = None if x is input else input.shape
-        _keep_forward_grads(ctx, r.dx, r.dw, r.db, r.grad_scale)
-        return r.loss
+        # Kept on ctx, not saved, as ``op._keep_forward_grads`` keeps them: backward hands them out as the .grad.
+        ctx.replayed = (graph, dx, dw, grad_scale, entry, None if x is input else input.shape)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         _check_first_order()
         if grad_loss is None:  # the loss took no part in what is differentiated
             return None, None, None, None, None
-        dx, dw, _db = _scaled_forward_grads(ctx, grad_loss)
-        if dx is not None and ctx.input_shape is not None:
-            dx = dx.view(ctx.input_shape)
+        if ctx.replayed is None:
+            raise_backward_twice()
+        graph, dx, dw, grad_scale, entry, input_shape = ctx.replayed
+        # Released now, not with the graph: the graph is replayed again only once nothing holds its outputs,
+        # and a training loop keeps the last loss (and so this ctx) into the next forward.
+        ctx.replayed = None
+        grads = (dx, dw)
+        if torch.compiler.is_compiling():  # compiled autograd traces this backward: a functional product
+            g = _factor(grad_loss, grad_scale)
+            dx, dw = (t * g if t is not None else None for t in grads)
+        # Scaled in place by a replayed graph (``graph_replay._Graph.scale_grads``), else by the op's own
+        # scaling. Autograd has given grad_output the loss's shape and dtype, and a 0-dim one its device; a
+        # tensor subclass, or one on another device, takes the op's scaling, which reads it through operators.
+        elif not (type(grad_loss) is Tensor and grad_loss.get_device() == entry.index
+                  and graph_replay.replay_allowed_now(entry.cuda) and graph.scale_grads(grad_loss, _scale_present)):
+            _scale_present(grads, grad_loss, grad_scale)
+        if dx is not None and input_shape is not None:
+            dx = dx.view(input_shape)
         return dx, dw, None, None, None
 
 

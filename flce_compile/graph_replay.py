@@ -189,7 +189,7 @@ def math_settings() -> tuple:
 def _python_refs(objects: tuple) -> tuple[int, ...]:
     """Python references to each of ``objects`` (as counted from here: compare only with this function's own
     earlier answers)."""
-    return tuple(sys.getrefcount(o) for o in objects)
+    return tuple(map(sys.getrefcount, objects))  # (no Python frame per object: this runs on every call)
 
 
 @dataclass(repr=False)  # the generated repr would print every element of the outputs' storages
@@ -246,7 +246,7 @@ class _Graph:
 
     def free(self) -> bool:
         """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
-        return (all(_storage_uses(s) == n for s, n in zip(self.storages, self.base_uses))
+        return (tuple(map(_storage_uses, self.storages)) == self.base_uses
                 and _python_refs(self.storage_objects) == self.base_refs)
 
     def replay(self, x: torch.Tensor, target: torch.Tensor) -> ForwardResult:
@@ -260,6 +260,20 @@ class _Graph:
         grad_scale._flce_graph = self  # how backward finds the graph that owns these outputs (``scaled_by_graph``)
         return ForwardResult(out.loss.clone(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None,
                              grad_scale)
+
+    def replay_unbiased(self, x: torch.Tensor, target: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """``replay`` for a call without bias whose caller keeps this graph for backward itself (the eager
+        shortcut): (loss, dx, dw, grad_scale), with no result object and no tag on grad_scale (each a few
+        microseconds of a host-bound call, issue #13)."""
+        if self.bound_at is None:
+            self.x.copy_(x)
+            self.target.copy_(target)
+        self.graph.replay()
+        out = self.out
+        dx, dw = out.dx, out.dw
+        return (out.loss.clone(), dx.detach() if dx is not None else None, dw.detach() if dw is not None else None,
+                out.grad_scale.detach())
 
     def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]
                     ) -> bool:
@@ -389,6 +403,21 @@ def _normal(device: torch.device) -> torch.device:
     return device
 
 
+class GraphKey(tuple):
+    """A graph's key (``replayed_forward``), its hash computed once. The shortcuts look their graph key up twice
+    on every call (the cache's lookup and its least-recently-used order), and a key holds some twenty values,
+    the resolved config's dataclass among them, whose hash Python would otherwise work out afresh each time
+    (a few microseconds a call on the H200's host, issue #13). Equal to, and hashed as, the plain tuple."""
+
+    def __new__(cls, items: tuple) -> "GraphKey":
+        key = super().__new__(cls, items)
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
@@ -399,7 +428,7 @@ def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
         return False
     if x.device.type not in _DEVICE_TYPES or x.dtype not in _DTYPES or x.numel() == 0:
         return False
-    if not _caller.allowed and _inductor_graph_trees(x.device):
+    if not _caller.allowed and _inductor_graph_trees(x.get_device() if x.is_cuda else -1):
         return False
     if not x.is_contiguous() or not target.is_contiguous():
         return False
@@ -407,16 +436,17 @@ def _eligible(ops: Operands, grads_in_forward: bool) -> bool:
     return all(t is None or type(t) in PLAIN_TENSORS for t in tensors)
 
 
-def _inductor_graph_trees(device: torch.device) -> bool:
-    """Whether Inductor's CUDA-graph trees (``mode="reduce-overhead"``) have a manager for ``device`` in this
-    thread, or whether that cannot be told (then the answer is yes)."""
+def _inductor_graph_trees(cuda_index: int) -> bool:
+    """Whether Inductor's CUDA-graph trees (``mode="reduce-overhead"``) have a manager for CUDA device
+    ``cuda_index`` (-1: not a GPU, which has none) in this thread, or whether that cannot be told (then the
+    answer is yes). By index, not device object: the body shortcut asks on every call."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:  # never imported: no compiled graph of this process uses them
         return False
-    if device.type != "cuda":
+    if cuda_index < 0:
         return False
     try:
-        return trees.get_manager(device.index, create_if_none_exists=False) is not None
+        return trees.get_manager(cuda_index, create_if_none_exists=False) is not None
     except Exception:  # noqa: BLE001 - another torch's internals: assume the trees are there
         return True
 
@@ -476,9 +506,9 @@ def replayed_forward(
     if not _eligible(ops, grads_in_forward):
         return None
     device = ops.x.device
-    key = (device, _stream_id(device), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
-           _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
-           torch.is_inference_mode_enabled(), math_settings()) + key_extra
+    key = GraphKey((device, _stream_id(device), tuple(ops.x.shape), ops.x.dtype, ops.target.dtype,
+                    _tensor_key(ops.weight), _tensor_key(ops.bias), _tensor_key(ops.ce_weight),
+                    torch.is_inference_mode_enabled(), math_settings()) + key_extra)
     with _cache.lock:
         instances, free = _free_instance_locked(key, ops.x, ops.target, lambda dtype: ops)
         if free is not None:
@@ -569,7 +599,7 @@ def _addresses(x: torch.Tensor, target: torch.Tensor) -> tuple | None:
     """Where a call's hidden states and targets lie, with the targets' dtype (a graph keyed on other targets'
     dtype reads converted copies), as a bound graph reads them in place; None when their memory is not their
     value (``_memory_is_value``): such a call copies. (The hidden states' dtype is in every key.)"""
-    if not (_memory_is_value(x) and _memory_is_value(target)):
+    if x.is_neg() or x._is_zerotensor() or target.is_neg() or target._is_zerotensor():  # ``_memory_is_value``, inline
         return None
     return x.data_ptr(), target.data_ptr(), target.dtype
 
@@ -661,7 +691,12 @@ def replay_allowed_now(cuda: bool) -> bool:
     stream."""
     if _mode == "off" or _caller.disabled or not _CAN_COUNT_USES or torch._C._len_torch_dispatch_stack():
         return False
-    return not (cuda and torch.cuda.is_current_stream_capturing())
+    return not (cuda and _stream_capturing())
+
+
+# ``torch.cuda.is_current_stream_capturing`` without its Python frame (each frame of a replayed call costs
+# several times its tight-loop time on the H200's host, issue #13).
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 # -- the op body's shortcut -------------------------------------------------------------------------------------
@@ -676,7 +711,6 @@ def replay_allowed_now(cuda: bool) -> bool:
 #: Body calls' keys -> the graph key their full body replayed.
 _BODY_SHORTCUTS: dict[tuple, tuple] = {}
 MAX_BODY_SHORTCUTS = 64
-_CPU = torch.device("cpu")
 
 
 def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
@@ -708,7 +742,7 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
     cuda = key[1]
     if not replay_allowed_now(cuda):
         return None
-    if not _caller.allowed and _inductor_graph_trees(torch.device("cuda", key[2]) if cuda else _CPU):
+    if not _caller.allowed and _inductor_graph_trees(key[2] if cuda else -1):
         return None
     x, target = ops.x, ops.target
     return replay_free_instance(graph_key, x, ops.weight, target, lambda g: g.replay(x, target))

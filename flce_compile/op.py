@@ -85,10 +85,15 @@ def grads_in_backward(p: LossParams, config: str) -> bool:
     return strategy is not None and registry.get(strategy).loop == "recompute"
 
 
+def targets_checked(on_cpu: bool) -> bool:
+    """Whether ``check_targets`` checks targets on the CPU (``on_cpu``) or else on a GPU: read on every call."""
+    return on_cpu or os.environ.get("FLCE_DEBUG") == "1"
+
+
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     """Out-of-range targets raise on the CPU (and under FLCE_DEBUG=1); on the GPU their loss is NaN instead,
     because checking would cost a host sync."""
-    if target.device.type != "cpu" and os.environ.get("FLCE_DEBUG") != "1":
+    if not targets_checked(target.is_cpu):
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
@@ -408,17 +413,21 @@ def _check_first_order() -> None:
         )
 
 
+def raise_backward_twice() -> None:
+    """The error of a second backward through a call whose gradients the first one consumed."""
+    raise RuntimeError(
+        "backward ran twice through the fused linear cross-entropy (retain_graph=True, or one "
+        "torch.autograd.grad call per input); its gradients are computed in the forward pass and consumed "
+        "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
+        "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
+    )
+
+
 def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The forward-computed (dx, dw, db) times grad_scale * grad_output; one not requested is empty, or None
-    (the eager shortcut keeps None)."""
+    """The forward-computed (dx, dw, db) times grad_scale * grad_output; one not requested is empty."""
     if ctx.grads is None:
-        raise RuntimeError(
-            "backward ran twice through the fused linear cross-entropy (retain_graph=True, or one "
-            "torch.autograd.grad call per input); its gradients are computed in the forward pass and consumed "
-            "by the first backward. Ask for every gradient in one call (torch.autograd.grad(loss, [input, "
-            "weight])), recompute the loss, or use reduction='none' (whose backward recomputes)"
-        )
-    grads, grad_scale = ctx.grads, ctx.grad_scale  # a gradient not asked for is empty, or None (the shortcut)
+        raise_backward_twice()
+    grads, grad_scale = ctx.grads, ctx.grad_scale  # a gradient not asked for is empty
     # One factor in the loss's dtype (fp32, fp64 for fp64), applied so that each element is rounded once
     # (``_scale_in_place``). grad_scale is a power of two, so the factor is as exact as grad_output; with
     # GradScaler's power-of-two scales it is exact.
@@ -637,13 +646,7 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     the 12-argument schema, the redispatch) cost about 100-200 us per forward + backward on the CPU, more than
     the rest of the op's host work at small shapes.
     """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    if torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op's answer, as before
-        return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch.compiler.is_compiling() or not interception_free():
         return False
     for t in tensors:
         # is_cuda / is_cpu rather than t.device.type: no device object per tensor per call. A functorch wrapper
@@ -656,6 +659,16 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def interception_free() -> bool:
+    """``direct_call_ok``'s global part, but for Dynamo, which its callers ask about first: no JIT trace, no
+    forward-mode AD level, no torch-function or torch-dispatch mode and no functorch transform."""
+    if torch.jit.is_tracing() or torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None
 
 
 def _function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

@@ -162,7 +162,7 @@ def test_dispatcher_calls_replay_unless_inductor_graph_trees_may_be_warming_up(c
 
     x, w, t = _inputs(0)
     args = (x, w, t, None, None, encode_params(LossParams()), torch.float32, False, False, False, "")
-    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: True)
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda cuda_index: True)
     for _ in range(3):
         torch.ops.flce.fused_linear_cross_entropy(*args)
     assert not cpu_graphs
@@ -170,7 +170,7 @@ def test_dispatcher_calls_replay_unless_inductor_graph_trees_may_be_warming_up(c
         for _ in range(2):
             torch.ops.flce.fused_linear_cross_entropy(*args)
     assert len(cpu_graphs) == 1
-    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: False)
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda cuda_index: False)
     w2 = w.clone()
     args = (x, w2) + args[2:]
     for _ in range(2):
@@ -195,8 +195,8 @@ def test_inductor_graph_trees_read_from_the_tree_manager(monkeypatch, manager, e
         return manager
 
     monkeypatch.setattr(cudagraph_trees, "get_manager", get_manager)
-    assert graph_replay._inductor_graph_trees(torch.device("cuda", 0)) is expected
-    assert graph_replay._inductor_graph_trees(torch.device("cpu")) is False
+    assert graph_replay._inductor_graph_trees(0) is expected
+    assert graph_replay._inductor_graph_trees(-1) is False
 
 
 def test_per_token_losses_and_kept_logits_are_not_graphed(cpu_graphs):
@@ -316,6 +316,31 @@ def test_a_negative_view_at_the_settled_address_is_copied_not_read_in_place(cpu_
     graphed = run()
     (instance,) = instances()
     assert instance.direct_graph.replays == 1 and instance.scale_graph.replays == 2
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, run()):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_a_grad_output_the_scaling_graph_cannot_read_is_scaled_by_the_ops_kernels(cpu_graphs, shortcut_hits):
+    """A grad_output of a tensor subclass (a Parameter here) reaching the eager shortcut's backward once the
+    scaling graph was captured: the graph, which reads plain memory, is skipped, and the op's own scaling gives
+    the uncaptured results."""
+    from flce_compile import eager_shortcut
+
+    hits = shortcut_hits(eager_shortcut, "replay")
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    grads = [torch.ones(())] * 3 + [torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)]
+
+    def run():
+        return _steps_with_gradients(w, grads)
+
+    graphed = run()
+    (instance,) = instances()
+    # step 1 warms up, step 2 captures the forward, step 3 the scaling; step 4 replays the forward through the
+    # shortcut, but not the scaling
+    assert hits[-1] is True and instance.scale_graph.replays == 1 and instance.direct_graph is None
     set_cuda_graphs("off")
     for a, b in zip(graphed, run()):
         for u, v in zip(a, b):

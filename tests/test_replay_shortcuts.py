@@ -294,11 +294,11 @@ def test_what_changes_between_equal_op_calls_sends_them_to_the_full_body(body_hi
     body_hits.clear()
     with graph_replay.disabled():
         _op_call(args)
-    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: True)  # a tree may be warming up
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda cuda_index: True)  # a tree may be warming up
     _op_call(args)
     with graph_replay.allowed():  # the flce backend's own graphs say the call may replay
         _op_call(args)
-    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda device: False)
+    monkeypatch.setattr(graph_replay, "_inductor_graph_trees", lambda cuda_index: False)
     assert body_hits == [False, False, True]
     body_hits.clear()
     monkeypatch.setattr(registry, "_generation", registry.generation() + 1)  # the config may differ now
