@@ -86,8 +86,24 @@ def grads_in_backward(p: LossParams, config: str) -> bool:
 
 
 def targets_checked(on_cpu: bool) -> bool:
-    """Whether ``check_targets`` checks targets on the CPU (``on_cpu``) or else on a GPU: read on every call."""
-    return on_cpu or os.environ.get("FLCE_DEBUG") == "1"
+    """Whether ``check_targets`` checks targets on the CPU (``on_cpu``) or else on a GPU: $FLCE_DEBUG, read on
+    every call."""
+    if on_cpu:
+        return True
+    if _ENVIRON is None:
+        return os.environ.get(DEBUG_ENV_VAR) == "1"
+    return _ENVIRON.get(_DEBUG_KEY) == _DEBUG_ON
+
+
+DEBUG_ENV_VAR = "FLCE_DEBUG"
+# ``os.environ.get`` of a variable that is not set raises and catches a KeyError inside: ~0.5 us, on every GPU call
+# of the op (issue #13). The dict behind ``os.environ``, which its assignments (and pytest's monkeypatch) update,
+# answers in a lookup. (``os.putenv`` alone reaches neither.)
+try:
+    _ENVIRON = os.environ._data
+    _DEBUG_KEY, _DEBUG_ON = os.environ.encodekey(DEBUG_ENV_VAR), os.environ.encodevalue("1")
+except AttributeError:  # another Python's os.environ
+    _ENVIRON = None
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
@@ -661,10 +677,14 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+#: ``torch.jit.is_tracing`` without its Python frame (which only adds the TorchScript case, not eager's).
+_jit_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
+
+
 def interception_free() -> bool:
     """``direct_call_ok``'s global part, but for Dynamo, which its callers ask about first: no JIT trace, no
     forward-mode AD level, no torch-function or torch-dispatch mode and no functorch transform."""
-    if torch.jit.is_tracing() or torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op
+    if _jit_tracing() or torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
         return False

@@ -57,6 +57,22 @@ def test_out_of_range_target_raises_on_cpu():
         fused_linear_cross_entropy(x, w, t)
 
 
+def test_gpu_targets_are_checked_exactly_while_flce_debug_is_1(monkeypatch):
+    """$FLCE_DEBUG is read on every call (the op reads the dict behind ``os.environ``, not ``os.environ.get``):
+    set, changed and unset while the process runs, as the GPU test of the check does it."""
+    from flce_compile.op import targets_checked
+
+    monkeypatch.delenv("FLCE_DEBUG", raising=False)
+    assert targets_checked(True) and not targets_checked(False)
+    monkeypatch.setenv("FLCE_DEBUG", "1")
+    assert targets_checked(False)
+    monkeypatch.setenv("FLCE_DEBUG", "0")
+    assert not targets_checked(False)
+    monkeypatch.setenv("FLCE_DEBUG", "1")
+    monkeypatch.delenv("FLCE_DEBUG")
+    assert not targets_checked(False)
+
+
 def test_bad_config_is_reported():
     x, w, t = _inputs()
     with pytest.raises(ValueError, match="valid keys"):
