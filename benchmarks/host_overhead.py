@@ -101,15 +101,14 @@ class _FloorFunction(torch.autograd.Function):
         return parts["dx"].detach(), parts["dw"].detach(), None, None
 
 
-def _floor_loss(x: torch.Tensor, w: torch.Tensor, busy_us: float = 0.0) -> Callable:
+def _floor_loss(x: torch.Tensor, w: torch.Tensor, sleep_cycles: int = 0) -> Callable:
     """``_FloorFunction`` over parts shaped like a call on ``x`` and ``w`` (graphs captured on CUDA); with
-    ``busy_us`` (CUDA) its forward graph first sleeps on the GPU that long (``_sleep_cycles``)."""
+    ``sleep_cycles`` (CUDA) its forward graph first sleeps on the GPU that many clock cycles."""
     loss, dx, dw = torch.zeros((), device=x.device), torch.zeros_like(x), torch.zeros_like(w)
-    cycles = _sleep_cycles(busy_us) if busy_us > 0 else 0
 
     def forward() -> None:
-        if cycles:
-            torch.cuda._sleep(cycles)
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         loss.add_(1.0)
 
     def backward() -> None:
@@ -121,16 +120,36 @@ def _floor_loss(x: torch.Tensor, w: torch.Tensor, busy_us: float = 0.0) -> Calla
     return lambda x, w, t: _FloorFunction.apply(x, w, t, parts)
 
 
+#: How close the busy floor's GPU time per call comes to the op's (``_busy_floor_loss``), and in how many tries.
+BUSY_MATCH, BUSY_TRIES = 0.03, 4
+
+
 def _busy_floor_loss(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, op: Callable) -> Callable:
-    """``_floor_loss`` whose forward keeps the GPU busy as long as one call of ``op`` does: the sleep is sized by
-    an uncaptured probe, then once more by what the captured floor took (the GPU's clock differs between them)."""
+    """``_floor_loss`` whose forward keeps the GPU busy as long as one call of ``op`` does. A sleep counts clock
+    cycles, and the GPU's clock differs between an idle moment, a sleep and the op's GEMMs, so the sleep is sized,
+    timed against the op in turns (medians) and resized until the two are within ``BUSY_MATCH``."""
     op_step = _step(op, x, w, t, False)
     for _ in range(5):  # past the op's captures (``graph_replay``), to time the replayed call
         op_step()
-    target = _gpu_us(op_step)
-    floor = _floor_loss(x, w, busy_us=target)
-    took = _gpu_us(_step(floor, x, w, t, False))
-    return _floor_loss(x, w, busy_us=target * target / took)
+    cycles = _sleep_cycles(_median_gpu_us(op_step))
+    for _ in range(BUSY_TRIES):
+        floor = _floor_loss(x, w, cycles)
+        op_us, floor_us = gpu_us_in_turns([op_step, _step(floor, x, w, t, False)])
+        if abs(floor_us / op_us - 1) <= BUSY_MATCH:
+            break
+        cycles = max(1, round(cycles * op_us / floor_us))
+    return floor
+
+
+def gpu_us_in_turns(steps: list[Callable[[], Any]], turns: int = 3) -> list[float]:
+    """Each step's GPU microseconds per call (``_gpu_us``), the median of ``turns`` measurements taken in turns
+    (one measurement alone read up to 35% high on the H200, at a clock change)."""
+    times = [[_gpu_us(step) for step in steps] for _ in range(turns)]
+    return [statistics.median(column) for column in zip(*times)]
+
+
+def _median_gpu_us(fn: Callable[[], Any], turns: int = 3) -> float:
+    return gpu_us_in_turns([fn], turns)[0]
 
 
 def _gpu_us(fn: Callable[[], Any], calls: int = 20) -> float:

@@ -10,12 +10,13 @@ same answer to each of those questions, so it goes straight to the graph the ful
 replayed forward.
 
 Every call still asks what can change between calls with equal arguments: grad mode, inference mode, torch
-modes and transforms (``op.interception_free``), autocast, the profiler (the full path names the op in traces),
-graph capture, the graph mode and ``graph_replay.disabled``, the strategy registry's and tuning DB's
-generations (which decide the config; part of the key), whether a free instance of the graph is there, and the
-targets where the full path checks them (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any
-other call (the first of its kind, a bias or class weights, a tensor or dict option, grad mode off) takes the
-full path, which records the shortcut when its forward was replayed.
+modes and transforms (``op.interception_free``), autocast, graph capture, the graph mode and
+``graph_replay.disabled``, the strategy registry's and tuning DB's generations (which decide the config; part
+of the key), whether a free instance of the graph is there, and the targets where the full path checks them
+(on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any other call (the first of its kind, a bias or
+class weights, a tensor or dict option, grad mode off) takes the full path, which records the shortcut when
+its forward was replayed. A profiled call takes the shortcut too, inside a range named after the op, as the
+full path names it: a trace shows the op as unprofiled calls run it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .op import (
     _scale_present,
     autocast_on,
     check_targets,
+    fused_linear_cross_entropy_op,
     interception_free,
     raise_backward_twice,
     targets_checked,
@@ -89,11 +91,9 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
         return None
     if _is_functorch_wrapped(input) or _is_functorch_wrapped(weight) or _is_functorch_wrapped(target):
         return None
-    # Under autocast the full path casts the operands first (a graph of other dtypes); a profiled call takes
-    # the full path, which names the op in the trace; graphs captured in inference mode (grad re-enabled in
-    # it) hold inference tensors, which a call outside it cannot write.
-    if autocast_on("cuda" if cuda else "cpu") or torch.autograd._profiler_enabled() or \
-            torch.is_inference_mode_enabled():
+    # Under autocast the full path casts the operands first (a graph of other dtypes); graphs captured in
+    # inference mode (grad re-enabled in it) hold inference tensors, which a call outside it cannot write.
+    if autocast_on("cuda" if cuda else "cpu") or torch.is_inference_mode_enabled():
         return None
     if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
         return None
@@ -111,6 +111,17 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
         return None
     if targets_checked(not entry.cuda):
         check_targets(target, entry.vocab, entry.ignore_index)
+    if torch.autograd._profiler_enabled():  # named in the trace as the full path names the op
+        with torch.autograd.profiler.record_function(_OP_NAME):
+            return _replay(entry, input, weight, target)
+    return _replay(entry, input, weight, target)
+
+
+#: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.
+_OP_NAME = fused_linear_cross_entropy_op._qualname
+
+
+def _replay(entry: _Entry, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
     return graph_replay.replay_free_instance(
         entry.graph_key, input, weight, target, lambda graph: _APPLY(input, weight, target, graph, entry))
 
