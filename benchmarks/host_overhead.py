@@ -132,12 +132,15 @@ def _busy_floor_loss(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, op: Call
     for _ in range(5):  # past the op's captures (``graph_replay``), to time the replayed call
         op_step()
     cycles = _sleep_cycles(_median_gpu_us(op_step))
+    floor = _floor_loss(x, w, cycles)
     for _ in range(BUSY_TRIES):
-        floor = _floor_loss(x, w, cycles)
         op_us, floor_us = gpu_us_in_turns([op_step, _step(floor, x, w, t, False)])
         if abs(floor_us / op_us - 1) <= BUSY_MATCH:
-            break
+            return floor
         cycles = max(1, round(cycles * op_us / floor_us))
+        floor = _floor_loss(x, w, cycles)
+    print(f"autograd-floor-busy: after {BUSY_TRIES} tries the floor took {floor_us:.0f} us of GPU time per call "
+          f"against the op's {op_us:.0f} (resized once more, not timed again)", file=sys.stderr)
     return floor
 
 

@@ -83,8 +83,9 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     if not graph_replay.replays_on(cuda):  # (the CPU never replays, but in tests)
         return None
     kinds = tuple(map(type, options))
-    # What ``op.direct_call_ok`` asks, but what was asked already: plain tensors, of one device type (the
-    # device indices are in the key), and nothing that intercepts operators.
+    # What ``op.direct_call_ok`` asks but Dynamo (the API asked) and the tensor types (asked above): one device
+    # type, CPU or CUDA (the device indices are in the key), nothing that intercepts operators, no functorch
+    # wrapper.
     if not _PLAIN_OPTIONS.issuperset(kinds) or not interception_free():
         return None
     if not (weight.is_cuda and target.is_cuda if cuda else input.is_cpu and weight.is_cpu and target.is_cpu):
@@ -111,19 +112,20 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
         return None
     if targets_checked(not entry.cuda):
         check_targets(target, entry.vocab, entry.ignore_index)
-    if torch.autograd._profiler_enabled():  # named in the trace as the full path names the op
-        with torch.autograd.profiler.record_function(_OP_NAME):
-            return _replay(entry, input, weight, target)
-    return _replay(entry, input, weight, target)
+    apply = _apply_profiled if torch.autograd._profiler_enabled() else _APPLY
+    return graph_replay.replay_free_instance(
+        entry.graph_key, input, weight, target, lambda graph: apply(input, weight, target, graph, entry))
 
 
 #: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.
 _OP_NAME = fused_linear_cross_entropy_op._qualname
 
 
-def _replay(entry: _Entry, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
-    return graph_replay.replay_free_instance(
-        entry.graph_key, input, weight, target, lambda graph: _APPLY(input, weight, target, graph, entry))
+def _apply_profiled(*args: Any) -> Tensor:
+    """``_APPLY`` inside a range named after the op, as the full path names it; opened only once an instance is
+    there to replay (a call that then falls back to the full path is named there, once)."""
+    with torch.autograd.profiler.record_function(_OP_NAME):
+        return _APPLY(*args)
 
 
 def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int) -> None:

@@ -288,7 +288,10 @@ class _Graph:
         copy issued while the forward's graph still runs cost ~30-50 us of host time on the H200 (issue #13).
         The graph reads whatever lies at the address when it runs, which is then this call's grad_output."""
         self.backwards += 1
-        at = (grad_output.data_ptr(), grad_output.dtype) if _memory_is_value(grad_output) else None
+        try:
+            at = (grad_output.data_ptr(), grad_output.dtype) if _memory_is_value(grad_output) else None
+        except RuntimeError:  # no memory to read (a sparse or vmap-batched grad_output): the op's own scaling
+            return False
         if at is not None and at == self.direct_at:
             self.direct_graph.replay()
             return True
@@ -416,6 +419,9 @@ class GraphKey(tuple):
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple:  # a copy hashes afresh: another process hashes strings otherwise
+        return GraphKey, (tuple(self),)
 
 
 def _tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -576,7 +582,8 @@ def replay_free_instance(key: tuple, x: torch.Tensor, weight: torch.Tensor, targ
                          run: Callable[[_Graph], Any]) -> Any:
     """``run(graph)`` on a captured instance of ``key`` whose outputs nobody holds and that can read ``x`` and
     ``target`` (the call's hidden states and targets, of any leading dimensions, the targets of any integer dtype),
-    under the cache's lock (so no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``). None,
+    under the cache's lock (so no other thread replays it meanwhile): ``run`` replays it (``_Graph.replay``, or
+    ``_Graph.replay_unbiased`` for the eager shortcut). None,
     running nothing, when the key was dropped (evicted, ``clear``), every instance is busy, or capturing one for
     this call failed. For the shortcuts, which keyed the call themselves (a call without bias or class weights);
     counts as a use of the key, as a replay through ``replayed_forward`` does, and is what ``record_shortcut``
@@ -685,7 +692,8 @@ def _captured_again(key: tuple, instances: list[_Graph], i: int, ops: Operands, 
 
 
 def replay_allowed_now(cuda: bool) -> bool:
-    """What ``_eligible``, the shortcuts and ``scaled_by_graph`` ask of this thread's state on every call, beyond
+    """What ``_eligible``, the shortcuts (forward and the eager one's backward) and ``scaled_by_graph`` ask of this
+    thread's state on every call, beyond
     the call's own tensors: graphs not turned off, no ``disabled()`` block, no dispatch mode (a FLOP counter, say,
     must see every operator), and (``cuda``: the call's tensors are on a GPU) no capture under way on the current
     stream."""

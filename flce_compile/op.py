@@ -90,8 +90,9 @@ def targets_checked(on_cpu: bool) -> bool:
     every call."""
     if on_cpu:
         return True
-    if _ENVIRON is None:
-        return os.environ.get(DEBUG_ENV_VAR) == "1"
+    environ = os.environ
+    if environ is not _ENVIRON_OWNER:  # replaced (a test's mock), or another Python's: the mapping's own lookup
+        return environ.get(DEBUG_ENV_VAR) == "1"
     return _ENVIRON.get(_DEBUG_KEY) == _DEBUG_ON
 
 
@@ -100,10 +101,10 @@ DEBUG_ENV_VAR = "FLCE_DEBUG"
 # of the op (issue #13). The dict behind ``os.environ``, which its assignments (and pytest's monkeypatch) update,
 # answers in a lookup. (``os.putenv`` alone reaches neither.)
 try:
-    _ENVIRON = os.environ._data
+    _ENVIRON_OWNER, _ENVIRON = os.environ, os.environ._data
     _DEBUG_KEY, _DEBUG_ON = os.environ.encodekey(DEBUG_ENV_VAR), os.environ.encodevalue("1")
 except AttributeError:  # another Python's os.environ
-    _ENVIRON = None
+    _ENVIRON_OWNER = None
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:

@@ -347,6 +347,30 @@ def test_a_grad_output_the_scaling_graph_cannot_read_is_scaled_by_the_ops_kernel
             assert torch.equal(u, v)
 
 
+def test_a_grad_output_without_memory_to_read_is_scaled_by_the_ops_kernels(cpu_graphs):
+    """A sparse grad_output (autograd lets one through for a dense loss) has no data pointer for the scaling graph
+    to read: it takes the op's own scaling, with the uncaptured results (it raised before)."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    grads = [torch.ones(())] * 3 + [torch.tensor(0.5).to_sparse()]
+    graphed = _steps_with_gradients(w, grads)
+    set_cuda_graphs("off")
+    for a, b in zip(graphed, _steps_with_gradients(w, grads)):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_a_graph_key_hashes_as_its_tuple_and_a_copy_hashes_afresh():
+    import pickle
+
+    key = graph_replay.GraphKey(("cuda", (2048, 768), torch.bfloat16, "params"))
+    plain = tuple(key)
+    assert hash(key) == hash(plain) and key == plain and {plain: 1}[key] == 1
+    key._hash = 0  # as a key pickled in another process would carry its hash of strings
+    copy = pickle.loads(pickle.dumps(key))
+    assert type(copy) is graph_replay.GraphKey and hash(copy) == hash(plain)
+
+
 def test_no_backward_capture_once_graphs_are_off(cpu_graphs):
     """A forward replayed before ``set_cuda_graphs("off")`` scales its gradients uncaptured in a backward after
     it: "off" means no capture anywhere (a capture briefly puts torch's CUDA generator in capture mode)."""

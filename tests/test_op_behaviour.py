@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -71,6 +72,8 @@ def test_gpu_targets_are_checked_exactly_while_flce_debug_is_1(monkeypatch):
     monkeypatch.setenv("FLCE_DEBUG", "1")
     monkeypatch.delenv("FLCE_DEBUG")
     assert not targets_checked(False)
+    monkeypatch.setattr(os, "environ", {"FLCE_DEBUG": "1"})  # os.environ replaced as a whole
+    assert targets_checked(False)
 
 
 def test_bad_config_is_reported():

@@ -251,6 +251,28 @@ def test_the_shortcut_checks_targets_and_refuses_a_second_backward(eager_hits):
     assert eager_hits[-2:] == [True, True]
 
 
+def test_a_profiled_call_is_named_once_whether_it_takes_the_shortcut_or_falls_back(eager_hits):
+    """The shortcut names a profiled call after the op only once it has an instance to replay: a call whose
+    instance is still held falls back to the full path, which names it, once."""
+    x, w, t = _inputs(5)
+    w.requires_grad_()
+    _live_shortcut(x, w, t, eager_hits)
+
+    def op_events(prof):
+        return sum(e.name == "flce::fused_linear_cross_entropy" for e in prof.events())
+
+    for keep in (True, False):  # (first, while the key has its one instance)
+        fused_linear_cross_entropy(x, w, t).backward()
+        held = w.grad if keep else None  # holds the instance's dW: the next call cannot replay it
+        w.grad = None
+        eager_hits.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fused_linear_cross_entropy(x, w, t).backward()
+        w.grad = None
+        del held
+        assert op_events(prof) == 1 and eager_hits == [not keep]
+
+
 @pytest.fixture
 def body_hits(cpu_graphs, shortcut_hits):
     """Whether each op-body call took the body shortcut (True) or ran the full body (False)."""
