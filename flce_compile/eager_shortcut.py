@@ -83,8 +83,8 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     if not graph_replay.replays_on(cuda):  # (the CPU never replays, but in tests)
         return None
     kinds = tuple(map(type, options))
-    # What ``op.direct_call_ok`` asks but Dynamo (the API asked) and the tensor types (asked above): one device
-    # type, CPU or CUDA (the device indices are in the key), nothing that intercepts operators, no functorch
+    # What ``op.direct_call_ok`` asks, less what was asked already (Dynamo by the API, the tensor types above):
+    # nothing that intercepts operators, one device type, CPU or CUDA (the indices are in the key), no functorch
     # wrapper.
     if not _PLAIN_OPTIONS.issuperset(kinds) or not interception_free():
         return None
