@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     import flce_compile.compiler  # noqa: F401  (registers backend="flce" in a source tree)
-    from benchmarks._common import versions
+    from benchmarks._common import save_results, versions
 
     unknown = set(args.families) - set(builders())
     if unknown:
@@ -269,11 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     result = {"env": {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
                       "device": device, **versions()}, "inner": args.inner, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
     where = "" if args.device == "cpu" else "_" + args.device.split(":")[0]
-    stem = args.out / f"hf_families_{args.inner}{where}{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(table(result) + "\n")
+    save_results(args.out, f"hf_families_{args.inner}{where}{args.tag}", table(result) + "\n", result)
     print(table(result))
     return result
 

@@ -32,10 +32,10 @@ from .op import (
     _check_first_order,
     _factor,
     _function_apply,
-    _is_functorch_wrapped,
     _scale_present,
     autocast_on,
     check_targets,
+    direct_tensors,
     fused_linear_cross_entropy_op,
     interception_free,
     raise_backward_twice,
@@ -76,21 +76,15 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     graph_replay.forget_replayed_key()
     if bias is not None or ce_weight is not None or not torch.is_grad_enabled():
         return None
-    plain = graph_replay.PLAIN_TENSORS
-    if type(input) not in plain or type(weight) not in plain or type(target) not in plain:
+    # ``op.direct_call_ok`` but for Dynamo, which the API asked: plain CPU or CUDA tensors (their devices are in
+    # the key), nothing that intercepts operators.
+    if not (direct_tensors(input, weight, target) and interception_free()):
         return None
     cuda = input.is_cuda
     if not graph_replay.replays_on(cuda):  # (the CPU never replays, but in tests)
         return None
     kinds = tuple(map(type, options))
-    # What ``op.direct_call_ok`` asks, less what was asked already (Dynamo by the API, the tensor types above):
-    # nothing that intercepts operators, one device type, CPU or CUDA (the indices are in the key), no functorch
-    # wrapper.
-    if not _PLAIN_OPTIONS.issuperset(kinds) or not interception_free():
-        return None
-    if not (weight.is_cuda and target.is_cuda if cuda else input.is_cpu and weight.is_cpu and target.is_cpu):
-        return None
-    if _is_functorch_wrapped(input) or _is_functorch_wrapped(weight) or _is_functorch_wrapped(target):
+    if not _PLAIN_OPTIONS.issuperset(kinds):
         return None
     # Under autocast the full path casts the operands first (a graph of other dtypes); graphs captured in
     # inference mode (grad re-enabled in it) hold inference tensors, which a call outside it cannot write.

@@ -663,8 +663,11 @@ def direct_call_ok(*tensors: Tensor | None) -> bool:
     the 12-argument schema, the redispatch) cost about 100-200 us per forward + backward on the CPU, more than
     the rest of the op's host work at small shapes.
     """
-    if torch.compiler.is_compiling() or not interception_free():
-        return False
+    return not torch.compiler.is_compiling() and interception_free() and direct_tensors(*tensors)
+
+
+def direct_tensors(*tensors: Tensor | None) -> bool:
+    """``direct_call_ok``'s part that asks the tensors: plain CPU or CUDA tensors (or None)."""
     for t in tensors:
         # is_cuda / is_cpu rather than t.device.type: no device object per tensor per call. A functorch wrapper
         # that outlived its transform (a "dead" one, leaked out of torch.func.grad) is a plain Tensor by type; the
@@ -683,7 +686,8 @@ _jit_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
 def interception_free() -> bool:
-    """``direct_call_ok``'s global part, but for Dynamo, which its callers ask about first: no JIT trace, no
+    """``direct_call_ok``'s part that asks the thread's state, but for Dynamo, which its callers ask about first:
+    no JIT trace, no
     forward-mode AD level, no torch-function or torch-dispatch mode and no functorch transform."""
     if _jit_tracing() or torch.autograd.forward_ad._current_level >= 0:  # dual tensors: the registered op
         return False

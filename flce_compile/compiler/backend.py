@@ -67,12 +67,13 @@ def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:
     lm_head and its loss may then land in different pieces and the site is no longer fused (the pass says so on
     the piece with the loss). Seen with Inductor on transformers 5.17's MoE models on CUDA, which fail the same
     way without this backend."""
-    name = opts.inner if isinstance(opts.inner, str) else getattr(opts.inner, "__name__", type(opts.inner).__name__)
+    name = opts.inner_name
     logger.warning(
         "flce: the inner compiler %r failed on a graph with a fused lm_head/loss site (%s: %s). torch.compile "
         "raises it, or (for a data-dependent operator, say) splits the graph and compiles the pieces, and the site "
-        "stays unfused if the lm_head and the loss end up in different pieces. If torch.compile with backend=%r alone fails too (Inductor does on transformers 5.17's "
-        "MoE models on CUDA), the cause is outside the head; if it does not, the fused op is: please report it",
+        "stays unfused if the lm_head and the loss end up in different pieces. If torch.compile with backend=%r "
+        "alone fails too (Inductor does on transformers 5.17's MoE models on CUDA), the cause is outside the head; "
+        "if it does not, the fused op is: please report it",
         name, type(exc).__name__, str(exc)[:300], name)
 
 
