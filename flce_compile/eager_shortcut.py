@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from . import graph_replay
+from .call_guard import RecentCall
+from .graph_replay import GraphKey
 from .op import (
     _check_first_order,
     _factor,
@@ -62,19 +64,33 @@ class _Entry:
 
 
 _ENTRIES: dict[tuple, _Entry] = {}
+#: The last call that took the shortcut, whose key a call its guard admits has too (``key_of``).
+_RECENT = RecentCall(MAX_ENTRIES)
 
 
 def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
     """The shortcut key of an eager call of ``fused_linear_cross_entropy``, or None when the call cannot take
     the shortcut (and will not record one): ``options`` are its other arguments, in a fixed order. Called
     right before ``replay``, which relies on the state checked here, and only outside Dynamo (the caller asks).
-    Ends with the config's generations, read before the full path chooses the config (a change then makes a new
+    Holds the config's generations, read before the full path chooses the config (a change then makes a new
     key).
+
+    A call that the recent call's guard admits (``call_guard.RecentCall``: its tensors' types, dispatch keys,
+    shapes, strides, dtypes, devices and gradients asked, grad mode, autocast, inference mode) and whose other parts
+    of the key are equal (``_varying``) has that call's key, and is not keyed in full.
 
     Also clears the graph key a previous forward left behind (``graph_replay.forget_replayed_key``), so that
     ``remember`` records this call's."""
     graph_replay.forget_replayed_key()
-    if bias is not None or ce_weight is not None or not torch.is_grad_enabled():
+    if bias is not None or ce_weight is not None:
+        return None
+    recent = _RECENT.last
+    if recent is not None:
+        key, varying, cuda, index, guard = recent
+        if (guard.admits(input, weight, target) and interception_free()
+                and _varying(weight, options, cuda, index) == varying):
+            return key
+    if not torch.is_grad_enabled():
         return None
     # ``op.direct_call_ok`` but for Dynamo, which the API asked: plain CPU or CUDA tensors (their devices are in
     # the key), nothing that intercepts operators.
@@ -83,8 +99,7 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     cuda = input.is_cuda
     if not graph_replay.replays_on(cuda):  # (the CPU never replays, but in tests)
         return None
-    kinds = tuple(map(type, options))
-    if not _PLAIN_OPTIONS.issuperset(kinds):
+    if not _PLAIN_OPTIONS.issuperset(map(type, options)):
         return None
     # Under autocast the full path casts the operands first (a graph of other dtypes); graphs captured in
     # inference mode (grad re-enabled in it) hold inference tensors, which a call outside it cannot write.
@@ -93,10 +108,17 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
         return None
     index = input.get_device()
-    return (options, kinds, cuda, index, weight.get_device(), target.get_device(),
-            graph_replay.stream_handle(index) if cuda else None,
-            input.shape, input.dtype, input.requires_grad, target.shape, target.dtype, weight.shape, weight.dtype,
-            weight.requires_grad, weight.data_ptr(), graph_replay.math_settings(), choice_generations(cuda))
+    # (varying, the rest): ``replay`` finds the varying part and the device for ``_RECENT`` in it.
+    return GraphKey((_varying(weight, options, cuda, index), (
+        cuda, index, weight.get_device(), target.get_device(), input.shape, input.dtype, input.requires_grad,
+        target.shape, target.dtype, weight.shape, weight.dtype, weight.requires_grad)))
+
+
+def _varying(weight: Tensor, options: tuple, cuda: bool, index: int) -> tuple:
+    """The parts of an eager call's key that its guard does not cover: the options (and their types: 1 == 1.0 ==
+    True), the stream, the weight's address, torch's math settings and the config's generations."""
+    return (options, tuple(map(type, options)), graph_replay.stream_handle(index) if cuda else None,
+            weight.data_ptr(), graph_replay.math_settings(), choice_generations(cuda))
 
 
 def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
@@ -107,8 +129,11 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
     if targets_checked(not entry.cuda):
         check_targets(target, entry.vocab, entry.ignore_index)
     apply = _apply_profiled if torch.autograd._profiler_enabled() else _APPLY
-    return graph_replay.replay_free_instance(
+    loss = graph_replay.replay_free_instance(
         entry.graph_key, input, weight, target, lambda graph: apply(input, weight, target, graph, entry))
+    if loss is not None:
+        _RECENT.note(key, key[0], entry.cuda, entry.index, (input, weight, target))
+    return loss
 
 
 #: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.
@@ -132,6 +157,7 @@ def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int
 def clear() -> None:
     """Forget every shortcut (calls take the full path until they record one again)."""
     _ENTRIES.clear()
+    _RECENT.clear()
 
 
 class _ReplayedCall(torch.autograd.Function):

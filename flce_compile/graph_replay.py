@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .call_guard import RecentCall
 from .log import logger
 from .plan.choose import choice_generations
 from .strategies import ForwardResult, Operands
@@ -383,6 +384,7 @@ def clear() -> None:
         _cache.binds.clear()
         _cache.failed.clear()
     _BODY_SHORTCUTS.clear()
+    _RECENT_BODY.clear()
 
 
 def held_bytes(device: torch.device | None = None) -> int:
@@ -568,10 +570,11 @@ def record_shortcut(table: dict, limit: int, key: tuple | None, value_of: Callab
     """After a call with shortcut ``key`` ran in full: if its forward was replayed (the key of the graph this
     thread replayed since ``forget_replayed_key``), ``table[key] = value_of(graph key)``, so later calls with
     the key go to that graph; the table starts afresh beyond ``limit`` keys. Nothing is recorded when the tuning
-    DB could not be read (the last of ``key``, its ``choice_generations``, holds None): nothing is memoised on
-    it then. The shortcuts' common last step (``body_shortcut_remember``, ``eager_shortcut.remember``)."""
+    DB could not be read (a shortcut key is (varying, rest), and the last of varying, its ``choice_generations``,
+    holds None): nothing is memoised on it then. The shortcuts' common last step (``body_shortcut_remember``,
+    ``eager_shortcut.remember``)."""
     graph_key = _caller.replayed_key
-    if key is None or graph_key is None or key[-1][1] is None:
+    if key is None or graph_key is None or key[0][-1][1] is None:
         return
     if len(table) >= limit:
         table.clear()
@@ -719,17 +722,27 @@ _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or
 #: Body calls' keys -> the graph key their full body replayed.
 _BODY_SHORTCUTS: dict[tuple, tuple] = {}
 MAX_BODY_SHORTCUTS = 64
+#: The last body call that took the shortcut, whose key a call its guard admits has too (``body_shortcut_key``).
+_RECENT_BODY = RecentCall(MAX_BODY_SHORTCUTS)
 
 
 def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     """The body shortcut's key of a forward on ``ops`` with the op's other arguments ``extra``, or None when the
     call cannot take the shortcut (a bias or class weights, tensor subclasses, non-contiguous inputs, a device
-    without graphs). Ends with the config's generations, read before the full body chooses the config (a
-    change then makes a new key). Forgets the replayed key a previous forward left behind
+    without graphs). Holds the config's generations, read before the full body chooses the config (a change then
+    makes a new key). A call that the recent call's guard admits, with equal other parts (``_body_varying``), has
+    its key (``call_guard.RecentCall``). Forgets the replayed key a previous forward left behind
     (``body_shortcut_remember`` reads this call's)."""
     forget_replayed_key()
     x, weight, target = ops.x, ops.weight, ops.target
-    if not replays_on(x.is_cuda) or ops.bias is not None or ops.ce_weight is not None or type(x) not in PLAIN_TENSORS:
+    if ops.bias is not None or ops.ce_weight is not None:
+        return None
+    recent = _RECENT_BODY.last
+    if recent is not None:
+        key, varying, cuda, index, guard = recent
+        if guard.admits(x, weight, target) and _body_varying(extra, weight, cuda, index) == varying:
+            return key
+    if not replays_on(x.is_cuda) or type(x) not in PLAIN_TENSORS:
         return None
     if type(weight) not in PLAIN_TENSORS or type(target) not in PLAIN_TENSORS:
         return None
@@ -737,9 +750,15 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
         return None
     cuda = x.is_cuda
     index = x.get_device()
-    return (extra, cuda, index, stream_handle(index) if cuda else None, x.shape, x.dtype, target.shape,
-            target.dtype, weight.shape, weight.dtype, weight.stride(), weight.data_ptr(), weight.get_device(),
-            torch.is_inference_mode_enabled(), math_settings(), choice_generations(cuda))
+    return GraphKey((_body_varying(extra, weight, cuda, index), (
+        cuda, index, x.shape, x.dtype, target.shape, target.dtype, weight.shape, weight.dtype, weight.stride(),
+        weight.get_device(), torch.is_inference_mode_enabled())))
+
+
+def _body_varying(extra: tuple, weight: torch.Tensor, cuda: bool, index: int) -> tuple:
+    """The parts of a body call's key that its guard does not cover: the op's other arguments, the stream, the
+    weight's address, torch's math settings and the config's generations."""
+    return extra, stream_handle(index) if cuda else None, weight.data_ptr(), math_settings(), choice_generations(cuda)
 
 
 def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | None:
@@ -747,13 +766,16 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
     graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
     if graph_key is None:
         return None
-    cuda = key[1]
+    cuda, index = key[1][0], key[1][1]
     if not replay_allowed_now(cuda):
         return None
-    if not _caller.allowed and _inductor_graph_trees(key[2] if cuda else -1):
+    if not _caller.allowed and _inductor_graph_trees(index if cuda else -1):
         return None
-    x, target = ops.x, ops.target
-    return replay_free_instance(graph_key, x, ops.weight, target, lambda g: g.replay(x, target))
+    x, weight, target = ops.x, ops.weight, ops.target
+    result = replay_free_instance(graph_key, x, weight, target, lambda g: g.replay(x, target))
+    if result is not None:
+        _RECENT_BODY.note(key, key[0], cuda, index, (x, weight, target))
+    return result
 
 
 def body_shortcut_remember(key: tuple | None) -> None:

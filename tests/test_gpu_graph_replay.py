@@ -266,10 +266,45 @@ def test_the_op_inside_a_users_inductor_compile_replays_before_any_graph_tree_ex
     graphed = steps()
     assert graph_replay.graph_count() == 1
     assert hits == [False, False, True, True]
+    assert graph_replay._RECENT_BODY.last is not None  # the last call's key came through its guard
     set_cuda_graphs("off")
     for a, b in zip(graphed, steps()):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+
+
+def test_the_recent_calls_guard_sends_a_call_on_another_stream_or_under_autocast_to_the_full_path(shortcut_hits):
+    """With the shortcut's C guard live (``call_guard``), a call on another stream (in no guard: asked every call)
+    or under CUDA autocast (in the guard) is not taken as the recent call; the losses are the uncaptured op's."""
+    x, w, t = _inputs(0, n=1024)
+    w.requires_grad_()
+    hits = shortcut_hits(eager_shortcut, "replay")
+
+    def call():
+        leaf = x.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(leaf, w, t)
+        loss.backward()
+        w.grad = None
+        return loss.detach().clone()
+
+    for _ in range(3):
+        call()
+    assert eager_shortcut._RECENT.last is not None
+    hits.clear()
+    replayed = call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = call()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.autocast("cuda", dtype=torch.float16):
+        cast = call()
+    again = call()
+    assert hits == [True, False, False, True]
+    set_cuda_graphs("off")
+    assert torch.equal(replayed, call()) and torch.equal(on_side, replayed) and torch.equal(again, replayed)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert torch.equal(cast, call())
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
