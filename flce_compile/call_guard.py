@@ -4,19 +4,22 @@ The replay shortcuts (``eager_shortcut``, ``graph_replay``'s body shortcut) key 
 shapes, strides, dtypes, devices and requires_grad and on torch's state: some 40 torch C calls, each about 1 us in
 a host-bound call on the H200's host, where a tight loop takes a fifth of that (issue #13). Dynamo checks the same
 in C++ before each run of a compiled frame: ``TensorGuards`` (each tensor's exact Python type, its dispatch keys
-under the thread's included and excluded keys, so also inference mode, dispatch modes, functorch transforms, and
-conjugate, negative or zero tensors, then dtype, device index, requires_grad, sizes and strides) and
-``GlobalStateGuard`` (grad mode, autocast, torch-function state, deterministic algorithms, TF32, reduced-precision
-reductions, thread count, default dtype). A ``CallGuard`` holds both, made from the tensors of a call that a
-shortcut keyed in full: a later call that it admits has the same values of those parts of the key.
+under the thread's included and excluded keys, so also dispatch modes, functorch transforms, conjugate, negative
+or zero tensors and, outside an op's body, inference mode; then dtype, device index, requires_grad, sizes and
+strides) and ``GlobalStateGuard`` (grad mode, autocast, torch-function state, deterministic algorithms, TF32,
+reduced-precision reductions, thread count, default dtype). A ``CallGuard`` holds both, made from the tensors of a
+call that a shortcut keyed in full: a later call that it admits has the same values of those parts of the key.
+Inside an op's body (below autograd, where the Autograd keys are already excluded) inference mode changes no
+dispatch key: the body shortcut asks it itself.
 
-Both guards are private to torch. A torch without them, or whose guards fail ``_self_test`` (once per process:
-what the shortcuts rely on them to refuse, they must refuse), gets no guard (``guard_of`` answers None), and the
-shortcuts key every call in full as before.
+Both guards are private to torch. A torch without them, or whose guards fail ``_self_test`` (once per process, in
+a thread of its own, whose state is torch's default: what the shortcuts rely on them to refuse, they must
+refuse), gets no guard (``guard_of`` answers None), and the shortcuts key every call in full as before.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -64,8 +67,9 @@ def _self_test() -> bool:
             return False
         x, t = pair()
         refused = [
-            (torch.zeros(3, 2), t),  # shape
-            (torch.zeros(3, 2).t(), t),  # strides (the same shape, transposed)
+            (torch.zeros(3, 3), t),  # sizes (the same strides)
+            (x, torch.zeros(3, dtype=torch.long)),  # the second tensor's size
+            (torch.zeros(3, 2).t(), t),  # strides (the same sizes, transposed)
             (x.unsqueeze(0), t),  # dimensions
             pair(torch.float64),  # dtype
             pair(requires_grad=True),  # requires_grad
@@ -90,18 +94,38 @@ def _self_test() -> bool:
 _usable: bool | None = None  # the self-test's answer, once asked
 
 
+def _self_test_in_clean_state() -> bool:
+    """``_self_test`` in a new thread: the caller's thread may be inside an op's body or in inference mode, where
+    the probes' expectations do not hold (and the answer is for the whole process)."""
+    answer: list[bool | BaseException] = []
+
+    def run() -> None:
+        try:
+            answer.append(_self_test())
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            answer.append(exc)
+
+    thread = threading.Thread(target=run, name="flce-guard-self-test", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
+
+
 def guard_of(*tensors: Tensor) -> CallGuard | None:
     """A guard that admits calls with tensors like ``tensors`` and torch's state as it is now; None when this torch
     has no usable guards (then key every call in full)."""
     global _usable
     if _usable is None:
         try:
-            _usable = _TensorGuards is not None and _self_test()
+            _usable = _TensorGuards is not None and _self_test_in_clean_state()
+            if not _usable:
+                logger.debug("flce: torch's C guards failed the self-test; the replay shortcuts key each call in "
+                             "full")
         except Exception as exc:  # noqa: BLE001 - another torch's guards: key in full
             logger.debug("flce: torch's C guards are not used: %r", exc)
             _usable = False
-        if not _usable:
-            logger.debug("flce: torch's C guards failed the self-test; the replay shortcuts key each call in full")
     if not _usable:
         return None
     try:

@@ -9,8 +9,9 @@ same answer to each of those questions, so it goes straight to the graph the ful
 (``graph_replay.replay_free_instance``), through an autograd.Function that does what ``op``'s does for a
 replayed forward.
 
-Every call still asks what can change between calls with equal arguments: grad mode, inference mode, torch
-modes and transforms (``op.interception_free``), autocast, graph capture, the graph mode and
+Every call still asks what can change between calls with equal arguments: grad mode, inference mode and autocast
+(through the recent call's C guard, ``call_guard``, or in the full key), torch modes and transforms
+(``op.interception_free``), graph capture, the graph mode and
 ``graph_replay.disabled``, the strategy registry's and tuning DB's generations (which decide the config; part
 of the key), whether a free instance of the graph is there, and the targets where the full path checks them
 (on the CPU, and under FLCE_DEBUG=1: ``op.check_targets``). Any other call (the first of its kind, a bias or
@@ -84,7 +85,7 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     graph_replay.forget_replayed_key()
     if bias is not None or ce_weight is not None:
         return None
-    recent = _RECENT.last
+    recent = _RECENT.last  # (inline, as in ``graph_replay.body_shortcut_key``: a method would add a frame per call)
     if recent is not None:
         key, varying, cuda, index, guard = recent
         if (guard.admits(input, weight, target) and interception_free()
@@ -115,9 +116,10 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
 
 
 def _varying(weight: Tensor, options: tuple, cuda: bool, index: int) -> tuple:
-    """The parts of an eager call's key that its guard does not cover: the options (and their types: 1 == 1.0 ==
-    True), the stream, the weight's address, torch's math settings and the config's generations."""
-    return (options, tuple(map(type, options)), graph_replay.stream_handle(index) if cuda else None,
+    """The parts of an eager call's key that its guard does not cover: the options' types (first: a tensor option
+    is then never compared by value) and the options (1 == 1.0 == True), the stream, the weight's address, torch's
+    math settings and the config's generations (last, as ``graph_replay.record_shortcut`` reads them)."""
+    return (tuple(map(type, options)), options, graph_replay.stream_handle(index) if cuda else None,
             weight.data_ptr(), graph_replay.math_settings(), choice_generations(cuda))
 
 

@@ -715,9 +715,11 @@ _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or
 # Through the dispatcher (the op in a compiled graph) every call runs the op body: options decoded, the device
 # switched, the config looked up, eligibility asked, the graph key built (~40-60 us on the H200's host, issue
 # #13). A call with the arguments of one whose forward was replayed (same options, config string, gradients,
-# shapes, dtypes, devices, weight address and layout, stream, inference mode, math settings, tensor types) has the same
-# answers, so it replays that graph directly; what can change between such calls (the mode, ``disabled``, a
-# dispatch mode, a capture, Inductor's graph trees, the config's generations, a free instance) is asked again.
+# shapes, dtypes, devices, weight address and layout, stream, inference mode, math settings, tensor types) has the
+# same answers, so it replays that graph directly; what can change between such calls (the mode, ``disabled``, a
+# dispatch mode, a capture, Inductor's graph trees, inference mode, the config's generations, a free instance) is
+# asked again. A call that the recent call's C guard (``call_guard``) admits, with the same varying parts
+# (``_body_varying``), has its key without working it out.
 
 #: Body calls' keys -> the graph key their full body replayed.
 _BODY_SHORTCUTS: dict[tuple, tuple] = {}
@@ -737,7 +739,7 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     x, weight, target = ops.x, ops.weight, ops.target
     if ops.bias is not None or ops.ce_weight is not None:
         return None
-    recent = _RECENT_BODY.last
+    recent = _RECENT_BODY.last  # (inline, as in ``eager_shortcut.key_of``: a method would add a frame per call)
     if recent is not None:
         key, varying, cuda, index, guard = recent
         if guard.admits(x, weight, target) and _body_varying(extra, weight, cuda, index) == varying:
@@ -752,13 +754,16 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     index = x.get_device()
     return GraphKey((_body_varying(extra, weight, cuda, index), (
         cuda, index, x.shape, x.dtype, target.shape, target.dtype, weight.shape, weight.dtype, weight.stride(),
-        weight.get_device(), torch.is_inference_mode_enabled())))
+        weight.get_device())))
 
 
 def _body_varying(extra: tuple, weight: torch.Tensor, cuda: bool, index: int) -> tuple:
-    """The parts of a body call's key that its guard does not cover: the op's other arguments, the stream, the
-    weight's address, torch's math settings and the config's generations."""
-    return extra, stream_handle(index) if cuda else None, weight.data_ptr(), math_settings(), choice_generations(cuda)
+    """The parts of a body call's key that its guard does not cover: the op's other arguments, inference mode (in
+    the body, below autograd, it changes no dispatch key the guard sees: a graph captured in it holds inference
+    tensors), the stream, the weight's address, torch's math settings and the config's generations (last, as
+    ``record_shortcut`` reads them)."""
+    return (extra, torch.is_inference_mode_enabled(), stream_handle(index) if cuda else None, weight.data_ptr(),
+            math_settings(), choice_generations(cuda))
 
 
 def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | None:
@@ -766,7 +771,7 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
     graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
     if graph_key is None:
         return None
-    cuda, index = key[1][0], key[1][1]
+    cuda, index = key[1][:2]  # (varying, (cuda, index, ...)): ``body_shortcut_key``
     if not replay_allowed_now(cuda):
         return None
     if not _caller.allowed and _inductor_graph_trees(index if cuda else -1):

@@ -15,6 +15,12 @@ from flce_compile.params import LossParams, encode_params
 _OPTIONS = (-100, "mean", 0.0, None, 1.0, 0.0, None, None, False, "exact", None)
 
 
+@pytest.fixture(autouse=True)
+def fresh_self_test(monkeypatch):
+    """Each test asks the self-test afresh (its answer is per process), wherever its first guard is made."""
+    monkeypatch.setattr(call_guard, "_usable", None)
+
+
 @pytest.fixture
 def eager_hits(cpu_graphs, shortcut_hits):
     return shortcut_hits(eager_shortcut, "replay")
@@ -122,10 +128,22 @@ def test_what_the_guard_covers_sends_a_changed_call_to_the_full_path(eager_hits)
         assert eager_shortcut.key_of(xl, w, t, None, None, _OPTIONS) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert eager_shortcut.key_of(xl, w, t, None, None, _OPTIONS) is None
-    # and what it does not cover is asked every call: options (1.0 == 1 but not the same option), the weight's
-    # address
+    # torch-function modes and forward-mode AD, which the guard admits, are asked every call
+    # (``op.interception_free``)
+    class Passing(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert eager_shortcut.key_of(xl, w, t, None, None, _OPTIONS) is None
+    with torch.autograd.forward_ad.dual_level():
+        assert eager_shortcut.key_of(xl, w, t, None, None, _OPTIONS) is None
+    # and what it does not cover is asked every call: options (1.0 == 1 but not the same option; a tensor option
+    # is refused by its type, never compared by value), the weight's address
     smoothing_int = _OPTIONS[:2] + (0,) + _OPTIONS[3:]
     assert eager_shortcut.key_of(xl, w, t, None, None, smoothing_int) is not key
+    two_scales = _OPTIONS[:4] + (torch.tensor([1.0, 2.0]),) + _OPTIONS[5:]
+    assert eager_shortcut.key_of(xl, w, t, None, None, two_scales) is None
     other_w = w.detach().clone().requires_grad_()
     assert eager_shortcut.key_of(xl, other_w, t, None, None, _OPTIONS) is not key
     assert eager_shortcut.key_of(xl, w, t, None, None, _OPTIONS) is key
@@ -186,11 +204,13 @@ def test_without_usable_guards_every_call_is_keyed_in_full(eager_hits, monkeypat
         _equal(got, expected)
 
 
-def test_op_body_calls_the_recent_guard_admits_reuse_its_key(cpu_graphs, shortcut_hits, monkeypatch):
-    """Through the dispatcher, as a compiled graph calls the op: the guard is made there (its dispatch keys are
-    the op body's) and admits the next equal call there."""
+@pytest.fixture
+def body_calls(cpu_graphs, shortcut_hits, monkeypatch):
+    """(call, hits, reused): ``call(x, w, t, grads)`` runs the op through the dispatcher, as a compiled graph calls
+    it, and returns (loss, dx, dw) as copies; per body call, ``hits`` says whether it took the body shortcut and
+    ``reused`` whether its key was the recent call's own (through the guard)."""
     hits = shortcut_hits(graph_replay, "body_shortcut_replay")
-    reused = []  # per body call: whether its key was the recent call's own
+    reused = []
     real_key = graph_replay.body_shortcut_key
 
     def body_shortcut_key(ops, extra):
@@ -200,15 +220,23 @@ def test_op_body_calls_the_recent_guard_admits_reuse_its_key(cpu_graphs, shortcu
         return key
 
     monkeypatch.setattr(graph_replay, "body_shortcut_key", body_shortcut_key)
-    x, w, t = _inputs(6)
-    w = w.detach()
     params = encode_params(LossParams())
 
-    def call(x_, w_, t_, grads=(True, True, False)):
-        a = (x_, w_, t_, None, None, params, torch.float32) + grads + ("",)
-        loss, _lse, dx, dw, _db, scale = torch.ops.flce.fused_linear_cross_entropy(*a)
+    def call(x, w, t, grads=(True, True, False)):
+        loss, _lse, dx, dw, _db, scale = torch.ops.flce.fused_linear_cross_entropy(
+            x, w, t, None, None, params, torch.float32, *grads, "")
         return loss.clone(), (dx * scale).clone(), (dw * scale).clone()
 
+    return call, hits, reused
+
+
+def test_op_body_calls_the_recent_guard_admits_reuse_its_key(body_calls, guards_made):
+    """The guard is made in the op's body (its dispatch keys are the body's; the self-test's answer does not depend
+    on where it is first asked) and admits the next equal call there; another token count, a weight at the same
+    address with other strides, other gradients asked or torch's state moved are not admitted."""
+    call, hits, reused = body_calls
+    x, w, t = _inputs(6)
+    w = w.detach()
     set_cuda_graphs("off")
     expected = call(x, w, t)
     set_cuda_graphs("on")
@@ -216,14 +244,48 @@ def test_op_body_calls_the_recent_guard_admits_reuse_its_key(cpu_graphs, shortcu
     reused.clear()
     results = [call(x, w, t) for _ in range(4)]
     assert hits == [False, False, True, True] and reused == [False, False, False, True]
-    # a transposed weight (a layout the key holds through its strides), other gradients asked: keys of their own
+    assert guards_made == [True]
+    # a column-major weight at the same address: a key of its own (its strides)
+    w_cols = w.as_strided(w.shape, (1, w.shape[0]))
+    assert w_cols.data_ptr() == w.data_ptr()
     hits.clear()
     reused.clear()
-    w_t = w.t().contiguous().t()
-    call(x, w_t, t)
+    call(x[:6], w, t[:6])
+    call(x, w_cols, t)
     call(x, w, t, (True, False, False))
-    results.append(call(x, w, t))
-    # (neither replayed yet, so the first call's is still the recent key)
-    assert hits == [False, False, True] and reused == [False, False, True]
+    results.append(call(x, w, t))  # (none of the three replayed: the first call's is still the recent key)
+    assert hits == [False, False, False, True] and reused == [False, False, False, True]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads // 2) if threads > 1 else 2)  # in the guard's state only
+        reused.clear()
+        results.append(call(x, w, t))
+        results.append(call(x, w, t))
+        assert reused == [False, True] and guards_made == [True, True]  # the refused guard, made anew
+    finally:
+        torch.set_num_threads(threads)
     for got in results:
         _equal(got, expected)
+
+
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_op_body_calls_in_and_out_of_inference_mode_never_share_a_graph(body_calls, first):
+    """In the op's body inference mode changes no dispatch key the guard sees; the body shortcut asks it itself. A
+    graph captured in inference mode holds inference tensors, which a call outside it cannot write (the hidden
+    states at a new address each call: an instance that copies them in)."""
+    call, hits, reused = body_calls
+    x, w, t = _inputs(7)
+    w = w.detach()
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+    second = "no_grad" if first == "inference_mode" else "inference_mode"
+    expected = call(x, w, t, (False, False, False))[0]
+    kept = []
+    for mode in (first, second):
+        hits.clear()
+        reused.clear()
+        for _ in range(4):
+            kept.append(x.clone())
+            with modes[mode]():
+                loss = call(kept[-1], w, t, (False, False, False))[0]
+            assert torch.equal(loss, expected)
+        assert reused[0] is False, mode
