@@ -121,8 +121,8 @@ def guard_of(*tensors: Tensor) -> CallGuard | None:
         try:
             _usable = _TensorGuards is not None and _self_test_in_clean_state()
             if not _usable:
-                logger.debug("flce: torch's C guards failed the self-test; the replay shortcuts key each call in "
-                             "full")
+                logger.debug("flce: torch has no C guards, or they failed the self-test; the replay shortcuts key "
+                             "each call in full")
         except Exception as exc:  # noqa: BLE001 - another torch's guards: key in full
             logger.debug("flce: torch's C guards are not used: %r", exc)
             _usable = False
@@ -158,11 +158,13 @@ class RecentCall:
         self.last = None
         self._guards = {}
 
-    def note(self, key: Any, varying: tuple, cuda: bool, index: int, tensors: tuple[Tensor, ...]) -> None:
-        """After a call with ``key`` replayed: it is the recent call (a no-op when it came through ``last``)."""
+    def note(self, key: tuple, tensors: tuple[Tensor, ...]) -> None:
+        """After a call with ``key`` replayed: it is the recent call (a no-op when it came through ``last``). A
+        shortcut key is ``(varying, (cuda, device index, ...))``: its varying part and device are read from it."""
         last = self.last
         if last is not None and last[0] is key:
             return
+        varying, (cuda, index) = key[0], key[1][:2]
         guard = self._guards.get(key)
         if guard is None or not guard.admits(*tensors):  # (a call keyed in full: rarely the recent key's)
             guard = guard_of(*tensors)

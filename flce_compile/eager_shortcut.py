@@ -109,7 +109,7 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
     if not (input.is_contiguous() and weight.is_contiguous() and target.is_contiguous()):
         return None
     index = input.get_device()
-    # (varying, the rest): ``replay`` finds the varying part and the device for ``_RECENT`` in it.
+    # (varying, (cuda, index, the rest)), the layout ``RecentCall.note`` reads the varying part and device from.
     return GraphKey((_varying(weight, options, cuda, index), (
         cuda, index, weight.get_device(), target.get_device(), input.shape, input.dtype, input.requires_grad,
         target.shape, target.dtype, weight.shape, weight.dtype, weight.requires_grad)))
@@ -134,7 +134,7 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
     loss = graph_replay.replay_free_instance(
         entry.graph_key, input, weight, target, lambda graph: apply(input, weight, target, graph, entry))
     if loss is not None:
-        _RECENT.note(key, key[0], entry.cuda, entry.index, (input, weight, target))
+        _RECENT.note(key, (input, weight, target))
     return loss
 
 

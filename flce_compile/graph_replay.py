@@ -779,7 +779,7 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
     x, weight, target = ops.x, ops.weight, ops.target
     result = replay_free_instance(graph_key, x, weight, target, lambda g: g.replay(x, target))
     if result is not None:
-        _RECENT_BODY.note(key, key[0], cuda, index, (x, weight, target))
+        _RECENT_BODY.note(key, (x, weight, target))
     return result
 
 
