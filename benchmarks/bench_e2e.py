@@ -2,10 +2,11 @@
 (``loss = model(input_ids=ids, labels=ids).loss; loss.backward()``). GPU only.
 
 Default variants: eager, inductor (``torch.compile(model)``), flce (``torch.compile(model, backend="flce")`` with
-no options: the logits the model returns are kept), flce-drop (``options={"flce.logits": "drop"}``) and
-liger-flce (eager + Liger's fused linear cross-entropy only). Also available: aot_eager, dynamo-eager
-(``backend="eager"``), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024 and
-liger (Liger's default patch, which also swaps RMSNorm, SwiGLU and RoPE).
+no options: the logits the model returns are kept, computed when first read, which this loop never does),
+flce-drop (``options={"flce.logits": "drop"}``) and liger-flce (eager + Liger's fused linear cross-entropy
+only). Also available: aot_eager, dynamo-eager (``backend="eager"``), flce-materialize (the logits computed in
+the forward), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024 and liger
+(Liger's default patch, which also swaps RMSNorm, SwiGLU and RoPE).
 
 ``--mask`` (default ``both``): first the rows as users run them, with the installed transformers and nothing
 patched; then the compiled variants again with the bench-only mask patch (``allow_causal_skip_under_compile``),
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce", "dynamo-eager", "aot_eager", "liger",
-            "flce-aot_eager", "flce-eager", "flce-drop-chunk1024")
+            "flce-materialize", "flce-aot_eager", "flce-eager", "flce-drop-chunk1024")
 DEFAULT_VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce")
 #: Variants that do not go through Dynamo: the mask patch cannot change them.
 UNCOMPILED = ("eager", "liger-flce", "liger")
@@ -47,11 +48,12 @@ UNCOMPILED = ("eager", "liger-flce", "liger")
 LIGER_VARIANTS = {"liger-flce": {"rope": False, "rms_norm": False, "swiglu": False}, "liger": {}}
 #: Each flce variant and the same inner compiler without the pass.
 BASELINES = {"flce": "inductor", "flce-drop": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
-             "flce-drop-chunk1024": "inductor"}
+             "flce-drop-chunk1024": "inductor", "flce-materialize": "inductor"}
 #: The options of each flce variant (None: none at all, as users call it).
 FLCE_OPTIONS = {
     "flce": None,
     "flce-drop": {"flce.logits": "drop"},
+    "flce-materialize": {"flce.logits": "materialize"},
     "flce-aot_eager": {"flce.logits": "drop", "flce.inner": "aot_eager"},
     "flce-eager": {"flce.logits": "drop", "flce.inner": "eager"},
     "flce-drop-chunk1024": {"flce.logits": "drop", "flce.config": {"chunk_tokens": 1024}},

@@ -18,16 +18,16 @@ def test_sweep_row_and_table(tmp_path):
     (row,) = result["rows"]
     keep, drop = row["keep"], row["drop"]
     assert row["status"] == "ok" and keep["graphs"] == drop["graphs"] == 1
-    assert [s["path"] for s in keep["sites"]] == ["fused_keep"] and [s["path"] for s in drop["sites"]] == ["fused"]
+    assert [s["path"] for s in keep["sites"]] == ["fused_lazy"] and [s["path"] for s in drop["sites"]] == ["fused"]
     assert keep["sites"][0]["softcap"] == pytest.approx(5.0)
     # What the compiled graphs held, not only what explain predicted.
-    assert keep["fused_ops"] == {"fused": 0, "fused_keep": 1} and drop["fused_ops"] == {"fused": 1, "fused_keep": 0}
+    assert keep["fused_ops"] == drop["fused_ops"] == {"fused": 1, "fused_keep": 0}  # keep: logits computed when read
     assert keep["loss"] < 1e-5 and keep["grads"] < 1e-5 and keep["logits"] == 0.0 and not keep["logits_dropped"]
     assert drop["logits_dropped"] and drop["logits"] is None and drop["grads"] < 1e-5
     saved = json.loads((tmp_path / "hf_families_eager.json").read_text())
     assert saved["rows"] == result["rows"] and saved["env"]["transformers"]
     table = (tmp_path / "hf_families_eager.md").read_text()
-    assert "| gemma2 | 5.0 | 1.0 | 1 (1 compiled) / 1 (1 compiled) | fused_keep | 1 fused_keep |" in table
+    assert "| gemma2 | 5.0 | 1.0 | 1 (1 compiled) / 1 (1 compiled) | fused_lazy | 1 fused |" in table
     assert "| fused | 1 fused | yes |" in table
     assert keep["inner_failures"] == drop["inner_failures"] == 0
 

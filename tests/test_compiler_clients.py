@@ -62,7 +62,7 @@ def test_hf_trainer_matches_uncompiled(tmp_path, caplog):
     torch._dynamo.reset()
     with caplog.at_level("INFO", logger="flce_compile"):
         losses, params = _train_with_trainer(tmp_path, compile_model=True)
-    assert "-> fused_keep" in caplog.text  # HF returns the logits too: kept, with the loss fused around them
+    assert "-> fused_lazy" in caplog.text  # HF returns the logits too: computed if read, the loss fused
     assert len(losses) == len(ref_losses) == 4
     for a, b in zip(losses, ref_losses):
         assert a == pytest.approx(b, rel=1e-4)

@@ -94,7 +94,7 @@ def _wrap(scenario: str, model, capture: _Capture):
     return model, direct
 
 
-SCENARIOS = ("fsdp2-keep", "fsdp2-drop", "ddp-keep", "ddp-drop", "direct-drop")
+SCENARIOS = ("fsdp2-keep", "fsdp2-materialize", "fsdp2-drop", "ddp-keep", "ddp-drop", "direct-drop")
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -123,6 +123,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[scenario] = {
                 "losses": losses, "fused": capture.fused(),
                 "logits_none": None if isinstance(out, torch.Tensor) else out.logits is None,
+                # (held through backward: by default computed there, before FSDP reshards the lm_head's weight)
+                "logits": None if isinstance(out, torch.Tensor) or out.logits is None else out.logits.detach(),
                 "head_placements": [(type(p).__name__, getattr(p, "dim", None)) for p in head.placements]
                 if hasattr(head, "placements") else None,
                 "grads": {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()},
@@ -155,6 +157,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         loss.backward()
         if rank == 0:
             ref_loss = loss.detach()
+            ref_logits = model(input_ids=ids, labels=labels).logits.detach()
         for n, p in model.named_parameters():
             ref_grads[n] = ref_grads.get(n, 0) + p.grad / 2
     assert list(results) == list(SCENARIOS)
@@ -166,7 +169,9 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         kind, logits = scenario.split("-")
         if kind != "direct":
             assert got["logits_none"] == (logits == "drop"), scenario
-            assert got["fused"] == ["flce_fused_loss" if logits == "drop" else "flce_fused_loss_keep"], scenario
+            assert got["fused"] == ["flce_fused_loss_keep" if logits == "materialize" else "flce_fused_loss"], scenario
+            if logits != "drop":  # "keep": computed when read (here by backward); "materialize": in the graph
+                torch.testing.assert_close(got["logits"], ref_logits, rtol=1e-5, atol=1e-6, msg=scenario)
         if kind != "ddp":  # the lm_head's gradient is reduce-scattered as usual
             assert got["head_placements"] == [("Shard", 0)], scenario
 

@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flce_compile.compiler import flce_backend  # noqa: E402  (registers backend="flce" in dev checkouts)
+from flce_compile.compiler.lazy_logits import LazyLogits  # noqa: E402
 from flce_compile.compiler.outputs import LogitsGrad  # noqa: E402
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep  # noqa: E402
 
@@ -103,21 +104,31 @@ def test_family_drop_logits_parity_and_graph(name, reference):
         assert torch.tanh not in _targets(gm)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "cohere", "gemma3", "mixtral_aux"])
-def test_family_keep_logits_exact(name, reference):
+@pytest.mark.parametrize("name, mode", [(name, "keep") for name in
+                                        ["llama", "gemma2", "gpt2", "cohere", "gemma3", "mixtral_aux"]]
+                         + [("llama", "materialize"), ("gemma2", "materialize")])
+def test_family_keep_logits_exact(name, mode, reference):
+    """The logits the model returns, held through backward (``out = model(...); out.loss.backward()``): eager's,
+    bit for bit. By default the graph forms none (they are computed when read: here by backward, which reaches
+    the compiled graph while the caller still holds them); under "materialize" the op computes them, once."""
     model, ids, labels, ref, ref_grads = reference(name)
     cap = Capture("eager")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap})
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": mode})
     got, grads = _step(model, compiled, ids, labels)
     torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
     _assert_same(ref, got, ref_grads, grads)
     gm = cap.graphs[0]
-    assert _targets(gm).count(flce_fused_loss_keep) == 1
-    assert _logits_gemms(gm) == 0  # the op computes the kept logits, once
+    assert _logits_gemms(gm) == 0  # none, or the op computes the kept logits, once
     assert torch.nn.functional.cross_entropy not in _targets(gm)
     assert not any(n.op == "call_method" and n.target == "float" and n.meta["example_value"].shape[-1] == V
                    for n in gm.graph.nodes), "no fp32 copy of the logits"
+    if mode == "keep" and name != "mixtral_aux":  # (its router loss reads the logits in the graph)
+        assert _targets(gm).count(flce_fused_loss) == 1 and flce_fused_loss_keep not in _targets(gm)
+        assert type(got.logits) is LazyLogits and got.logits.computed
+        assert type(got.logits.grad_fn).__name__ == "_LazyHeadBackward"
+        return
+    assert _targets(gm).count(flce_fused_loss_keep) == 1
     # The returned logits come from the graph detached, with the lm_head's gradient re-attached outside it:
     # the caller that never uses them gets no logits-sized zero gradient in backward.
     assert type(got.logits.grad_fn).__name__ == f"{LogitsGrad.__name__}Backward"

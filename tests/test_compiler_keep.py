@@ -1,7 +1,10 @@
-"""The default ``flce.logits="keep"`` when a graph returns its logits: exact logits, and the loss and the
-lm_head's gradients fused around them. Nothing logits-sized is saved for backward, a caller that never uses
-the logits gets no logits-sized zero gradient in backward, and one that does (an extra loss on the returned
-logits, or on the logits inside the compiled function) gets that gradient exactly. Also: dropped logits under
+"""Logits a graph returns. The default ``flce.logits="keep"`` hands back logits computed when first read
+(``LazyLogits``): the graph forms none, a caller that reads only the loss never pays for them, and one that reads
+them, writes into them or takes a loss on them gets eager's values and gradients, also after an optimizer step
+when it held them through backward. ``"materialize"`` computes them in the graph, exactly, with the loss and the
+lm_head's gradients fused around them: nothing logits-sized is saved for backward, a caller that never uses the
+logits gets no logits-sized zero gradient in backward, and one that does (an extra loss on the returned logits,
+or on the logits inside the compiled function) gets that gradient exactly. Also: dropped logits under
 DDPOptimizer's split graphs, and the fallback when the target cannot be computed before the lm_head."""
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flce_compile.compiler as fc
+from flce_compile.compiler.lazy_logits import LazyLogits
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 
 V, H, B, S = 96, 16, 2, 24  # B*S*V (logits) > V*H (dW) > B*S*H (dX): sizes tell the buffers apart
@@ -92,30 +96,45 @@ def compiled_models():
     """One compile per (inner, softcap, extra), shared by the tests."""
     cache = {}
 
-    def get(inner, softcap=None, extra=False):
-        key = (inner, softcap, extra)
+    def get(inner, softcap=None, extra=False, logits="keep"):
+        key = (inner, softcap, extra, logits)
         if key not in cache:
             torch.manual_seed(0)
             model = LM(softcap, extra)
             cap = _Capture(inner)
             torch._dynamo.reset()
-            cache[key] = (model, torch.compile(model, backend="flce", options={"flce.inner": cap}), cap)
+            cache[key] = (model, torch.compile(model, backend="flce", options={"flce.inner": cap,
+                                                                                "flce.logits": logits}), cap)
         return cache[key]
 
     return get
 
 
+def _logits_sized(gm) -> list[str]:
+    """The nodes of a graph whose values have the logits' size or more."""
+    return [n.name for n in gm.graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+            and v.numel() >= LOGITS_NUMEL]
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_kept_logits_exact_and_no_logits_sized_backward(inner, softcap, compiled_models):
-    model, compiled, cap = compiled_models(inner, softcap)
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_kept_logits_exact_and_no_logits_sized_backward(inner, softcap, mode, compiled_models):
+    model, compiled, cap = compiled_models(inner, softcap, logits=mode)
     idx, labels = _data()
     ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
+    if mode == "keep":  # computed when read, outside a graph that forms nothing logits-sized
+        assert type(logits) is LazyLogits and not logits.computed
+        assert cap.targets().count(flce_fused_loss) == 1 and flce_fused_loss_keep not in cap.targets()
+        assert [_logits_sized(gm) for gm in cap.graphs] == [[]]
+    else:
+        assert type(logits) is torch.Tensor
+        assert cap.targets().count(flce_fused_loss_keep) == 1
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert cap.targets().count(flce_fused_loss_keep) == 1 and flce_kept_logits_loss not in cap.targets()
+    assert flce_kept_logits_loss not in cap.targets()
     del logits  # as in `loss = model(...).loss`
     with _BigAllocations(LOGITS_NUMEL) as big:
         loss.backward()
@@ -126,9 +145,10 @@ def test_kept_logits_exact_and_no_logits_sized_backward(inner, softcap, compiled
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_gradient_into_the_returned_logits(inner, softcap, compiled_models):
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_gradient_into_the_returned_logits(inner, softcap, mode, compiled_models):
     """An extra loss on the returned logits, outside the compiled function, reaches every parameter."""
-    model, compiled, _ = compiled_models(inner, softcap)
+    model, compiled, _ = compiled_models(inner, softcap, logits=mode)
     idx, labels = _data()
     _, _, ref_grads = _reference(model, idx, labels, logits_weight=0.3)
     model.zero_grad(set_to_none=True)
@@ -139,10 +159,11 @@ def test_gradient_into_the_returned_logits(inner, softcap, compiled_models):
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_logits_written_in_place_before_a_loss_on_them(softcap, compiled_models):
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_logits_written_in_place_before_a_loss_on_them(softcap, mode, compiled_models):
     """Writing into the returned logits (masking a token before an extra loss on them) works as in eager, also
     through a softcap, whose derivative then recomputes the capped logits it can no longer read."""
-    model, compiled, _ = compiled_models("aot_eager", softcap)
+    model, compiled, _ = compiled_models("aot_eager", softcap, logits=mode)
     idx, labels = _data()
 
     def step(fn):
@@ -174,8 +195,9 @@ def test_loss_on_the_logits_inside_the_graph(inner, compiled_models):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_no_grad_keeps_logits_without_gradients(compiled_models):
-    model, compiled, _ = compiled_models("aot_eager")
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_no_grad_keeps_logits_without_gradients(mode, compiled_models):
+    model, compiled, _ = compiled_models("aot_eager", logits=mode)
     idx, labels = _data()
     with torch.no_grad():
         loss, logits = compiled(idx, labels)
@@ -185,20 +207,126 @@ def test_no_grad_keeps_logits_without_gradients(compiled_models):
     assert not logits.requires_grad
 
 
+def test_lazy_logits_held_through_backward_keep_their_values_after_the_step(compiled_models):
+    """A caller holding the outputs through backward (``out = model(...); out.loss.backward()``) gets the forward's
+    logits after the optimizer step changed the weight: backward computed them first."""
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, _ = _reference(model, idx, labels)
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    assert not logits.computed
+    loss.backward()
+    assert logits.computed
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    try:
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(1.0)
+
+
+def test_lazy_logits_never_read_are_never_computed(compiled_models, monkeypatch):
+    """``loss = model(...).loss``: the logits are dropped unread and never computed, in forward or backward."""
+    from flce_compile.compiler import lazy_logits
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    computed = []
+    real = lazy_logits._Source.value
+    monkeypatch.setattr(lazy_logits._Source, "value", lambda self: computed.append(1) or real(self))
+    loss = compiled(idx, labels)[0]
+    loss.backward()
+    assert computed == []
+    loss, logits = compiled(idx, labels)
+    logits.sum()
+    logits.max()
+    assert computed == [1]  # once, then kept
+
+
+def test_lazy_logits_refuse_operands_changed_before_they_were_read():
+    """Logits not yet computed whose lm_head weight was written in place, or moved (as FSDP's resharding frees
+    it), raise an error naming the fix, never values of another weight; ``materialize`` computes them at once."""
+    idx, labels = _data()
+    torch.manual_seed(0)
+    model = LM()
+    for mode in ("keep", "materialize"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager", "flce.logits": mode})
+        with torch.no_grad():
+            ref = model(idx, labels)[1]
+            _, written = compiled(idx, labels)
+            _, moved = compiled(idx, labels)
+            model.lm_head.weight.mul_(2.0)
+            model.lm_head.weight.div_(2.0)  # the same values, but written: the logits cannot know
+            weight = model.lm_head.weight.data
+            model.lm_head.weight.data = weight.clone()
+        if mode == "keep":
+            with pytest.raises(RuntimeError, match="weight.*changed in place.*flce.logits': 'materialize'"):
+                written.sum()
+            with pytest.raises(RuntimeError, match="memory"):
+                moved.sum()
+        else:
+            torch.testing.assert_close(written, ref)
+            torch.testing.assert_close(moved, ref)
+
+
+def test_lazy_logits_read_outside_the_dispatcher(tmp_path, compiled_models):
+    """Pickling, deepcopy, lists, numpy, repr and a compiled function given the logits all see their values."""
+    import copy
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        outs = [compiled(idx, labels)[1] for _ in range(6)]
+    torch.save(outs[0], tmp_path / "logits.pt")
+    loaded = torch.load(tmp_path / "logits.pt")
+    assert type(loaded) is torch.Tensor
+    torch.testing.assert_close(loaded, ref)
+    torch.testing.assert_close(copy.deepcopy(outs[1]), ref)
+    torch.testing.assert_close(torch.tensor(outs[2].tolist()), ref)
+    torch.testing.assert_close(torch.from_numpy(outs[3].numpy()), ref)
+    assert "LazyLogits(tensor(" in repr(outs[4])
+    softmax = torch.compile(lambda t: t.softmax(-1), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(softmax(outs[5]), ref.softmax(-1))
+
+
+def test_lazy_logits_written_in_place_keep_the_write(compiled_models):
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        _, logits = compiled(idx, labels)
+        logits.mul_(2.0)
+        logits[0, 0, 0] = 7.0
+    expected = ref * 2.0
+    expected[0, 0, 0] = 7.0
+    torch.testing.assert_close(logits, expected)
+    assert type(logits) is LazyLogits and type(logits * 1) is torch.Tensor
+
+
 def test_explain_and_log_the_kept_logits(caplog):
     import flce_compile.compiler.rewrite as rewrite
 
-    rewrite._logged_keep = False
+    rewrite._logged_keep = rewrite._logged_lazy = False
     idx, labels = _data()
     report = fc.explain(LM(), idx, labels)
+    assert [r.path for r in report] == ["fused_lazy"] and report[0].kept_logits_bytes == 0
+    assert "computed when first read" in str(report[0])
+    report = fc.explain(LM(), idx, labels, options={"flce.logits": "materialize"})
     assert [r.path for r in report] == ["fused_keep"]
     assert report[0].kept_logits_bytes == LOGITS_NUMEL * 4
-    torch._dynamo.reset()
-    with caplog.at_level("INFO", logger="flce_compile"):
-        torch.compile(LM(), backend="flce", options={"flce.inner": "eager"})(idx, labels)
-    kept = [r for r in caplog.records if "kept, exact" in r.getMessage()]
-    assert len(kept) == 1 and kept[0].levelname == "INFO"
-    assert f"{LOGITS_NUMEL * 4 / 1e9:.2f} GB" in kept[0].getMessage()
+    for mode, text in (("keep", "computed when first read"), ("materialize", "kept, exact")):
+        torch._dynamo.reset()
+        with caplog.at_level("INFO", logger="flce_compile"):
+            torch.compile(LM(), backend="flce", options={"flce.inner": "eager", "flce.logits": mode})(idx, labels)
+        logged = [r for r in caplog.records if text in r.getMessage() and "options=" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].levelname == "INFO", mode
+    assert f"{LOGITS_NUMEL * 4 / 1e9:.2f} GB" in logged[0].getMessage()
 
 
 class RelabelAfterHead(nn.Module):
@@ -216,20 +344,28 @@ class RelabelAfterHead(nn.Module):
         return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
 
 
-def test_target_written_after_the_head_falls_back_to_kept_logits():
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_target_written_after_the_head(mode):
+    """Labels written between the lm_head and the loss: the lazy logits' loss is fused where the loss runs, which
+    sees the write; "materialize" cannot move the target before the lm_head and takes the loss from the kept
+    logits."""
     torch.manual_seed(0)
     model = RelabelAfterHead()
     idx, labels = _data()
     ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
-    report = fc.explain(model, idx, labels)
-    assert report[0].path == "kept_logits" and "may write the target" in report[0].note
+    options = {"flce.logits": mode}
+    report = fc.explain(model, idx, labels, options=options)
+    if mode == "keep":
+        assert report[0].path == "fused_lazy", report
+    else:
+        assert report[0].path == "kept_logits" and "may write the target" in report[0].note
     cap = _Capture("aot_eager")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap})
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, **options})
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
     loss.backward()
-    assert flce_kept_logits_loss in cap.targets()
+    assert (flce_fused_loss if mode == "keep" else flce_kept_logits_loss) in cap.targets()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, ref_logits)
     for name, g in _grads(model).items():
@@ -416,7 +552,8 @@ def test_a_checkpointed_head_reads_its_symbolic_softcap_at_run_time(read_before)
 def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog, monkeypatch):
     """What the op cannot read at run time stays unfused, with the fix in explain and in a warning: a logit scale
     Dynamo left symbolic (also inside a checkpointed region, which then stays), and a symbolic softcap on the
-    kept-logits path (a per-token loss whose uncapped logits are returned). The losses are eager's."""
+    kept-logits path (a per-token loss whose uncapped logits are returned, under "materialize"; the default
+    computes those logits when read, and fuses the loss). The losses are eager's."""
     from flce_compile.compiler import rewrite
 
     class Scaled(LM):  # returns the unscaled logits
@@ -441,15 +578,23 @@ def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog
             return torch.utils.checkpoint.checkpoint(self.head_loss, h, labels, use_reentrant=False), h
 
     idx, labels = _data()
-    for cls in (Scaled, PerToken, CheckpointedScaled):
+    for cls, mode in ((Scaled, "keep"), (PerToken, "materialize"), (CheckpointedScaled, "keep"), (PerToken, "keep")):
         monkeypatch.setattr(rewrite, "_warned_symbolic_float", False)
         caplog.clear()
         caplog.set_level(logging.WARNING, logger="flce_compile")
         torch.manual_seed(0)
         model = cls(softcap=0.5)
-        ref_loss, _, _ = _reference(model, idx, labels)
+        ref_loss, ref_logits, _ = _reference(model, idx, labels)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
+        compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager", "flce.logits": mode},
+                                 dynamic=True)
+        if cls is PerToken and mode == "keep":
+            (site,) = fc.explain(compiled, idx, labels)
+            assert site.path == "fused_lazy", site
+            loss, logits = compiled(idx, labels)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            continue
         (site,) = fc.explain(compiled, idx, labels)
         assert not site.fused and "Python float Dynamo left symbolic" in site.reason, (cls, site)
         assert "specialize_float = True" in site.reason

@@ -37,7 +37,7 @@ def test_split_options_routes_keys():
 
 @pytest.mark.parametrize("options,match", [
     ({"flce.bogus": 1}, r"unknown option 'flce.bogus'.*flce.inner.*flce.logits.*flce.config.*flce.enabled"),
-    ({"flce.logits": "discard"}, r"flce.logits.*'keep', 'drop'"),
+    ({"flce.logits": "discard"}, r"flce.logits.*'keep', 'materialize', 'drop'"),
     ({"flce.inner": "no_such_backend"}, r"flce.inner.*not a registered"),
     ({"flce.inner": "flce"}, r"recurse"),
     ({"flce.enabled": "yes"}, r"flce.enabled"),

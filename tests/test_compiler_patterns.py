@@ -141,7 +141,7 @@ class Escaping(nn.Module):
         return loss, logits
 
 
-@pytest.mark.parametrize("mode", ["keep", "drop"])
+@pytest.mark.parametrize("mode", ["keep", "materialize", "drop"])
 @pytest.mark.parametrize("extra_use", [False, True], ids=["returned", "argmax"])
 def test_escaping_logits(mode, extra_use):
     torch.manual_seed(0)
@@ -162,6 +162,9 @@ def test_escaping_logits(mode, extra_use):
     targets = [n.target for n in graphs[0].graph.nodes]
     if mode == "drop" and not extra_use:
         assert got[1] is None and targets.count(flce_fused_loss) == 1
+    elif mode == "keep" and not extra_use:  # computed when read, outside the graph
+        assert targets.count(flce_fused_loss) == 1 and torch._C._nn.linear not in targets
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
     else:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
         assert targets.count(flce_fused_loss_keep) == 1  # logits from the op itself: one GEMM, exact
@@ -351,10 +354,13 @@ def test_explain_reports_sites_and_graph_breaks():
     torch.manual_seed(0)
     idx, t = _data()
     report = fc.explain(Escaping(), idx, t.clamp_min(0))
-    assert len(report) == 1 and report[0].fused and report[0].path == "fused_keep"
+    assert len(report) == 1 and report[0].fused and report[0].path == "fused_lazy"
     assert report[0].vocab == V and report[0].hidden == H and report[0].est_saved_bytes > 0
+    assert report[0].kept_logits_bytes == 0 and "computed when first read" in str(report)
+    report = fc.explain(Escaping(), idx, t.clamp_min(0), options={"flce.logits": "materialize"})
+    assert len(report) == 1 and report[0].fused and report[0].path == "fused_keep"
     assert report[0].kept_logits_bytes == 2 * 6 * V * 4  # the logits themselves, nothing more
-    assert "flce.logits='keep'" in str(report) and "'flce.logits': 'drop'" in str(report)
+    assert "flce.logits='materialize'" in str(report) and "'flce.logits': 'drop'" in str(report)
 
     class Broken(nn.Module):
         def __init__(self):
@@ -386,11 +392,12 @@ def test_explain_reports_what_the_compiled_model_does():
     idx, t = _data()
     t = t.clamp_min(0)
     model = Escaping()
-    assert _explained_path(model, idx, t) == ("keep", "fused_keep")
+    assert _explained_path(model, idx, t) == ("keep", "fused_lazy")
     assert _explained_path(model, idx, t, options={"flce.logits": "drop"}) == ("drop", "fused")
     compiled = torch.compile(model, backend="flce", options={"flce.logits": "drop", "flce.inner": "eager"})
     assert _explained_path(compiled, idx, t) == ("drop", "fused")
-    assert _explained_path(compiled, idx, t, options={"flce.logits": "keep"}) == ("keep", "fused_keep")
+    assert _explained_path(compiled, idx, t, options={"flce.logits": "keep"}) == ("keep", "fused_lazy")
+    assert _explained_path(compiled, idx, t, options={"flce.logits": "materialize"}) == ("materialize", "fused_keep")
     bound = torch.compile(model, backend=fc.with_options(logits="drop", inner="eager"))
     assert _explained_path(bound, idx, t) == ("drop", "fused")
     in_place = Escaping()

@@ -4,6 +4,9 @@ Paths, from most to least memory saved:
 
 * ``fused``: nothing but the loss uses the logits (or they are dropped): the fused op replaces the lm_head and
   the loss, and no logits exist at all.
+* ``fused_lazy``: the graph only returns the logits (through casts, reshapes, constant scales, a softcap), and
+  ``flce.logits`` is "keep": the loss is fused as on ``fused``, and the returned logits are computed when first
+  read, outside the graph (``lazy_logits``), so a caller that only reads the loss never forms them.
 * ``fused_keep``: the graph also returns (or otherwise uses) the logits. One op computes them exactly and,
   around them, the loss and the lm_head's gradients chunk by chunk, so nothing BT x V is saved for backward.
   It runs where the lm_head ran, so the target is computed before it; when the graph's only other use of the
@@ -25,11 +28,12 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
+from .outputs import flat_outputs
 from .patterns import (ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform,
                        runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
 
-PATHS = ("fused", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
+PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
 
 
 @dataclass
@@ -50,7 +54,8 @@ class SiteResult:
     escapes: dict[fx.Node, list[fx.Node]] | None = None  # chain nodes that stay used outside the loss path
     dropped: list[fx.Node] | None = None  # chain nodes whose graph-output uses become None ("drop")
     prelude: list[fx.Node] = field(default_factory=list)  # target nodes moved before the op (fused_keep)
-    #: fused_keep: returned chain nodes whose gradient is re-attached outside the graph -> their transform.
+    #: fused_keep: returned chain nodes whose gradient is re-attached outside the graph -> their transform;
+    #: fused_lazy: returned chain nodes computed outside the graph -> their transform.
     logits_outputs: dict[fx.Node, Plan] = field(default_factory=dict)
 
     @property
@@ -98,6 +103,8 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
         return res
     if logits_mode == "drop":
         res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
+    if logits_mode == "keep" and _lazy(site, res, aliases):
+        return res
     obstacle = _fused_keep_obstacle(site, res, aliases)
     if obstacle is None:
         return res
@@ -121,6 +128,53 @@ def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.
         return res
     res.path, res.plan = "vocab_parallel", plan
     return res
+
+
+def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
+    """Set ``res`` up for the fused_lazy path and return True when the graph only returns its logits, through
+    steps that can be replayed outside it (``lazy_steps``), and nothing in the graph writes the lm_head's operands
+    or the logits after the lm_head (the logits are computed later, from the operands as the graph leaves them)."""
+    escapes = res.escapes
+    if any(u.op != "output" for users in escapes.values() for u in users):
+        return False
+    if flat_outputs(site.loss_node.graph) is None:
+        return False
+    transforms = {node: output_transform(site, node) for node in escapes}
+    if any(isinstance(t, str) or lazy_steps(site, node) is None for node, t in transforms.items()):
+        return False
+    plan = fold_steps(site, 0)
+    if isinstance(plan, str):
+        return False
+    lin = site.linear
+    attrs = [f"{lin.module_target}.weight", f"{lin.module_target}.bias"] if lin.module_target else []
+    roots = aliases.roots_of([lin.input, lin.weight, lin.bias, lin.node], attrs)
+    output = next(n for n in reversed(site.loss_node.graph.nodes) if n.op == "output")
+    if aliases.first_write(lin.node, output, roots) is not None:
+        return False
+    out = meta_value(lin.node)
+    size = (hint_int(out.numel()) or 0) * out.element_size()
+    res.path, res.plan, res.logits_outputs = "fused_lazy", plan, transforms
+    res.note = (f"the returned logits are computed when first read (~{size / 2**30:.3f} GiB then), outside the "
+                "graph; a caller that reads only the loss never forms them")
+    return True
+
+
+def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:
+    """The chain nodes from the lm_head's output (exclusive) to ``node`` (inclusive), when each is a function or
+    method whose only graph input is the step before it (constants otherwise, no float read at run time): the
+    steps a LazyLogits replays on the raw logits. None when they can't be replayed outside the graph."""
+    steps: list[fx.Node] = []
+    if node is site.linear.node:
+        return steps
+    for step in site.steps:
+        if step.symbol is not None or step.node.op not in ("call_function", "call_method"):
+            return None
+        if step.node.all_input_nodes != [step.input]:
+            return None
+        steps.append(step.node)
+        if step.node is node:
+            return steps
+    return None
 
 
 def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str | None:

@@ -108,7 +108,7 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
         return "chunked-ce-over-kept-logits"
     if res.path == "vocab_parallel":
         return "vocab-parallel (lse in forward, logits recomputed by shard in backward)"
-    if res.path not in ("fused", "fused_keep"):
+    if res.path not in ("fused", "fused_lazy", "fused_keep"):
         return None
     from ..plan.choose import config_within_budget, resolve_config
     from ..plan.precision import accum_dtype_for, forced_by

@@ -19,7 +19,8 @@ PREFIX = "flce."
 #: Our option keys and what they mean (used in error messages, so keep the text short).
 VALID_KEYS: dict[str, str] = {
     "flce.inner": 'inner compiler: "inductor" (default), "aot_eager", "eager", any registered backend name, or a callable',
-    "flce.logits": '"keep" (default: logits outputs stay exact) or "drop" (logits outputs become None)',
+    "flce.logits": '"keep" (default: logits outputs stay exact, computed when first read), "materialize" '
+                   '(computed in the forward) or "drop" (logits outputs become None)',
     "flce.config": "force config fields for every fused site (FLCEConfig, or a dict / JSON string of some fields)",
     "flce.enabled": "False runs the inner compiler alone",
     "flce.precision": '"exact" (default: errors no larger than eager\'s), "compact" (accumulators in the weight '
@@ -28,7 +29,7 @@ VALID_KEYS: dict[str, str] = {
     "flce.causal_masks": "True (default): SDPA calls given a causal mask the graph builds from constants run with "
                          "is_causal=True (flash attention); False leaves attention as traced",
 }
-LOGITS_MODES = ("keep", "drop")
+LOGITS_MODES = ("keep", "materialize", "drop")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Graph outputs the pass changes, and the wrapper that restores them around the compiled graph.
 
-Two things happen to a rewritten graph's outputs:
+Three things happen to a rewritten graph's outputs:
 
 * ``flce.logits="drop"`` turns logits outputs into None. The inner compiler never sees those Nones (AOT's
   output wrappers and DDPOptimizer's split graphs expect tensors); the wrapper puts them back.
@@ -10,6 +10,9 @@ Two things happen to a rewritten graph's outputs:
   detached, plus the lm_head's input, weight and bias as extra outputs, and the wrapper re-attaches the
   logits' gradient outside the graph (``LogitsGrad``): nothing at all when the logits get no gradient, and
   exactly the lm_head's own backward (through a softcap or scale in between) when they do.
+* A logits output of a ``fused_lazy`` site is not computed in the graph at all: the graph returns the lm_head's
+  input, weight and bias as extra outputs, and the wrapper puts a ``LazyLogits`` in its place, computed when
+  first read (``lazy_logits``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
+
+from .lazy_logits import Replay, compute_before_backward, lazy_logits
 
 
 class LogitsGrad(torch.autograd.Function):
@@ -79,31 +84,59 @@ class LogitsOutput:
 
 
 @dataclass
+class LazyOutput:
+    """A logits output the graph no longer computes: where it sat among the outputs, where its lm_head operands sit
+    among the extras, the steps from the raw logits to it, and the lm_head's logits dtype."""
+
+    positions: list[int]
+    x: int
+    weight: int
+    bias: int | None
+    replay: Replay
+    dtype: torch.dtype
+    #: (hidden states' shape) -> a meta tensor shaped as the output (its shape, strides and dtype).
+    likes: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def make(self, extras: list[Any]) -> torch.Tensor:
+        x, weight = extras[self.x], extras[self.weight]
+        bias = extras[self.bias] if self.bias is not None else None
+        key = tuple(x.shape)
+        like = self.likes.get(key)
+        if like is None:
+            like = self.replay(torch.empty((*key[:-1], weight.shape[0]), dtype=self.dtype, device="meta"))
+            if len(self.likes) >= 64:
+                self.likes.clear()
+            self.likes[key] = like
+        return lazy_logits(x, weight, bias, self.replay, self.dtype, like)
+
+
+def flat_outputs(graph: fx.Graph) -> list[Any] | None:
+    """The graph's outputs when they are one flat tuple/list of nodes and Nones (Dynamo's form), else None."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    items = out.args[0] if len(out.args) == 1 else None
+    if not isinstance(items, (tuple, list)) or not all(i is None or isinstance(i, fx.Node) for i in items):
+        return None
+    return list(items)
+
+
+@dataclass
 class OutputFixup:
     """The changes to one graph's flat output tuple, applied to the graph and undone around the compiled
     callable."""
 
     extras: list[fx.Node] = field(default_factory=list)
     logits: list[LogitsOutput] = field(default_factory=list)
+    lazy: list[LazyOutput] = field(default_factory=list)
 
     def add_extra(self, node: fx.Node) -> int:
         if node not in self.extras:
             self.extras.append(node)
         return self.extras.index(node)
 
-    @staticmethod
-    def flat_outputs(gm: fx.GraphModule) -> list[Any] | None:
-        """The graph's outputs when they are one flat tuple/list of nodes and Nones (Dynamo's form), else None."""
-        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        items = out.args[0] if len(out.args) == 1 else None
-        if not isinstance(items, (tuple, list)) or not all(i is None or isinstance(i, fx.Node) for i in items):
-            return None
-        return list(items)
-
     def apply(self, gm: fx.GraphModule) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
         """Rewrite the output node (no Nones, extras appended); returns the wrapper maker, or None when there
         is nothing to undo."""
-        items = self.flat_outputs(gm)
+        items = flat_outputs(gm.graph)
         if items is None:
             return None
         nones = [i for i, item in enumerate(items) if item is None]
@@ -118,16 +151,16 @@ class OutputFixup:
         out_node.args = (tuple(i for i in items if i is not None) + tuple(self.extras),)
         n_out, n_extra = len(items), len(self.extras)
         kept = [i for i, item in enumerate(items) if item is not None]
-        return lambda compiled: _Restore(compiled, n_out, kept, n_extra, attach)
+        return lambda compiled: _Restore(compiled, n_out, kept, n_extra, attach, self.lazy)
 
 
 class _Restore:
     """Calls the compiled graph and rebuilds the outputs the caller expects (see the module docstring)."""
 
     def __init__(self, compiled: Callable[..., Any], n_out: int, kept: list[int], n_extra: int,
-                 attach: Sequence[tuple[list[int], LogitsOutput]]) -> None:
+                 attach: Sequence[tuple[list[int], LogitsOutput]], lazy: Sequence[LazyOutput] = ()) -> None:
         self.compiled = compiled
-        self.n_out, self.kept, self.n_extra, self.attach = n_out, kept, n_extra, attach
+        self.n_out, self.kept, self.n_extra, self.attach, self.lazy = n_out, kept, n_extra, attach, lazy
         # Dynamo calls a "boxed" compiled function with one list of inputs (which it may clear); keep that.
         self._boxed_call = getattr(compiled, "_boxed_call", False)
 
@@ -149,4 +182,13 @@ class _Restore:
                                             spec.logit_scale, softcap)
                 for i in positions:
                     result[i] = attached
+        if self.lazy:
+            made = []
+            for spec in self.lazy:
+                logits = spec.make(extras)
+                made.append(logits)
+                for i in spec.positions:
+                    result[i] = logits
+            if torch.is_grad_enabled():
+                compute_before_backward(flat, made)
         return result

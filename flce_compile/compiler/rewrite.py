@@ -23,9 +23,9 @@ from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import SiteResult, analyze
+from .decide import SiteResult, analyze, lazy_steps
 from .mutations import erase_dead
-from .outputs import LogitsOutput, OutputFixup
+from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
@@ -165,6 +165,7 @@ class PassResult:
 
 
 _logged_keep = False
+_logged_lazy = False
 _warned_kept_logits = False
 _warned_graph_break = False
 _warned_symbolic_float = False
@@ -247,9 +248,15 @@ def _log_unfused(res: SiteResult) -> None:
 
 
 def _log_rewrite(res: SiteResult) -> None:
-    global _logged_keep, _warned_kept_logits
+    global _logged_keep, _logged_lazy, _warned_kept_logits
     logger.info("flce: loss %s -> %s (vocab %s, hidden %s, tokens~%s)%s", res.site.loss_node.name, res.path,
                 res.site.vocab, res.site.hidden, res.tokens, f"; {res.note}" if res.note else "")
+    if res.path == "fused_lazy" and not _logged_lazy:
+        _logged_lazy = True
+        logger.info(
+            "flce: the compiled graph returns its logits: they are computed when first read, outside the graph, "
+            "so a loop that reads only the loss never forms them. options={'flce.logits': 'materialize'} computes "
+            "them in the forward; 'drop' returns logits=None.")
     if res.path == "fused_keep" and not _logged_keep:
         _logged_keep = True
         logger.info(
@@ -342,7 +349,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
             else:
                 weight, bias = _head_operands(gm, lin, new)
                 tail = (cfg, out_dtype, _compute_dtype(gm, lin))
-                if res.path == "fused":
+                if res.path in ("fused", "fused_lazy"):
                     x = lin.input
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
@@ -353,7 +360,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                         lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)), op_kwargs)
                     result = new.add("call_function", operator.getitem, (both, 0))
                     logits = new.add("call_function", operator.getitem, (both, 1))
-                    attach = bool(res.logits_outputs) and OutputFixup.flat_outputs(gm) is not None
+                    attach = bool(res.logits_outputs) and flat_outputs(gm.graph) is not None
                     if res.logits_outputs and not attach:
                         res.logits_outputs, res.note = {}, "the graph's outputs are not a flat tuple"
                     graph_logits = new.add("call_method", "detach", (logits,)) if attach else logits
@@ -374,6 +381,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 fixup.add_extra(bias) if bias is not None else None, transform.logit_scale,
                 None if runtime else transform.softcap, fixup.add_extra(softcap) if runtime else None,
             ))
+    if res.path == "fused_lazy":
+        _lazy_outputs(gm, res, lin, weight, bias, fixup)
     loss.node.replace_all_uses_with(result)
     gm.graph.erase_node(loss.node)
     if res.dropped_outputs:
@@ -383,6 +392,27 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         maybe_dead += res.dropped
     res.new_node = result
     return maybe_dead
+
+
+def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node, bias: fx.Node | None,
+                  fixup: OutputFixup) -> None:
+    """The fused_lazy site's logits outputs leave the graph (None there, as dropped ones): the wrapper puts a
+    LazyLogits in each place, computed from the lm_head's operands (extra outputs) through the steps the graph took
+    from the lm_head to that output, copied into a graph of their own (``lazy_steps``)."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    items = flat_outputs(gm.graph)
+    dtype = meta_value(lin.node).dtype
+    for node in res.logits_outputs:
+        replay = fx.Graph()
+        env = {lin.node: replay.placeholder("logits")}
+        for step in lazy_steps(res.site, node):
+            env[step] = replay.node_copy(step, env.__getitem__)
+        replay.output(env[node])
+        fixup.lazy.append(LazyOutput(
+            [i for i, item in enumerate(items) if item is node], fixup.add_extra(lin.input), fixup.add_extra(weight),
+            fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype))
+    lazy = set(res.logits_outputs)
+    out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in lazy else n)
 
 
 def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
