@@ -265,9 +265,9 @@ def test_lazy_logits_refuse_operands_changed_before_they_were_read():
             weight = model.lm_head.weight.data
             model.lm_head.weight.data = weight.clone()
         if mode == "keep":
-            with pytest.raises(RuntimeError, match="weight.*changed in place.*flce.logits': 'materialize'"):
+            with pytest.raises(RuntimeError, match="its weight was written in place.*flce.logits': 'materialize'"):
                 written.sum()
-            with pytest.raises(RuntimeError, match="memory"):
+            with pytest.raises(RuntimeError, match="weight's memory was moved or freed"):
                 moved.sum()
         else:
             torch.testing.assert_close(written, ref)
@@ -275,24 +275,126 @@ def test_lazy_logits_refuse_operands_changed_before_they_were_read():
 
 
 def test_lazy_logits_read_outside_the_dispatcher(tmp_path, compiled_models):
-    """Pickling, deepcopy, lists, numpy, repr and a compiled function given the logits all see their values."""
+    """Pickling, deepcopy, lists, numpy and repr see the values, as for a plain tensor (numpy and deepcopy refuse
+    what they refuse on one that requires grad; a pickled one keeps requires_grad)."""
     import copy
 
     model, compiled, _ = compiled_models("aot_eager")
     idx, labels = _data()
     with torch.no_grad():
         ref = model(idx, labels)[1]
-        outs = [compiled(idx, labels)[1] for _ in range(6)]
+        outs = [compiled(idx, labels)[1] for _ in range(5)]
     torch.save(outs[0], tmp_path / "logits.pt")
     loaded = torch.load(tmp_path / "logits.pt")
-    assert type(loaded) is torch.Tensor
+    assert type(loaded) is torch.Tensor and not loaded.requires_grad
     torch.testing.assert_close(loaded, ref)
     torch.testing.assert_close(copy.deepcopy(outs[1]), ref)
     torch.testing.assert_close(torch.tensor(outs[2].tolist()), ref)
     torch.testing.assert_close(torch.from_numpy(outs[3].numpy()), ref)
-    assert "LazyLogits(tensor(" in repr(outs[4])
-    softmax = torch.compile(lambda t: t.softmax(-1), backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(softmax(outs[5]), ref.softmax(-1))
+    assert repr(outs[4]).startswith("LazyLogits(tensor(") and "grad_fn" not in repr(outs[4])
+    _, logits = compiled(idx, labels)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        logits.numpy()
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(logits)
+    assert "grad_fn=<_LazyHeadBackward>" in repr(logits)
+    torch.save(logits, tmp_path / "grad.pt")
+    assert torch.load(tmp_path / "grad.pt").requires_grad
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_lazy_logits_given_to_a_compiled_function(inner, compiled_models):
+    """A compiled function given the logits (a metric, an extra loss) gets their values, and their gradient
+    reaches the model: Dynamo leaves this class's operators outside its graph."""
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight=0.3)
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    extra = torch.compile(lambda t: (t.float() ** 3).mean() * 0.3, backend=inner)
+    (loss + extra(logits)).backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _DataWritingSGD(torch.optim.Optimizer):
+    """A step that writes the parameters through ``.data``, as fused optimizers write them: no version counter
+    sees it."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_lazy_logits_are_computed_before_an_optimizer_step(compiled_models):
+    """Logits held but never backpropagated (another micro-batch's loss was), then a step that writes the weights
+    unseen by their version counters (fused optimizers do): the step computes them first, so they are the
+    forward's."""
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, _ = _reference(model, idx, labels)
+    model.zero_grad(set_to_none=True)
+    _, logits = compiled(idx, labels)
+    compiled(idx, labels)[0].backward()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _DataWritingSGD(model.parameters(), lr=0.5).step()
+    try:
+        assert logits.computed
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(state[n])
+
+
+class _AuxFirst(LM):
+    """Returns an auxiliary output first (nanoGPT-style code may): its autograd node is not the loss's."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return self.proj.weight.square().sum(), logits, loss
+
+
+def test_lazy_logits_computed_by_backward_through_any_output():
+    """With an inner compiler whose outputs each have their own autograd node (``eager``), backward through the
+    loss still computes the held logits before the weights can change."""
+    torch.manual_seed(0)
+    model = _AuxFirst()
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "eager"})
+    _, logits, loss = compiled(idx, labels)
+    assert type(logits) is LazyLogits and not logits.computed
+    loss.backward()
+    assert logits.computed
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lazy_logits_read_under_autocast_and_made_under_inference_mode(compiled_models):
+    """A read inside an autocast region gets the forward's dtype and values; under inference mode (whose tensors
+    keep no version counter to check) the logits are computed at once, a plain tensor."""
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        _, logits = compiled(idx, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        text = repr(logits)
+    assert "bfloat16" not in text and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    with torch.inference_mode():
+        loss, logits = compiled(idx, labels)
+    assert type(logits) is torch.Tensor
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_lazy_logits_written_in_place_keep_the_write(compiled_models):

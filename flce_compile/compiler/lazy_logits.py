@@ -17,20 +17,30 @@ what they are read from:
 * when backward reaches the compiled graph that returned them (a caller holding the outputs through backward:
   ``out = model(...); out.loss.backward()``), before an optimizer step or FSDP's resharding can change or free
   the weight;
+* before any optimizer's step (a global step pre-hook: fused optimizers write the weight without telling its
+  version counter), for those still held and not yet computed;
 * any other write to the hidden states, weight or bias in place (their version counters), or a weight whose memory
-  was moved or freed, makes reading not-yet-computed logits an error that says so, never wrong values.
+  was moved or freed, makes reading not-yet-computed logits an error that says so. Writes through ``param.data``
+  reach no version counter: logits held across such a write must be read before it.
+
+They are computed with autocast off (a read inside an autocast region gets the forward's dtype and values).
+Under inference mode they are computed at once (inference tensors keep no version counter to check).
+A function compiled with torch.compile and given them runs its operators on them outside the graph (Dynamo does
+not trace this class); any operator's result (``logits.clone()``) is a plain tensor it traces.
 
 ``flce.logits="materialize"`` computes them in the graph instead (a plain tensor at once, as before).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 #: The steps from the raw logits to one returned output, as a callable of the raw logits.
@@ -53,27 +63,33 @@ class _Source:
 
     def check(self) -> None:
         """Raise when an operand changed since the forward, so the logits can no longer be computed."""
-        changed = [name for name, t, v in zip(("hidden states", "weight", "bias"), self.operands(), self.versions)
+        written = [name for name, t, v in zip(("hidden states", "weight", "bias"), self.operands(), self.versions)
                    if t._version != v]
-        if _memory(self.weight) != self.weight_memory:
-            changed.append("weight's memory (moved or freed, e.g. resharded by FSDP)")
-        if changed:
+        moved = _memory(self.weight) != self.weight_memory
+        if written or moved:
+            what = [f"its {' and '.join(written)} {'were' if len(written) > 1 else 'was'} written in place"
+                    ] if written else []
+            what += ["its weight's memory was moved or freed (e.g. resharded by FSDP)"] if moved else []
             raise RuntimeError(
                 "flce: these logits are computed when first read, from the lm_head's operands as the forward left "
-                f"them, but the lm_head's {', '.join(changed)} changed in place since then (and backward, which "
-                "computes them first, had not run). Read the logits before changing those tensors, or compile "
-                "with options={'flce.logits': 'materialize'} to compute them in the forward.")
-
-    def logits(self) -> Tensor:
-        """The raw logits, as the graph's lm_head computed them (in its dtype, as under autocast)."""
-        dt = self.dtype
-        bias = None if self.bias is None else self.bias.to(dt)
-        return F.linear(self.x.to(dt), self.weight.to(dt), bias)
+                f"them, but since then {' and '.join(what)}, with no backward or optimizer step in between (which "
+                "compute held logits first). Read the logits before changing those tensors, or compile with "
+                "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
     def value(self) -> Tensor:
         self.check()
-        with torch.no_grad():
-            return self.replay(self.logits())
+        with torch.no_grad(), _no_autocast(self.x):
+            return self.replay(_head(self.x, self.weight, self.bias, self.dtype))
+
+
+def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The raw logits, as the graph's lm_head computed them: in its logits dtype (as under autocast)."""
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off on ``t``'s device: the logits are the forward's, whatever region reads them."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def _memory(t: Tensor) -> tuple[int, int]:
@@ -89,13 +105,14 @@ class LazyLogits(Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, source: _Source | None, like: Tensor, value: Tensor | None = None) -> LazyLogits:
+    def __new__(cls, source: _Source, like: Tensor) -> LazyLogits:
         return Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
-                                             device=value.device if value is not None else source.x.device)
+                                             device=source.x.device)
 
-    def __init__(self, source: _Source | None, like: Tensor, value: Tensor | None = None) -> None:
+    def __init__(self, source: _Source, like: Tensor) -> None:
         super().__init__()
-        self._source, self._value = source, value
+        self._source, self._value = source, None
+        _PENDING[id(self)] = self
 
     @property
     def computed(self) -> bool:
@@ -107,6 +124,7 @@ class LazyLogits(Tensor):
         if self._value is None:
             self._value = self._source.value()
             self._source = None  # the operands are free to go (autograd keeps what backward needs)
+            _PENDING.pop(id(self), None)
         return self._value
 
     @classmethod
@@ -116,35 +134,44 @@ class LazyLogits(Tensor):
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
-    # torch.compile of a function given these logits: Dynamo traces them as their computed values.
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        self.compute()
-        return ["_value"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], ctx: Any, outer_size: Any, outer_stride: Any) -> LazyLogits:
-        value = inner["_value"]
-        return LazyLogits(None, value, value)
-
     # Reads that bypass the dispatcher (numpy, lists, pickling, copies) get the computed values. (Its storage is
     # not the values': torch's own code asks a wrapper's storage, and must see that it has none.)
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        return f"LazyLogits({self.compute()!r})"
+        grad = f", grad_fn=<{type(self.grad_fn).__name__}>" if self.grad_fn is not None else ""
+        return f"LazyLogits({self.compute()!r}{grad})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        return self.compute().__reduce_ex__(protocol)
+        return self.compute().detach().requires_grad_(self.requires_grad).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> Tensor:
+        if self.grad_fn is not None:  # as for any tensor autograd made
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment; LazyLogits.detach() is a plain copyable tensor")
         return self.compute().clone()
 
     def tolist(self) -> Any:
         return self.compute().tolist()
 
     def numpy(self, *, force: bool = False) -> Any:
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() "
+                               "instead.")
         return self.compute().numpy(force=force)
 
     def __array__(self, dtype: Any = None) -> Any:
         return self.compute().__array__(dtype)
+
+
+#: Logits made and not yet computed, by id: an optimizer's step computes them first (``_compute_pending``).
+_PENDING: weakref.WeakValueDictionary[int, LazyLogits] = weakref.WeakValueDictionary()
+_step_hook: Any = None
+
+
+def _compute_pending(*_args: Any) -> None:
+    """Compute every held, not yet computed LazyLogits: a global optimizer step pre-hook (an optimizer, fused ones
+    included, may write the weights they are computed from without bumping a version counter)."""
+    for lazy in list(_PENDING.values()):
+        lazy.compute()
 
 
 class _LazyHead(torch.autograd.Function):
@@ -163,32 +190,38 @@ class _LazyHead(torch.autograd.Function):
         source = ctx.source
         need = ctx.needs_input_grad[:3]
         inputs = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip((x, weight, bias), need)]
-        with torch.enable_grad():
-            dt = source.dtype
-            b = None if inputs[2] is None else inputs[2].to(dt)
-            out = source.replay(F.linear(inputs[0].to(dt), inputs[1].to(dt), b))
+        with torch.enable_grad(), _no_autocast(x):
+            out = source.replay(_head(*inputs, source.dtype))
         wanted = [t for t, n in zip(inputs, need) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need)) + (None, None)
 
 
 def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
-                like: Tensor) -> LazyLogits:
+                like: Tensor) -> Tensor:
     """The LazyLogits standing for ``replay(F.linear(x, weight, bias))`` in ``dtype``; ``like`` (a meta tensor)
-    gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad."""
+    gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad.
+    Under inference mode, the logits themselves (computed now)."""
+    global _step_hook
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
+        with torch.no_grad(), _no_autocast(x):
+            return replay(_head(x, weight, bias, dtype))
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_compute_pending)
     source = _Source(x, weight, bias, replay, dtype)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in source.operands()):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _LazyHead.apply(x, weight, bias, source, like)
     return LazyLogits(source, like)
 
 
-def compute_before_backward(outputs: list[Any], lazies: list[LazyLogits]) -> None:
-    """Compute ``lazies`` (those still alive) when backward reaches the autograd node of the compiled graph's
-    ``outputs``, before an optimizer step or FSDP's resharding can change the operands they are computed from."""
-    node = next((t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None), None)
-    if node is None:
+def compute_before_backward(outputs: list[Any], lazies: list[Tensor]) -> None:
+    """Compute ``lazies`` (those still alive and not computed) when backward reaches any autograd node of the
+    compiled graph's ``outputs`` (all of them: an inner compiler may give each output its own), before an optimizer
+    step or FSDP's resharding can change the operands they are computed from."""
+    refs = [weakref.ref(t) for t in lazies if isinstance(t, LazyLogits)]
+    if not refs:
         return
-    refs = [weakref.ref(t) for t in lazies]
 
     def compute_alive(grad_outputs: Any) -> None:
         for ref in refs:
@@ -196,4 +229,6 @@ def compute_before_backward(outputs: list[Any], lazies: list[LazyLogits]) -> Non
             if lazy is not None and not lazy.computed:
                 lazy.compute()
 
-    node.register_prehook(compute_alive)
+    nodes = {t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    for node in nodes:
+        node.register_prehook(compute_alive)
