@@ -47,6 +47,10 @@ from torch.utils._pytree import tree_map
 Replay = Callable[[Tensor], Tensor]
 
 
+class StaleLogitsError(RuntimeError):
+    """Logits not yet computed whose operands changed since the forward: they can no longer be computed."""
+
+
 class _Source:
     """What a LazyLogits is computed from: the lm_head's operands, with what they held when the forward returned
     them (version counters, the weight's memory), and the steps to the returned output."""
@@ -70,7 +74,7 @@ class _Source:
             what = [f"its {' and '.join(written)} {'were' if len(written) > 1 else 'was'} written in place"
                     ] if written else []
             what += ["its weight's memory was moved or freed (e.g. resharded by FSDP)"] if moved else []
-            raise RuntimeError(
+            raise StaleLogitsError(
                 "flce: these logits are computed when first read, from the lm_head's operands as the forward left "
                 f"them, but since then {' and '.join(what)}, with no backward or optimizer step in between (which "
                 "compute held logits first). Read the logits before changing those tensors, or compile with "
@@ -171,7 +175,16 @@ def _compute_pending(*_args: Any) -> None:
     """Compute every held, not yet computed LazyLogits: a global optimizer step pre-hook (an optimizer, fused ones
     included, may write the weights they are computed from without bumping a version counter)."""
     for lazy in list(_PENDING.values()):
+        _compute_if_fresh(lazy)
+
+
+def _compute_if_fresh(lazy: LazyLogits) -> None:
+    """Compute ``lazy`` unless its operands already changed: that error is the reader's, when it reads them (not
+    the optimizer step's or backward's that computes held logits early); it is then no longer pending."""
+    try:
         lazy.compute()
+    except StaleLogitsError:
+        _PENDING.pop(id(lazy), None)
 
 
 class _LazyHead(torch.autograd.Function):
@@ -227,7 +240,7 @@ def compute_before_backward(outputs: list[Any], lazies: list[Tensor]) -> None:
         for ref in refs:
             lazy = ref()
             if lazy is not None and not lazy.computed:
-                lazy.compute()
+                _compute_if_fresh(lazy)
 
     nodes = {t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None}
     for node in nodes:
