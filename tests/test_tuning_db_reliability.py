@@ -69,14 +69,11 @@ def test_bad_user_file_keeps_the_shipped_entries_and_is_parsed_once(dbs, clock, 
     user.write_bytes(BAD_USER_FILES[kind])
     parsed = _count_calls(monkeypatch, "parse_file")
     caplog.set_level(logging.WARNING, logger="flce_compile")
-    start = time.perf_counter()
     for i in range(200):
         assert find() == (entry(chunk=1024).config, "tuning_db:shipped_exact")
         if i % 50 == 0:
             clock.advance()  # re-validation finds the same file: the verdict is kept
-    per_call = (time.perf_counter() - start) / 200
     assert parsed.count(user) == 1, "the bad file was re-parsed"
-    assert per_call < 100e-6, f"{per_call * 1e6:.0f} us per cached lookup"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(user) in warnings[0], warnings
     with pytest.raises(db.DBCorruptError):
