@@ -209,7 +209,7 @@ def table(result: dict[str, Any]) -> str:
              f"{env.get('device', 'cpu')}; one forward + backward of `model(input_ids=ids, labels=labels).loss`, "
              "one-layer random models, 2 x 8 tokens, vocab 160, as is and through `torch.compile(model, "
              "backend=\"flce\")` with `flce.logits` \"keep\" (the default: the returned logits computed when "
-             "read, here by backward, which the caller holds them through) and \"drop\". path: what `explain` says the "
+             "read, here after backward) and \"drop\". path: what `explain` says the "
              "pass does with each loss site (with its reason when not fused); ops: the fused ops the compiled graphs "
              "hold; graphs: explain's graphs (the inner compiler's compiled ones, and failures) for keep / drop; "
              "dropped: whether the returned logits were None; differences are the largest absolute ones to the model "

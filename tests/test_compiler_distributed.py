@@ -4,6 +4,7 @@ lm_head + loss inside an activation-checkpointed region (moved out of the region
 
 from __future__ import annotations
 
+
 import os
 import socket
 
@@ -116,6 +117,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 model.zero_grad(set_to_none=True)
                 out = step(input_ids=ids, labels=labels)
                 loss = out if isinstance(out, torch.Tensor) else out.loss
+                # Read before backward: FSDP frees the unsharded weight after it, and "keep"'s logits not read
+                # by then can no longer be computed (an error says so).
+                logits = None if isinstance(out, torch.Tensor) or out.logits is None else out.logits.detach()
                 loss.backward()
                 losses.append(loss.detach())
             grads = {n: p.grad for n, p in model.named_parameters()}
@@ -123,12 +127,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[scenario] = {
                 "losses": losses, "fused": capture.fused(),
                 "logits_none": None if isinstance(out, torch.Tensor) else out.logits is None,
-                # (held through backward: by default computed there, before FSDP reshards the lm_head's weight)
-                "logits": None if isinstance(out, torch.Tensor) or out.logits is None else out.logits.detach(),
+                "logits": logits, "stale_after_backward": None,
                 "head_placements": [(type(p).__name__, getattr(p, "dim", None)) for p in head.placements]
                 if hasattr(head, "placements") else None,
                 "grads": {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()},
             }
+            if scenario == "fsdp2-keep":  # held through backward unread: FSDP freed their weight
+                from flce_compile.compiler.lazy_logits import StaleLogitsError
+
+                model.zero_grad(set_to_none=True)  # (the gradients above stay as they are)
+                held = step(input_ids=ids, labels=labels)
+                held.loss.backward()
+                try:
+                    held.logits.sum()
+                    results[scenario]["stale_after_backward"] = False
+                except StaleLogitsError:
+                    results[scenario]["stale_after_backward"] = True
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "rank0.pt"))
     finally:
@@ -170,7 +184,8 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         if kind != "direct":
             assert got["logits_none"] == (logits == "drop"), scenario
             assert got["fused"] == ["flce_fused_loss_keep" if logits == "materialize" else "flce_fused_loss"], scenario
-            if logits != "drop":  # "keep": computed when read (here by backward); "materialize": in the graph
+            assert got["stale_after_backward"] == (True if scenario == "fsdp2-keep" else None), scenario
+            if logits != "drop":  # "keep": computed when read (here before backward); "materialize": in the graph
                 torch.testing.assert_close(got["logits"], ref_logits, rtol=1e-5, atol=1e-6, msg=scenario)
         if kind != "ddp":  # the lm_head's gradient is reduce-scattered as usual
             assert got["head_placements"] == [("Shard", 0)], scenario

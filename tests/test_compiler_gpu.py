@@ -78,9 +78,9 @@ def test_llama_bf16_parity_and_peak_memory(llama):
 def test_llama_kept_logits_cost_their_bytes_only_when_they_exist(llama):
     """backend="flce" with no options ("keep"): the returned logits are computed when read, so `loss =
     model(...).loss` peaks as the drop mode does (within 3%), and a caller holding the output through backward
-    pays their bytes and nothing more (backward computes them). "materialize": their bytes, held or not (no saved
-    logits, no logits gradient, no zero tangent). The held logits agree between the two; the loss matches the drop
-    mode's."""
+    at most their bytes more (they are computed when read, here after backward). "materialize": their bytes, held
+    or not (no saved logits, no logits gradient, no zero tangent). The held logits agree between the two; the loss
+    matches the drop mode's."""
     model, ids = llama
     drop_loss, drop_g, drop_peak = _step(model, ids, "flce", {"flce.logits": "drop"})
     logits_bytes = S * V * 2

@@ -109,8 +109,8 @@ def test_family_drop_logits_parity_and_graph(name, reference):
                          + [("llama", "materialize"), ("gemma2", "materialize")])
 def test_family_keep_logits_exact(name, mode, reference):
     """The logits the model returns, held through backward (``out = model(...); out.loss.backward()``): eager's,
-    bit for bit. By default the graph forms none (they are computed when read: here by backward, which reaches
-    the compiled graph while the caller still holds them); under "materialize" the op computes them, once."""
+    bit for bit. By default the graph forms none (they are computed when read: here after backward); under
+    "materialize" the op computes them, once."""
     model, ids, labels, ref, ref_grads = reference(name)
     cap = Capture("eager")
     torch._dynamo.reset()

@@ -208,25 +208,24 @@ def test_no_grad_keeps_logits_without_gradients(mode, compiled_models):
 
 
 def test_lazy_logits_held_through_backward_keep_their_values_after_the_step(compiled_models):
-    """A caller holding the outputs through backward (``out = model(...); out.loss.backward()``) gets the forward's
-    logits after the optimizer step changed the weight: backward computed them first."""
+    """``out = model(...); out.loss.backward(); opt.step()``, the logits read after the step: they are the forward's
+    (nothing runs in backward; the step copied the weight first)."""
     model, compiled, _ = compiled_models("aot_eager")
     idx, labels = _data()
     _, ref_logits, _ = _reference(model, idx, labels)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
-    assert not logits.computed
     loss.backward()
-    assert logits.computed
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    assert not logits.computed
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
     try:
+        assert not logits.computed  # (its weight copied: smaller than these logits)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     finally:
         with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(1.0)
+            for n, p in model.named_parameters():
+                p.copy_(state[n])
 
 
 def test_lazy_logits_never_read_are_never_computed(compiled_models, monkeypatch):
@@ -335,12 +334,13 @@ class _DataWritingSGD(torch.optim.Optimizer):
                     p.data.add_(p.grad, alpha=-group["lr"])
 
 
-def test_lazy_logits_are_computed_before_an_optimizer_step(compiled_models):
+@pytest.mark.parametrize("tokens", [S, 4])
+def test_lazy_logits_are_secured_before_an_optimizer_step(tokens, compiled_models):
     """Logits held but never backpropagated (another micro-batch's loss was), then a step that writes the weights
-    unseen by their version counters (fused optimizers do): the step computes them first, so they are the
-    forward's."""
+    unseen by their version counters (fused optimizers do): the step secured them first (their weight copied, or,
+    for logits smaller than the weight, computed), so they are the forward's."""
     model, compiled, _ = compiled_models("aot_eager")
-    idx, labels = _data()
+    idx, labels = (t[:, :tokens] for t in _data())
     _, ref_logits, _ = _reference(model, idx, labels)
     model.zero_grad(set_to_none=True)
     _, logits = compiled(idx, labels)
@@ -348,7 +348,7 @@ def test_lazy_logits_are_computed_before_an_optimizer_step(compiled_models):
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     _DataWritingSGD(model.parameters(), lr=0.5).step()
     try:
-        assert logits.computed
+        assert logits.computed == (logits.numel() <= model.lm_head.weight.numel())
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     finally:
         with torch.no_grad():
@@ -356,29 +356,55 @@ def test_lazy_logits_are_computed_before_an_optimizer_step(compiled_models):
                 p.copy_(state[n])
 
 
-class _AuxFirst(LM):
-    """Returns an auxiliary output first (nanoGPT-style code may): its autograd node is not the loss's."""
+@pytest.mark.parametrize("hold", [False, True])
+def test_lazy_logits_under_compiled_autograd(hold, compiled_models):
+    """Backward traced by compiled autograd (as torchtitan enables it around backward): the default's graph adds no
+    hook to the autograd graph that its tracing would trip over; the loss's gradients and the logits are eager's."""
+    from torch._dynamo import compiled_autograd
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, ref_grads = _reference(model, idx, labels)
+    model.zero_grad(set_to_none=True)
+    out = compiled(idx, labels)
+    loss = out[0]
+    if not hold:
+        out = None
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward()
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    if hold:
+        torch.testing.assert_close(out[1], ref_logits, rtol=1e-5, atol=1e-5)
+
+
+class _ReturnsFloat(LM):
+    """Returns its logits cast to fp32 off the loss's chain, as Accelerate's mixed precision casts every output
+    (``convert_outputs_to_fp32``) inside a model compiled after ``accelerator.prepare``."""
 
     def forward(self, idx, labels):
         loss, logits = super().forward(idx, labels)
-        return self.proj.weight.square().sum(), logits, loss
+        return loss, logits.float()
 
 
-def test_lazy_logits_computed_by_backward_through_any_output():
-    """With an inner compiler whose outputs each have their own autograd node (``eager``), backward through the
-    loss still computes the held logits before the weights can change."""
+def test_lazy_logits_through_a_returned_cast():
+    """A cast the graph only returns stays off the graph too: the logits computed when read, in fp32, eager's values
+    and gradients."""
     torch.manual_seed(0)
-    model = _AuxFirst()
+    model = _ReturnsFloat().to(torch.bfloat16)
     idx, labels = _data()
-    with torch.no_grad():
-        ref = model(idx, labels)[1]
+    _, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight=0.3)
+    cap = _Capture("aot_eager")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="flce", options={"flce.inner": "eager"})
-    _, logits, loss = compiled(idx, labels)
-    assert type(logits) is LazyLogits and not logits.computed
-    loss.backward()
-    assert logits.computed
-    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap})
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    assert type(logits) is LazyLogits and logits.dtype == torch.float32 and not logits.computed
+    assert [_logits_sized(gm) for gm in cap.graphs] == [[]]
+    (loss + 0.3 * (logits.float() ** 3).mean()).backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=2e-2, atol=1e-3, msg=name)  # (bf16 parameters)
 
 
 def test_lazy_logits_read_under_autocast_and_made_under_inference_mode(compiled_models):

@@ -134,12 +134,18 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
     """Set ``res`` up for the fused_lazy path and return True when the graph only returns its logits, through
     steps that can be replayed outside it (``lazy_steps``), and nothing in the graph writes the lm_head's operands
     or the logits after the lm_head (the logits are computed later, from the operands as the graph leaves them)."""
-    escapes = res.escapes
-    if any(u.op != "output" for users in escapes.values() for u in users):
-        return False
+    returned: dict[fx.Node, fx.Node] = {}  # each returned node -> the chain node it is computed from
+    for node, users in res.escapes.items():
+        for user in users:
+            if user.op == "output":
+                returned[node] = node
+            elif _returned_cast(user, node):
+                returned[user] = node
+            else:
+                return False
     if flat_outputs(site.loss_node.graph) is None:
         return False
-    transforms = {node: output_transform(site, node) for node in escapes}
+    transforms = {node: output_transform(site, chain_node) for node, chain_node in returned.items()}
     if any(isinstance(t, str) or lazy_steps(site, node) is None for node, t in transforms.items()):
         return False
     plan = fold_steps(site, 0)
@@ -159,13 +165,32 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
     return True
 
 
+#: Methods a returned logits may go through off the loss's chain and still be computed when read (what
+#: Accelerate's mixed precision does to every output: ``.float()``).
+_RETURNED_CASTS = frozenset({"float", "to", "contiguous"})
+
+
+def _returned_cast(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` is a cast of chain node ``node`` (``_RETURNED_CASTS``, constants otherwise) that the graph
+    only returns."""
+    return (user.op == "call_method" and user.target in _RETURNED_CASTS and user.all_input_nodes == [node]
+            and all(u.op == "output" for u in user.users))
+
+
 def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:
-    """The chain nodes from the lm_head's output (exclusive) to ``node`` (inclusive), when each is a function or
+    """The nodes from the lm_head's output (exclusive) to ``node`` (inclusive), when each is a function or
     method whose only graph input is the step before it (constants otherwise, no float read at run time): the
-    steps a LazyLogits replays on the raw logits. None when they can't be replayed outside the graph."""
+    steps a LazyLogits replays on the raw logits. ``node`` is a chain node, or a cast of one the graph only returns
+    (``_returned_cast``). None when they can't be replayed outside the graph."""
     steps: list[fx.Node] = []
     if node is site.linear.node:
         return steps
+    if node not in site.chain:
+        inputs = node.all_input_nodes
+        if len(inputs) != 1 or inputs[0] not in site.chain or not _returned_cast(node, inputs[0]):
+            return None
+        before = lazy_steps(site, inputs[0])
+        return None if before is None else before + [node]
     for step in site.steps:
         if step.symbol is not None or step.node.op not in ("call_function", "call_method"):
             return None

@@ -11,17 +11,14 @@ then on. A caller that never reads them pays for none; one that does gets a plai
 on them, the values eager computes (the same ``F.linear`` and steps), and gradients through them exactly (the
 lm_head's backward, recomputing the logits once: a fourth GEMM, only for a loss on the logits).
 
-The values must be those of the forward that returned them, so the logits are computed before anything can change
-what they are read from:
-
-* when backward reaches the compiled graph that returned them (a caller holding the outputs through backward:
-  ``out = model(...); out.loss.backward()``), before an optimizer step or FSDP's resharding can change or free
-  the weight;
-* before any optimizer's step (a global step pre-hook: fused optimizers write the weight without telling its
-  version counter), for those still held and not yet computed;
-* any other write to the hidden states, weight or bias in place (their version counters), or a weight whose memory
-  was moved or freed, makes reading not-yet-computed logits an error that says so. Writes through ``param.data``
-  reach no version counter: logits held across such a write must be read before it.
+The values must be those of the forward that returned them. Before any optimizer's step (a global step pre-hook:
+fused optimizers write the weights without telling their version counters), the logits still held and not yet
+computed are secured: their weight and bias are copied (``_Source.freeze``), or, when the logits are the smaller,
+computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
+whose memory was moved or freed (FSDP's resharding after backward), makes reading not-yet-computed logits an error
+that says so, never another weight's values. Writes through ``param.data`` reach no version counter: logits held
+across such a write must be read before it. (Nothing runs in backward: a hook on the compiled graph's autograd
+node breaks compiled autograd's tracing of backward, torch 2.13.)
 
 They are computed with autocast off (a read inside an autocast region gets the forward's dtype and values).
 Under inference mode they are computed at once (inference tensors keep no version counter to check).
@@ -80,6 +77,15 @@ class _Source:
                 "compute held logits first). Read the logits before changing those tensors, or compile with "
                 "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
+    def freeze(self) -> None:
+        """Copy the weight and bias, so that what the forward read survives an optimizer step (the hidden states
+        are the graph's own output: only a write in place reaches them, which ``check`` sees)."""
+        self.check()
+        self.weight = self.weight.detach().clone()
+        self.bias = self.bias.detach().clone() if self.bias is not None else None
+        self.versions = tuple(t._version for t in self.operands())
+        self.weight_memory = _memory(self.weight)
+
     def value(self) -> Tensor:
         self.check()
         with torch.no_grad(), _no_autocast(self.x):
@@ -122,6 +128,18 @@ class LazyLogits(Tensor):
     def computed(self) -> bool:
         """Whether the values have been computed (they then live as long as this tensor)."""
         return self._value is not None
+
+    def secure(self) -> None:
+        """Make the values survive writes to the weight: copy the weight and bias (``_Source.freeze``), or compute
+        the values when they take less memory than the weight."""
+        source = self._source
+        if source is None:
+            return
+        if self.numel() <= source.weight.numel():
+            self.compute()
+            return
+        source.freeze()
+        _PENDING.pop(id(self), None)
 
     def compute(self) -> Tensor:
         """The values (a plain tensor without autograd history), computed now if they were not yet."""
@@ -166,25 +184,21 @@ class LazyLogits(Tensor):
         return self.compute().__array__(dtype)
 
 
-#: Logits made and not yet computed, by id: an optimizer's step computes them first (``_compute_pending``).
+#: Logits made and not yet computed or secured, by id: an optimizer's step secures them (``_secure_pending``).
 _PENDING: weakref.WeakValueDictionary[int, LazyLogits] = weakref.WeakValueDictionary()
 _step_hook: Any = None
 
 
-def _compute_pending(*_args: Any) -> None:
-    """Compute every held, not yet computed LazyLogits: a global optimizer step pre-hook (an optimizer, fused ones
-    included, may write the weights they are computed from without bumping a version counter)."""
+def _secure_pending(*_args: Any) -> None:
+    """A global optimizer step pre-hook (an optimizer, fused ones included, may write the weights without bumping a
+    version counter): every held, not yet computed LazyLogits keeps what its forward read, through a copy of its
+    weight and bias or, when the logits are smaller than the weight, computed. One whose operands already changed
+    is left to raise when it is read (not in the step); it is no longer pending."""
     for lazy in list(_PENDING.values()):
-        _compute_if_fresh(lazy)
-
-
-def _compute_if_fresh(lazy: LazyLogits) -> None:
-    """Compute ``lazy`` unless its operands already changed: that error is the reader's, when it reads them (not
-    the optimizer step's or backward's that computes held logits early); it is then no longer pending."""
-    try:
-        lazy.compute()
-    except StaleLogitsError:
-        _PENDING.pop(id(lazy), None)
+        try:
+            lazy.secure()
+        except StaleLogitsError:
+            _PENDING.pop(id(lazy), None)
 
 
 class _LazyHead(torch.autograd.Function):
@@ -221,27 +235,8 @@ def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, 
         with torch.no_grad(), _no_autocast(x):
             return replay(_head(x, weight, bias, dtype))
     if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_compute_pending)
+        _step_hook = register_optimizer_step_pre_hook(_secure_pending)
     source = _Source(x, weight, bias, replay, dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _LazyHead.apply(x, weight, bias, source, like)
     return LazyLogits(source, like)
-
-
-def compute_before_backward(outputs: list[Any], lazies: list[Tensor]) -> None:
-    """Compute ``lazies`` (those still alive and not computed) when backward reaches any autograd node of the
-    compiled graph's ``outputs`` (all of them: an inner compiler may give each output its own), before an optimizer
-    step or FSDP's resharding can change the operands they are computed from."""
-    refs = [weakref.ref(t) for t in lazies if isinstance(t, LazyLogits)]
-    if not refs:
-        return
-
-    def compute_alive(grad_outputs: Any) -> None:
-        for ref in refs:
-            lazy = ref()
-            if lazy is not None and not lazy.computed:
-                _compute_if_fresh(lazy)
-
-    nodes = {t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None}
-    for node in nodes:
-        node.register_prehook(compute_alive)

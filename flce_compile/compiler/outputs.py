@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from .lazy_logits import Replay, compute_before_backward, lazy_logits
+from .lazy_logits import Replay, lazy_logits
 
 
 class LogitsGrad(torch.autograd.Function):
@@ -182,13 +182,8 @@ class _Restore:
                                             spec.logit_scale, softcap)
                 for i in positions:
                     result[i] = attached
-        if self.lazy:
-            made = []
-            for spec in self.lazy:
-                logits = spec.make(extras)
-                made.append(logits)
-                for i in spec.positions:
-                    result[i] = logits
-            if torch.is_grad_enabled():
-                compute_before_backward(flat, made)
+        for spec in self.lazy:
+            logits = spec.make(extras)
+            for i in spec.positions:
+                result[i] = logits
         return result

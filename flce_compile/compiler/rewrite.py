@@ -382,7 +382,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 None if runtime else transform.softcap, fixup.add_extra(softcap) if runtime else None,
             ))
     if res.path == "fused_lazy":
-        _lazy_outputs(gm, res, lin, weight, bias, fixup)
+        maybe_dead += _lazy_outputs(gm, res, lin, weight, bias, fixup)
     loss.node.replace_all_uses_with(result)
     gm.graph.erase_node(loss.node)
     if res.dropped_outputs:
@@ -395,10 +395,11 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
 
 
 def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node, bias: fx.Node | None,
-                  fixup: OutputFixup) -> None:
+                  fixup: OutputFixup) -> list[fx.Node]:
     """The fused_lazy site's logits outputs leave the graph (None there, as dropped ones): the wrapper puts a
     LazyLogits in each place, computed from the lm_head's operands (extra outputs) through the steps the graph took
-    from the lm_head to that output, copied into a graph of their own (``lazy_steps``)."""
+    from the lm_head to that output, copied into a graph of their own (``lazy_steps``). Returns the returned nodes,
+    which may now be dead."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     items = flat_outputs(gm.graph)
     dtype = meta_value(lin.node).dtype
@@ -413,6 +414,7 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
             fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype))
     lazy = set(res.logits_outputs)
     out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in lazy else n)
+    return list(lazy)
 
 
 def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
