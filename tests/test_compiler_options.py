@@ -238,6 +238,27 @@ def test_an_inner_compiler_failure_on_a_fused_graph_is_explained(caplog):
     assert "RuntimeError: aten._local_scalar_dense.default" in text and "please report it" in text
 
 
+def test_a_restart_of_the_analysis_is_no_inner_failure(caplog):
+    """Dynamo's RestartAnalysis out of the inner compiler (AOT autograd raises TensorifyScalarRestartAnalysis when it specializes a float
+    under dynamic=True) is Dynamo tracing the frame again, not a failure: no warning."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    calls = []
+
+    def restarts_once(gm, example_inputs, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+        return lookup_backend("aot_eager")(gm, example_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    model, (x, t) = Tiny(), _inputs()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": restarts_once})
+    with caplog.at_level("WARNING", logger="flce_compile"):
+        torch.testing.assert_close(compiled(x, t), model(x, t))
+    assert len(calls) == 2 and "failed on a graph" not in caplog.text
+
+
 def test_an_inner_compiler_failure_without_a_fused_site_is_not_ours(caplog):
     def fails(gm, example_inputs, **kwargs):
         raise RuntimeError("inner compiler failure")

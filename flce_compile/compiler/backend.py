@@ -52,13 +52,18 @@ def flce_backend(
     try:
         compiled = inner(gm, example_inputs)
     except Exception as exc:
-        if fused:  # Dynamo will split the graph and retry: say what that costs the fused site
+        # Dynamo will split the graph and retry: say what that costs the fused site. (A RestartAnalysis is no
+        # failure: Dynamo traces the frame again, e.g. once AOT autograd specializes a float under dynamic=True.)
+        if fused and not isinstance(exc, _RESTARTS):
             _log_inner_failure(opts, exc)
         raise
     if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
+
+
+_RESTARTS = (torch._dynamo.exc.RestartAnalysis,)
 
 
 def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:
