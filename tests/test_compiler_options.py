@@ -239,8 +239,9 @@ def test_an_inner_compiler_failure_on_a_fused_graph_is_explained(caplog):
 
 
 def test_a_restart_of_the_analysis_is_no_inner_failure(caplog):
-    """Dynamo's RestartAnalysis out of the inner compiler (AOT autograd raises TensorifyScalarRestartAnalysis when it specializes a float
-    under dynamic=True) is Dynamo tracing the frame again, not a failure: no warning."""
+    """Dynamo's restart of the analysis out of the inner compiler (AOT autograd raises
+    TensorifyScalarRestartAnalysis when it specializes a float under dynamic=True) is Dynamo tracing the frame
+    again, not a failure: no warning."""
     from torch._dynamo.backends.registry import lookup_backend
 
     calls = []
