@@ -344,12 +344,17 @@ def test_lazy_logits_are_secured_before_an_optimizer_step(tokens, compiled_model
     _, ref_logits, _ = _reference(model, idx, labels)
     model.zero_grad(set_to_none=True)
     _, logits = compiled(idx, labels)
+    _, other = compiled(idx, labels)
     compiled(idx, labels)[0].backward()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     _DataWritingSGD(model.parameters(), lr=0.5).step()
     try:
-        assert logits.computed == (logits.numel() <= model.lm_head.weight.numel())
+        copied = logits.numel() > model.lm_head.weight.numel()
+        assert logits.computed != copied and other.computed != copied
+        if copied:  # one copy of the weight for both
+            assert logits._source.weight is other._source.weight is not model.lm_head.weight
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(other, ref_logits, rtol=1e-5, atol=1e-5)
     finally:
         with torch.no_grad():
             for n, p in model.named_parameters():

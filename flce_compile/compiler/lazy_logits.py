@@ -77,12 +77,19 @@ class _Source:
                 "compute held logits first). Read the logits before changing those tensors, or compile with "
                 "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
-    def freeze(self) -> None:
+    def freeze(self, copies: dict[int, Tensor]) -> None:
         """Copy the weight and bias, so that what the forward read survives an optimizer step (the hidden states
-        are the graph's own output: only a write in place reaches them, which ``check`` sees)."""
+        are the graph's own output: only a write in place reaches them, which ``check`` sees). ``copies``: the
+        copies made in this step so far, by the id of the tensor copied (held logits of one weight share one)."""
         self.check()
-        self.weight = self.weight.detach().clone()
-        self.bias = self.bias.detach().clone() if self.bias is not None else None
+
+        def copy(t: Tensor) -> Tensor:
+            if id(t) not in copies:
+                copies[id(t)] = t.detach().clone()
+            return copies[id(t)]
+
+        self.weight = copy(self.weight)
+        self.bias = copy(self.bias) if self.bias is not None else None
         self.versions = tuple(t._version for t in self.operands())
         self.weight_memory = _memory(self.weight)
 
@@ -129,16 +136,17 @@ class LazyLogits(Tensor):
         """Whether the values have been computed (they then live as long as this tensor)."""
         return self._value is not None
 
-    def secure(self) -> None:
-        """Make the values survive writes to the weight: copy the weight and bias (``_Source.freeze``), or compute
-        the values when they take less memory than the weight."""
+    def secure(self, copies: dict[int, Tensor]) -> None:
+        """Make the values survive writes to the weight: copy the weight and bias (``_Source.freeze``; ``copies``
+        shares copies between logits of one weight), or compute the values when they take less memory than the
+        weight."""
         source = self._source
         if source is None:
             return
         if self.numel() <= source.weight.numel():
             self.compute()
             return
-        source.freeze()
+        source.freeze(copies)
         _PENDING.pop(id(self), None)
 
     def compute(self) -> Tensor:
@@ -194,9 +202,10 @@ def _secure_pending(*_args: Any) -> None:
     version counter): every held, not yet computed LazyLogits keeps what its forward read, through a copy of its
     weight and bias or, when the logits are smaller than the weight, computed. One whose operands already changed
     is left to raise when it is read (not in the step); it is no longer pending."""
+    copies: dict[int, Tensor] = {}
     for lazy in list(_PENDING.values()):
         try:
-            lazy.secure()
+            lazy.secure(copies)
         except StaleLogitsError:
             _PENDING.pop(id(lazy), None)
 
