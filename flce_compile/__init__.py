@@ -18,6 +18,8 @@ __all__ = [
     "explain",
     "with_options",
     "FusedLinearCrossEntropyLoss",
+    "LazyLogits",
+    "StaleLogitsError",
     "choose_config",
     "cuda_graphs_mode",
     "fused_linear_cross_entropy",
@@ -31,7 +33,8 @@ __version__ = "0.1.0"
 
 # The compiler pass imports torch._dynamo (seconds); users of the op alone, and flce-tune, need not pay that.
 # backend="flce" itself resolves through the torch_dynamo_backends entry point.
-_COMPILER_EXPORTS = {"backend": "flce_backend", "explain": "explain", "with_options": "with_options"}
+_COMPILER_EXPORTS = {"backend": "flce_backend", "explain": "explain", "with_options": "with_options",
+                     "LazyLogits": "LazyLogits", "StaleLogitsError": "StaleLogitsError"}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import flce_compile
 import flce_compile.compiler as fc
 from flce_compile.compiler.lazy_logits import LazyLogits
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
@@ -266,9 +267,10 @@ def test_lazy_logits_refuse_operands_changed_before_they_were_read():
         if mode == "keep":
             # An optimizer step (which computes held logits first) leaves the error to the reader.
             torch.optim.SGD(model.parameters(), lr=0.0).step()
-            with pytest.raises(RuntimeError, match="its weight was written in place.*flce.logits': 'materialize'"):
+            with pytest.raises(flce_compile.StaleLogitsError,
+                               match="its weight was written in place.*flce.logits': 'materialize'"):
                 written.sum()
-            with pytest.raises(RuntimeError, match="weight's memory was moved or freed"):
+            with pytest.raises(flce_compile.StaleLogitsError, match="weight's memory was moved or freed"):
                 moved.sum()
         else:
             torch.testing.assert_close(written, ref)
