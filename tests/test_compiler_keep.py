@@ -9,6 +9,7 @@ DDPOptimizer's split graphs, and the fallback when the target cannot be computed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -208,25 +209,32 @@ def test_no_grad_keeps_logits_without_gradients(mode, compiled_models):
     assert not logits.requires_grad
 
 
+@contextlib.contextmanager
+def _parameters_restored(model):
+    """The model's parameters as they were before the block (the compiled models are shared between tests)."""
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(state[n])
+
+
 def test_lazy_logits_held_through_backward_keep_their_values_after_the_step(compiled_models):
     """``out = model(...); out.loss.backward(); opt.step()``, the logits read after the step: they are the forward's
     (nothing runs in backward; the step copied the weight first)."""
     model, compiled, _ = compiled_models("aot_eager")
     idx, labels = _data()
     _, ref_logits, _ = _reference(model, idx, labels)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
     loss.backward()
     assert not logits.computed
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    try:
+    with _parameters_restored(model):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
         assert not logits.computed  # (its weight copied: smaller than these logits)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    finally:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(state[n])
 
 
 def test_lazy_logits_never_read_are_never_computed(compiled_models, monkeypatch):
@@ -348,19 +356,14 @@ def test_lazy_logits_are_secured_before_an_optimizer_step(tokens, compiled_model
     _, logits = compiled(idx, labels)
     _, other = compiled(idx, labels)
     compiled(idx, labels)[0].backward()
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _DataWritingSGD(model.parameters(), lr=0.5).step()
-    try:
+    with _parameters_restored(model):
+        _DataWritingSGD(model.parameters(), lr=0.5).step()
         copied = logits.numel() > model.lm_head.weight.numel()
         assert logits.computed != copied and other.computed != copied
         if copied:  # one copy of the weight for both
             assert logits._source.weight is other._source.weight is not model.lm_head.weight
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(other, ref_logits, rtol=1e-5, atol=1e-5)
-    finally:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(state[n])
 
 
 @pytest.mark.parametrize("hold", [False, True])

@@ -54,16 +54,13 @@ def flce_backend(
     except Exception as exc:
         # Dynamo will split the graph and retry: say what that costs the fused site. (A RestartAnalysis is no
         # failure: Dynamo traces the frame again, e.g. once AOT autograd specializes a float under dynamic=True.)
-        if fused and not isinstance(exc, _RESTARTS):
+        if fused and not isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             _log_inner_failure(opts, exc)
         raise
     if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
-
-
-_RESTARTS = (torch._dynamo.exc.RestartAnalysis,)
 
 
 def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:

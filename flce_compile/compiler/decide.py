@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from .mutations import AliasMap, describe
-from .outputs import flat_outputs
+from .outputs import flat_outputs, output_node
 from .patterns import (ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform,
                        runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
@@ -152,10 +152,8 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
     if isinstance(plan, str):
         return False
     lin = site.linear
-    attrs = [f"{lin.module_target}.weight", f"{lin.module_target}.bias"] if lin.module_target else []
-    roots = aliases.roots_of([lin.input, lin.weight, lin.bias, lin.node], attrs)
-    output = next(n for n in reversed(site.loss_node.graph.nodes) if n.op == "output")
-    if aliases.first_write(lin.node, output, roots) is not None:
+    roots = _head_roots(site, aliases, lin.node)
+    if aliases.first_write(lin.node, output_node(site.loss_node.graph), roots) is not None:
         return False
     out = meta_value(lin.node)
     size = (hint_int(out.numel()) or 0) * out.element_size()
@@ -255,10 +253,15 @@ def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
 
 def _head_write(site: Site, aliases: AliasMap) -> fx.Node | None:
     """A node between the lm_head and the loss that may write the lm_head's input, weight or bias."""
+    return aliases.first_write(site.linear.node, site.loss_node, _head_roots(site, aliases))
+
+
+def _head_roots(site: Site, aliases: AliasMap, *nodes: fx.Node) -> frozenset:
+    """The memory the lm_head reads (its input, weight and bias, as graph values or module attributes), and that of
+    ``nodes``."""
     lin = site.linear
     attrs = [f"{lin.module_target}.weight", f"{lin.module_target}.bias"] if lin.module_target else []
-    roots = aliases.roots_of([lin.input, lin.weight, lin.bias], attrs)
-    return aliases.first_write(lin.node, site.loss_node, roots)
+    return aliases.roots_of([lin.input, lin.weight, lin.bias, *nodes], attrs)
 
 
 def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[fx.Node] | str:

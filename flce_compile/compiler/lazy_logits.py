@@ -60,7 +60,7 @@ class _Source:
         self.weight_memory = _memory(weight)
 
     def operands(self) -> tuple[Tensor, ...]:
-        return (self.x, self.weight) if self.bias is None else (self.x, self.weight, self.bias)
+        return _operands(self.x, self.weight, self.bias)
 
     def check(self) -> None:
         """Raise when an operand changed since the forward, so the logits can no longer be computed."""
@@ -97,6 +97,11 @@ class _Source:
         self.check()
         with torch.no_grad(), _no_autocast(self.x):
             return self.replay(_head(self.x, self.weight, self.bias, self.dtype))
+
+
+def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
+    """The lm_head's tensors (no bias when it has none)."""
+    return (x, weight) if bias is None else (x, weight, bias)
 
 
 def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -239,7 +244,7 @@ def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, 
     gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad.
     Under inference mode, the logits themselves (computed now)."""
     global _step_hook
-    operands = (x, weight) if bias is None else (x, weight, bias)
+    operands = _operands(x, weight, bias)
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
         with torch.no_grad(), _no_autocast(x):
             return replay(_head(x, weight, bias, dtype))

@@ -110,9 +110,14 @@ class LazyOutput:
         return lazy_logits(x, weight, bias, self.replay, self.dtype, like)
 
 
+def output_node(graph: fx.Graph) -> fx.Node:
+    """The graph's output node (its last)."""
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
 def flat_outputs(graph: fx.Graph) -> list[Any] | None:
     """The graph's outputs when they are one flat tuple/list of nodes and Nones (Dynamo's form), else None."""
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out = output_node(graph)
     items = out.args[0] if len(out.args) == 1 else None
     if not isinstance(items, (tuple, list)) or not all(i is None or isinstance(i, fx.Node) for i in items):
         return None
@@ -147,7 +152,7 @@ class OutputFixup:
             if item is not None:
                 positions.setdefault(item, []).append(i)
         attach = [(positions.get(spec.node, []), spec) for spec in self.logits]
-        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        out_node = output_node(gm.graph)
         out_node.args = (tuple(i for i in items if i is not None) + tuple(self.extras),)
         n_out, n_extra = len(items), len(self.extras)
         kept = [i for i, item in enumerate(items) if item is not None]

@@ -25,7 +25,7 @@ from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze, lazy_steps
 from .mutations import erase_dead
-from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs
+from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
@@ -387,7 +387,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     gm.graph.erase_node(loss.node)
     if res.dropped_outputs:
         dropped = set(res.dropped)
-        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        out_node = output_node(gm.graph)
         out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in dropped else n)
         maybe_dead += res.dropped
     res.new_node = result
@@ -400,7 +400,7 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
     LazyLogits in each place, computed from the lm_head's operands (extra outputs) through the steps the graph took
     from the lm_head to that output, copied into a graph of their own (``lazy_steps``). Returns the returned nodes,
     which may now be dead."""
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out_node = output_node(gm.graph)
     items = flat_outputs(gm.graph)
     dtype = meta_value(lin.node).dtype
     for node in res.logits_outputs:
