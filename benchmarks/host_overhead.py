@@ -289,19 +289,55 @@ def time_rounds(steps: dict[str, Callable[[], None]], calls: int, rounds: int, c
     host: dict[str, list[float]] = {name: [] for name in steps}
     burst: dict[str, list[float]] = {name: [] for name in steps}
     e2e: dict[str, list[float]] = {name: [] for name in steps}
+    # Each round's own medians, kept for ``paired``: two variants timed in the same round saw the same host speed.
+    by_round: dict[str, dict[str, list[float]]] = {name: {"host_ms": [], "burst_host_ms": []} for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            host[name] += host_times(step, per_round, cuda)
+            times = host_times(step, per_round, cuda)
+            host[name] += times
+            by_round[name]["host_ms"].append(statistics.median(times) * 1e3)
             if cuda:
-                burst[name] += burst_host_times(step, max(1, per_round // BURST_CALLS))
+                bursts = burst_host_times(step, max(1, per_round // BURST_CALLS))
+                burst[name] += bursts
+                by_round[name]["burst_host_ms"].append(statistics.median(bursts) * 1e3)
                 e2e[name].append(e2e_ms(step, per_round, reps=1))
     out = {}
     for name in steps:
-        row = {"host_ms": statistics.median(host[name]) * 1e3}
+        row: dict[str, Any] = {"host_ms": statistics.median(host[name]) * 1e3}
         if cuda:
             row["burst_host_ms"] = statistics.median(burst[name]) * 1e3
             row["e2e_ms"] = statistics.median(e2e[name])
+        row["rounds"] = by_round[name]
         out[name] = row
+    return out
+
+
+#: (ours, the row it is held to) for ``paired``: the op against torch's floor, and inside a compile against
+#: compiled torch, plain and with reduce-overhead.
+PAIRS = (("flce", "autograd-floor-busy"), ("flce-in-compile", "compile"), ("flce-backend", "compile"),
+         ("flce-in-compile (reduce-overhead)", "compile (reduce-overhead)"),
+         ("flce-backend (reduce-overhead)", "compile (reduce-overhead)"))
+
+
+def paired(timings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per ``PAIRS`` pair timed in the same rounds, per column (drained host, bursts): the median over rounds of
+    ours / theirs in the same round, its lowest and highest, and in how many rounds ours was no slower. The
+    medians of the whole run (``time_rounds``) mix rounds of different host speed; a ratio within a round does
+    not."""
+    out = {}
+    for ours, theirs in PAIRS:
+        if ours not in timings or theirs not in timings:
+            continue
+        row = {}
+        for column in ("host_ms", "burst_host_ms"):
+            a, b = timings[ours]["rounds"][column], timings[theirs]["rounds"][column]
+            if not a or len(a) != len(b):
+                continue
+            ratios = [x / y for x, y in zip(a, b)]
+            row[column] = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
+                           "max_ratio": max(ratios), "rounds_no_slower": sum(r <= 1.0 for r in ratios),
+                           "rounds": len(ratios)}
+        out[f"{ours} / {theirs}"] = row
     return out
 
 
@@ -489,9 +525,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 step()
         rows.update(time_rounds(steps, args.calls, args.rounds, cuda))
         for name in group:
-            print(f"{name}: {rows[name]}", flush=True)
+            print(f"{name}: { {k: v for k, v in rows[name].items() if k != 'rounds'} }", flush=True)
     result: dict[str, Any] = {"env": environment(args.device), "shape": shape, "dtype": str(dtype),
-                              "config": config, "rounds": args.rounds, "timings": rows}
+                              "config": config, "rounds": args.rounds, "timings": rows, "paired": paired(rows)}
     if cuda:
         idle = {}
         flce = _losses(["flce"], None, False)["flce"]
@@ -529,6 +565,17 @@ def table(result: dict[str, Any]) -> str:
 
     for name, row in result["timings"].items():
         lines.append(f"| {name} | {row['host_ms']:.3f} | {cell(row, 'burst_host_ms')} | {cell(row, 'e2e_ms')} |")
+    if result.get("paired"):
+        lines += ["", "Paired by round (the same round's medians): ours / theirs, median over rounds [lowest, "
+                  "highest], and the rounds in which ours was no slower:", "",
+                  "| ours / theirs | host | burst host |", "|---|---|---|"]
+
+        def ratio(r: dict | None) -> str:
+            return (f"{r['median_ratio']:.3f} [{r['min_ratio']:.3f}, {r['max_ratio']:.3f}], "
+                    f"{r['rounds_no_slower']}/{r['rounds']}" if r else "-")
+
+        for pair, r in result["paired"].items():
+            lines.append(f"| {pair} | {ratio(r.get('host_ms'))} | {ratio(r.get('burst_host_ms'))} |")
     if "autograd-floor" in result["timings"]:
         lines += ["", "autograd-floor: an autograd.Function that replays a one-node graph in forward and in backward, "
                   "and hands out a copied loss and ready gradients, as a replayed call of our op does: the least an "

@@ -29,6 +29,23 @@ def test_host_overhead_runs_on_the_cpu(tmp_path):
     assert "| flce |" in table and "| eager |" in table and "validate arguments" in table
 
 
+def test_paired_ratios_compare_rows_within_each_round():
+    """Ours against theirs round by round: a host that slows down in the later rounds moves both rows alike, and
+    the ratio of each round is what is reported (the median of all calls would favour whichever ran faster)."""
+    def row(host, burst):
+        return {"rounds": {"host_ms": host, "burst_host_ms": burst}}
+
+    timings = {"flce-in-compile": row([1.0, 2.2, 3.0], [1.0, 1.0, 1.0]),
+               "compile": row([1.1, 2.0, 3.3], [2.0, 2.0, 2.0]),
+               "flce": row([1.0], [])}  # its floor was not timed: no pair
+    out = host_overhead.paired(timings)
+    assert set(out) == {"flce-in-compile / compile"}
+    host = out["flce-in-compile / compile"]["host_ms"]
+    assert host["rounds"] == 3 and host["rounds_no_slower"] == 2
+    assert host["median_ratio"] == pytest.approx(1.0 / 1.1) and host["max_ratio"] == pytest.approx(1.1)
+    assert out["flce-in-compile / compile"]["burst_host_ms"]["median_ratio"] == pytest.approx(0.5)
+
+
 def test_autograd_floor_hands_out_a_copied_loss_and_its_held_gradients():
     """The floor row does what a replayed call of the op does around its replays: a loss the next call does not
     overwrite, and gradients autograd adopts as .grad (each call's backward runs its small kernel once)."""
