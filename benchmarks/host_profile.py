@@ -102,8 +102,10 @@ def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
                 (graph_replay, "body_shortcut_key", "graph_replay.body_shortcut_key"),
                 (graph_replay, "body_shortcut_replay", "graph_replay.body_shortcut_replay"),
                 (graph_replay._Graph, "replay", label)]
-    # An eager call like the last one takes the shortcut (``eager_shortcut``) to the graph.
+    # An eager call like the last one takes the shortcut (``eager_shortcut``) to the graph: its recent call's own
+    # instance (``replay_recent``), else one it keys and picks (``key_of``, ``replay``).
     return [(api, "fused_linear_cross_entropy", "api call (whole forward)"),
+            (shortcut, "replay_recent", "eager_shortcut.replay_recent"),
             (shortcut, "key_of", "eager_shortcut.key_of"),
             (shortcut, "replay", "eager_shortcut.replay"),
             (shortcut._ReplayedCall, "forward", "autograd.Function forward"),

@@ -198,9 +198,12 @@ def fused_linear_cross_entropy(
     """
     shortcut = None
     if not torch.compiler.is_compiling():  # Dynamo traces the full path: one op node in the user's graph
-        shortcut = eager_shortcut.key_of(input, weight, target, bias, ce_weight, (
-            ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, accum_dtype, config,
-            return_logits, precision, memory_budget_gb))
+        options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, accum_dtype, config,
+                   return_logits, precision, memory_budget_gb)
+        loss = eager_shortcut.replay_recent(input, weight, target, bias, ce_weight, options)
+        if loss is not None:
+            return loss
+        shortcut = eager_shortcut.key_of(input, weight, target, bias, ce_weight, options)
         loss = eager_shortcut.replay(shortcut, input, weight, target)
         if loss is not None:
             return loss

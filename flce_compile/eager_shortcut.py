@@ -7,7 +7,8 @@ call like one that the full path has already checked and replayed (the same tens
 devices, contiguity, weight, gradients asked, options, stream and torch's math settings: ``key_of``) gets the
 same answer to each of those questions, so it goes straight to the graph the full path replayed
 (``graph_replay.replay_free_instance``), through an autograd.Function that does what ``op``'s does for a
-replayed forward.
+replayed forward. A call that repeats the recent one (a training loop's steady state) replays the very instance
+that call replayed, asking the same questions in one frame (``replay_recent``).
 
 Every call still asks what can change between calls with equal arguments: grad mode, inference mode and autocast
 (through the recent call's C guard, ``call_guard``, or in the full key), torch modes and transforms
@@ -22,6 +23,7 @@ full path names it: a trace shows the op as unprofiled calls run it.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +69,35 @@ class _Entry:
 _ENTRIES: dict[tuple, _Entry] = {}
 #: The last call that took the shortcut, whose key a call its guard admits has too (``key_of``).
 _RECENT = RecentCall(MAX_ENTRIES)
+#: ``_RECENT.last`` with the entry and (weakly: ``graph_replay.clear`` must free it) the instance that call
+#: replayed, bound where its hidden states and targets lay; None when it copied them (``replay_recent``).
+_HOT: tuple | None = None
+
+
+def replay_recent(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> Tensor | None:
+    """The loss of a call that repeats the recent shortcut call, from the very instance that call replayed; None
+    (having run nothing) for any other call, which then takes ``key_of`` and ``replay``.
+
+    The same checks as ``key_of`` and ``replay`` for a call the recent call's guard admits, in one frame: each
+    frame and lookup between them cost a replayed call some microseconds of host time on the H200's host, several
+    times their tight-loop cost (issue #13), and in a training loop nearly every call is this one. The instance
+    must still be one of its key's (``graph_replay.replay_bound_instance``), free, and bound where this call's
+    hidden states and targets lie; a call it does not suit takes ``replay``, which picks or captures another."""
+    hot = _HOT
+    if hot is None or bias is not None or ce_weight is not None:
+        return None
+    key, varying, cuda, index, guard, entry, graph_ref = hot
+    if not (guard.admits(input, weight, target) and interception_free()
+            and _varying(weight, options, cuda, index) == varying and graph_replay.replay_allowed_now(cuda)):
+        return None
+    graph = graph_ref()
+    if graph is None:
+        return None
+    if targets_checked(not cuda):
+        check_targets(target, entry.vocab, entry.ignore_index)
+    apply = _apply_profiled if torch.autograd._profiler_enabled() else _APPLY
+    return graph_replay.replay_bound_instance(entry.graph_key, graph, input, target, apply,
+                                              (input, weight, target, graph, entry))
 
 
 def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, options: tuple) -> tuple | None:
@@ -131,11 +162,23 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
     if targets_checked(not entry.cuda):
         check_targets(target, entry.vocab, entry.ignore_index)
     apply = _apply_profiled if torch.autograd._profiler_enabled() else _APPLY
-    loss = graph_replay.replay_free_instance(
-        entry.graph_key, input, weight, target, lambda graph: apply(input, weight, target, graph, entry))
-    if loss is not None:
-        _RECENT.note(key, (input, weight, target))
+    replayed = graph_replay.replay_free_instance(
+        entry.graph_key, input, weight, target, lambda graph: (apply(input, weight, target, graph, entry), graph))
+    if replayed is None:
+        return None
+    loss, graph = replayed
+    _RECENT.note(key, (input, weight, target))
+    _note_hot(key, entry, graph)
     return loss
+
+
+def _note_hot(key: tuple, entry: _Entry, graph: Any) -> None:
+    """After ``replay`` replayed ``graph`` for a call with ``key``: the recent call, with what ``replay_recent``
+    needs, when the guard recorded the call and the instance reads its inputs in place."""
+    global _HOT
+    last = _RECENT.last
+    _HOT = ((*last, entry, weakref.ref(graph)) if last is not None and last[0] is key and graph.bound_at is not None
+            else None)
 
 
 #: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.
@@ -158,8 +201,10 @@ def remember(key: tuple | None, input: Tensor, weight: Tensor, ignore_index: int
 
 def clear() -> None:
     """Forget every shortcut (calls take the full path until they record one again)."""
+    global _HOT
     _ENTRIES.clear()
     _RECENT.clear()
+    _HOT = None
 
 
 class _ReplayedCall(torch.autograd.Function):

@@ -599,6 +599,28 @@ def replay_free_instance(key: tuple, x: torch.Tensor, weight: torch.Tensor, targ
         return run(free) if free is not None else None
 
 
+def replay_bound_instance(key: tuple, graph: _Graph, x: torch.Tensor, target: torch.Tensor,
+                          apply: Callable[..., Any], args: tuple) -> Any:
+    """``apply(*args)`` (which replays ``graph``) under the cache's lock, when ``graph`` is still an instance of
+    ``key``, nothing outside holds its outputs and it reads its inputs where ``x`` and ``target`` lie; None,
+    running nothing, otherwise. The eager shortcut's repeat of its recent call (``eager_shortcut.replay_recent``),
+    which keeps the instance it replayed: what ``replay_free_instance`` finds among the key's instances, asked of
+    that one. Counts as a use of the key."""
+    with _cache.lock:
+        instances = _cache.graphs.get(key)
+        if instances is None:
+            return None
+        for g in instances:  # by identity: a retired or evicted instance is in no list (and is never replayed)
+            if g is graph:
+                break
+        else:
+            return None
+        if graph.bound_at is None or graph.bound_at != _addresses(x, target) or not graph.free():
+            return None
+        _cache.graphs.move_to_end(key)
+        return apply(*args)
+
+
 def _memory_is_value(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds its value, so that a graph may read it where it lies: not for a negative view
     (``z.conj().imag`` lies where ``z.imag`` does) or a zero tensor; those are copied in."""

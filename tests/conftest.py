@@ -73,18 +73,26 @@ def cpu_graphs(monkeypatch):
 def shortcut_hits(monkeypatch):
     """``watch(owner, name)`` wraps a shortcut's replay function (``eager_shortcut.replay``,
     ``graph_replay.body_shortcut_replay``) and returns the list of whether each call took the shortcut (True: it
-    returned a result) or the full path (False). Only the answer is kept: a kept result's aliases would keep the
-    graph busy."""
-    def watch(owner, name):
+    returned a result) or the full path (False). ``first``: a function of ``owner`` tried before it
+    (``eager_shortcut.replay_recent``), whose result is a hit too and whose miss leads to ``name``. Only the answer
+    is kept: a kept result's aliases would keep the graph busy."""
+    def watch(owner, name, first=None):
         hits: list[bool] = []
-        real = getattr(owner, name)
 
-        def replay(*args):
-            result = real(*args)
-            hits.append(result is not None)
-            return result
+        def wrap(function, misses_count):
+            real = getattr(owner, function)
 
-        monkeypatch.setattr(owner, name, replay)
+            def replay(*args):
+                result = real(*args)
+                if result is not None or misses_count:
+                    hits.append(result is not None)
+                return result
+
+            monkeypatch.setattr(owner, function, replay)
+
+        wrap(name, True)
+        if first is not None:
+            wrap(first, False)
         return hits
 
     return watch

@@ -23,7 +23,7 @@ def fresh_self_test(monkeypatch):
 
 @pytest.fixture
 def eager_hits(cpu_graphs, shortcut_hits):
-    return shortcut_hits(eager_shortcut, "replay")
+    return shortcut_hits(eager_shortcut, "replay", first="replay_recent")
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ def test_the_eager_shortcut_is_bit_identical_to_the_uncaptured_loop(shortcut_hit
     eager shortcut (``eager_shortcut``) to the graph, with the uncaptured loop's results bit for bit."""
     _, w0, _ = _inputs(0)
     batches = [(x.view(8, 256, -1), t.view(8, 256)) for x, t in (_inputs(s)[::2] for s in range(1, 6))]
-    hits = shortcut_hits(eager_shortcut, "replay")
+    hits = shortcut_hits(eager_shortcut, "replay", first="replay_recent")
     graphed = _training_run(w0, batches)
     assert hits == [False, False, True, True, True]
     set_cuda_graphs("off")
@@ -278,7 +278,7 @@ def test_the_recent_calls_guard_sends_a_call_on_another_stream_or_under_autocast
     or under CUDA autocast (in the guard) is not taken as the recent call; the losses are the uncaptured op's."""
     x, w, t = _inputs(0, n=1024)
     w.requires_grad_()
-    hits = shortcut_hits(eager_shortcut, "replay")
+    hits = shortcut_hits(eager_shortcut, "replay", first="replay_recent")
 
     def call():
         leaf = x.clone().requires_grad_()

@@ -328,7 +328,7 @@ def test_a_grad_output_the_scaling_graph_cannot_read_is_scaled_by_the_ops_kernel
     the uncaptured results."""
     from flce_compile import eager_shortcut
 
-    hits = shortcut_hits(eager_shortcut, "replay")
+    hits = shortcut_hits(eager_shortcut, "replay", first="replay_recent")
     _, w, _ = _inputs(0)
     w.requires_grad_()
     grads = [torch.ones(())] * 3 + [torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)]
@@ -408,7 +408,7 @@ def test_inputs_where_the_last_call_had_them_are_read_in_place_and_never_elsewhe
     in the bound one's place. Every result is the uncaptured one."""
     from flce_compile import eager_shortcut
 
-    hits = shortcut_hits(eager_shortcut, "replay")
+    hits = shortcut_hits(eager_shortcut, "replay", first="replay_recent")
     _, w, _ = _inputs(0)
     w.requires_grad_()
     a, b = _two_places()

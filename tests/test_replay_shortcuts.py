@@ -6,6 +6,8 @@ path."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,13 +15,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from flce_compile import eager_shortcut, fused_linear_cross_entropy, graph_replay, set_cuda_graphs
 from flce_compile.params import LossParams, encode_params
 from flce_compile.plan import registry
-from replay_steps import instances
+from replay_steps import instances, steps_at
 
 
 @pytest.fixture
 def eager_hits(cpu_graphs, shortcut_hits):
     """Whether each eager call took the eager shortcut (True) or the full path (False)."""
-    return shortcut_hits(eager_shortcut, "replay")
+    return shortcut_hits(eager_shortcut, "replay", first="replay_recent")
 
 
 def _inputs(seed=0, shape=(12, 8), v=40):
@@ -77,6 +79,55 @@ def test_a_call_like_a_replayed_one_takes_the_shortcut_with_the_same_results(eag
     assert eager_hits == [False, False, True, True]
     for got in results:
         _same(got, expected)
+
+
+def test_repeats_of_the_recent_call_replay_its_instance_and_anything_else_misses(cpu_graphs, shortcut_hits):
+    """A training loop's calls (hidden states and targets at the same addresses, the outputs let go between
+    steps) repeat the recent call: ``replay_recent`` replays its instance, with the full path's results. A call
+    it does not suit (the instance's outputs still held, hidden states elsewhere, the graphs dropped) misses and
+    still gets the right results; the recent record never keeps a dropped instance alive."""
+    recent = shortcut_hits(eager_shortcut, "replay_recent")
+    x, w, t = _inputs(3)
+    w.requires_grad_()
+    set_cuda_graphs("off")
+    expected, _ = steps_at(w, [(x.clone(), t)] * 5)  # each step scales x by 1.25 first
+    set_cuda_graphs("on")
+    got, _ = steps_at(w, [(x, t)] * 5)
+    for a, b in zip(got, expected):
+        _same(a, b)
+    assert recent.count(True) >= 1 and recent[-1] is True  # once captured bound, the repeats take it
+    instance = eager_shortcut._HOT[-1]
+    assert instance() is not None
+
+    def step(x_in):
+        loss = fused_linear_cross_entropy(x_in.requires_grad_(), w, t)
+        loss.backward()
+        return loss
+
+    with graph_replay.disabled():  # (keeps the graphs, unlike ``_reference``)
+        reference = _call(x.detach(), w.detach(), t)
+    recent.clear()
+    held = step(x)  # w.grad (the instance's dw) kept: the next call cannot reuse the instance
+    second = step(x)
+    assert recent == [True, False]
+    torch.testing.assert_close(second, reference[0], rtol=0, atol=0)
+    del held, second
+    x.grad = w.grad = None
+
+    elsewhere = x.detach().clone()
+    with graph_replay.disabled():
+        reference = _call(elsewhere, w.detach(), t)
+    recent.clear()
+    _same((step(elsewhere).detach(), elsewhere.grad, w.grad), reference)
+    assert recent == [False]  # its inputs lie elsewhere than the instance reads them
+    elsewhere.grad = w.grad = None
+
+    graph_replay.clear()
+    gc.collect()
+    assert instance() is None  # dropped with the cache: the recent record held it weakly
+    recent.clear()
+    step(x)
+    assert recent == [False]
 
 
 @pytest.mark.parametrize("grad_x, grad_w", [(True, False), (False, True)])
