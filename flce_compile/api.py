@@ -258,7 +258,8 @@ def fused_linear_cross_entropy(
         return loss, logits.view(*input.shape[:-1], weight.shape[0])
     if reduction == "none":
         return loss.view(target.shape)
-    eager_shortcut.remember(shortcut, input, weight, ignore_index)
+    if shortcut is not None:  # (never under Dynamo: tracing it would only add guards to the user's graph)
+        eager_shortcut.remember(shortcut, input, weight, ignore_index)
     return loss
 
 

@@ -309,6 +309,22 @@ def test_fullgraph_compile_is_one_node_and_dynamic_in_tokens():
     assert torch._C._is_autocast_available not in ops, ops
 
 
+def test_a_compiled_call_guards_on_no_eager_shortcut_state():
+    """Dynamo guards on every global its trace reads, and checks the guards before each run of the user's
+    compiled function: the API's eager-only bookkeeping (the replay shortcut it records) stays out of the trace."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def step(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    torch._dynamo.reset()
+    x, w, t = _inputs(n=16)
+    torch.compile(step, backend="aot_eager", dynamic=False)(x.requires_grad_(), w, t).backward()
+    guards = str(_debug_get_cache_entry_list(step.__code__)[0].guard_manager)
+    assert "fused_linear_cross_entropy" in guards  # (the guards are those of this trace)
+    assert "eager_shortcut" not in guards and "record_shortcut" not in guards
+
+
 @pytest.mark.parametrize("config", [{"chunk_tokens": 16, "streams": False},
                                     FLCEConfig(strategy="torch", chunk_tokens=24), '{"chunk_tokens": 8}'])
 def test_a_config_passed_inside_a_compiled_function_keeps_one_graph(config):
