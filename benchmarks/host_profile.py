@@ -97,8 +97,9 @@ def _stage_targets(caller: str = "eager") -> list[tuple[object, str, str]]:
     import flce_compile.op as op
 
     label = "graph replay: copies, replay, aliases"
-    if caller == "in-compile":  # a call like the last one takes the op body's shortcut to the graph
+    if caller == "in-compile":  # a call like the last one takes the op body's shortcut to the graph (as below)
         return [(op, "_forward_result", "op body"),
+                (graph_replay, "body_shortcut_recent", "graph_replay.body_shortcut_recent"),
                 (graph_replay, "body_shortcut_key", "graph_replay.body_shortcut_key"),
                 (graph_replay, "body_shortcut_replay", "graph_replay.body_shortcut_replay"),
                 (graph_replay._Graph, "replay", label)]

@@ -23,7 +23,6 @@ full path names it: a trace shows the op as unprofiled calls run it.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +68,8 @@ class _Entry:
 _ENTRIES: dict[tuple, _Entry] = {}
 #: The last call that took the shortcut, whose key a call its guard admits has too (``key_of``).
 _RECENT = RecentCall(MAX_ENTRIES)
-#: ``_RECENT.last`` with the entry and (weakly: ``graph_replay.clear`` must free it) the instance that call
-#: replayed, bound where its hidden states and targets lay; None when it copied them (``replay_recent``).
+#: ``graph_replay.hot_record`` of the recent shortcut call, with its entry in the graph key's place
+#: (``replay_recent``).
 _HOT: tuple | None = None
 
 
@@ -166,19 +165,13 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
         entry.graph_key, input, weight, target, lambda graph: (apply(input, weight, target, graph, entry), graph))
     if replayed is None:
         return None
+    global _HOT
     loss, graph = replayed
     _RECENT.note(key, (input, weight, target))
-    _note_hot(key, entry, graph)
+    _HOT = graph_replay.hot_record(_RECENT, key, entry, graph)
     return loss
 
 
-def _note_hot(key: tuple, entry: _Entry, graph: Any) -> None:
-    """After ``replay`` replayed ``graph`` for a call with ``key``: the recent call, with what ``replay_recent``
-    needs, when the guard recorded the call and the instance reads its inputs in place."""
-    global _HOT
-    last = _RECENT.last
-    _HOT = ((*last, entry, weakref.ref(graph)) if last is not None and last[0] is key and graph.bound_at is not None
-            else None)
 
 
 #: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.

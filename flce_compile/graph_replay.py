@@ -48,6 +48,7 @@ import dataclasses
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -383,8 +384,10 @@ def clear() -> None:
         _cache.captures.clear()
         _cache.binds.clear()
         _cache.failed.clear()
+    global _HOT_BODY
     _BODY_SHORTCUTS.clear()
     _RECENT_BODY.clear()
+    _HOT_BODY = None
 
 
 def held_bytes(device: torch.device | None = None) -> int:
@@ -748,6 +751,8 @@ _BODY_SHORTCUTS: dict[tuple, tuple] = {}
 MAX_BODY_SHORTCUTS = 64
 #: The last body call that took the shortcut, whose key a call its guard admits has too (``body_shortcut_key``).
 _RECENT_BODY = RecentCall(MAX_BODY_SHORTCUTS)
+#: ``hot_record`` of the recent body shortcut call (``body_shortcut_recent``).
+_HOT_BODY: tuple | None = None
 
 
 def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
@@ -788,6 +793,38 @@ def _body_varying(extra: tuple, weight: torch.Tensor, cuda: bool, index: int) ->
             math_settings(), choice_generations(cuda))
 
 
+def body_shortcut_recent(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, extra: tuple
+                         ) -> ForwardResult | None:
+    """The forward of a body call (no bias, no class weights) that repeats the recent body shortcut call, from the
+    very instance that call replayed; None, running nothing, for any other call (then ``body_shortcut_key`` and
+    ``body_shortcut_replay``). ``body_shortcut_key``'s and ``body_shortcut_replay``'s checks in one frame, as
+    ``eager_shortcut.replay_recent`` asks them for the eager call (issue #13)."""
+    hot = _HOT_BODY
+    if hot is None:
+        return None
+    key, varying, cuda, index, guard, graph_key, graph_ref = hot
+    if not (guard.admits(x, weight, target) and _body_varying(extra, weight, cuda, index) == varying
+            and replay_allowed_now(cuda)):
+        return None
+    if not _caller.allowed and _inductor_graph_trees(index if cuda else -1):
+        return None
+    graph = graph_ref()
+    if graph is None:
+        return None
+    return replay_bound_instance(graph_key, graph, x, target, graph.replay, (x, target))
+
+
+def hot_record(recent: RecentCall, key: tuple, graph_key: tuple, graph: _Graph) -> tuple | None:
+    """What a repeat of the call just replayed through a shortcut needs (``body_shortcut_recent``,
+    ``eager_shortcut.replay_recent``): the recent call's record (``recent.last``, when it is this call's ``key``)
+    with ``graph_key`` and the instance, held weakly (``clear`` must free it); None when the instance copies its
+    inputs (a repeat must find them where it reads them) or the guard did not record the call."""
+    last = recent.last
+    if last is None or last[0] is not key or graph.bound_at is None:
+        return None
+    return (*last, graph_key, weakref.ref(graph))
+
+
 def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | None:
     """The forward of a body call through its shortcut (``body_shortcut_key``), or None: run the full body."""
     graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
@@ -798,10 +835,14 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
         return None
     if not _caller.allowed and _inductor_graph_trees(index if cuda else -1):
         return None
+    global _HOT_BODY
     x, weight, target = ops.x, ops.weight, ops.target
-    result = replay_free_instance(graph_key, x, weight, target, lambda g: g.replay(x, target))
-    if result is not None:
-        _RECENT_BODY.note(key, (x, weight, target))
+    replayed = replay_free_instance(graph_key, x, weight, target, lambda g: (g.replay(x, target), g))
+    if replayed is None:
+        return None
+    result, graph = replayed
+    _RECENT_BODY.note(key, (x, weight, target))
+    _HOT_BODY = hot_record(_RECENT_BODY, key, graph_key, graph)
     return result
 
 

@@ -39,8 +39,9 @@ def test_stages_times_every_named_stage_and_restores_them(cpu_stand_in, caller):
     # aot_eager: the same traced graph and custom-op call as Inductor's, without a C++ compile on the CPU.
     text = host_profile.stages("16x8x32", 4, caller, compile_backend="aot_eager")
     assert "(1 captured; replays per call: 1;" in text  # the calls were replayed, as on the GPU
-    # Repeats of the recent call take replay_recent; key_of and replay run only when it misses (the first calls).
-    missed = {"eager_shortcut.key_of", "eager_shortcut.replay"}
+    # Repeats of the recent call take the recent-call shortcut; the keyed one runs only when it misses (first calls).
+    missed = {"eager_shortcut.key_of", "eager_shortcut.replay", "graph_replay.body_shortcut_key",
+              "graph_replay.body_shortcut_replay"}
     for _, _, label in targets:
         line = next((line for line in text.splitlines() if line.startswith(f"- {label}: ")), None)
         assert (line is None) if label in missed else int(line.rsplit(": ", 1)[1]) >= 0, label

@@ -327,7 +327,7 @@ def test_a_profiled_call_is_named_once_whether_it_takes_the_shortcut_or_falls_ba
 @pytest.fixture
 def body_hits(cpu_graphs, shortcut_hits):
     """Whether each op-body call took the body shortcut (True) or ran the full body (False)."""
-    return shortcut_hits(graph_replay, "body_shortcut_replay")
+    return shortcut_hits(graph_replay, "body_shortcut_replay", first="body_shortcut_recent")
 
 
 def _op_args(x, w, t, *, smoothing=0.0, config="", grads=(True, True, False)):
@@ -339,6 +339,37 @@ def _op_call(args):
     """The registered op through the dispatcher, as a compiled graph calls it: (loss, dx, dw) as copies."""
     loss, _lse, dx, dw, _db, scale = torch.ops.flce.fused_linear_cross_entropy(*args)
     return loss.clone(), (dx * scale).clone(), (dw * scale).clone()
+
+
+def test_op_body_repeats_of_the_recent_call_replay_its_instance_and_anything_else_misses(cpu_graphs,
+                                                                                           shortcut_hits):
+    """Through the dispatcher (a compiled graph's calls) as for the eager call: repeats of the recent body call
+    replay its instance (``body_shortcut_recent``) with the full body's results; other options, inputs elsewhere
+    or dropped graphs miss it; the record never keeps a dropped instance alive."""
+    recent = shortcut_hits(graph_replay, "body_shortcut_recent")
+    x, w, t = _inputs(5)
+    args = _op_args(x, w, t)
+    set_cuda_graphs("off")
+    expected = _op_call(args)
+    set_cuda_graphs("on")
+    for _ in range(5):
+        _same(_op_call(args), expected)
+    assert recent[-2:] == [True, True]  # (after warm-up, capture and the keyed shortcut)
+    recent.clear()
+    _op_call(_op_args(x, w, t, smoothing=0.1))  # other options: another key
+    _op_call(_op_args(x.clone(), w, t))  # hidden states elsewhere than the instance reads them
+    assert recent == [False, False]
+    for _ in range(4):  # back on the first key: bound again (a copying capture had replaced its instance)
+        _same(_op_call(args), expected)
+    assert recent[-2:] == [True, True]
+    instance = graph_replay._HOT_BODY[-1]
+    assert instance() is not None
+    graph_replay.clear()
+    gc.collect()
+    assert instance() is None
+    recent.clear()
+    _same(_op_call(args), expected)
+    assert recent == [False]
 
 
 def test_op_calls_like_a_replayed_one_take_the_body_shortcut_with_the_same_results(body_hits):
