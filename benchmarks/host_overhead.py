@@ -513,7 +513,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = ([v for v in args.variants if cuda or v in ("flce", "eager", "autograd-floor")] if not args.cpu_compile
              else args.variants)
     x, w, t = _inputs(shape, args.device, dtype)
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     losses = _losses(names, config, cuda and args.reduce_overhead, (x, w, t))
     # Two groups, each timed in turns (``time_rounds``): the reduce-overhead variants after the others, because
     # once Inductor's CUDA-graph trees exist in a thread our op inside a user's compile no longer replays its

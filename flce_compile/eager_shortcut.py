@@ -155,6 +155,7 @@ def _varying(weight: Tensor, options: tuple, cuda: bool, index: int) -> tuple:
 
 def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> Tensor | None:
     """The loss of a call through its shortcut, or None when the call must take the full path."""
+    global _HOT
     entry = _ENTRIES.get(key) if key is not None else None
     if entry is None or not graph_replay.replay_allowed_now(entry.cuda):
         return None
@@ -165,13 +166,10 @@ def replay(key: tuple | None, input: Tensor, weight: Tensor, target: Tensor) -> 
         entry.graph_key, input, weight, target, lambda graph: (apply(input, weight, target, graph, entry), graph))
     if replayed is None:
         return None
-    global _HOT
     loss, graph = replayed
     _RECENT.note(key, (input, weight, target))
     _HOT = graph_replay.hot_record(_RECENT, key, entry, graph)
     return loss
-
-
 
 
 #: What a profiler trace calls a shortcut call: the op's name, as for any other call of it.

@@ -378,13 +378,13 @@ _cache = _Cache()
 
 def clear() -> None:
     """Drop every captured graph (their memory returns once no handed-out output is alive)."""
+    global _HOT_BODY
     with _cache.lock:
         _cache.graphs.clear()
         _cache.seen.clear()
         _cache.captures.clear()
         _cache.binds.clear()
         _cache.failed.clear()
-    global _HOT_BODY
     _BODY_SHORTCUTS.clear()
     _RECENT_BODY.clear()
     _HOT_BODY = None
@@ -606,9 +606,9 @@ def replay_bound_instance(key: tuple, graph: _Graph, x: torch.Tensor, target: to
                           apply: Callable[..., Any], args: tuple) -> Any:
     """``apply(*args)`` (which replays ``graph``) under the cache's lock, when ``graph`` is still an instance of
     ``key``, nothing outside holds its outputs and it reads its inputs where ``x`` and ``target`` lie; None,
-    running nothing, otherwise. The eager shortcut's repeat of its recent call (``eager_shortcut.replay_recent``),
-    which keeps the instance it replayed: what ``replay_free_instance`` finds among the key's instances, asked of
-    that one. Counts as a use of the key."""
+    running nothing, otherwise. The shortcuts' repeat of their recent call (``eager_shortcut.replay_recent``,
+    ``body_shortcut_recent``), which keeps the instance it replayed: what ``replay_free_instance`` finds among the
+    key's instances, asked of that one. Counts as a use of the key."""
     with _cache.lock:
         instances = _cache.graphs.get(key)
         if instances is None:
@@ -618,9 +618,12 @@ def replay_bound_instance(key: tuple, graph: _Graph, x: torch.Tensor, target: to
                 break
         else:
             return None
-        if graph.bound_at is None or graph.bound_at != _addresses(x, target) or not graph.free():
+        if graph.bound_at != _addresses(x, target) or not graph.free():  # (``hot_record``: bound_at is set)
             return None
         _cache.graphs.move_to_end(key)
+        # As ``_free_instance_locked``: an eager call that took the full path may reach the op body's shortcut, and
+        # its ``eager_shortcut.remember`` records the eager key from this.
+        _caller.replayed_key = key
         return apply(*args)
 
 
@@ -814,19 +817,22 @@ def body_shortcut_recent(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     return replay_bound_instance(graph_key, graph, x, target, graph.replay, (x, target))
 
 
-def hot_record(recent: RecentCall, key: tuple, graph_key: tuple, graph: _Graph) -> tuple | None:
+def hot_record(recent: RecentCall, key: tuple, destination: Any, graph: _Graph) -> tuple | None:
     """What a repeat of the call just replayed through a shortcut needs (``body_shortcut_recent``,
     ``eager_shortcut.replay_recent``): the recent call's record (``recent.last``, when it is this call's ``key``)
-    with ``graph_key`` and the instance, held weakly (``clear`` must free it); None when the instance copies its
-    inputs (a repeat must find them where it reads them) or the guard did not record the call."""
+    with where the shortcut sends it (``destination``: the graph key, or the eager shortcut's entry, which holds it) and
+    the instance, held weakly (``clear`` must free it; a record outliving its instance's place in the cache is
+    refused by ``replay_bound_instance``); None when the instance copies its inputs (a repeat must find them where
+    it reads them) or the guard did not record the call."""
     last = recent.last
     if last is None or last[0] is not key or graph.bound_at is None:
         return None
-    return (*last, graph_key, weakref.ref(graph))
+    return (*last, destination, weakref.ref(graph))
 
 
 def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | None:
     """The forward of a body call through its shortcut (``body_shortcut_key``), or None: run the full body."""
+    global _HOT_BODY
     graph_key = _BODY_SHORTCUTS.get(key) if key is not None else None
     if graph_key is None:
         return None
@@ -835,7 +841,6 @@ def body_shortcut_replay(key: tuple | None, ops: Operands) -> ForwardResult | No
         return None
     if not _caller.allowed and _inductor_graph_trees(index if cuda else -1):
         return None
-    global _HOT_BODY
     x, weight, target = ops.x, ops.weight, ops.target
     replayed = replay_free_instance(graph_key, x, weight, target, lambda g: (g.replay(x, target), g))
     if replayed is None:

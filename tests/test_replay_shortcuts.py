@@ -92,10 +92,12 @@ def test_repeats_of_the_recent_call_replay_its_instance_and_anything_else_misses
     set_cuda_graphs("off")
     expected, _ = steps_at(w, [(x.clone(), t)] * 5)  # each step scales x by 1.25 first
     set_cuda_graphs("on")
+    recent.clear()
     got, _ = steps_at(w, [(x, t)] * 5)
     for a, b in zip(got, expected):
         _same(a, b)
-    assert recent.count(True) >= 1 and recent[-1] is True  # once captured bound, the repeats take it
+    # warm-up, capture (bound: the warm-up had the inputs there), the keyed shortcut, then every repeat
+    assert recent == [False, False, False, True, True]
     instance = eager_shortcut._HOT[-1]
     assert instance() is not None
 
@@ -128,6 +130,80 @@ def test_repeats_of_the_recent_call_replay_its_instance_and_anything_else_misses
     recent.clear()
     step(x)
     assert recent == [False]
+
+
+def _training_loop(x, w, t, steps):
+    """``steps`` steps on hidden states and targets that stay where they are, the gradients let go each step (as
+    ``optimizer.zero_grad()`` does: a .grad kept would keep the instance's outputs held)."""
+    for _ in range(steps):
+        fused_linear_cross_entropy(x, w, t).backward()
+        x.grad = w.grad = None
+
+
+def test_what_the_recent_call_shortcut_still_asks_each_call(cpu_graphs, shortcut_hits):
+    """The recent-call shortcut asks what its guard does not cover: a torch-function mode or forward-mode AD (the
+    op must be seen by them), targets written in place since (checked where the full path checks them), and whether
+    its instance is still in the cache (an evicted instance may outlive its place: a held output reaches it)."""
+    recent = shortcut_hits(eager_shortcut, "replay_recent")
+    x, w, t = _inputs(4)
+    x.requires_grad_()
+    w.requires_grad_()
+    _training_loop(x, w, t, 5)
+    assert recent[-2:] == [True, True]
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    recent.clear()
+    with Seen() as mode:
+        _training_loop(x, w, t, 1)
+    with torch.autograd.forward_ad.dual_level():
+        _training_loop(x, w, t, 1)
+    assert recent == [False, False] and mode.funcs
+
+    _training_loop(x, w, t, 2)
+    bad = t.clone()
+    t[0] = 10 ** 6  # in place: the same address, so the instance still reads it
+    recent.clear()
+    with pytest.raises(Exception, match="target"):
+        _training_loop(x, w, t, 1)
+    t.copy_(bad)
+
+    expected = _reference(x.detach(), w.detach(), t)  # (graphs off and on again: the cache starts afresh)
+    _training_loop(x, w, t, 5)
+    instance = eager_shortcut._HOT[-1]()
+    assert instance is not None
+    with graph_replay._cache.lock:  # evicted (``_Cache.evict_beyond``) while something still holds it
+        for instances in graph_replay._cache.graphs.values():
+            if any(g is instance for g in instances):
+                instances.remove(instance)
+    recent.clear()
+    loss = fused_linear_cross_entropy(x, w, t)  # where the retired instance read its inputs
+    loss.backward()
+    _same((loss.detach(), x.grad, w.grad), expected)
+    assert recent == [False]
+
+
+def test_an_eager_call_served_by_the_op_bodys_shortcut_still_records_its_own(cpu_graphs, shortcut_hits):
+    """An eager call without a shortcut of its own runs the op body, where the body's recent-call shortcut may serve
+    it; the eager shortcut is recorded from that replay as from any other (or every later call would run in full)."""
+    hits = shortcut_hits(eager_shortcut, "replay", first="replay_recent")
+    x, w, t = _inputs(4)
+    x.requires_grad_()
+    w.requires_grad_()
+    _training_loop(x, w, t, 4)
+    for _ in range(2):  # the eager table dropped (as beyond its 64 keys) while the body's record stays
+        eager_shortcut.clear()
+        _training_loop(x, w, t, 1)
+    hits.clear()
+    _training_loop(x, w, t, 3)
+    assert hits == [True, True, True]
 
 
 @pytest.mark.parametrize("grad_x, grad_w", [(True, False), (False, True)])
