@@ -54,9 +54,10 @@ class SiteResult:
     escapes: dict[fx.Node, list[fx.Node]] | None = None  # chain nodes that stay used outside the loss path
     dropped: list[fx.Node] | None = None  # chain nodes whose graph-output uses become None ("drop")
     prelude: list[fx.Node] = field(default_factory=list)  # target nodes moved before the op (fused_keep)
-    #: fused_keep: returned chain nodes whose gradient is re-attached outside the graph -> their transform;
-    #: fused_lazy: returned chain nodes computed outside the graph -> their transform.
+    #: fused_keep: returned chain nodes whose gradient is re-attached outside the graph -> their transform.
     logits_outputs: dict[fx.Node, Plan] = field(default_factory=dict)
+    #: fused_lazy: returned nodes computed outside the graph -> the steps from the lm_head to each (``lazy_steps``).
+    lazy_outputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
@@ -145,8 +146,10 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
                 return False
     if flat_outputs(site.loss_node.graph) is None:
         return False
-    transforms = {node: output_transform(site, chain_node) for node, chain_node in returned.items()}
-    if any(isinstance(t, str) or lazy_steps(site, node) is None for node, t in transforms.items()):
+    if any(isinstance(output_transform(site, chain_node), str) for chain_node in returned.values()):
+        return False
+    steps = {node: lazy_steps(site, node) for node in returned}
+    if any(s is None for s in steps.values()):
         return False
     plan = fold_steps(site, 0)
     if isinstance(plan, str):
@@ -157,7 +160,7 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
         return False
     out = meta_value(lin.node)
     size = (hint_int(out.numel()) or 0) * out.element_size()
-    res.path, res.plan, res.logits_outputs = "fused_lazy", plan, transforms
+    res.path, res.plan, res.lazy_outputs = "fused_lazy", plan, steps
     res.note = (f"the returned logits are computed when first read (~{size / 2**30:.3f} GiB then), outside the "
                 "graph; a caller that reads only the loss never forms them")
     return True

@@ -95,13 +95,18 @@ class _Source:
 
     def value(self) -> Tensor:
         self.check()
-        with torch.no_grad(), _no_autocast(self.x):
-            return self.replay(_head(self.x, self.weight, self.bias, self.dtype))
+        return _values(self.x, self.weight, self.bias, self.replay, self.dtype)
 
 
 def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
     """The lm_head's tensors (no bias when it has none)."""
     return (x, weight) if bias is None else (x, weight, bias)
+
+
+def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype) -> Tensor:
+    """The returned logits' values, without autograd history, with autocast off (the forward's values)."""
+    with torch.no_grad(), _no_autocast(x):
+        return replay(_head(x, weight, bias, dtype))
 
 
 def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -246,8 +251,7 @@ def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, 
     global _step_hook
     operands = _operands(x, weight, bias)
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
-        with torch.no_grad(), _no_autocast(x):
-            return replay(_head(x, weight, bias, dtype))
+        return _values(x, weight, bias, replay, dtype)
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_secure_pending)
     source = _Source(x, weight, bias, replay, dtype)

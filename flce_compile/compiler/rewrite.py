@@ -23,7 +23,7 @@ from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import SiteResult, analyze, lazy_steps
+from .decide import SiteResult, analyze
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
@@ -398,21 +398,21 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
                   fixup: OutputFixup) -> list[fx.Node]:
     """The fused_lazy site's logits outputs leave the graph (None there, as dropped ones): the wrapper puts a
     LazyLogits in each place, computed from the lm_head's operands (extra outputs) through the steps the graph took
-    from the lm_head to that output, copied into a graph of their own (``lazy_steps``). Returns the returned nodes,
-    which may now be dead."""
+    from the lm_head to that output, copied into a graph of their own (``decide.lazy_steps``). Returns the returned
+    nodes, which may now be dead."""
     out_node = output_node(gm.graph)
     items = flat_outputs(gm.graph)
     dtype = meta_value(lin.node).dtype
-    for node in res.logits_outputs:
+    for node, steps in res.lazy_outputs.items():
         replay = fx.Graph()
         env = {lin.node: replay.placeholder("logits")}
-        for step in lazy_steps(res.site, node):
+        for step in steps:
             env[step] = replay.node_copy(step, env.__getitem__)
         replay.output(env[node])
         fixup.lazy.append(LazyOutput(
             [i for i, item in enumerate(items) if item is node], fixup.add_extra(lin.input), fixup.add_extra(weight),
             fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype))
-    lazy = set(res.logits_outputs)
+    lazy = set(res.lazy_outputs)
     out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in lazy else n)
     return list(lazy)
 
