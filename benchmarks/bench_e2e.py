@@ -1,5 +1,6 @@
-"""End-to-end training step of a Llama-3.2-1B-shaped HF model, in the loop most people write
-(``loss = model(input_ids=ids, labels=ids).loss; loss.backward()``). GPU only.
+"""End-to-end training step of a Llama-3.2-1B-shaped HF model (or, with ``--model gpt2``, GPT-2 small, whose class
+names no loss type), in the loop most people write (``loss = model(input_ids=ids, labels=ids).loss;
+loss.backward()``). GPU only.
 
 Default variants: eager, inductor (``torch.compile(model)``), flce (``torch.compile(model, backend="flce")`` with
 no options: the logits the model returns are kept, computed when first read, which this loop never does),
@@ -15,6 +16,7 @@ patch changes nothing for them and they run once.
 
     python benchmarks/bench_e2e.py                      # S = 16384 and 65536, default variants, both mask modes
     python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce --mask patched
+    python benchmarks/bench_e2e.py --model gpt2 --seq 16384 --variants eager inductor flce --mask as-is
 
 Prints a table (peak GB, median step ms after warm-up, the loss, and each flce row's time and peak relative to
 the same inner compiler without the pass) and writes JSON + markdown under benchmarks/results/ (and $OUT).
@@ -78,14 +80,27 @@ def llama_config(vocab: int = 128256, hidden: int = 2048, layers: int = 16):
     return cfg
 
 
-def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **shape):
+#: The models ``--model`` picks, as the result files name them.
+MODELS = {"llama": "Llama-3.2-1B shape",
+          "gpt2": "GPT-2 small (124M, V = 50257), its loss type unset as transformers builds it"}
+
+
+def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, family: str = "llama",
+                positions: int = 1024, **shape):
     """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
     device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
-    ``shape``: llama_config's vocab / hidden / layers."""
+    ``shape``: llama_config's vocab / hidden / layers. ``family`` "gpt2": GPT-2 small with ``positions`` learned
+    positions (the longest sequence it is run at), otherwise as transformers builds it."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_positions=positions)
+        model = transformers.GPT2LMHeadModel(config).to(device, dtype)
+    elif family == "llama":
+        model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)
+    else:
+        raise ValueError(f"family={family!r} is unknown; use one of {sorted(MODELS)}")
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -225,6 +240,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model (default llama)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
@@ -232,8 +248,8 @@ def main() -> None:
     import transformers
 
     env = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "model": MODELS[args.model], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     }
     try:
         from importlib.metadata import version
@@ -242,7 +258,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - optional
         pass
     stem = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}{args.tag}"
-    model = build_model()
+    model = build_model(family=args.model, positions=max(args.seq))
     rows = []
     for variant, seq, mask in plan_runs(args.variants, args.seq, args.mask):
         if mask == "patched":
@@ -256,7 +272,7 @@ def main() -> None:
 
 def _write(stem: str, env: dict, rows: list[dict]) -> None:
     """JSON + markdown under benchmarks/results/ and, when set, $OUT (the GPU machine's way back)."""
-    header = "# e2e training step, Llama-3.2-1B shape, bf16, batch 1, gradient checkpointing"
+    header = f"# e2e training step, {env.get('model', MODELS['llama'])}, bf16, batch 1, gradient checkpointing"
     text = f"{header}\n\n{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{_table(rows)}"
     for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
         Path(folder).mkdir(parents=True, exist_ok=True)

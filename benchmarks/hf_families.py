@@ -106,13 +106,11 @@ def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn
 
 def make_model(name: str) -> torch.nn.Module:
     """Family ``name``'s tiny model, seeded, fp32, dropout off (runs compare exactly; gradients still flow),
-    without a KV cache, with its loss type named (GPT-2's class name maps to none, and transformers then warns
-    once between lm_head and the loss: a graph break)."""
+    without a KV cache, otherwise as transformers builds it (GPT-2's names no loss type: transformers warns at its
+    loss, which the backend keeps in the graph, ``flce_compile.compiler.hf_logging``)."""
     torch.manual_seed(0)
     model = builders()[name]().float()
     model.config.use_cache = False
-    if getattr(model, "loss_type", None) is None:
-        model.loss_type = "ForCausalLM"
     return model.eval()
 
 

@@ -57,6 +57,18 @@ def test_rows_as_users_run_them_come_first():
     assert "bench-only mask patch" in table and "1.00x, 0.50x (vs inductor)" in table
 
 
+def test_gpt2_is_built_as_transformers_builds_it():
+    """``--model gpt2``: GPT-2 small with as many positions as the longest run, its loss type unset (the case the
+    backend keeps in one graph, ``hf_logging``), checkpointed, in training mode; an unknown family is refused."""
+    bench = _bench()
+    model = bench.build_model("cpu", torch.float32, family="gpt2", positions=64)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.loss_type is None and model.training
+    assert (model.config.n_positions, model.config.vocab_size, model.config.n_embd) == (64, 50257, 768)
+    assert model.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="family='bert' is unknown"):
+        bench.build_model("cpu", torch.float32, family="bert")
+
+
 def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
     bench = _bench()
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -17,6 +17,7 @@ from torch import fx
 
 from .. import graph_replay
 from ..log import logger
+from .hf_logging import keep_loss_in_graph
 from .options import FLCEOptions, split_options
 
 BACKEND_NAME = "flce"
@@ -37,6 +38,8 @@ def flce_backend(
     """
     opts, inner_options = split_options(options)
     inner = _inner_compiler(opts, mode, inner_options, kwargs)
+    if opts.enabled:
+        keep_loss_in_graph()  # for frames traced from now on, should transformers have come after this module
     wrap, fused = None, False
     if opts.enabled and opts.causal_masks:
         _drop_causal_masks(gm)
@@ -237,3 +240,4 @@ def register() -> None:
 
 
 register()
+keep_loss_in_graph()  # transformers is usually imported by now: the lookup of backend="flce" imports this

@@ -21,6 +21,7 @@ from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import SiteResult, analyze
+from .hf_logging import keep_loss_in_graph
 from .options import FLCEOptions, split_options
 from .patterns import HF_LOSS_TYPE_HINT, Plan, hint_int, match_linear, meta_value
 from .tensor_parallel import LONE_HEAD, returned_through_redistribute
@@ -218,6 +219,8 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     table; it is also logged at INFO on the ``flce_compile`` logger.
     """
     opts = split_options(options)[0] if options is not None else compiled_options(model) or FLCEOptions()
+    if opts.enabled:
+        keep_loss_in_graph()  # as the backend does (``hf_logging``): the graphs it would get
     with _dynamic_as(compiled_dynamic(model)):  # the graphs the compiled model gets (floats left symbolic, say)
         out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
     report = ExplainReport()
