@@ -29,9 +29,9 @@ def _make(name: str) -> torch.nn.Module:
         model = make_model(name)
     except FamilyMissing as exc:  # only a family this transformers lacks; any other error fails the test
         pytest.skip(f"transformers {transformers.__version__}: {exc}")
-    if model.loss_type is None and not hf_logging.keep_loss_in_graph():
-        # A torch where the backend cannot keep GPT-2's loss in the graph (2.11; its own test covers that): the
-        # family tests then test the rest with the fix the backend names.
+    if model.loss_type is None and not hf_logging.can_list():
+        # A torch where the backend cannot keep GPT-2's loss in the graph (2.11; test_compiler_hf_logging covers
+        # it): the family tests then test the rest with the fix the backend names.
         model.loss_type = "ForCausalLM"
     return model
 
@@ -230,111 +230,3 @@ def test_inductor_inner():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-
-
-def test_gpt2_as_it_comes_is_fused_in_one_graph(reference):
-    """GPT2LMHeadModel's class names no loss type, so transformers logs a warning at the loss on every call, where
-    Dynamo would break the graph between lm_head and the loss. The backend has Dynamo ignore that logger method
-    (``hf_logging``): with no change to the model, one graph, and the site fused."""
-    import flce_compile
-
-    if not hf_logging.keep_loss_in_graph():  # (on the CPU under torch 2.11; the next test covers that case)
-        pytest.skip(f"torch {torch.__version__} cannot list the warning: its compile metrics would log errors")
-    model, ids, labels, _, _ = reference("gpt2")
-    assert model.loss_type is None
-    report = flce_compile.explain(model, input_ids=ids, labels=labels)
-    assert [r.fused for r in report] == [True] and report.graph_count == 1, report
-
-
-def test_gpt2_where_dynamo_cannot_ignore_the_warning_warns_and_explain_names_the_fix(caplog, monkeypatch, reference):
-    """Where the warning cannot be ignored (a torch or transformers without the means), the break stands: the
-    backend says so at WARNING (once a process; INFO would go unseen) and explain names the fix; with the type
-    set, the one site is fused."""
-    import logging
-
-    import flce_compile
-    from flce_compile.compiler import rewrite
-
-    model, ids, labels, _, _ = reference("gpt2")
-    loss_type = model.loss_type
-    model.loss_type = None
-    method = hf_logging.loss_warning_method()
-    ignored = hf_logging._ignored_logging_functions()
-    listed = method in ignored  # when the backend was imported (not under torch 2.11)
-    ignored.discard(method)
-    monkeypatch.setattr(hf_logging, "loss_warning_method", lambda: None)
-    try:
-        report = flce_compile.explain(model, input_ids=ids, labels=labels)
-        assert not any(r.fused for r in report)
-        assert any("model.loss_type = 'ForCausalLM'" in r.reason for r in report), report
-        monkeypatch.setattr(rewrite, "_warned_graph_break", False)
-        torch._dynamo.reset()
-        with caplog.at_level(logging.WARNING, logger="flce_compile"):
-            torch.compile(model, backend="flce", options={"flce.inner": "eager"})(input_ids=ids, labels=labels)
-            torch._dynamo.reset()
-            torch.compile(model, backend="flce", options={"flce.inner": "eager"})(input_ids=ids, labels=labels)
-        warned = [r.getMessage() for r in caplog.records
-                  if r.levelno == logging.WARNING and "not fused" in r.getMessage()]
-        assert len(warned) == 1 and "model.loss_type = 'ForCausalLM'" in warned[0], warned
-        model.loss_type = "ForCausalLM"
-        assert [r.fused for r in flce_compile.explain(model, input_ids=ids, labels=labels)] == [True]
-    finally:
-        model.loss_type = loss_type
-        if listed:
-            ignored.add(method)
-
-
-def test_the_loss_warning_is_listed_once_and_only_once_transformers_is_there(caplog, monkeypatch):
-    """``keep_loss_in_graph`` imports nothing: without transformers it lists nothing. With it, it lists the
-    warning_once of the one logger that warns at the loss (the very logger transformers' module uses), says so at
-    INFO the first time, and is a no-op after."""
-    import logging
-    import sys
-
-    method = hf_logging.loss_warning_method()
-    ignored = hf_logging._ignored_logging_functions()
-    assert method is not None and method.__self__ is sys.modules["transformers.modeling_utils"].logger
-    if not hf_logging._metrics_log_serializes():
-        pytest.skip(f"torch {torch.__version__} lists nothing (the next test)")
-    listed = method in ignored
-    ignored.discard(method)
-    try:
-        with monkeypatch.context() as m:
-            m.delitem(sys.modules, "transformers")
-            assert hf_logging.keep_loss_in_graph() is False
-            assert method not in ignored
-        with caplog.at_level(logging.INFO, logger="flce_compile"):
-            assert hf_logging.keep_loss_in_graph() is True
-            assert hf_logging.keep_loss_in_graph() is True
-        assert method in ignored
-        notes = [r.getMessage() for r in caplog.records if "warning_once" in r.getMessage()]
-        assert len(notes) == 1 and "discard" in notes[0], notes
-    finally:
-        if not listed:
-            ignored.discard(method)
-
-
-def test_the_loss_warning_is_not_listed_where_it_would_break_dynamos_compile_metrics(monkeypatch):
-    """Torch 2.11 writes Dynamo's set of ignored logging functions into the JSON of every compile's metrics, and a
-    method there makes each compile log an error: where the metrics cannot be written with it listed, nothing is
-    listed (the set is as it was) and the break stands, named by the backend's warning and explain."""
-    from torch._dynamo import utils as dynamo_utils
-
-    method = hf_logging.loss_warning_method()
-    ignored = hf_logging._ignored_logging_functions()
-    listed = method in ignored
-    ignored.discard(method)
-    before = set(ignored)
-
-    def metrics_json():
-        import json
-
-        return json.dumps(sorted(ignored, key=repr))  # as 2.11 does: a method in the set is not JSON
-
-    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", metrics_json)
-    try:
-        assert hf_logging.keep_loss_in_graph() is False
-        assert ignored == before
-    finally:
-        if listed:
-            ignored.add(method)

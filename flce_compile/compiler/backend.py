@@ -240,4 +240,4 @@ def register() -> None:
 
 
 register()
-keep_loss_in_graph()  # transformers is usually imported by now: the lookup of backend="flce" imports this
+keep_loss_in_graph()  # (hf_logging) transformers is usually imported by now: backend="flce" imports this module

@@ -1,29 +1,35 @@
 """Keep a Hugging Face model's lm_head and loss in one Dynamo graph where transformers logs a warning at the loss.
 
 transformers' ``PreTrainedModel.loss_function`` calls ``logger.warning_once`` (the logger of
-``transformers.modeling_utils``) on every call of a model whose class names no loss type: GPT-2's
-``GPT2LMHeadModel`` and the other ``*LMHeadModel`` classes. Dynamo breaks the graph at any call of a logger's
-method, and this one falls between the lm_head and the loss: the head's graph returns the logits and the loss's
-graph takes them as an input, so there is nothing to fuse, and the model would have to be changed
+``transformers.modeling_utils``; it prints once, but is called every time) for a model whose class names no loss
+type: GPT-2's ``GPT2LMHeadModel``, and CTRL's, OpenAI GPT's and the like. Dynamo breaks the graph at any call of a
+logger's method, and this one falls between the lm_head and the loss: the head's graph returns the logits and the
+loss's graph takes them as an input, so there is nothing to fuse, and the model would have to be changed
 (``model.loss_type = "ForCausalLM"``) to fuse it. Dynamo turns a logger method listed in its
-``ignore_logging_functions`` (``ignore_logger_methods`` in older torch) into a no-op in the code it traces, with no
-break. ``keep_loss_in_graph`` lists that one logger's ``warning_once``: the head and the loss then share a graph
-and are fused. What it changes for the process: compiled code no longer prints that logger's once-only warnings
-(an eager call still does), under any backend, since Dynamo's setting is global. Not in a torch whose compile
-metrics cannot then write Dynamo's config (torch 2.11 puts that set into the JSON it logs for every compile, and
-would log an error each time): there the break stands, and the backend's warning and ``explain`` name the fix.
+``ignore_logging_functions`` (``ignore_logger_methods``, its older name) into a no-op in the code it traces, with no
+break. ``keep_loss_in_graph`` lists that one logger's ``warning_once``: the head and the loss then share a graph and
+are fused. What that changes: code Dynamo traces no longer prints that logger's once-only warnings (an eager call
+still does), under any backend.
 
-The backend lists it when its module is imported, once transformers is (``torch.compile(model, backend="flce")``
-imports the backend then, after the model exists), on each graph it compiles (for a transformers imported later:
-frames traced from then on), and ``explain`` before it traces. Nothing here imports transformers.
+Dynamo's settings are per thread (torch 2.13 keeps each in a context variable), so the listing is made in the
+thread that compiles: when the backend is imported, before each frame Dynamo compiles (a compile-start callback,
+which also covers a transformers imported after the backend; ``torch._dynamo.reset()`` drops the callback, and the
+backend and ``explain`` register it again), on each graph the backend compiles, and in ``explain``. Nothing here
+imports transformers. ``FLCE_IGNORE_HF_LOSS_WARNING=0`` turns it off (then set the model's loss type).
+
+Not in a torch whose compile metrics cannot then write Dynamo's config: torch 2.11 puts the set into the JSON it
+logs for every compile (2.13 leaves it out), and a method there makes each compile log an error. There the break
+stands, and the backend's warning and ``explain`` name the fix.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
+from torch._dynamo import callback as dynamo_callback
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import utils as dynamo_utils
 
@@ -31,10 +37,19 @@ from ..log import logger
 
 #: The logger that warns at the loss (``PreTrainedModel.loss_function``), named after its module.
 HF_LOGGER = "transformers.modeling_utils"
+#: "0" turns the listing off (read at each listing).
+ENV_VAR = "FLCE_IGNORE_HF_LOSS_WARNING"
+
+_announced = False  # the INFO note, once a process
+
+
+def enabled() -> bool:
+    """Whether the listing is on (``FLCE_IGNORE_HF_LOSS_WARNING``, default on)."""
+    return os.environ.get(ENV_VAR, "1") != "0"
 
 
 def _ignored_logging_functions() -> set | None:
-    """Dynamo's set of logger methods it treats as no-ops; None in a torch without one."""
+    """This thread's set of logger methods Dynamo treats as no-ops; None in a torch without one."""
     for name in ("ignore_logging_functions", "ignore_logger_methods"):  # the newer name first (2.13 aliases them)
         functions = getattr(dynamo_config, name, None)
         if isinstance(functions, set):
@@ -42,9 +57,8 @@ def _ignored_logging_functions() -> set | None:
     return None
 
 
-def _metrics_log_serializes() -> bool:
-    """Whether Dynamo's compile metrics can still write its config as JSON. Torch 2.11 writes the set of ignored
-    logging functions into it (2.13 leaves it out), and a method there makes every compile log an error."""
+def _metrics_json_ok() -> bool:
+    """Whether Dynamo's compile metrics can write its config as JSON (the function it calls for every compile)."""
     write = getattr(dynamo_utils, "_get_dynamo_config_for_logging", None)
     if write is None:  # another torch: nothing of the kind to break
         return True
@@ -53,6 +67,18 @@ def _metrics_log_serializes() -> bool:
     except TypeError:
         return False
     return True
+
+
+def breaks_compile_metrics(functions: set, method: Any) -> bool:
+    """Whether listing ``method`` in ``functions`` would make the compile metrics fail to write the config where
+    they wrote it before (torch 2.11). Leaves ``functions`` as it found it."""
+    if method in functions or not _metrics_json_ok():  # already listed, or failing for a reason of its own
+        return False
+    functions.add(method)
+    try:
+        return not _metrics_json_ok()
+    finally:
+        functions.discard(method)
 
 
 def loss_warning_method() -> Any | None:
@@ -64,27 +90,52 @@ def loss_warning_method() -> Any | None:
     return getattr(logging.getLogger(HF_LOGGER), "warning_once", None)
 
 
+def can_list() -> bool:
+    """Whether ``keep_loss_in_graph`` lists the warning in this thread (or has): on, transformers imported, and
+    a torch whose compile metrics allow it. Lists nothing."""
+    method, functions = loss_warning_method(), _ignored_logging_functions()
+    return (enabled() and method is not None and functions is not None
+            and not breaks_compile_metrics(functions, method))
+
+
 def keep_loss_in_graph() -> bool:
-    """List transformers' loss warning among the logger methods Dynamo ignores (see the module docstring), once;
-    whether it is listed now."""
-    method = loss_warning_method()
-    if method is None:
+    """List transformers' loss warning among the logger methods Dynamo ignores in this thread (see the module
+    docstring), and make sure the compile-start callback that lists it in any compiling thread is registered;
+    whether it is listed in this thread now."""
+    if not enabled():
         return False
+    register = getattr(dynamo_callback, "on_compile_start", None)
+    if register is not None and _on_compile_start not in _start_callbacks():
+        register(_on_compile_start)
+    method = loss_warning_method()
     functions = _ignored_logging_functions()
-    if functions is None:
+    if method is None or functions is None:
         return False
     if method in functions:
         return True
-    functions.add(method)
-    if not _metrics_log_serializes():
-        functions.discard(method)
+    if breaks_compile_metrics(functions, method):
         logger.debug("flce: not listing transformers' loss warning among Dynamo's ignored logging functions: this "
-                     "torch's compile metrics cannot serialize a listed method (torch 2.11 logs an error on every "
+                     "torch's compile metrics cannot write a listed method (torch 2.11 logs an error on every "
                      "compile then); a model with no loss_type keeps its graph break")
         return False
-    logger.info(
-        "flce: Dynamo now ignores the warning_once of logger %r in traced code, so that the graph does not break between "
-        "a Hugging Face lm_head and its loss (transformers warns there for a model with no loss_type, GPT-2's); "
-        "compiled code no longer prints that logger's once-only warnings. To undo it: "
-        "torch._dynamo.config.ignore_logger_methods.discard(logging.getLogger(%r).warning_once)", HF_LOGGER, HF_LOGGER)
+    functions.add(method)
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("flce: Dynamo now ignores the warning_once of logger %r in traced code, so that the graph does "
+                    "not break between a Hugging Face lm_head and its loss (transformers warns there for a model "
+                    "with no loss_type, GPT-2's); traced code no longer prints that logger's once-only warnings. "
+                    "%s=0 turns this off.", HF_LOGGER, ENV_VAR)
     return True
+
+
+def _start_callbacks() -> list:
+    return getattr(getattr(dynamo_callback, "callback_handler", None), "start_callbacks", [])
+
+
+def _on_compile_start(_args: Any) -> None:
+    """Dynamo's compile-start callback: list the warning in the compiling thread before it traces the frame."""
+    try:
+        keep_loss_in_graph()
+    except Exception as exc:  # noqa: BLE001 - a compile must never fail here
+        logger.debug("flce: could not list transformers' loss warning: %r", exc)

@@ -1,0 +1,164 @@
+"""``compiler.hf_logging``: GPT-2 as transformers builds it names no loss type, transformers logs a warning at its
+loss, and Dynamo would break the graph there, between lm_head and loss. The backend has Dynamo ignore that one
+logger method, so the site is fused; where it cannot or may not, the break stands and the backend names the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flce_compile  # noqa: E402
+from flce_compile.compiler import hf_logging, rewrite  # noqa: E402  (also registers backend="flce")
+from flce_compile.compiler.rewrite import flce_fused_loss  # noqa: E402
+
+from benchmarks.hf_families import batch, make_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+needs_listing = pytest.mark.skipif(not hf_logging.can_list(), reason=f"torch {torch.__version__} cannot list the "
+                                   "warning (its compile metrics would log an error on every compile)")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = make_model("gpt2")
+    assert model.loss_type is None  # as transformers builds it
+    return (model, *batch())
+
+
+@pytest.fixture
+def unlisted():
+    """This thread's set of ignored logging functions without the warning; restored afterwards."""
+    method, functions = hf_logging.loss_warning_method(), hf_logging._ignored_logging_functions()
+    listed = method in functions
+    functions.discard(method)
+    yield functions, method
+    (functions.add if listed else functions.discard)(method)
+
+
+@needs_listing
+def test_gpt2_as_it_comes_is_fused_in_one_graph(gpt2):
+    """With no change to the model: one graph, the fused loss in it, and explain says so."""
+    model, ids, labels = gpt2
+    graphs = []
+
+    def capture(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="flce", options={"flce.inner": capture})(input_ids=ids, labels=labels)
+    ref = model(input_ids=ids, labels=labels)
+    assert len(graphs) == 1
+    assert [n.target for n in graphs[0].graph.nodes].count(flce_fused_loss) == 1
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    report = flce_compile.explain(model, input_ids=ids, labels=labels)
+    assert [r.fused for r in report] == [True] and report.graph_count == 1, report
+
+
+@needs_listing
+def test_the_backend_imported_before_transformers_and_compiles_in_other_threads():
+    """isort puts ``import flce_compile.compiler`` above ``import transformers``: the warning is listed before the
+    first frame is traced all the same (the compile-start callback), and in a thread of its own too (Dynamo's
+    settings are per thread), under the flce backend and any other. A fresh interpreter, for the import order."""
+    script = textwrap.dedent("""
+        import json, threading
+        import flce_compile.compiler
+        import torch
+        import transformers
+        from torch._dynamo.utils import counters
+
+        def run(backend, options=None):
+            counters.clear()
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)).eval()
+            model.config.use_cache = False
+            ids = torch.randint(0, 64, (2, 8))
+            out = torch.compile(model, backend=backend, options=options)(input_ids=ids, labels=ids)
+            return [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                    type(out.logits).__name__]
+
+        result = {"main": run("flce", {"flce.inner": "eager"})}
+        thread = threading.Thread(target=lambda: result.update(thread=run("eager")))
+        thread.start()
+        thread.join()
+        print(json.dumps(result))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["main"] == [1, 0, "LazyLogits"], result  # one graph, fused (the logits computed when read)
+    assert result["thread"] == [1, 0, "Tensor"], result  # backend="eager": no break in that thread either
+
+
+def test_where_the_warning_is_not_ignored_the_backend_warns_and_explain_names_the_fix(gpt2, caplog, monkeypatch,
+                                                                                      unlisted):
+    """Turned off (FLCE_IGNORE_HF_LOSS_WARNING=0, and so under torch 2.11, which cannot list it): the break
+    stands, the backend says so at WARNING (once a process; INFO would go unseen), explain names the fix, and with
+    the type set the one site is fused."""
+    model, ids, labels = gpt2
+    monkeypatch.setenv(hf_logging.ENV_VAR, "0")
+    report = flce_compile.explain(model, input_ids=ids, labels=labels)
+    assert not any(r.fused for r in report)
+    assert any("model.loss_type = 'ForCausalLM'" in r.reason for r in report), report
+    monkeypatch.setattr(rewrite, "_warned_graph_break", False)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(model, backend="flce", options={"flce.inner": "eager"})(input_ids=ids, labels=labels)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "not fused" in r.getMessage()]
+    assert len(warned) == 1 and "model.loss_type = 'ForCausalLM'" in warned[0], warned
+    assert unlisted[1] not in unlisted[0]
+    monkeypatch.setattr(model, "loss_type", "ForCausalLM")
+    assert [r.fused for r in flce_compile.explain(model, input_ids=ids, labels=labels)] == [True]
+
+
+@needs_listing
+def test_the_warning_is_listed_once_transformers_is_there_and_said_once(caplog, monkeypatch, unlisted):
+    """Nothing is imported: without transformers nothing is listed. With it, that one logger's warning_once (the
+    very logger transformers' module uses) is listed, the INFO note comes once, and listing again is a no-op."""
+    functions, method = unlisted
+    assert method.__self__ is sys.modules["transformers.modeling_utils"].logger
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "transformers")
+        assert hf_logging.keep_loss_in_graph() is False
+        assert method not in functions
+    monkeypatch.setattr(hf_logging, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="flce_compile"):
+        assert hf_logging.keep_loss_in_graph() is True
+        functions.discard(method)  # (as in a new thread: listed again, said once)
+        assert hf_logging.keep_loss_in_graph() is True
+        assert hf_logging.keep_loss_in_graph() is True
+    assert method in functions
+    notes = [r.getMessage() for r in caplog.records if "warning_once" in r.getMessage()]
+    assert len(notes) == 1 and hf_logging.ENV_VAR in notes[0], notes
+    assert hf_logging._on_compile_start in hf_logging._start_callbacks()
+
+
+def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch, unlisted):
+    """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics, and a
+    method there makes each compile log an error: there nothing is listed, and the set is as it was. A writer that
+    fails for a reason of its own does not count against the listing."""
+    from torch._dynamo import utils as dynamo_utils
+
+    functions, method = unlisted
+    before = set(functions)
+    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging",
+                        lambda: json.dumps(sorted(functions, key=repr)))  # as 2.11's: a method is no JSON
+    assert hf_logging.keep_loss_in_graph() is False and not hf_logging.can_list()
+    assert functions == before
+
+    def failing() -> str:
+        raise TypeError("something else in the config")
+
+    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", failing)
+    assert hf_logging.keep_loss_in_graph() is True and method in functions
