@@ -144,6 +144,15 @@ def test_the_warning_is_listed_once_transformers_is_there_and_said_once(caplog, 
     assert hf_logging._on_compile_start in hf_logging._start_callbacks()
 
 
+@needs_listing
+def test_explain_leaves_the_compile_start_callback_registered(gpt2):
+    """explain resets Dynamo when it is done, which drops every compile-start callback: it registers the listing's
+    again, so a compile in a thread that never listed it still finds it."""
+    model, ids, labels = gpt2
+    flce_compile.explain(model, input_ids=ids, labels=labels)
+    assert hf_logging._on_compile_start in hf_logging._start_callbacks()
+
+
 def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch, unlisted):
     """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics, and a
     method there makes each compile log an error: there nothing is listed, and the set is as it was. A writer that

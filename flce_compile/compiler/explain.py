@@ -241,6 +241,8 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
                                  hidden=None) for r in regions if not r.inlined)
         report.extend(report_graph(gm, i, opts))
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
+    if opts.enabled:
+        keep_loss_in_graph()  # the reset dropped its compile-start callback
     logger.info("%s", report)
     return report
 
