@@ -129,7 +129,9 @@ def test_family_keep_logits_exact(name, mode, reference):
     assert torch.nn.functional.cross_entropy not in _targets(gm)
     assert not any(n.op == "call_method" and n.target == "float" and n.meta["example_value"].shape[-1] == V
                    for n in gm.graph.nodes), "no fp32 copy of the logits"
-    if mode == "keep" and name != "mixtral_aux":  # (its router loss reads the logits in the graph)
+    # Mixtral's graph reads its logits itself under torch 2.13 (the kept path); torch 2.11 breaks its MoE graph
+    # elsewhere, the logits leave the head's graph unread, and they take the lazy path as the others do.
+    if mode == "keep" and (name != "mixtral_aux" or flce_fused_loss_keep not in _targets(gm)):
         assert _targets(gm).count(flce_fused_loss) == 1 and flce_fused_loss_keep not in _targets(gm)
         assert type(got.logits) is LazyLogits and got.logits.computed
         assert type(got.logits.grad_fn).__name__ == "_LazyHeadBackward"
