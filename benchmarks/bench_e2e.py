@@ -272,7 +272,7 @@ def main() -> None:
 
 def _write(stem: str, env: dict, rows: list[dict]) -> None:
     """JSON + markdown under benchmarks/results/ and, when set, $OUT (the GPU machine's way back)."""
-    header = f"# e2e training step, {env.get('model', MODELS['llama'])}, bf16, batch 1, gradient checkpointing"
+    header = f"# e2e training step, {env['model']}, bf16, batch 1, gradient checkpointing"
     text = f"{header}\n\n{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{_table(rows)}"
     for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
         Path(folder).mkdir(parents=True, exist_ok=True)

@@ -156,18 +156,28 @@ def test_explain_leaves_the_compile_start_callback_registered(gpt2):
 def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch, unlisted):
     """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics, and a
     method there makes each compile log an error: there nothing is listed, and the set is as it was. A writer that
-    fails for a reason of its own does not count against the listing."""
+    fails for a reason of its own does not count against the listing. The verdict is this torch's: kept, the
+    config not written again on the next compile."""
     from torch._dynamo import utils as dynamo_utils
 
     functions, method = unlisted
     before = set(functions)
-    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging",
-                        lambda: json.dumps(sorted(functions, key=repr)))  # as 2.11's: a method is no JSON
-    assert hf_logging.keep_loss_in_graph() is False and not hf_logging.can_list()
-    assert functions == before
+    writes = []
+
+    def metrics_json() -> str:  # as 2.11's: a method is no JSON
+        writes.append(1)
+        return json.dumps(sorted(functions, key=repr))
+
+    monkeypatch.setattr(hf_logging, "_metrics_refuse", False)
+    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", metrics_json)
+    assert hf_logging.keep_loss_in_graph() is False
+    assert len(writes) == 2  # before and after listing it
+    assert not hf_logging.can_list() and hf_logging.keep_loss_in_graph() is False
+    assert len(writes) == 2 and functions == before
 
     def failing() -> str:
         raise TypeError("something else in the config")
 
+    monkeypatch.setattr(hf_logging, "_metrics_refuse", False)
     monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", failing)
     assert hf_logging.keep_loss_in_graph() is True and method in functions

@@ -41,6 +41,7 @@ HF_LOGGER = "transformers.modeling_utils"
 ENV_VAR = "FLCE_IGNORE_HF_LOSS_WARNING"
 
 _announced = False  # the INFO note, once a process
+_metrics_refuse = False  # this torch's compile metrics cannot write a listed method (``breaks_compile_metrics``)
 
 
 def enabled() -> bool:
@@ -71,14 +72,23 @@ def _metrics_json_ok() -> bool:
 
 def breaks_compile_metrics(functions: set, method: Any) -> bool:
     """Whether listing ``method`` in ``functions`` would make the compile metrics fail to write the config where
-    they wrote it before (torch 2.11). Leaves ``functions`` as it found it."""
+    they wrote it before (torch 2.11). Leaves ``functions`` as it found it. A yes is this torch's and kept: the
+    compile-start callback asks on every compile, and the writer serializes the whole config each time."""
+    global _metrics_refuse
+    if _metrics_refuse:
+        return True
     if method in functions or not _metrics_json_ok():  # already listed, or failing for a reason of its own
         return False
     functions.add(method)
     try:
-        return not _metrics_json_ok()
+        _metrics_refuse = not _metrics_json_ok()
     finally:
         functions.discard(method)
+    if _metrics_refuse:
+        logger.debug("flce: not listing transformers' loss warning among Dynamo's ignored logging functions: this "
+                     "torch's compile metrics cannot write a listed method (torch 2.11 logs an error on every "
+                     "compile then); a model with no loss_type keeps its graph break")
+    return _metrics_refuse
 
 
 def loss_warning_method() -> Any | None:
@@ -90,12 +100,20 @@ def loss_warning_method() -> Any | None:
     return getattr(logging.getLogger(HF_LOGGER), "warning_once", None)
 
 
-def can_list() -> bool:
-    """Whether ``keep_loss_in_graph`` lists the warning in this thread (or has): on, transformers imported, and
-    a torch whose compile metrics allow it. Lists nothing."""
+def _listable() -> tuple[set, Any] | None:
+    """(this thread's set of ignored logging functions, the loss warning) when the listing is on, transformers is
+    imported and this torch's compile metrics allow it; else None."""
+    if not enabled():
+        return None
     method, functions = loss_warning_method(), _ignored_logging_functions()
-    return (enabled() and method is not None and functions is not None
-            and not breaks_compile_metrics(functions, method))
+    if method is None or functions is None or breaks_compile_metrics(functions, method):
+        return None
+    return functions, method
+
+
+def can_list() -> bool:
+    """Whether ``keep_loss_in_graph`` lists the warning in this thread (or has). Lists nothing."""
+    return _listable() is not None
 
 
 def keep_loss_in_graph() -> bool:
@@ -107,17 +125,12 @@ def keep_loss_in_graph() -> bool:
     register = getattr(dynamo_callback, "on_compile_start", None)
     if register is not None and _on_compile_start not in _start_callbacks():
         register(_on_compile_start)
-    method = loss_warning_method()
-    functions = _ignored_logging_functions()
-    if method is None or functions is None:
+    listable = _listable()
+    if listable is None:
         return False
+    functions, method = listable
     if method in functions:
         return True
-    if breaks_compile_metrics(functions, method):
-        logger.debug("flce: not listing transformers' loss warning among Dynamo's ignored logging functions: this "
-                     "torch's compile metrics cannot write a listed method (torch 2.11 logs an error on every "
-                     "compile then); a model with no loss_type keeps its graph break")
-        return False
     functions.add(method)
     global _announced
     if not _announced:
