@@ -1,12 +1,14 @@
 """End-to-end training step of a Llama-3.2-1B-shaped HF model (or, with ``--model gpt2``, GPT-2 small, whose class
-names no loss type), in the loop most people write (``loss = model(input_ids=ids, labels=ids).loss;
-loss.backward()``). GPU only.
+names no loss type; with ``--model qwen3moe``, a mixture-of-experts model of Qwen3-30B-A3B's layers), in the loop
+most people write (``loss = model(input_ids=ids, labels=ids).loss; loss.backward()``), bf16 weights, or fp32
+weights under bf16 autocast with ``--autocast``. GPU only.
 
 Default variants: eager, inductor (``torch.compile(model)``), flce (``torch.compile(model, backend="flce")`` with
 no options: the logits the model returns are kept, computed when first read, which this loop never does),
 flce-drop (``options={"flce.logits": "drop"}``) and liger-flce (eager + Liger's fused linear cross-entropy
 only). Also available: aot_eager, dynamo-eager (``backend="eager"``), flce-materialize (the logits computed in
-the forward), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024 and liger
+the forward), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024,
+flce-inner-dynamo (a graph Inductor fails on left to torch.compile, ``flce.inner_failure="dynamo"``) and liger
 (Liger's default patch, which also swaps RMSNorm, SwiGLU and RoPE).
 
 ``--mask`` (default ``both``): first the rows as users run them, with the installed transformers and nothing
@@ -17,6 +19,7 @@ patch changes nothing for them and they run once.
     python benchmarks/bench_e2e.py                      # S = 16384 and 65536, default variants, both mask modes
     python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce --mask patched
     python benchmarks/bench_e2e.py --model gpt2 --seq 16384 --variants eager inductor flce --mask as-is
+    python benchmarks/bench_e2e.py --model qwen3moe --autocast --seq 16384 --variants eager inductor flce --mask as-is
 
 Prints a table (peak GB, median step ms after warm-up, the loss, and each flce row's time and peak relative to
 the same inner compiler without the pass) and writes JSON + markdown under benchmarks/results/ (and $OUT).
@@ -40,7 +43,7 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce", "dynamo-eager", "aot_eager", "liger",
-            "flce-materialize", "flce-aot_eager", "flce-eager", "flce-drop-chunk1024")
+            "flce-materialize", "flce-aot_eager", "flce-eager", "flce-drop-chunk1024", "flce-inner-dynamo")
 DEFAULT_VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce")
 #: Variants that do not go through Dynamo: the mask patch cannot change them.
 UNCOMPILED = ("eager", "liger-flce", "liger")
@@ -50,7 +53,7 @@ UNCOMPILED = ("eager", "liger-flce", "liger")
 LIGER_VARIANTS = {"liger-flce": {"rope": False, "rms_norm": False, "swiglu": False}, "liger": {}}
 #: Each flce variant and the same inner compiler without the pass.
 BASELINES = {"flce": "inductor", "flce-drop": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
-             "flce-drop-chunk1024": "inductor", "flce-materialize": "inductor"}
+             "flce-drop-chunk1024": "inductor", "flce-materialize": "inductor", "flce-inner-dynamo": "inductor"}
 #: The options of each flce variant (None: none at all, as users call it).
 FLCE_OPTIONS = {
     "flce": None,
@@ -59,7 +62,9 @@ FLCE_OPTIONS = {
     "flce-aot_eager": {"flce.logits": "drop", "flce.inner": "aot_eager"},
     "flce-eager": {"flce.logits": "drop", "flce.inner": "eager"},
     "flce-drop-chunk1024": {"flce.logits": "drop", "flce.config": {"chunk_tokens": 1024}},
+    "flce-inner-dynamo": {"flce.inner_failure": "dynamo"},
 }
+PRECISIONS = {False: "bf16", True: "fp32 weights under bf16 autocast"}
 MASK_MODES = {"as-is": "as users run it: installed transformers, nothing patched",
               "patched": "bench-only mask patch: compiled models get eager's mask-free SDPA call"}
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,14 +87,30 @@ def llama_config(vocab: int = 128256, hidden: int = 2048, layers: int = 16):
 
 #: The models ``--model`` picks, as the result files name them.
 MODELS = {"llama": "Llama-3.2-1B shape",
-          "gpt2": "GPT-2 small (124M, V = 50257), its loss type unset as transformers builds it"}
+          "gpt2": "GPT-2 small (124M, V = 50257), its loss type unset as transformers builds it",
+          "qwen3moe": "Qwen3-30B-A3B's layer shape, 4 layers and 32 experts (1.3B, V = 151936)"}
+
+
+def qwen3moe_config(layers: int = 4, experts: int = 32):
+    """Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 KV heads of 128, 8 of the experts per token, expert MLP
+    768, V = 151936, untied head), at ``layers`` layers of ``experts`` experts: a mixture-of-experts model whose
+    logits outweigh one layer's activations, as in the full model."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=experts, num_experts_per_tok=8, max_position_embeddings=131072, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
 
 
 def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, family: str = "llama",
                 positions: int = 1024, **shape):
     """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
     device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
-    ``shape``: llama_config's vocab / hidden / layers. ``family`` "gpt2": GPT-2 small with ``positions`` learned
+    ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts). ``family`` "gpt2": GPT-2 small with ``positions`` learned
     positions (the longest sequence it is run at), otherwise as transformers builds it."""
     import transformers
 
@@ -99,6 +120,8 @@ def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, famil
         model = transformers.GPT2LMHeadModel(config).to(device, dtype)
     elif family == "llama":
         model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)
+    elif family == "qwen3moe":
+        model = transformers.Qwen3MoeForCausalLM(qwen3moe_config(**shape)).to(device, dtype)
     else:
         raise ValueError(f"family={family!r} is unknown; use one of {sorted(MODELS)}")
     model.config.use_cache = False
@@ -176,7 +199,9 @@ def prepare(variant: str, model):
     return lambda ids: fn(input_ids=ids, labels=ids).loss
 
 
-def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str) -> dict:
+def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, autocast: bool = False) -> dict:
+    """One variant's row: the first step's time (with the compile), then the median step time and the peak memory
+    after ``warmup`` steps; ``autocast``: each step under bf16 autocast (the model's weights fp32)."""
     row: dict = {"variant": variant, "seq": seq, "mask": mask}
     ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).cuda()
     try:
@@ -188,7 +213,8 @@ def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str) -
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            loss = step_fn(ids)
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                loss = step_fn(ids)
             loss.backward()
             torch.cuda.synchronize()
             if i == 0:
@@ -241,6 +267,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model (default llama)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="fp32 weights, each step under bf16 autocast (default: bf16 weights, no autocast)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
@@ -248,7 +276,7 @@ def main() -> None:
     import transformers
 
     env = {
-        "model": MODELS[args.model], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "model": MODELS[args.model], "precision": PRECISIONS[args.autocast], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "transformers": transformers.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     }
     try:
@@ -258,12 +286,13 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - optional
         pass
     stem = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}{args.tag}"
-    model = build_model(family=args.model, positions=max(args.seq))
+    model = build_model(dtype=torch.float32 if args.autocast else torch.bfloat16, family=args.model,
+                        positions=max(args.seq))
     rows = []
     for variant, seq, mask in plan_runs(args.variants, args.seq, args.mask):
         if mask == "patched":
             allow_causal_skip_under_compile()  # idempotent; after every as-is row
-        row = run_one(variant, model, seq, args.steps, args.warmup, mask)
+        row = run_one(variant, model, seq, args.steps, args.warmup, mask, args.autocast)
         rows.append(row)
         print(json.dumps(row), flush=True)
         _write(stem, env, rows)  # after every row: a run cut short by a time limit keeps what it measured
@@ -272,7 +301,7 @@ def main() -> None:
 
 def _write(stem: str, env: dict, rows: list[dict]) -> None:
     """JSON + markdown under benchmarks/results/ and, when set, $OUT (the GPU machine's way back)."""
-    header = f"# e2e training step, {env['model']}, bf16, batch 1, gradient checkpointing"
+    header = f"# e2e training step, {env['model']}, {env['precision']}, batch 1, gradient checkpointing"
     text = f"{header}\n\n{', '.join(f'{k} {v}' for k, v in env.items())}\n\n{_table(rows)}"
     for folder in filter(None, [RESULTS, os.environ.get("OUT")]):
         Path(folder).mkdir(parents=True, exist_ok=True)

@@ -134,12 +134,14 @@ def train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor, labels: 
 
 class _Recorder:
     """An inner compiler that hands the graphs it gets (after the flce pass) to ``inner`` and records those it
-    compiled, and how many it failed on: Dynamo then splits such a graph at a break and compiles the pieces, so a
-    failed graph never runs (transformers 5.17's MoE models on CUDA under torch 2.11, with Inductor alone too)."""
+    compiled, and how many it failed on. A failed graph with a fused site whose error Dynamo would give the
+    frame up for runs as traced (the backend's default ``flce.inner_failure``: transformers 5.17's MoE models with
+    fp32 weights under torch 2.11, with Inductor alone failing too); any other failed graph never runs."""
 
     def __init__(self, inner: str) -> None:
         self.inner = inner
         self.graphs: list[torch.fx.GraphModule] = []
+        self.traced: list[torch.fx.GraphModule] = []
         self.failed = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -147,18 +149,26 @@ class _Recorder:
 
         try:
             compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
-        except Exception:
+        except Exception as exc:
             self.failed += 1
+            if isinstance(exc, torch._dynamo.exc.exceptions_allowed_to_be_fallback) and any(_fused_ops(gm).values()):
+                self.traced.append(gm)
             raise
         self.graphs.append(gm)
         return compiled
 
     def fused_ops(self) -> dict[str, int]:
-        """How many of each fused op the compiled graphs hold (what ran, not what ``explain`` predicts)."""
-        from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep
+        """How many of each fused op the graphs that ran hold, compiled or as traced (what ran, not what
+        ``explain`` predicts)."""
+        counts = [_fused_ops(gm) for gm in self.graphs + self.traced]
+        return {k: sum(c[k] for c in counts) for k in ("fused", "fused_keep")}
 
-        targets = [n.target for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
-        return {"fused": targets.count(flce_fused_loss), "fused_keep": targets.count(flce_fused_loss_keep)}
+
+def _fused_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep
+
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    return {"fused": targets.count(flce_fused_loss), "fused_keep": targets.count(flce_fused_loss_keep)}
 
 
 def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
@@ -185,6 +195,7 @@ def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
             "sites": [{"path": s.path, "reason": s.reason, "softcap": s.softcap, "logit_scale": s.logit_scale}
                       for s in report],
             "compiled_graphs": len(recorder.graphs), "inner_failures": recorder.failed,
+            "traced_graphs": len(recorder.traced),
             "fused_ops": recorder.fused_ops(),
             "logits_dropped": out.logits is None,
         }
@@ -208,8 +219,9 @@ def table(result: dict[str, Any]) -> str:
              "one-layer random models, 2 x 8 tokens, vocab 160, as is and through `torch.compile(model, "
              "backend=\"flce\")` with `flce.logits` \"keep\" (the default: the returned logits computed when "
              "read, here after backward) and \"drop\". path: what `explain` says the "
-             "pass does with each loss site (with its reason when not fused); ops: the fused ops the compiled graphs "
-             "hold; graphs: explain's graphs (the inner compiler's compiled ones, and failures) for keep / drop; "
+             "pass does with each loss site (with its reason when not fused); ops: the fused ops the graphs that ran "
+             "hold; graphs: explain's graphs (the inner compiler's compiled ones, its failures, and of those the ones "
+             "the backend ran as traced, flce.inner_failure) for keep / drop; "
              "dropped: whether the returned logits were None; differences are the largest absolute ones to the model "
              "run as is.", "",
              "| family | softcap | logit scale | graphs | keep: path | ops | loss | grads | logits | drop: path | ops "
@@ -232,8 +244,9 @@ def table(result: dict[str, Any]) -> str:
         keep, drop = row["keep"], row["drop"]
         sites = keep["sites"]
         graphs = " / ".join(f"{m['graphs']} ({m['compiled_graphs']} compiled"
-                            + (f", {m['inner_failures']} failed" if m.get("inner_failures") else "") + ")"
-                            for m in (keep, drop))
+                            + (f", {m['inner_failures']} failed" if m.get("inner_failures") else "")
+                            + (f", {m['traced_graphs']} run as traced" if m.get("traced_graphs") else "")
+                            + ")" for m in (keep, drop))
         lines.append(f"| {row['family']} | {', '.join(str(s['softcap']) for s in sites)} | "
                      f"{', '.join(str(s['logit_scale']) for s in sites)} | {graphs} | {paths(keep)} | {ops(keep)} | "
                      f"{num(keep, 'loss')} | {num(keep, 'grads')} | {num(keep, 'logits')} | {paths(drop)} | "

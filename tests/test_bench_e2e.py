@@ -69,6 +69,15 @@ def test_gpt2_is_built_as_transformers_builds_it():
         bench.build_model("cpu", torch.float32, family="bert")
 
 
+def test_qwen3moe_is_qwen3_30b_a3b_layers():
+    """``--model qwen3moe``: Qwen3-30B-A3B's layer shape (8 of the experts per token, untied head, V = 151936), at
+    the layers and experts asked."""
+    cfg = _bench().qwen3moe_config(layers=2, experts=16)
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.vocab_size) == (
+        2048, 768, 8, 151936)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.tie_word_embeddings) == (2, 16, False)
+
+
 def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
     bench = _bench()
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -54,7 +54,37 @@ def test_recorder_counts_only_what_the_inner_compiler_compiled(monkeypatch):
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError):
         recorder(gm, [])
-    assert recorder.failed == 1 and recorder.graphs == []
+    assert recorder.failed == 1 and recorder.graphs == [] and recorder.traced == []
+
+
+def test_recorder_counts_a_fused_graph_the_backend_runs_as_traced(monkeypatch):
+    """A fused graph whose failure Dynamo would give the frame up for runs as traced (flce.inner_failure's
+    default): its fused op counts as run; the same failure on a graph without one does not."""
+    from torch._dynamo.backends import registry
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def failing(gm, example_inputs, **kwargs):
+        raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+
+    lm_head, graphs = torch.nn.Linear(4, 8, bias=False), []
+
+    def capture(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    head = torch.compile(lambda x, t: torch.nn.functional.cross_entropy(lm_head(x), t), backend="flce",
+                         options={"flce.inner": capture, "flce.logits": "drop"})
+    head(torch.randn(3, 4), torch.randint(0, 8, (3,)))
+    (fused,) = graphs
+    monkeypatch.setattr(registry, "lookup_backend", lambda name: failing)
+    recorder = hf_families._Recorder("inductor")
+    plain = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    for gm in (plain, fused):
+        with pytest.raises(DataDependentOutputException):
+            recorder(gm, [])
+    assert recorder.failed == 2 and recorder.traced == [fused]
+    assert recorder.fused_ops() == {"fused": 1, "fused_keep": 0}
 
 
 def test_missing_family_is_a_row(monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flce_compile import fused_linear_cross_entropy, graph_replay, set_cuda_graphs
-from flce_compile.compiler.backend import _no_cuda_graphs_of_its_own
+from flce_compile.compiler.inner import no_cuda_graphs_of_its_own
 from flce_compile.compiler.options import FLCEOptions
 from flce_compile.params import LossParams, encode_params
 from replay_steps import instances, steps_at
@@ -231,7 +231,7 @@ def test_set_cuda_graphs_names_the_argument_on_a_bad_mode():
     ("cudagraphs", None, {}, False),
 ])
 def test_backend_allows_replay_only_without_cuda_graphs_of_the_inner_compiler(inner, mode, options, ok):
-    assert _no_cuda_graphs_of_its_own(FLCEOptions(inner=inner), mode, options) is ok
+    assert no_cuda_graphs_of_its_own(FLCEOptions(inner=inner), mode, options) is ok
 
 
 def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):

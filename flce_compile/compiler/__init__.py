@@ -1,6 +1,7 @@
 """``torch.compile(model, backend="flce")``: fuse LM-head + cross-entropy sites in Dynamo graphs.
 
-Modules, top to bottom of the data path: ``backend`` (Dynamo entry, options, inner compiler), ``hf_logging``
+Modules, top to bottom of the data path: ``backend`` (Dynamo entry, options), ``inner`` (how the inner compiler is
+called, and a graph it fails on run as traced with its fused loss), ``hf_logging``
 (keeps a Hugging Face loss in the head's graph where transformers logs a warning at it), ``options``
 (``flce.*`` validation), ``patterns`` (site matching), ``decide`` (what each site gets), ``rewrite`` (graph
 rewrite), ``outputs`` and ``lazy_logits`` (the outputs handed back around the compiled graph: logits computed when

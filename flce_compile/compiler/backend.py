@@ -9,7 +9,6 @@ both bound for that case.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -18,6 +17,7 @@ from torch import fx
 from .. import graph_replay
 from ..log import logger
 from .hf_logging import keep_loss_in_graph
+from .inner import compile_graph, inner_compiler, no_cuda_graphs_of_its_own
 from .options import FLCEOptions, split_options
 
 BACKEND_NAME = "flce"
@@ -37,7 +37,7 @@ def flce_backend(
     keyword go to the inner compiler unchanged.
     """
     opts, inner_options = split_options(options)
-    inner = _inner_compiler(opts, mode, inner_options, kwargs)
+    inner = inner_compiler(opts, mode, inner_options, kwargs)
     if opts.enabled:
         keep_loss_in_graph()  # for frames traced from now on, should transformers have come after this module
     wrap, fused = None, False
@@ -52,34 +52,11 @@ def flce_backend(
             wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
-    try:
-        compiled = inner(gm, example_inputs)
-    except Exception as exc:
-        # Dynamo will split the graph and retry: say what that costs the fused site. (A RestartAnalysis is no
-        # failure: Dynamo traces the frame again, e.g. once AOT autograd specializes a float under dynamic=True.)
-        if fused and not isinstance(exc, torch._dynamo.exc.RestartAnalysis):
-            _log_inner_failure(opts, exc)
-        raise
-    if fused and _no_cuda_graphs_of_its_own(opts, mode, inner_options):
+    compiled, traced = compile_graph(inner, gm, example_inputs, opts, fused)
+    if fused and (traced or no_cuda_graphs_of_its_own(opts, mode, inner_options)):
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
-
-
-def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:
-    """The inner compiler failed on a graph holding a fused site. torch.compile raises the error, or for some
-    errors (a data-dependent operator under torch 2.11) splits the graph at breaks and compiles the pieces; the
-    lm_head and its loss may then land in different pieces and the site is no longer fused (the pass says so on
-    the piece with the loss). Seen with Inductor on transformers 5.17's MoE models on CUDA, which fail the same
-    way without this backend."""
-    name = opts.inner_name
-    logger.warning(
-        "flce: the inner compiler %r failed on a graph with a fused lm_head/loss site (%s: %s). torch.compile "
-        "raises it, or (for a data-dependent operator, say) splits the graph and compiles the pieces, and the site "
-        "stays unfused if the lm_head and the loss end up in different pieces. If torch.compile with backend=%r "
-        "alone fails too (Inductor does on transformers 5.17's MoE models on CUDA), the cause is outside the head; "
-        "if it does not, the fused op is: please report it",
-        name, type(exc).__name__, str(exc)[:300], name)
 
 
 def _drop_causal_masks(gm: fx.GraphModule) -> None:
@@ -96,25 +73,6 @@ def _drop_causal_masks(gm: fx.GraphModule) -> None:
         logger.info("flce: %s", result)
 
 
-#: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).
-_GRAPHLESS_INNER = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def _no_cuda_graphs_of_its_own(opts: FLCEOptions, mode: str | None, inner_options: Mapping[str, Any]) -> bool:
-    """Whether the compiled graph runs outside any CUDA graph of the inner compiler's: only then may the fused op
-    replay graphs of its own (``graph_replay``). Inductor's CUDA-graph trees run the graph once to warm up with
-    their memory pool installed, and the op's buffers must not land in it."""
-    if opts.inner not in _GRAPHLESS_INNER:
-        return False
-    if opts.inner != "inductor":
-        return True
-    from torch._inductor import config as inductor_config
-
-    return (mode not in _CUDA_GRAPH_MODES and not inner_options.get("triton.cudagraphs")
-            and not inductor_config.triton.cudagraphs)
-
-
 class _AllowGraphReplay:
     """A compiled graph run with the fused op's CUDA-graph replay allowed (``graph_replay.allowed``)."""
 
@@ -126,26 +84,6 @@ class _AllowGraphReplay:
     def __call__(self, *args: Any) -> Any:
         with graph_replay.allowed():
             return self.compiled(*args)
-
-
-def _inner_compiler(
-    opts: FLCEOptions, mode: str | None, inner_options: dict[str, Any], extra: dict[str, Any]
-) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
-    """The inner compiler, called the way ``torch.compile`` would call it with the same mode/options."""
-    if opts.inner == "inductor":
-        if extra:
-            raise TypeError(f"backend 'flce' with inner inductor got unexpected keyword arguments {sorted(extra)}")
-        # The same wrapper torch.compile builds for backend="inductor" (applies mode and inductor options).
-        return torch._TorchCompileInductorWrapper(mode, inner_options or None, None)
-    from torch._dynamo.backends.registry import lookup_backend
-
-    fn = lookup_backend(opts.inner) if isinstance(opts.inner, str) else opts.inner
-    kw = dict(extra)
-    if mode and mode != "default":
-        kw["mode"] = mode
-    if inner_options:
-        kw["options"] = inner_options
-    return functools.partial(fn, **kw) if kw else fn
 
 
 def with_options(options: Mapping[str, Any] | None = None, mode: str | None = None, **flce: Any) -> Callable[..., Any]:

@@ -28,8 +28,12 @@ VALID_KEYS: dict[str, str] = {
     "flce.memory_budget_gb": "the most each fused site may use above its inputs and gradients (GiB), or None",
     "flce.causal_masks": "True (default): SDPA calls given a causal mask the graph builds from constants run with "
                          "is_causal=True (flash attention); False leaves attention as traced",
+    "flce.inner_failure": '"traced" (default: a graph with a fused site that the inner compiler fails on in a way '
+                          'torch.compile would run uncompiled runs as traced, its loss fused) or "dynamo" (left to '
+                          'torch.compile: the frame runs uncompiled, its loss unfused)',
 }
 LOGITS_MODES = ("keep", "materialize", "drop")
+INNER_FAILURE_MODES = ("traced", "dynamo")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class FLCEOptions:
     precision: str = "exact"
     memory_budget_gb: float | None = None
     causal_masks: bool = True  # see causal_mask.drop_causal_masks
+    inner_failure: str = "traced"  # see inner.compile_graph
 
     @property
     def inner_name(self) -> str:
@@ -95,6 +100,10 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     for key, flag in (("enabled", enabled), ("causal_masks", causal_masks)):
         if not isinstance(flag, bool):
             raise TypeError(f"options['flce.{key}'] must be True or False, got {flag!r}")
+    inner_failure = raw.get("inner_failure", "traced")
+    if inner_failure not in INNER_FAILURE_MODES:
+        raise ValueError(f"options['flce.inner_failure']={inner_failure!r} is not valid; use one of "
+                         f"{INNER_FAILURE_MODES}")
     precision = check_precision(raw.get("precision", "exact"), "options['flce.precision']")
     budget = raw.get("memory_budget_gb")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
@@ -102,7 +111,7 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
         raise ValueError(f"options['flce.memory_budget_gb']={budget!r} must be a positive number of GiB, or None")
     return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled, precision=precision,
                        memory_budget_gb=float(budget) if budget is not None else None,
-                       causal_masks=causal_masks)
+                       causal_masks=causal_masks, inner_failure=inner_failure)
 
 
 def _check_backend_name(name: str) -> None:
