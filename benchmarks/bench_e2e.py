@@ -110,8 +110,9 @@ def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, famil
                 positions: int = 1024, **shape):
     """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
     device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
-    ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts). ``family`` "gpt2": GPT-2 small with ``positions`` learned
-    positions (the longest sequence it is run at), otherwise as transformers builds it."""
+    ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts). ``family`` "gpt2":
+    GPT-2 small with ``positions`` learned positions (the longest sequence it is run at), otherwise as
+    transformers builds it."""
     import transformers
 
     torch.manual_seed(0)
@@ -276,7 +277,8 @@ def main() -> None:
     import transformers
 
     env = {
-        "model": MODELS[args.model], "precision": PRECISIONS[args.autocast], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "model": MODELS[args.model], "precision": PRECISIONS[args.autocast], "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
         "transformers": transformers.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     }
     try:

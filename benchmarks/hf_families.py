@@ -134,8 +134,8 @@ def train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor, labels: 
 
 class _Recorder:
     """An inner compiler that hands the graphs it gets (after the flce pass) to ``inner`` and records those it
-    compiled, and how many it failed on. A failed graph with a fused site whose error Dynamo would give the
-    frame up for runs as traced (the backend's default ``flce.inner_failure``: transformers 5.17's MoE models with
+    compiled, and how many it failed on. A failed graph with a fused site whose error Dynamo answers with a
+    graph break runs as traced (the backend's default ``flce.inner_failure``: transformers 5.17's MoE models with
     fp32 weights under torch 2.11, with Inductor alone failing too); any other failed graph never runs."""
 
     def __init__(self, inner: str) -> None:

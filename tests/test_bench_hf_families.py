@@ -58,7 +58,7 @@ def test_recorder_counts_only_what_the_inner_compiler_compiled(monkeypatch):
 
 
 def test_recorder_counts_a_fused_graph_the_backend_runs_as_traced(monkeypatch):
-    """A fused graph whose failure Dynamo would give the frame up for runs as traced (flce.inner_failure's
+    """A fused graph whose failure Dynamo answers with a graph break runs as traced (flce.inner_failure's
     default): its fused op counts as run; the same failure on a graph without one does not."""
     from torch._dynamo.backends import registry
     from torch._subclasses.fake_tensor import DataDependentOutputException

@@ -1,7 +1,9 @@
-"""The backend's inner compiler failing on a graph: run as traced with the fused loss (an error Dynamo would give
-the frame up for, ``flce.inner_failure="traced"``), or left to torch.compile."""
+"""The backend's inner compiler failing on a graph: run as traced with the fused loss (an error Dynamo answers with
+a graph break, ``flce.inner_failure="traced"``), or left to torch.compile."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import flce_compile.compiler  # noqa: F401  (registers backend="flce")
 from flce_compile.compiler.checkpoints import is_checkpoint
@@ -53,7 +55,7 @@ def _step(model, fn, x, t):
 
 
 def test_a_fallback_failure_on_a_fused_graph_runs_it_as_traced_with_the_fused_loss(caplog):
-    """The failure Dynamo answers by running the frame uncompiled (a data-dependent operator: transformers 5.17's
+    """The failure Dynamo answers with a graph break (a data-dependent operator: transformers 5.17's
     MoE expert GEMM with fp32 weights under torch 2.11) no longer costs the fused loss: the graph runs as traced,
     the fused op in it, with eager's loss and gradients, and the backend says why and how to opt out."""
     calls = []
@@ -126,8 +128,125 @@ def test_a_graph_run_as_traced_keeps_its_checkpointed_regions_checkpointed():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _traced_run(model, x, t, seed=0):
+    """Loss and gradients of ``model`` eager and through backend="flce" with an inner compiler that fails on the
+    fused graph (so it runs as traced), each from ``seed``, with aten.sin calls counted in each backward."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        calls = []
+        inner = _failing_on_fused(calls, DataDependentOutputException(torch.ops.aten._local_scalar_dense.default))
+        fn = torch.compile(model, backend="flce", options={"flce.inner": inner}) if compiled else model
+        torch.manual_seed(seed)
+        loss = fn(x, t)
+        with _CountSin() as counter:
+            grads = torch.autograd.grad(loss, [x, *model.parameters()])
+        runs.append((loss, grads, counter.sin, calls))
+    return runs
+
+
+class NestedCheckpoints(CheckpointedLayer):
+    def forward(self, x, t):
+        def outer(y):
+            return checkpoint(lambda z: torch.sin(z) * self.layer(z), y, use_reentrant=False) * torch.sin(y)
+
+        h = checkpoint(outer, x, use_reentrant=False)
+        return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1))
+
+
+class DropoutInCheckpoint(CheckpointedLayer):
+    def forward(self, x, t):
+        h = checkpoint(lambda y: F.dropout(torch.sin(y) * self.layer(y), 0.5, training=True), x, use_reentrant=False)
+        return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1))
+
+
+def _save_sin(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func is torch.ops.aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveCheckpoint(CheckpointedLayer):
+    def forward(self, x, t):
+        h = checkpoint(lambda y: torch.sin(y) * self.layer(y), x, use_reentrant=False,
+                       context_fn=functools.partial(create_selective_checkpoint_contexts, _save_sin))
+        return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1))
+
+
+def test_a_selectively_checkpointed_region_keeps_its_policy():
+    """Selective checkpointing's policy (kept by Dynamo on the region's body) holds when the graph runs as traced:
+    the sin it saves is not recomputed, as in eager."""
+    x, t = _inputs()
+    (ref, ref_grads, ref_sin, _), (loss, grads, sin, calls) = _traced_run(SelectiveCheckpoint(), x.requires_grad_(), t)
+    assert calls == [True] and sin == ref_sin == 0
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", [NestedCheckpoints, DropoutInCheckpoint])
+def test_nested_and_random_checkpointed_regions_run_as_eager_runs_them(model_type):
+    """A region inside a checkpointed region is checkpointed too (backward recomputes as often as eager's), and a
+    region that draws random numbers recomputes with the same ones (the RNG state kept, as eager's checkpoint
+    does): eager's loss and gradients."""
+    x, t = _inputs()
+    (ref, ref_grads, ref_sin, _), (loss, grads, sin, calls) = _traced_run(model_type(), x.requires_grad_(), t)
+    assert calls == [True] and type(loss.grad_fn).__name__ == "_FusedFunctionBackward"
+    assert sin == ref_sin > 0
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@torch.library.custom_op("flce_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("flce_test::doubled_grad", mutates_args=())
+def _doubled_grad(g: torch.Tensor) -> torch.Tensor:
+    return g * 2
+
+
+@_doubled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@_doubled_grad.register_fake
+def _(g):  # as a backward that reads sizes on the host (transformers 5.17's MoE GEMM under torch 2.11)
+    raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+
+
+_doubled.register_autograd(lambda ctx, g: _doubled_grad(g))
+
+
+class DataDependentBackward(CheckpointedLayer):
+    def forward(self, x, t):
+        h = torch.sin(_doubled(self.layer(x)))
+        return F.cross_entropy(self.lm_head(h).view(-1, V), t.view(-1))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_real_inner_compiler_failure_runs_as_traced(fullgraph, caplog):
+    """AOT autograd itself failing on an operator whose backward it cannot trace (the error torch raises, not one
+    a test makes up): the graph runs as traced with the fused loss, also under fullgraph=True (logged)."""
+    model, (x, t) = DataDependentBackward(), _inputs()
+    x.requires_grad_()
+    ref = model(x, t)
+    ref_grads = torch.autograd.grad(ref, [x, *model.parameters()])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, fullgraph=fullgraph)
+    with caplog.at_level("WARNING", logger="flce_compile"):
+        loss = compiled(x, t)
+    grads = torch.autograd.grad(loss, [x, *model.parameters()])
+    assert type(loss.grad_fn).__name__ == "_FusedFunctionBackward"
+    assert "inner compiler 'aot_eager' failed" in caplog.text and "runs this graph as traced" in caplog.text
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_inner_failure_dynamo_leaves_the_failure_to_torch_compile(caplog):
-    """With flce.inner_failure="dynamo", Dynamo runs the frame uncompiled: the loss is right, but unfused."""
+    """With flce.inner_failure="dynamo", Dynamo breaks the graph there: the loss is right, but unfused."""
     calls = []
     model, (x, t) = Tiny(), _inputs()
     ref, ref_grad = _step(model, model, x, t)

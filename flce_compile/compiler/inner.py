@@ -1,14 +1,17 @@
 """The inner compiler: how the backend calls it, and what it does when that compiler fails on a fused graph.
 
 Dynamo answers some failures of a backend (a data-dependent operator, an operator fake tensors cannot run:
-``torch._dynamo.exc.exceptions_allowed_to_be_fallback``) by giving up the whole frame: it runs as Python, and only
-the frames it calls are compiled on their own. The head's frame holds the lm_head, so its loss then materializes
-the logits as eager does. That happens on models the inner compiler cannot handle, with this backend or without
-it: transformers 5.17's MoE models with fp32 weights (autocast's training setup) under torch 2.11 use an expert
-GEMM whose backward reads its group sizes on the host, which AOT autograd cannot trace. With
-``flce.inner_failure="traced"`` (the default) the backend runs such a graph as traced instead, uncompiled, the
-fused op in it: the logits stay unmaterialized, as the backend promises, at the cost of the inner compiler's
-speed-up for that graph, which the fallback loses for the head's frame too.
+``torch._dynamo.exc.exceptions_allowed_to_be_fallback``) with a graph break: the lm_head and its loss then run
+outside any compiled graph and the loss materializes the logits, as eager does. For transformers' MoE models the
+head's whole frame runs uncompiled (Dynamo compiles only the frames it calls). That happens on models the inner
+compiler cannot handle, with this backend or without it: transformers 5.17's MoE models with fp32 weights
+(autocast's training setup) under torch 2.11 use an expert GEMM whose backward reads its group sizes on the host,
+which AOT autograd cannot trace. With ``flce.inner_failure="traced"`` (the default) the backend runs such a graph
+as traced instead, uncompiled, the fused op in it: the logits stay unmaterialized, as the backend promises. The
+graph is the whole frame Dynamo traced, so none of it is compiled, where Dynamo's fallback still compiles the
+frames the head's frame calls; on the H200 the traced graph was the faster of the two all the same (README).
+Under ``fullgraph=True``, where torch.compile would raise such a failure, the graph also runs as traced (logged);
+``"dynamo"`` restores torch.compile's answer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from torch import fx
 
 from ..log import logger
-from .checkpoints import is_checkpoint
+from .checkpoints import checkpoint_body, is_checkpoint
 from .options import FLCEOptions
 
 #: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).
@@ -56,8 +59,8 @@ def compile_graph(
     fused: bool,
 ) -> tuple[Callable[..., Any], bool]:
     """``(inner(gm, example_inputs), False)``; or, when that fails on a graph holding a fused site (``fused``)
-    with an error Dynamo would give the frame up for and ``opts.inner_failure`` is "traced",
-    ``(gm.forward, True)``: the graph run as traced. Any other failure is raised, as torch.compile would."""
+    with an error Dynamo answers with a graph break and ``opts.inner_failure`` is "traced",
+    ``(run_as_traced(gm), True)``. Any other failure is raised, as torch.compile would."""
     try:
         return inner(gm, example_inputs), False
     except Exception as exc:
@@ -68,10 +71,9 @@ def compile_graph(
         if opts.inner_failure == "traced" and isinstance(exc, torch._dynamo.exc.exceptions_allowed_to_be_fallback):
             logger.warning(
                 "flce: the inner compiler %r failed on a graph with a fused lm_head/loss site (%s: %s), an error "
-                "torch.compile answers by running the frame uncompiled (compiling only the frames it calls), its "
-                "loss on materialized logits. "
-                "The backend runs this graph as traced instead, uncompiled but with the fused loss "
-                "(flce.inner_failure='traced'; 'dynamo' leaves the failure to torch.compile). torch.compile with "
+                "torch.compile answers with a graph break, after which the lm_head and its loss run uncompiled, on "
+                "materialized logits. The backend runs this graph as traced instead, uncompiled but with the fused "
+                "loss (flce.inner_failure='traced'; 'dynamo' leaves the failure to torch.compile). torch.compile with "
                 "backend=%r alone fails on this graph too if the cause is outside the head (transformers 5.17's MoE "
                 "models with fp32 weights under torch 2.11, say)",
                 opts.inner_name, type(exc).__name__, str(exc)[:300], opts.inner_name)
@@ -85,14 +87,22 @@ def run_as_traced(gm: fx.GraphModule) -> Callable[..., Any]:
 
     Run outside a compiler, Dynamo's checkpoint calls (``tag_activation_checkpoint``) keep every activation of
     their region under torch 2.11 (pytorch/pytorch#160773): a checkpointed model would keep all its layers'
-    activations, more than the logits the fused loss saves. They become ``checkpoint(body, ...)`` calls, as the
-    user's code made them (non-reentrant, the only kind Dynamo traces)."""
+    activations, more than the logits the fused loss saves. They become ``checkpoint(body, ...)`` calls, nested
+    ones too, non-reentrant as Dynamo's own are (it traces ``use_reentrant=True`` into the same call)."""
+    _checkpoint_regions(gm)
+    return gm.forward
+
+
+def _checkpoint_regions(gm: fx.GraphModule) -> None:
+    """Turn ``gm``'s checkpoint calls, and those inside their bodies, into ``_checkpointed`` calls."""
     regions = [node for node in gm.graph.nodes if is_checkpoint(node)]
     for node in regions:
+        body = checkpoint_body(gm, node)
+        if body is not None:
+            _checkpoint_regions(body[1])
         node.target = _checkpointed
     if regions:
         gm.recompile()
-    return gm.forward
 
 
 def _checkpointed(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
@@ -108,19 +118,19 @@ def _checkpointed(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
 
 
 #: Keywords of torch.utils.checkpoint.checkpoint a traced region may carry (use_reentrant is always False).
-_CHECKPOINT_KEYWORDS = ("preserve_rng_state", "determinism_check", "debug")
+_CHECKPOINT_KEYWORDS = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
 
 
 def _log_inner_failure(opts: FLCEOptions, exc: Exception) -> None:
     """The inner compiler failed on a graph holding a fused site and the failure goes to torch.compile: it
-    raises the error, or for some errors gives up the frame, whose lm_head and loss then run uncompiled and
+    raises the error, or for some errors breaks the graph there, and the lm_head and loss then run uncompiled and
     unfused."""
     name = opts.inner_name
     logger.warning(
         "flce: the inner compiler %r failed on a graph with a fused lm_head/loss site (%s: %s). torch.compile "
-        "raises it, or (for a data-dependent operator, say) runs the frame uncompiled, and the site stays "
-        "unfused. If torch.compile with backend=%r alone fails too, the cause is outside the head; if it does "
-        "not, the fused op is: please report it",
+        "raises it, or (for a data-dependent operator, say) breaks the graph there, and the lm_head and its loss "
+        "run uncompiled and unfused. If torch.compile with backend=%r alone fails too, the cause is outside the "
+        "head; if it does not, the fused op is: please report it",
         name, type(exc).__name__, str(exc)[:300], name)
 
 

@@ -28,9 +28,9 @@ VALID_KEYS: dict[str, str] = {
     "flce.memory_budget_gb": "the most each fused site may use above its inputs and gradients (GiB), or None",
     "flce.causal_masks": "True (default): SDPA calls given a causal mask the graph builds from constants run with "
                          "is_causal=True (flash attention); False leaves attention as traced",
-    "flce.inner_failure": '"traced" (default: a graph with a fused site that the inner compiler fails on in a way '
-                          'torch.compile would run uncompiled runs as traced, its loss fused) or "dynamo" (left to '
-                          'torch.compile: the frame runs uncompiled, its loss unfused)',
+    "flce.inner_failure": '"traced" (default: a graph with a fused site that the inner compiler fails on with an '
+                          'error torch.compile answers with a graph break runs as traced, its loss fused) or "dynamo" '
+                          '(left to torch.compile: the head and its loss run uncompiled and unfused)',
 }
 LOGITS_MODES = ("keep", "materialize", "drop")
 INNER_FAILURE_MODES = ("traced", "dynamo")
