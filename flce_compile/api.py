@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import operator
 from typing import Any, Mapping
 
@@ -20,7 +21,7 @@ from . import eager_shortcut
 from .dtensor import refuse_dtensors
 from .op import RUNTIME_SOFTCAP, autocast_on, call_fused
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
-from .plan.choose import config_within_budget
+from .plan.choose import budget_bytes, config_within_budget
 from .plan.config import FLCEConfig, config_overrides
 from .plan.precision import accum_dtype_for, check_precision, forced_by
 
@@ -66,11 +67,16 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             f"input ({input.device}), weight ({weight.device}) and target ({target.device}) must be on one device"
         )
     if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"bias must be a tensor of shape ({weight.shape[0]},) or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) (one per class), got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype or bias.device != weight.device:
             raise TypeError(f"bias must match weight's dtype and device ({weight.dtype}, {weight.device})")
     if ce_weight is not None:
+        if not isinstance(ce_weight, Tensor):
+            raise TypeError(f"ce_weight must be a floating tensor of shape ({weight.shape[0]},) (a weight per class) "
+                            f"or None, got {type(ce_weight).__name__}")
         if tuple(ce_weight.shape) != (weight.shape[0],) or not ce_weight.is_floating_point():
             raise ValueError(
                 f"ce_weight must be a floating tensor of shape ({weight.shape[0]},) (a weight per class), "
@@ -78,14 +84,38 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             )
         if ce_weight.device != weight.device:
             raise ValueError(f"ce_weight must be on {weight.device}, got {ce_weight.device}")
+        if ce_weight.requires_grad:  # as F.cross_entropy, which refuses it
+            raise TypeError("ce_weight requires grad, but cross-entropy's class weights get no gradient (nor do "
+                            "they in F.cross_entropy, which refuses them): pass ce_weight.detach()")
+    _validate_loss_options(reduction, label_smoothing, softcap)
+
+
+def _validate_loss_options(reduction: str, label_smoothing: float, softcap: float | Tensor | None) -> None:
+    """The loss options among ``_validate``'s checks, which need no tensors (``FusedLinearCrossEntropyLoss``
+    checks them at construction)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is unknown; use one of {REDUCTIONS}")
+    _check_number("label_smoothing", label_smoothing, "a float in [0, 1]")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
     if isinstance(softcap, Tensor):
         _validate_softcap_tensor(softcap)
-    elif softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap={softcap} must be > 0 (inf means no cap), or None for no softcap")
+    elif softcap is not None:
+        _check_number("softcap", softcap, "a float > 0, a 0-dim CPU tensor, or None")
+        if not softcap > 0:
+            raise ValueError(f"softcap={softcap} must be > 0 (inf means no cap), or None for no softcap")
+
+
+#: What a scalar option may be: a Python or NumPy number, the symbolic one Dynamo passes under dynamic=True, or a
+#: one-element tensor (read at each call: its value may change in place).
+_NUMBERS = (numbers.Real, torch.SymInt, torch.SymFloat, Tensor)
+
+
+def _check_number(name: str, value: Any, expected: str) -> None:
+    """A TypeError naming ``name`` unless ``value`` is a real number (a bool, which Python counts as one, is
+    refused: ``True`` for a smoothing or a cap is a mistake)."""
+    if isinstance(value, bool) or not isinstance(value, _NUMBERS):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
 
 
 def _validate_softcap_tensor(softcap: Tensor) -> None:
@@ -110,12 +140,14 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise TypeError(f"ignore_index={ignore_index!r} must be an int (a class id)") from None
     if not _INT64[0] <= index <= _INT64[1]:
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
+    _check_number("logit_scale", logit_scale, "a float")
     if isinstance(logit_scale, Tensor) and logit_scale.requires_grad:
         raise TypeError(
             "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "
             "no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale (and "
             "bias * logit_scale) so autograd reaches a learned one"
         )
+    _check_number("z_loss", z_loss, "a float >= 0")
     if not z_loss >= 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
 
@@ -422,6 +454,25 @@ def _size_hint(n: Any) -> int:
     return int(hint) if hint is not None else int(n)
 
 
+def _validate_module_options(options: Mapping[str, Any]) -> None:
+    """The checks of ``fused_linear_cross_entropy``'s options that need no batch, with its errors, so that a
+    ``FusedLinearCrossEntropyLoss`` with a bad option fails where it is built, not at its first forward."""
+    get = options.get
+    _validate_loss_options(get("reduction", "mean"), get("label_smoothing", 0.0), get("softcap"))
+    _validate_scalars(get("ignore_index", -100), get("logit_scale", 1.0), get("z_loss", 0.0))
+    precision = check_precision(get("precision", "exact"))
+    accum_dtype = get("accum_dtype")
+    if accum_dtype is not None:  # against fp32 weights; the weight's own dtype is checked at each call
+        accum_dtype_for(precision, accum_dtype, accum_dtype)
+    config_overrides(get("config"))
+    if get("memory_budget_gb") is not None:
+        budget_bytes(get("memory_budget_gb"))
+    ce_weight = get("ce_weight")
+    if ce_weight is not None and (not isinstance(ce_weight, Tensor) or ce_weight.dim() != 1
+                                  or not ce_weight.is_floating_point()):
+        raise ValueError("ce_weight must be a 1-D floating tensor (a weight per class) or None")
+
+
 class FusedLinearCrossEntropyLoss(nn.Module):
     """Module form of :func:`fused_linear_cross_entropy`: options at construction, tensors at call."""
 
@@ -433,6 +484,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(allowed)}")
+        _validate_module_options(options)
         ce_weight = options.pop("ce_weight", None)
         self.register_buffer("ce_weight", ce_weight, persistent=False)
         self.options = options

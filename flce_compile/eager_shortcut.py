@@ -125,6 +125,8 @@ def key_of(input: Any, weight: Any, target: Any, bias: Any, ce_weight: Any, opti
         return None
     # ``op.direct_call_ok`` but for Dynamo, which the API asked: plain CPU or CUDA tensors (their devices are in
     # the key), nothing that intercepts operators.
+    if input is None or weight is None or target is None:  # the full path names the argument
+        return None
     if not (direct_tensors(input, weight, target) and interception_free()):
         return None
     cuda = input.is_cuda

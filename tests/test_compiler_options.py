@@ -43,6 +43,11 @@ def test_split_options_routes_keys():
     ({"flce.enabled": "yes"}, r"flce.enabled"),
     ({"flce.config": {"chunk_size": 3}}, r"flce.config.*unknown keys"),
     ({"flce.inner_failure": "skip"}, r"flce.inner_failure.*'traced', 'dynamo'"),
+    ({"flce.logit": "drop"}, r"unknown option 'flce.logit'.*did you mean 'flce.logits'"),
+    # Ours without the prefix, or with it in capitals, would go to the inner compiler and be lost there.
+    ({"logits": "drop"}, r"option 'logits' would go to the inner compiler \(inductor\).*'flce.logits'"),
+    ({"logits": "drop", "flce.inner": "aot_eager"}, r"option 'logits' would go to the inner compiler \(aot_eager"),
+    ({"FLCE.logits": "drop", "flce.inner": "eager"}, r"'FLCE.logits'.*lower case.*did you mean 'flce.logits'"),
 ])
 def test_invalid_options_name_the_key(options, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -114,6 +119,26 @@ def test_backend_object_and_name_and_entry_point():
     assert "flce" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_a_bare_option_name_of_ours_passes_to_an_inner_compiler_of_the_users_own():
+    """Another inner compiler may take an option called ``logits`` itself: it gets it, as every unprefixed key."""
+    seen = {}
+
+    def inner(gm, example_inputs, **kwargs):
+        seen.update(kwargs)
+        return gm.forward
+
+    ours, rest = split_options({"logits": 3, "flce.inner": inner})
+    assert ours.logits == "keep" and rest == {"logits": 3}
+    torch._dynamo.reset()
+    torch.compile(Tiny(), backend="flce", options={"logits": 3, "flce.inner": inner})(*_inputs())
+    assert seen.get("options") == {"logits": 3}
+
+
+def test_with_options_takes_the_prefixed_spelling_too():
+    assert fc.with_options(**{"flce.logits": "drop"}).flce_options == {"flce.logits": "drop"}
+    assert fc.with_options(logits="drop").flce_options == {"flce.logits": "drop"}
+
+
 def test_with_options_validates_eagerly():
     with pytest.raises(ValueError, match="flce.logits"):
         fc.with_options(logits="nope")
@@ -164,9 +189,9 @@ def test_precise_precision_reaches_the_op():
 
 
 def test_explain_follows_the_memory_budget(monkeypatch):
-    """explain reports the config a memory budget makes the op run, and a budget no config fits as the unfused
-    site the backend leaves (bf16 on the CPU: the chunked strategy's fp32 dW accumulator, 8 MiB, cannot fit 7 MiB;
-    the op runs "recompute" there)."""
+    """explain reports the config a memory budget makes the op run, and a budget no config fits as the error the
+    backend raises, as an eager call does: left unfused, the loss would use more memory still (bf16 on the CPU:
+    the chunked strategy's fp32 dW accumulator, 8 MiB, cannot fit 7 MiB; the op runs "recompute" there)."""
     import flce_compile.op as op_module
 
     lm_head = nn.Linear(256, 8192, bias=False).to(torch.bfloat16)
@@ -185,11 +210,16 @@ def test_explain_follows_the_memory_budget(monkeypatch):
         if fused:
             assert site.strategy.startswith(strategy + " (")
         else:
-            assert site.reason.startswith("rewrite fails: memory_budget_gb=") and "raise the budget" in site.reason
+            assert site.reason.startswith("the compile raises: memory_budget_gb=") and "raise the budget" in site.reason
         graphs = []
         calls.clear()
         torch._dynamo.reset()
-        torch.compile(fn, backend="flce", options={**options, "flce.inner": _recording(graphs)})(x, t).backward()
+        compiled = torch.compile(fn, backend="flce", options={**options, "flce.inner": _recording(graphs)})
+        if not fused:
+            with pytest.raises(Exception, match=r"BudgetError: memory_budget_gb=.*raise the budget"):
+                compiled(x, t)
+            continue
+        compiled(x, t).backward()
         assert any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes) == fused
         assert bool(calls) == (strategy == "recompute")  # what explain said is what ran
 

@@ -34,12 +34,72 @@ CFG = {"strategy": "torch", "chunk_tokens": 8}
         (lambda x, w, t: (x, w, t, {"ce_weight": torch.ones(3)}), ValueError, "ce_weight"),
         (lambda x, w, t: (x, w, t, {"accum_dtype": torch.int32}), TypeError, "accum_dtype"),
         (lambda x, w, t: (x, w[0], t, {}), ValueError, "weight must be 2-D"),
+        # Wrong Python types: the argument named, not a comparison's or attribute's error from inside.
+        (lambda x, w, t: (None, w, t, {}), TypeError, "input, weight and target must be tensors"),
+        (lambda x, w, t: (x, w, t, {"bias": 1.0}), TypeError, "bias must be a tensor"),
+        (lambda x, w, t: (x, w, t, {"ce_weight": [1.0] * 40}), TypeError, "ce_weight must be a floating tensor"),
+        (lambda x, w, t: (x, w, t, {"label_smoothing": "0.1"}), TypeError, "label_smoothing must be a float"),
+        (lambda x, w, t: (x, w, t, {"label_smoothing": None}), TypeError, "label_smoothing must be a float"),
+        (lambda x, w, t: (x, w, t, {"softcap": "30"}), TypeError, "softcap must be a float"),
+        (lambda x, w, t: (x, w, t, {"z_loss": "a"}), TypeError, "z_loss must be a float"),
+        (lambda x, w, t: (x, w, t, {"logit_scale": "a"}), TypeError, "logit_scale must be a float"),
+        (lambda x, w, t: (x, w, t, {"accum_dtype": "float32"}), TypeError, "accum_dtype must be a torch.dtype"),
     ],
 )
 def test_bad_arguments_name_the_argument(mutate, exc, words):
     x, w, t, kwargs = mutate(*_inputs())
     with pytest.raises(exc, match=words):
         fused_linear_cross_entropy(x, w, t, **kwargs)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_none_in_a_tensors_place_is_named_on_the_shortcut_path_too(monkeypatch, grad):
+    """With grad on, a call goes through the eager shortcut's key first, which must leave a None to the full
+    path's message (it read ``input.is_cuda`` and raised an AttributeError)."""
+    from flce_compile import graph_replay
+
+    monkeypatch.setattr(graph_replay, "replays_on", lambda cuda: True)  # as on a GPU: the key is worked out
+    x, w, t = _inputs()
+    for args in ((None, w, t), (x, None, t), (x, w, None)):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="input, weight and target must be "
+                                                                           "tensors"):
+            fused_linear_cross_entropy(*args)
+
+
+def test_class_weights_that_require_grad_are_refused_as_torch_refuses_them():
+    x, w, t = _inputs()
+    ce_weight = torch.rand(w.shape[0], requires_grad=True)
+    with pytest.raises(RuntimeError):
+        F.cross_entropy(x @ w.T, t, weight=ce_weight)
+    with pytest.raises(TypeError, match=r"ce_weight requires grad.*ce_weight.detach\(\)"):
+        fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight)
+    loss = fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight.detach())
+    torch.testing.assert_close(loss, reference_loss(x, w, t, ce_weight=ce_weight.detach()))
+
+
+@pytest.mark.parametrize("options, exc, words", [
+    ({"reduction": "bogus"}, ValueError, "reduction='bogus' is unknown"),
+    ({"label_smoothing": 5}, ValueError, "label_smoothing=5 must lie in"),
+    ({"label_smoothing": "0.1"}, TypeError, "label_smoothing must be a float"),
+    ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"z_loss": -1.0}, ValueError, "z_loss"),
+    ({"ignore_index": 1.5}, TypeError, "ignore_index"),
+    ({"config": {"chunk_tokens": 0}}, ValueError, "chunk_tokens=0"),
+    ({"precision": "fast"}, ValueError, "precision='fast' is unknown"),
+    ({"accum_dtype": "float32"}, TypeError, "accum_dtype must be a torch.dtype"),
+    ({"memory_budget_gb": -1}, ValueError, "memory_budget_gb=-1"),
+    ({"ce_weight": torch.ones(2, 2)}, ValueError, "ce_weight must be a 1-D floating tensor"),
+])
+def test_the_loss_module_checks_its_options_where_it_is_built(options, exc, words):
+    with pytest.raises(exc, match=words):
+        FusedLinearCrossEntropyLoss(**options)
+
+
+def test_the_loss_module_with_good_options_runs_as_the_function():
+    x, w, t = _inputs()
+    options = dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0, config=CFG, accum_dtype=torch.float32)
+    torch.testing.assert_close(FusedLinearCrossEntropyLoss(**options)(x, w, t),
+                               fused_linear_cross_entropy(x, w, t, **options))
 
 
 def test_device_mismatch_is_reported():

@@ -391,6 +391,8 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--show", "--device-kind", " "], "name a GPU kind, e.g. h200"),
     (["--which", "--vocab", "8", "--hidden", "8", "--tokens", "8", "--device-kind", "cpu"], "the CPU has no tuning"),
     (["--export", "out", "--device-kind", "cuda:0"], "a device such as cuda:0 goes to --device"),
+    (["--shapes", "10x10,,20x20"], "has an empty item"),
+    (["--shapes", "151936x4096,"], "has an empty item"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""
@@ -401,6 +403,35 @@ def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err
     assert err.count("\n") == 1 and err.startswith("flce-tune: error: "), err
+
+
+def test_which_says_when_no_entry_is_of_the_device_kind(tmp_path, capsys):
+    """A misspelt --device-kind got the heuristic's answer without a word."""
+    from flce_compile.tuning import cli
+
+    args = ["--which", "--vocab", "151936", "--hidden", "4096", "--tokens", "16384", "--db", str(tmp_path / "u.json")]
+    assert cli.main(args + ["--device-kind", "nosuchgpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "no tuning entries for GPU kind 'nosuchgpu'" in err and "Kinds held: h200" in err and "heuristic" in out
+    assert cli.main(args + ["--device-kind", "NVIDIA H200"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "shipped" in out
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):
+    """``flce-tune --list | head -1``: a write into the pipe the reader closed ended in a BrokenPipeError traceback.
+    Now the command returns 1, with stdout pointed at nothing (Python's flush at exit would raise again)."""
+    from flce_compile.tuning import cli
+
+    def closed_pipe(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    redirected = []
+    monkeypatch.setattr(cli, "_main", closed_pipe)
+    monkeypatch.setattr(cli.os, "dup2", lambda fd, fd2: redirected.append(fd2))
+    monkeypatch.setattr(cli.sys, "stdout", type("Out", (), {"fileno": staticmethod(lambda: 99)})())
+    assert cli.main(["--list"]) == 1
+    assert redirected == [99]
 
 
 def test_list_filters_by_tokens_and_export_names_a_missing_db(tmp_path, capsys):

@@ -16,6 +16,7 @@ from torch import fx
 
 from .. import graph_replay
 from ..log import logger
+from ..plan.choose import BudgetError
 from .hf_logging import keep_loss_in_graph
 from .inner import compile_graph, inner_compiler, no_cuda_graphs_of_its_own
 from .options import FLCEOptions, split_options
@@ -50,6 +51,8 @@ def flce_backend(
             result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
                               memory_budget_gb=opts.memory_budget_gb)
             wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
+        except BudgetError:  # flce.memory_budget_gb that no config fits: the user's setting, as in an eager call
+            raise
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
     compiled, traced = compile_graph(inner, gm, example_inputs, opts, fused)
@@ -90,11 +93,12 @@ def with_options(options: Mapping[str, Any] | None = None, mode: str | None = No
     """A backend callable with options bound, for ``torch.compile(model, backend=with_options(...))``.
 
     Use it when you need ``mode=`` and ``flce.*`` options together (``torch.compile`` rejects mode+options).
-    Keyword arguments are shorthand for ``flce.*`` keys: ``with_options(logits="drop", inner="aot_eager")``.
+    Keyword arguments are shorthand for ``flce.*`` keys: ``with_options(logits="drop", inner="aot_eager")`` (the
+    prefixed spelling, ``**{"flce.logits": "drop"}``, is taken too).
     Options are validated here, so mistakes surface before compiling.
     """
     merged = dict(options or {})
-    merged.update({f"flce.{k}": v for k, v in flce.items()})
+    merged.update({k if k.startswith("flce.") else f"flce.{k}": v for k, v in flce.items()})
     split_options(merged)  # validate now
 
     def flce_with_options(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:

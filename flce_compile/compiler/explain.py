@@ -175,8 +175,8 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             res = SiteResult(site, "unchanged", "flce.enabled=False")
         try:
             strategy = _strategy(res, options)
-        except ValueError as exc:  # the memory budget fits no config: the rewrite fails, as the backend logs
-            res, strategy = SiteResult(site, "unchanged", f"rewrite fails: {exc}"), None
+        except ValueError as exc:  # the memory budget fits no config: the backend raises (BudgetError)
+            res, strategy = SiteResult(site, "unchanged", f"the compile raises: {exc}"), None
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
             fused=res.fused, path=res.path, reason=res.reason, strategy=strategy,

@@ -7,6 +7,7 @@ passed through untouched, so the inner compiler sees exactly what it would have 
 
 from __future__ import annotations
 
+import difflib
 import math
 
 from dataclasses import dataclass
@@ -70,12 +71,42 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[FLCEOptions, dict[
     for key, value in options.items():
         if isinstance(key, str) and key.startswith(PREFIX):
             if key not in VALID_KEYS:
-                valid = "; ".join(f"{k}: {v}" for k, v in VALID_KEYS.items())
-                raise ValueError(f"unknown option {key!r} for backend 'flce'; valid flce options are: {valid}")
+                raise ValueError(f"unknown option {key!r} for backend 'flce'{_did_you_mean(key)}; the flce options "
+                                 f"are {', '.join(VALID_KEYS)} (the README's options table says what each does)")
             ours[key[len(PREFIX):]] = value
         else:
             inner[key] = value
-    return _validate(ours), inner
+    validated = _validate(ours)
+    _check_unprefixed(inner, validated)
+    return validated, inner
+
+
+#: Inner compilers whose options cannot hold one of ours (Inductor's are its config's names; the other two take
+#: none and would ignore a misspelt key without a word).
+_BUILTIN_INNER = ("inductor", "aot_eager", "eager")
+
+
+def _check_unprefixed(inner_options: Mapping[str, Any], opts: FLCEOptions) -> None:
+    """Refuse a key meant for us that would go to the inner compiler instead: one of our options without the
+    ``flce.`` prefix (``"logits"``), or with the prefix in another case (``"FLCE.logits"``). Inductor would say
+    only that it does not know the key, and aot_eager and eager ignore it: the option would be lost. For another
+    inner compiler a bare name of ours may be its own option, so it passes."""
+    for key in inner_options:
+        if not isinstance(key, str):
+            continue
+        if key.lower().startswith(PREFIX):
+            raise ValueError(f"option {key!r}: flce options are spelt in lower case{_did_you_mean(key.lower())}")
+        if PREFIX + key in VALID_KEYS and opts.inner in _BUILTIN_INNER:
+            raise ValueError(f"option {key!r} would go to the inner compiler ({opts.inner_name}), which does not "
+                             f"take it; flce options carry the prefix: {PREFIX + key!r}")
+
+
+def _did_you_mean(key: str) -> str:
+    """``" (did you mean 'flce.x'?)"`` for the valid key closest to ``key`` (compared without the prefix, which
+    every key shares), or ""."""
+    names = [k[len(PREFIX):] for k in VALID_KEYS]
+    close = difflib.get_close_matches(key[len(PREFIX):] if key.startswith(PREFIX) else key, names, n=1)
+    return f" (did you mean {PREFIX + close[0]!r}?)" if close else ""
 
 
 def _validate(raw: dict[str, Any]) -> FLCEOptions:

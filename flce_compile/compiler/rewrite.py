@@ -22,6 +22,7 @@ from torch import fx
 from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
+from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
 from .mutations import erase_dead
@@ -213,7 +214,9 @@ def run_pass(
                         "(its memory is one chunk of its slice of the logits)", res.site.loss_node.name)
         try:
             dead += _rewrite(gm, res, config, fake_mode, fixup, _op_kwargs(precision, memory_budget_gb))
-        except Exception as exc:  # noqa: BLE001 - the pass must never break a compile
+        except BudgetError:  # flce.memory_budget_gb that nothing fits: unfused, the loss would use more still
+            raise
+        except Exception as exc:  # noqa: BLE001 - the pass must never break a compile otherwise
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
             continue

@@ -214,6 +214,12 @@ def choose_config(
     return config, source
 
 
+class BudgetError(ValueError):
+    """A memory budget that no config fits. The ``flce`` backend lets it through (a site it cannot fuse within
+    the budget the user set is an error, as in an eager call), where other errors of a rewrite leave the site
+    unfused."""
+
+
 def budget_bytes(memory_budget_gb: float) -> int:
     """``memory_budget_gb`` (GiB) in bytes; an error names the argument unless it is a positive finite number."""
     if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, (int, float)) \
@@ -388,7 +394,7 @@ def fit_budget(
         if needed <= budget_bytes:
             return candidate
         best = min(best or (needed, candidate), (needed, candidate), key=lambda pair: pair[0])
-    raise ValueError(
+    raise BudgetError(
         f"memory_budget_gb={budget_bytes / 2**30:.3g}: no config fits {num_tokens} tokens x V={vocab} x H={hidden} "
         f"in it; the least memory any needs is {best[0] / 2**30:.3g} GiB ({best[1].strategy}, chunk_tokens="
         f"{best[1].chunk_tokens}); raise the budget"

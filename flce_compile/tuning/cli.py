@@ -100,8 +100,9 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.split(","):
         part = part.strip().lower()
-        if not part:
-            continue
+        if not part:  # "a,,b" or a trailing comma: a shape may have been lost in the typing
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item; separate VOCABxHIDDEN items with single "
+                                             "commas, e.g. 151936x4096,128256x4096")
         try:
             v, h = (int(n) for n in part.split("x"))
         except ValueError:
@@ -328,6 +329,8 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error("--which needs --vocab V --hidden H --tokens N [N ...]; e.g. --which --vocab 151936 --hidden 4096 "
                 "--tokens 16384 --device-kind h200")
     dtype = args.dtype or "bf16"
+    if args.device_kind is not None:
+        _note_unknown_kind(args)
     for tokens in args.tokens:
         try:
             choice = which_config(tokens, args.vocab, args.hidden, dtype, gpu=args.device_kind,
@@ -336,6 +339,20 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             p.error(str(exc))
         print(f"V={args.vocab} H={args.hidden} {dtype} tokens={tokens} on {choice}")
     return 0
+
+
+def _note_unknown_kind(args: argparse.Namespace) -> None:
+    """Say on stderr when no tuning entry, shipped or the user's, is of ``--device-kind``: the answer is then the
+    heuristic's, and the kind may be misspelt."""
+    from . import db  # noqa: PLC0415
+
+    kind = db.normalize_device_name(args.device_kind)
+    user_path = _user_path(args)
+    files = ([user_path] if user_path is not None else []) + list(db.shipped_files())
+    kinds = {e.device for path in files for e in db.read_file(path)}
+    if kind not in kinds:
+        print(f"flce-tune: no tuning entries for GPU kind {args.device_kind!r} (normalized {kind!r}); the answers "
+              f"below are the heuristic's. Kinds held: {', '.join(sorted(kinds)) or 'none'}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -844,6 +861,16 @@ def _is_gpu_kind(text: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``flce-tune`` command. Output piped into a reader that stops early (``| head``) ends it quietly."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     started = time.monotonic()
     parser = build_parser()
     args = parser.parse_args(argv)
