@@ -42,6 +42,7 @@ from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
 from .plan.memory import peak_bytes
 from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per_token, fused_forward
+from .strategies.chunked import output_factor
 from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
@@ -475,8 +476,9 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
 
 
 def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
-    """The forward-computed gradients' factor, grad_output * grad_scale, in the loss's dtype."""
-    return grad_loss.to(grad_scale.dtype) * grad_scale
+    """The forward-computed gradients' factor, grad_output * grad_scale, in the loss's dtype; 0 when grad_scale is
+    (no token counted: the gradients stay exactly 0 whatever grad_output is, ``chunked.output_factor``)."""
+    return output_factor(grad_loss, grad_scale)
 
 
 def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_scale: Tensor) -> None:

@@ -168,6 +168,24 @@ def test_num_items_in_batch_sum_reduction(reference):
     assert node.args[6] == "sum"
 
 
+@pytest.mark.parametrize("logits", ["drop", "keep"])
+def test_a_batch_of_prompts_only_keeps_every_gradient_zero_as_eager(logits, reference):
+    """What the Trainer does with an accumulated batch whose labels are all -100: num_items_in_batch = 0, so the
+    loss is 0 / 0 and grad_output inf. Eager's gradients are exactly 0 (an optimizer step changes nothing); the
+    compiled model's were nan (every weight nan after the step)."""
+    model, ids, _, _, _ = reference("llama")
+    labels = torch.full_like(ids, -100)
+    n = torch.tensor(0)
+    ref, ref_grads = _step(model, model, ids, labels, num_items_in_batch=n)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager", "flce.logits": logits})
+    got, grads = _step(model, compiled, ids, labels, num_items_in_batch=n)
+    assert ref.loss.isnan() and got.loss.isnan()
+    for name, grad in grads.items():
+        assert torch.equal(ref_grads[name], torch.zeros_like(grad)), name  # eager's
+        assert torch.equal(grad, torch.zeros_like(grad)), name
+
+
 def _count_compiles(model, seqs, backend, options=None, mark=False):
     torch._dynamo.reset()
     calls = []

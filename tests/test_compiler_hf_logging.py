@@ -181,3 +181,32 @@ def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch,
     monkeypatch.setattr(hf_logging, "_metrics_refuse", False)
     monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", failing)
     assert hf_logging.keep_loss_in_graph() is True and method in functions
+
+
+def test_a_compiled_function_that_calls_backward_does_not_hang():
+    """A training step compiled whole (``loss.backward()`` inside it, any backend): AOT compiles the backward at
+    its first run, under code Dynamo runs, which starts the compile callbacks with Dynamo's callback lock held.
+    Traced, the backend's callback would be compiled there and wait on that lock for ever. (In a process of its
+    own, with a timeout: a hang must fail the test, not stop the suite.)"""
+    script = textwrap.dedent("""
+        import faulthandler, torch
+        import transformers  # noqa: F401  (the callback lists its warning once transformers is there)
+        import flce_compile.compiler  # noqa: F401
+        faulthandler.dump_traceback_later(100, exit=True)
+        model = torch.nn.Linear(8, 8)
+
+        @torch.compile(backend="aot_eager")
+        def train_step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss.detach()
+
+        x = torch.randn(4, 8)
+        loss = train_step(x)
+        expected = model(x).pow(2).mean()
+        print("ok", float(loss), float(expected))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok, loss, expected = proc.stdout.split()[-3:]
+    assert ok == "ok" and float(loss) == float(expected)

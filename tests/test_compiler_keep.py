@@ -366,6 +366,36 @@ def test_lazy_logits_are_secured_before_an_optimizer_step(tokens, compiled_model
         torch.testing.assert_close(other, ref_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_optimizer_step_with_logits_held_compiles_once(compiled_models):
+    """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe) while the model's output is held, as a
+    Hugging Face loop holds it: Dynamo traced the step pre-hook that secures held logits, guarded on each of them
+    and compiled the step again every step (up to its recompile limit). The hook now runs untraced; the logits
+    are still secured (the forward's values after the step)."""
+    from torch._dynamo.utils import counters
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, _ = _reference(model, idx, labels)
+    model.zero_grad(set_to_none=True)
+    with _parameters_restored(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = torch.compile(optimizer.step, backend="eager")
+        frames = []
+        for _ in range(4):
+            loss, logits = compiled(idx, labels)
+            loss.backward()
+            counters.clear()
+            step()
+            frames.append(counters["frames"]["total"])  # frames Dynamo traced (a retrace ended in a graph break)
+            optimizer.zero_grad(set_to_none=True)
+        assert frames[0] > 0 and frames[1:] == [0, 0, 0], frames  # traced at the first step only
+        assert not logits.computed or logits.numel() <= model.lm_head.weight.numel()
+    with _parameters_restored(model):
+        _, logits = compiled(idx, labels)
+        step()  # no gradients: the step writes nothing, but its hook runs
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("hold", [False, True])
 def test_lazy_logits_under_compiled_autograd(hold, compiled_models):
     """Backward traced by compiled autograd (as torchtitan enables it around backward): the default's graph adds no

@@ -381,3 +381,25 @@ def test_a_tf32_change_after_capture_gets_a_graph_of_its_own():
     for graphed, plain in ((graphed_tf32, plain_tf32), (graphed_fp32, plain_fp32)):
         for got, expected in zip(graphed, plain):
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_fully_masked_batch_keeps_zero_gradients_under_replay_whatever_grad_output_is(dtype, reduction):
+    """A batch of prompts only (every target ignored) whose loss is divided by a count of 0, as a Hugging Face
+    "sum" over num_items_in_batch: grad_output inf. Torch's gradients are exactly 0; ours must be too in every
+    call, through the uncaptured loop, the captured graph, its scaling graphs and the eager shortcut (the factor
+    of a mean's scales kernel and of a sum are 0 then, and 0 * inf must not reach the gradients)."""
+    x0, w0, t = _inputs(0, dtype=dtype)
+    t.fill_(-100)
+    w = w0.clone().requires_grad_()
+    for step in range(6):
+        x = x0.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(x * 1, w, t, reduction=reduction)
+        assert (loss.isnan() if reduction == "mean" else loss == 0).item()
+        (loss / torch.zeros((), device="cuda")).backward()
+        assert torch.equal(x.grad, torch.zeros_like(x)), step
+        assert torch.equal(w.grad, torch.zeros_like(w)), step
+        w.grad = None
+    if dtype == torch.bfloat16:
+        assert graph_replay.graph_count() == 1  # the later calls replayed

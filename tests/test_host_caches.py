@@ -258,8 +258,10 @@ def test_scales_kernel_equals_the_torch_scales(valid, split):
         assert got.item() == want.item()
     assert weight_sum.item() == 50.0
     assert (loss_factor.isnan().item() if valid == 0 else loss_factor.item() == post.item())
-    if not split:  # the whole 1/count in the gradient: grad_scale is 1 (backward's scale is skipped)
-        assert post.item() == 1.0 and z.item() == torch.tensor(1 / max(valid, 1) if valid else 0.0).item()
+    if not split:  # the whole 1/count in the gradient: grad_scale is 1 (backward's scale is skipped), 0 without a
+        # valid token (backward's factor is then 0 whatever grad_output is: chunked.output_factor)
+        assert post.item() == (1.0 if valid else 0.0)
+        assert z.item() == torch.tensor(1 / max(valid, 1) if valid else 0.0).item()
     assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
 
 

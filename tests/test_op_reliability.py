@@ -59,6 +59,45 @@ def test_fully_masked_mean_has_zero_gradients(dtype, strategy, return_logits, op
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("grad_output", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "with_logits"])
+@pytest.mark.parametrize("strategy", STRATEGIES + ("recompute",))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fully_masked_batch_keeps_zero_gradients_whatever_grad_output_is(dtype, strategy, return_logits, reduction,
+                                                                         grad_output):
+    """A Hugging Face loss is a "sum" divided by num_items_in_batch, which is 0 for a batch of prompts only (an
+    accumulated SFT batch truncated to its prompts, say): grad_output is inf. Torch's gradients are then exactly
+    0 (nothing multiplies them); ours were the forward's zeros times inf, nan, and an optimizer step made every
+    weight nan for good."""
+    if strategy == "recompute" and return_logits:
+        pytest.skip("recompute returns no logits")
+    x, w, t = _inputs(dtype=dtype)
+    t.fill_(-100)
+    x, w, b = _leaf(x), _leaf(w), _leaf(torch.zeros(40, dtype=dtype))
+    config = {"strategy": "recompute", "chunk_tokens": 4} if strategy == "recompute" else _config(strategy)
+    out = fused_linear_cross_entropy(x, w, t, b, reduction=reduction, config=config, return_logits=return_logits)
+    loss = out[0] if return_logits else out
+    xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
+    ref = F.cross_entropy((xr @ wr.T + br).float(), t, reduction=reduction)
+    torch.testing.assert_close(loss, ref, equal_nan=True)
+    (loss * grad_output).backward()
+    (ref * grad_output).backward()
+    for grad, ref_grad in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert torch.equal(ref_grad, torch.zeros_like(ref_grad))  # torch's
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("grad_output", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_kept_logits_path_fully_masked_keeps_zero_gradients_whatever_grad_output_is(reduction, grad_output):
+    _, _, t = _inputs()
+    t.fill_(-100)
+    z = torch.randn(12, 40, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    (kept_logits_cross_entropy(z, t, reduction=reduction) * grad_output).backward()
+    assert torch.equal(z.grad, torch.zeros_like(z))
+
+
 @pytest.mark.parametrize("option", list(MASKED_OPTIONS))
 @pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "with_logits"])
 @pytest.mark.parametrize("strategy", STRATEGIES)

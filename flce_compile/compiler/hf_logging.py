@@ -29,6 +29,7 @@ import os
 import sys
 from typing import Any
 
+import torch
 from torch._dynamo import callback as dynamo_callback
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import utils as dynamo_utils
@@ -146,8 +147,13 @@ def _start_callbacks() -> list:
     return getattr(getattr(dynamo_callback, "callback_handler", None), "start_callbacks", [])
 
 
+@torch.compiler.disable
 def _on_compile_start(_args: Any) -> None:
-    """Dynamo's compile-start callback: list the warning in the compiling thread before it traces the frame."""
+    """Dynamo's compile-start callback: list the warning in the compiling thread before it traces the frame.
+
+    Never traced: a compile can start inside code Dynamo runs (AOT's backward, compiled at its first run, under
+    a compiled function's ``loss.backward()``), and Dynamo would compile this frame there, waiting on the lock its
+    callbacks hold (a hang)."""
     try:
         keep_loss_in_graph()
     except Exception as exc:  # noqa: BLE001 - a compile must never fail here

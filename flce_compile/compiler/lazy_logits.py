@@ -207,11 +207,15 @@ _PENDING: weakref.WeakValueDictionary[int, LazyLogits] = weakref.WeakValueDictio
 _step_hook: Any = None
 
 
+@torch.compiler.disable  # a compiled ``opt.step`` calls it: traced, it guarded on each pending object (a recompile a step)
 def _secure_pending(*_args: Any) -> None:
     """A global optimizer step pre-hook (an optimizer, fused ones included, may write the weights without bumping a
     version counter): every held, not yet computed LazyLogits keeps what its forward read, through a copy of its
     weight and bias or, when the logits are smaller than the weight, computed. One whose operands already changed
-    is left to raise when it is read (not in the step); it is no longer pending."""
+    is left to raise when it is read (not in the step); it is no longer pending.
+
+    Never traced by Dynamo: under ``torch.compile(opt.step)`` it runs as a graph break, as it must (it reads
+    which logits are held now)."""
     copies: dict[int, Tensor] = {}
     for lazy in list(_PENDING.values()):
         try:

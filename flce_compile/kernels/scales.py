@@ -8,7 +8,7 @@ kernel does it all in one program and writes exactly the same values:
   with its mantissa bits cleared (1/count is a normal float), z = (1/count) / post exactly, and 1/count is the
   IEEE division (div_rn, not Triton's default approximate division). With no valid token both are 0 (the
   gradients are exactly 0).
-* not split (bf16/fp32): z = 1/count (0 with no valid token) and post = 1.
+* not split (bf16/fp32): z = 1/count and post = 1 (both 0 with no valid token).
 * loss_factor: post, or nan with no valid token (the loss is then nan, as torch's mean; see ``_reduced_loss``).
 * weight_sum: V as a float (the class weights' sum without class weights).
 
@@ -45,10 +45,7 @@ def mean_scales_kernel(target_ptr, n, ignore_index, out_ptr, post_ptr, vocab_f, 
     tl.store(out_ptr, tl.where(valid, z, 0.0))
     tl.store(out_ptr + 1, vocab_f)
     tl.store(out_ptr + 2, tl.where(valid, post, float("nan")))
-    if SPLIT:
-        tl.store(post_ptr, tl.where(valid, post, 0.0))
-    else:
-        tl.store(post_ptr, post)  # 1: the gradients are already exactly 0 without a valid token
+    tl.store(post_ptr, tl.where(valid, post, 0.0))  # 0 without a valid token: see chunked.output_factor
 
 
 def mean_scales(target: torch.Tensor, ignore_index: int, vocab: int, split: bool = True) -> tuple[torch.Tensor, ...]:

@@ -278,6 +278,12 @@ def _reduction_scales(
 
     Computed on the device: a mean over an all-ignored batch is 0/0 = nan, as in torch.
     """
+    if p.reduction == "sum":
+        # 1, or 0 when no token counts: the gradients are then exactly 0, as torch's, and ``output_factor`` keeps
+        # them 0 whatever grad_output is (a Hugging Face loss divides this sum by num_items_in_batch, which is 0
+        # for a batch of prompts only: grad_output inf, and 0 * inf = nan would reach the weights).
+        any_valid = (target != p.ignore_index).any().to(dtype)
+        return any_valid, any_valid
     if p.reduction != "mean":
         one = torch.ones((), dtype=dtype, device=target.device)
         return one, one
@@ -294,8 +300,8 @@ def _reduction_scales(
 
 class GradientScales(NamedTuple):
     """The reduction's factors for the gradient: ``ce`` and ``z`` go into the logit gradient (and the loss
-    rows), ``post`` (0-dim: 1, or a power of two split out of an fp16 "mean") multiplies the loss and, in
-    backward, dX/dW/db."""
+    rows), ``post`` (0-dim: 1, or a power of two split out of an fp16 "mean"; 0 for a "mean" or "sum" without a
+    counted token) multiplies the loss and, in backward, dX/dW/db (``output_factor``)."""
 
     ce: torch.Tensor
     z: torch.Tensor
@@ -306,6 +312,15 @@ class GradientScales(NamedTuple):
     #: What the loss rows' sum is multiplied by: post, or nan where the loss is nan (``kernels.scales``); None:
     #: ``_reduced_loss`` forms it.
     loss_factor: torch.Tensor | None = None
+
+
+def output_factor(grad_output: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """What backward multiplies the forward's gradients by: grad_output * post in post's dtype, and 0 where post
+    is 0 (no token counted, so every gradient is exactly 0, as in torch, where nothing multiplies them): a
+    grad_output of inf or nan (a sum divided by a count of 0) would make them 0 * inf = nan."""
+    if grad_output.layout != torch.strided:  # a sparse 0-dim grad_output (autograd lets one through): its value
+        grad_output = grad_output.to_dense()
+    return torch.where(post != 0, grad_output.to(post.dtype) * post, 0.0)
 
 
 def keeps_power_of_two_apart(dtype: torch.dtype) -> bool:
@@ -331,7 +346,8 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
     would round dX/dW a second time. With no valid token (z_scale = inf) every gradient factor is 0: the
     gradients come out exactly 0, never 0 * inf.
 
-    For "sum" and "none" (``_reduction_scales`` gives 1 for both) every factor is 1: the same tensor, no work.
+    For "sum" and "none" every factor is ``_reduction_scales``' one tensor (1, or for "sum" 0 without a counted
+    token), no work. Without a valid token ``post`` is 0 for "mean" too (``output_factor``).
     """
     if reduction != "mean":
         return GradientScales(ce=ce_scale, z=z_scale, post=z_scale)
@@ -342,7 +358,7 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
         return GradientScales(
             ce=z if same else torch.where(finite, ce_scale, 0.0),
             z=z,
-            post=torch.ones_like(z_scale),  # storage of its own: it is returned as grad_scale
+            post=finite.to(z_scale.dtype),  # 1, or 0 without a valid token; storage of its own (it is grad_scale)
             ce_finite=finite if same else None,
         )
     mantissa, _ = torch.frexp(z_scale)  # z_scale = m * 2^e with m in [0.5, 1)

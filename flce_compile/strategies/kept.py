@@ -17,7 +17,8 @@ import torch
 
 from ..params import LossParams, math_dtype
 from ..plan.config import FLCEConfig
-from .chunked import _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _StepRows, _weight_sum
+from .chunked import (_ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _StepRows, _weight_sum,
+                      output_factor)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -82,7 +83,7 @@ def kept_backward(logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.T
     dtype = math_dtype(logits.dtype)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, logits.shape[-1], dtype)
     scales = _gradient_scales(ce_scale, z_scale, p.reduction)
-    g = grad_loss.reshape(-1).to(dtype) if p.reduction == "none" else grad_loss.to(dtype) * scales.post
+    g = grad_loss.reshape(-1).to(dtype) if p.reduction == "none" else output_factor(grad_loss, scales.post)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     weight_sum = _weight_sum(ce_weight, logits.shape[-1], dtype, logits.device)
     _run_rows(logits, grad, p, config, _StepRows(target, ce_weight, weight_sum, (scales.ce * g).contiguous(),
