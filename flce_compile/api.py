@@ -84,7 +84,7 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             )
         if ce_weight.device != weight.device:
             raise ValueError(f"ce_weight must be on {weight.device}, got {ce_weight.device}")
-        if ce_weight.requires_grad:  # as F.cross_entropy, which refuses it
+        if ce_weight.requires_grad and torch.is_grad_enabled():  # as F.cross_entropy refuses it (with grad on)
             raise TypeError("ce_weight requires grad, but cross-entropy's class weights get no gradient (nor do "
                             "they in F.cross_entropy, which refuses them): pass ce_weight.detach()")
     _validate_loss_options(reduction, label_smoothing, softcap)
@@ -114,6 +114,8 @@ _NUMBERS = (numbers.Real, torch.SymInt, torch.SymFloat, Tensor)
 def _check_number(name: str, value: Any, expected: str) -> None:
     """A TypeError naming ``name`` unless ``value`` is a real number (a bool, which Python counts as one, is
     refused: ``True`` for a smoothing or a cap is a mistake)."""
+    if type(value) is float or type(value) is int:  # (the usual case, asked first: this runs on every call)
+        return
     if isinstance(value, bool) or not isinstance(value, _NUMBERS):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
 

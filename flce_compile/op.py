@@ -484,15 +484,17 @@ def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
 def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_scale: Tensor) -> None:
     """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads`` (None: not requested), each
     element rounded once."""
-    g = _factor(grad_loss, grad_scale)
     present = [t for t in grads if t is not None and t.numel()]
-    if _kernel_scales(present, g):  # one launch for all of them
+    if _kernel_scales(present, grad_loss) and _kernel_scales(present, grad_scale):
         from .kernels.scale_grads import scale_all_in_place
 
-        scale_all_in_place(present, g)
-    else:
-        for t in present:
-            _scale_in_place(t, g)
+        # One launch for all of them, which forms the factor too (``_factor``'s three small ops would be three
+        # launches more: at small shapes backward is bound by the host).
+        scale_all_in_place(present, grad_loss, post=grad_scale)
+        return
+    g = _factor(grad_loss, grad_scale)
+    for t in present:
+        _scale_in_place(t, g)
 
 
 def _kernel_scales(tensors: list[Tensor], g: Tensor) -> bool:

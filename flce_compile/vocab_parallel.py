@@ -203,7 +203,7 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     w_y = ce_weight[safe] if ce_weight is not None else torch.ones_like(lse)
     weight_sum = _weight_sum(ce_weight, vocab_total, dtype, lse.device)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
-    scales = _gradient_scales(ce_scale, z_scale)
+    scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored, invalid)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
     return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), lse

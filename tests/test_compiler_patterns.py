@@ -292,6 +292,101 @@ def test_autocast_region_ending_before_the_loss():
     torch.testing.assert_close(lm_head.weight.grad, ref_grad, rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_an_lm_head_kept_out_of_autocast_computes_in_fp32_where_its_loss_runs_under_autocast(inner):
+    """The "keep the LM head in fp32" idiom: ``with autocast(enabled=False): logits = lm_head(x.float())``
+    inside a bf16 region, the loss after that block (back under autocast). The fused node stands where the loss
+    stood, and the op applied the autocast it found there: the head's GEMMs ran in bf16 (loss 4e-6 and
+    weight gradient 2.5e-3 off eager). The op now computes in the head's dtype with autocast off."""
+    torch.manual_seed(0)
+    l1, lm_head = nn.Linear(H, H), nn.Linear(H, V)
+
+    def fn(x, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(l1(x))
+            with torch.autocast("cpu", enabled=False):
+                logits = lm_head(h.float())
+            return F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+    x, t = torch.randn(4, 16, H), torch.randint(0, V, (4, 16))
+    ref = fn(x, t)
+    ref.backward()
+    ref_grads = [p.grad for p in (lm_head.weight, lm_head.bias)]
+    lm_head.zero_grad(set_to_none=True)
+    graphs = []
+
+    def recording(gm, example_inputs, **kwargs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend(inner)(gm, example_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flce", options={"flce.inner": recording})(x, t)
+    got.backward()
+    assert any(n.target is flce_fused_loss for n in graphs[0].graph.nodes)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)  # bf16 GEMMs: ~4e-6 off
+    for grad, ref_grad in zip((lm_head.weight.grad, lm_head.bias.grad), ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cast", ["float", "to", "none"])
+def test_drop_drops_logits_returned_through_a_cast(cast):
+    """``return loss, logits.float()`` (Accelerate's fp32 outputs) under ``flce.logits="drop"``: the returned cast
+    is dropped with the logits (None), and the site is plainly fused. It took the kept path, forming the logits
+    and their gradient buffer: more memory than the default's lazy logits, under the option that promises least."""
+    torch.manual_seed(0)
+    lm_head = nn.Linear(H, V, bias=False)
+
+    def fn(x, t):
+        logits = lm_head(torch.tanh(x))
+        loss = F.cross_entropy(logits.view(-1, V), t.view(-1))
+        returned = {"float": lambda z: z.float(), "to": lambda z: z.to(torch.float32), "none": lambda z: z}[cast]
+        return loss, returned(logits)
+
+    x, t = torch.randn(2, 8, H), torch.randint(0, V, (2, 8))
+    ref = fn(x, t)[0]
+    ref.backward()
+    ref_grad, lm_head.weight.grad = lm_head.weight.grad, None
+    graphs = []
+    torch._dynamo.reset()
+    loss, logits = torch.compile(fn, backend="flce", options={"flce.logits": "drop", "flce.inner": lambda gm, ex, **kw: (
+        graphs.append(gm), gm.forward)[1]})(x, t)
+    loss.backward()
+    assert logits is None
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert flce_fused_loss in targets and "float" not in targets and "to" not in targets, graphs[0].code
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(lm_head.weight.grad, ref_grad)
+
+
+def test_a_graph_under_a_torch_func_transform_is_left_unfused():
+    """``torch.compile(torch.func.grad(loss_fn))``: Dynamo traces the transform into the graph, and the fused op
+    (which forms its gradients itself) failed the compile there. The site is left alone, with the reason."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, V, bias=False))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_fn(p, x, t):
+        return F.cross_entropy(functional_call(model, p, (x,)).view(-1, V), t.view(-1))
+
+    x, t = torch.randn(2, 8, H), torch.randint(0, V, (2, 8))
+    ref = grad(loss_fn)(params, x, t)
+    graphs = []
+    torch._dynamo.reset()
+    got = torch.compile(grad(loss_fn), backend="flce", options={"flce.inner": lambda gm, ex, **kw: (
+        graphs.append(gm), gm.forward)[1]})(params, x, t)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name])
+    assert not any(n.target is flce_fused_loss for gm in graphs for n in gm.graph.nodes)
+    from flce_compile.compiler.decide import analyze
+
+    (site,) = analyze(graphs[0])
+    assert not site.fused and "torch.func transform" in site.reason
+
+
 def test_analysis_error_leaves_only_that_site_alone(monkeypatch):
     """A bug in the analysis of one site costs that site, not the others (nor explain())."""
     import flce_compile.compiler.patterns as patterns

@@ -4,6 +4,7 @@ the dispatcher's results and steps aside wherever something intercepts operators
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -232,9 +233,10 @@ def test_direct_call_adds_one_backward_node():
     torch.testing.assert_close(w3.grad, wg.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("valid", [0, 1, 3, 7, 1000, 1023, 1025, 3000])
-def test_scales_kernel_equals_the_torch_scales(valid, split):
+def test_scales_kernel_equals_the_torch_scales(valid, split, reduction):
     """kernels.scales (the GPU's one-launch factors; here in the Triton interpreter) writes exactly the factors
     of the torch ops, all-ignored batches included, with the mean's power of two split out (fp16) or not."""
     pytest.importorskip("triton")
@@ -251,12 +253,16 @@ def test_scales_kernel_equals_the_torch_scales(valid, split):
     t = torch.randint(0, 50, (n,), device=device)
     t[valid:] = -7
     t = t[torch.randperm(n, device=device)]
-    p = LossParams(ignore_index=-7)
-    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50, split=split)
-    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32), "mean", split)
+    p = LossParams(ignore_index=-7, reduction=reduction)
+    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50, split=split, reduction=reduction)
+    expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32), reduction, split)
     for got, want in ((z, expected.ce), (z, expected.z), (post, expected.post)):
         assert got.item() == want.item()
     assert weight_sum.item() == 50.0
+    assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
+    if reduction == "sum":  # every factor 1, 0 without a valid token; the loss's too (a sum over nothing is 0)
+        assert z.item() == post.item() == loss_factor.item() == (1.0 if valid else 0.0)
+        return
     assert (loss_factor.isnan().item() if valid == 0 else loss_factor.item() == post.item())
     if not split:  # the whole 1/count in the gradient: grad_scale is 1 (backward's scale is skipped), 0 without a
         # valid token (backward's factor is then 0 whatever grad_output is: chunked.output_factor)
@@ -265,9 +271,10 @@ def test_scales_kernel_equals_the_torch_scales(valid, split):
     assert post.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()  # grad_scale has its own memory
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("valid", [0, 5])
 @pytest.mark.parametrize("return_logits", [False, True])
-def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_logits, monkeypatch):
+def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_logits, reduction, monkeypatch):
     """The Triton strategy (interpreter on the CPU) with the kernel's factors gives the loss and gradients of the
     torch ops' factors, bit for bit, a fully masked batch included."""
     pytest.importorskip("triton")
@@ -286,9 +293,9 @@ def test_triton_strategy_with_the_scales_kernel_is_bit_identical(valid, return_l
         monkeypatch.setattr(chunked, "_use_scales_kernel", lambda dev: kernel)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = flce_compile.fused_linear_cross_entropy(xg, wg, t, config={"strategy": "triton", "chunk_tokens": 5},
-                                                      return_logits=return_logits)
+                                                      return_logits=return_logits, reduction=reduction)
         loss = out[0] if return_logits else out
-        loss.backward()
+        (loss * (math.inf if valid == 0 else 1.0)).backward()  # a fully masked batch: zeros whatever grad_output
         return loss, xg.grad, wg.grad
 
     for a, b in zip(run(True), run(False)):

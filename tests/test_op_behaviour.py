@@ -75,6 +75,9 @@ def test_class_weights_that_require_grad_are_refused_as_torch_refuses_them():
         fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight)
     loss = fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight.detach())
     torch.testing.assert_close(loss, reference_loss(x, w, t, ce_weight=ce_weight.detach()))
+    with torch.no_grad():  # torch takes them there (an eval loop), and so do we
+        torch.testing.assert_close(fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight), loss)
+        F.cross_entropy(x @ w.T, t, weight=ce_weight)
 
 
 @pytest.mark.parametrize("options, exc, words", [

@@ -629,6 +629,28 @@ def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
         scale_grads.scale_all_in_place(tensors + tensors[:1], factor)
 
 
+@pytest.mark.parametrize("grad_output, post", [(1 / 3, 2.0), (1 / 3, 0.0), (math.inf, 0.0), (math.nan, 0.0),
+                                               (math.inf, 0.5), (1.0, 1.0)])
+def test_scale_kernel_forms_backwards_factor_itself(monkeypatch, grad_output, post):
+    """With ``post`` (grad_scale) the kernel forms ``chunked.output_factor(grad_output, post)`` itself, bit for bit:
+    grad_output * post in fp32, or 0 where post is 0 whatever grad_output is."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flce_compile.kernels import scale_grads
+    from flce_compile.strategies.chunked import output_factor
+
+    gen = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (5000, 37)]
+    g, p = torch.tensor(grad_output, dtype=torch.float32), torch.tensor(post, dtype=torch.float32)
+    factor = output_factor(g, p)
+    expected = [(t.float() * factor).to(torch.bfloat16) for t in tensors]
+    out = scale_grads.scale_all_in_place([t.clone() for t in tensors], g, post=p)
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want) or (got.isnan() == want.isnan()).all() and torch.equal(
+            got.nan_to_num(), want.nan_to_num())
+    if post == 0.0:
+        assert all(not t.any() for t in out)
+
+
 def test_backward_scale_traces_with_fake_cuda_tensors():
     """AOT autograd traces the op's backward with fake CUDA tensors (is_compiling() is False there): the
     scale must stay a traceable ``mul_``, never a Triton launch on a fake tensor."""

@@ -35,6 +35,7 @@ CASES = {
                    "logit_scale": 0.8, "reduction": "sum"},
     "ignore_index_7": {"ignore_index": 7},
     "all_ignored": {"all_ignored": True},
+    "all_ignored_sum": {"all_ignored": True, "reduction": "sum"},  # 0, as torch's (it was nan: 0/0 in a scale)
 }
 
 
@@ -414,6 +415,13 @@ def test_all_ignored_mean_is_nan_with_zero_gradients(ranks):
     for r in ranks:
         got = r["all_ignored"]
         assert got["loss"].isnan()
+        assert not got["dx"].any() and not got["dw"].any()
+
+
+def test_all_ignored_sum_is_zero_with_zero_gradients(ranks):
+    for r in ranks:
+        got = r["all_ignored_sum"]
+        assert got["loss"].item() == 0.0
         assert not got["dx"].any() and not got["dw"].any()
 
 

@@ -68,12 +68,35 @@ def analyze(gm: fx.GraphModule, logits: str = "keep") -> list[SiteResult]:
     """What the pass would do with each loss site of ``gm`` (``logits``: the ``flce.logits`` option)."""
     results = []
     aliases = AliasMap(gm)
+    transform = _functorch_transform(gm)
     for site in find_sites(gm):
+        if transform is not None:
+            results.append(SiteResult(site, "unchanged", transform))
+            continue
         try:
             results.append(_decide(site, logits, aliases))
         except Exception as exc:  # noqa: BLE001 - an unexpected graph shape: this site is left alone
             results.append(SiteResult(site, "unchanged", f"analysis failed: {exc!r}"))
     return results
+
+
+#: What Dynamo puts in a graph traced under a torch.func transform (``torch.compile(grad(f))``): the level's
+#: start (the vmap, grad and jvp kinds), its inputs wrapped for it.
+_FUNCTORCH_NESTING = frozenset(
+    getattr(torch._C._functorch, name, None)
+    for name in ("_grad_increment_nesting", "_vmap_increment_nesting", "_jvp_increment_nesting", "_wrap_for_grad")
+) - {None}
+
+
+def _functorch_transform(gm: fx.GraphModule) -> str | None:
+    """Why no site of ``gm`` is fused when its code runs under a torch.func transform (grad, vmap, jvp) that
+    Dynamo traced into the graph: the fused op forms its gradients inside and has no rule for a transform's
+    levels (its compile failed there); else None."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _FUNCTORCH_NESTING:
+            return ("the graph runs under a torch.func transform (grad, vmap or jvp), which the fused op does not "
+                    "support; call the model with loss.backward() or torch.autograd.grad instead")
+    return None
 
 
 def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
@@ -85,8 +108,11 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.logits_dtype, res.device = out.dtype, out.device
     all_escapes = site.escapes()
     escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
+    casts: list[fx.Node] = []
+    if logits_mode == "drop":  # a cast the graph only returns (Accelerate's ``.float()``) is dropped with it
+        escapes, casts = _without_returned_casts(escapes)
     res.escapes = escapes
-    res.dropped = [n for n in all_escapes if n not in escapes]
+    res.dropped = [n for n in all_escapes if n not in escapes] + casts
     res.dropped_outputs = len(res.dropped)
     if is_tensor_parallel(site):
         return _vocab_parallel(site, res, escapes, aliases)
@@ -176,6 +202,20 @@ def _returned_cast(user: fx.Node, node: fx.Node) -> bool:
     only returns."""
     return (user.op == "call_method" and user.target in _RETURNED_CASTS and user.all_input_nodes == [node]
             and all(u.op == "output" for u in user.users))
+
+
+def _without_returned_casts(escapes: dict[fx.Node, list[fx.Node]]
+                            ) -> tuple[dict[fx.Node, list[fx.Node]], list[fx.Node]]:
+    """``escapes`` less the uses that are casts the graph only returns (``_returned_cast``), and those casts:
+    under "drop" their outputs become None, as the logits' own would."""
+    kept: dict[fx.Node, list[fx.Node]] = {}
+    casts: list[fx.Node] = []
+    for node, users in escapes.items():
+        others = [u for u in users if not _returned_cast(u, node)]
+        casts += [u for u in users if u not in others]
+        if others:
+            kept[node] = others
+    return kept, casts
 
 
 def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:

@@ -107,8 +107,9 @@ HF_LOSS_TYPE_HINT = ("a Hugging Face model with no loss_type (GPT-2, say) breaks
 #: Why a scale or softcap read from a Python float blocks fusion under ``dynamic=True``, and the fix: Dynamo
 #: leaves such floats symbolic there, and the pass folds constants only, except a softcap ``c * tanh(s / c)``
 #: on the fused paths, whose ``c`` the op reads at run time (Gemma-2's ``final_logit_softcapping``).
-SYMBOLIC_FLOAT_FIX = "compile without dynamic=True, or set torch._dynamo.config.specialize_float = True"
-SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (torch.compile(dynamic=True) with "
+SYMBOLIC_FLOAT_FIX = "set torch._dynamo.config.specialize_float = True (and compile without dynamic=True)"
+SYMBOLIC_FLOAT_HINT = ("a Python float Dynamo left symbolic (under torch.compile(dynamic=True), or once a float the "
+                       "model reads changed between calls and Dynamo compiled again, with "
                        "torch._dynamo.config.specialize_float=False, the default); the fused op reads one at run time "
                        "only as the c of a softcap written logits / c, tanh, then times c: " + SYMBOLIC_FLOAT_FIX)
 

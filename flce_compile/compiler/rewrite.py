@@ -12,6 +12,7 @@ site's new nodes are built and typed; a failure before that point leaves the gra
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -38,6 +39,17 @@ def _compute_operands(input, weight, bias, compute_dtype):
         return input, weight, bias
     cast = lambda t: t.to(compute_dtype) if t is not None and t.dtype != compute_dtype else t  # noqa: E731
     return cast(input), cast(weight), cast(bias)
+
+
+def _head_autocast(input: torch.Tensor) -> Any:
+    """The autocast state the fused op runs in: off. The operands are already in the dtype the lm_head computed
+    in (``_compute_operands``), which the traced graph knows; the fused node stands where the loss stood, whose
+    autocast state can differ from the head's (an lm_head kept in fp32 with ``autocast(enabled=False)`` inside a
+    bf16 region, its loss after that block: autocast would have run the head's GEMMs in bf16)."""
+    from ..op import autocast_on
+
+    device_type = input.device.type
+    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
 
 def flce_fused_loss(
@@ -69,11 +81,12 @@ def flce_fused_loss(
 
     input, weight, bias = _compute_operands(input, weight, bias, compute_dtype)
     # Rows line up after flattening both sides (the pattern check guarantees it), whatever view the loss saw.
-    loss = fused_linear_cross_entropy(
-        input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
-        logit_scale=logit_scale, config=config, precision=precision, memory_budget_gb=memory_budget_gb,
-    )
+    with _head_autocast(input):
+        loss = fused_linear_cross_entropy(
+            input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
+            logit_scale=logit_scale, config=config, precision=precision, memory_budget_gb=memory_budget_gb,
+        )
     if reduction == "none":
         loss = loss.view(target.shape)
     return loss if loss.dtype == out_dtype else loss.to(out_dtype)
@@ -119,11 +132,12 @@ def flce_fused_loss_keep(
         target = full
     else:
         target = target.reshape(input.shape[:-1])  # rows line up after flattening (the pattern check)
-    loss, logits = fused_linear_cross_entropy(
-        input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
-        return_logits=True, precision=precision, memory_budget_gb=memory_budget_gb,
-    )
+    with _head_autocast(input):
+        loss, logits = fused_linear_cross_entropy(
+            input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
+            return_logits=True, precision=precision, memory_budget_gb=memory_budget_gb,
+        )
     return (loss if loss.dtype == out_dtype else loss.to(out_dtype)), logits
 
 

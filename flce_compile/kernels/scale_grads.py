@@ -34,10 +34,14 @@ def _scale_block(x_ptr, block, numel, factor, BLOCK: tl.constexpr, EMULATE_BF16_
 
 @triton.jit
 def scale_kernel(a_ptr, a_numel, a_blocks, b_ptr, b_numel, b_blocks, c_ptr, c_numel, total_blocks, factor_ptr,
-                 BLOCK: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr):
+                 post_ptr, BLOCK: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, HAS_POST: tl.constexpr):
     """Blocks [0, a_blocks) scale tensor a, the next b_blocks tensor b, the rest tensor c; a program walks
-    blocks pid, pid + programs, ..."""
+    blocks pid, pid + programs, ... With ``HAS_POST`` the factor is factor * post, or 0 where post is 0
+    (``chunked.output_factor``: no token counted, and grad_output may be inf)."""
     factor = tl.load(factor_ptr).to(tl.float32)
+    if HAS_POST:
+        post = tl.load(post_ptr).to(tl.float32)
+        factor = tl.where(post != 0.0, factor * post, 0.0)
     # A factor of 1 (grad_output 1 and the whole mean in the gradient, the usual loss.backward()) changes
     # nothing: each program returns without reading or writing. The branch is on a device value, so the host
     # neither knows nor waits. The grid is a few programs per SM, not one per block: a program that only
@@ -70,14 +74,17 @@ def _programs(device: torch.device) -> int:
     return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def scale_all_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
+def scale_all_in_place(tensors: list[torch.Tensor], factor: torch.Tensor,
+                       post: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``t *= factor`` for each of up to three ``tensors`` in one launch, each element rounded once: contiguous
     tensors of one dtype, bf16/fp16, on a GPU (or on the CPU under TRITON_INTERPRET=1); ``factor`` a 0-dim fp32
-    tensor on the same device. Returns ``tensors``."""
+    tensor on the same device. With ``post`` (the same kind of tensor) the factor is ``chunked.output_factor(
+    factor, post)``, formed in the kernel (backward's grad_output and grad_scale: no launches to form it first).
+    Returns ``tensors``."""
     if not 0 < len(tensors) <= MAX_TENSORS:
         raise ValueError(f"scale_all_in_place takes 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
-    if factor.dim() != 0 or factor.dtype != torch.float32:
-        raise ValueError("scale_all_in_place needs a 0-dim fp32 factor")
+    if any(f.dim() != 0 or f.dtype != torch.float32 for f in (factor, post) if f is not None):
+        raise ValueError("scale_all_in_place needs a 0-dim fp32 factor (and post)")
     dtype = tensors[0].dtype
     if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):
         raise ValueError("scale_all_in_place needs contiguous tensors of one dtype")
@@ -88,8 +95,10 @@ def scale_all_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> lis
     total = a_blocks + b_blocks + c_blocks
     if total:
         scale_kernel[(min(total, _programs(a.device)),)](
-            a, a_numel, a_blocks, b, b_numel, b_blocks, c, c_numel, total, factor, BLOCK=_BLOCK,
+            a, a_numel, a_blocks, b, b_numel, b_blocks, c, c_numel, total, factor,
+            post if post is not None else factor, BLOCK=_BLOCK,
             EMULATE_BF16_RTNE=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+            HAS_POST=post is not None,
         )
     return tensors
 

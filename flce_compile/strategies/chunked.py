@@ -591,8 +591,9 @@ class ForwardResult(NamedTuple):
 
 
 def _use_scales_kernel(device: torch.device) -> bool:
-    """Whether a "mean" without class weights takes its factors from ``kernels.scales`` (one launch) rather than
-    from torch ops (ten): on CUDA, where launches are what a small call waits for. The values are the same."""
+    """Whether a "mean" or "sum" without class weights takes its factors from ``kernels.scales`` (one launch)
+    rather than from torch ops (ten for a mean, three for a sum): on CUDA, where launches are what a small call
+    waits for. The values are the same."""
     return device.type == "cuda"
 
 
@@ -608,10 +609,12 @@ def fused_forward(
     per_token = p.reduction == "none"
     weight_sum = None
     split = keeps_power_of_two_apart(ops.x.dtype)
-    if p.reduction == "mean" and ops.ce_weight is None and dtype == torch.float32 and _use_scales_kernel(ops.x.device):
+    if (p.reduction != "none" and ops.ce_weight is None and dtype == torch.float32
+            and _use_scales_kernel(ops.x.device)):
         from ..kernels.scales import mean_scales
 
-        z, post, loss_factor, weight_sum = mean_scales(ops.target, p.ignore_index, vocab, split=split)
+        z, post, loss_factor, weight_sum = mean_scales(ops.target, p.ignore_index, vocab, split=split,
+                                                       reduction=p.reduction)
         ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
     else:
         ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
