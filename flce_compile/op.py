@@ -506,9 +506,10 @@ def _kernel_scales(tensors: list[Tensor], g: Tensor) -> bool:
     # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
     if not tensors or type(g) is not Tensor or g.dim() != 0 or g.dtype != torch.float32:
         return False
-    dtype = tensors[0].dtype
+    dtype, index = tensors[0].dtype, g.get_device()  # the kernel reads g: on the tensors' GPU
     return dtype in (torch.bfloat16, torch.float16) and all(
-        type(t) is Tensor and t.device.type == "cuda" and t.dtype == dtype and t.is_contiguous() for t in tensors)
+        type(t) is Tensor and t.device.type == "cuda" and t.get_device() == index and t.dtype == dtype
+        and t.is_contiguous() for t in tensors)
 
 
 def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
