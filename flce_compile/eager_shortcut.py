@@ -34,7 +34,6 @@ from .call_guard import RecentCall
 from .graph_replay import GraphKey
 from .op import (
     _check_first_order,
-    _factor,
     _function_apply,
     _scale_present,
     autocast_on,
@@ -46,6 +45,7 @@ from .op import (
     targets_checked,
 )
 from .plan.choose import choice_generations
+from .strategies.chunked import output_factor
 
 #: Shortcuts kept before the table starts afresh (a training run has one or a few).
 MAX_ENTRIES = 64
@@ -229,7 +229,7 @@ class _ReplayedCall(torch.autograd.Function):
         ctx.replayed = None
         grads = (dx, dw)
         if torch.compiler.is_compiling():  # compiled autograd traces this backward: a functional product
-            g = _factor(grad_loss, grad_scale)
+            g = output_factor(grad_loss, grad_scale)
             dx, dw = (t * g if t is not None else None for t in grads)
         # Scaled in place by a replayed graph (``graph_replay._Graph.scale_grads``), else by the op's own
         # scaling. Autograd has given grad_output the loss's shape and dtype, and a 0-dim one its device; a

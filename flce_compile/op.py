@@ -458,7 +458,7 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     if grad_scale.dtype == torch.float64:
         # fp64 is the checking dtype: scale copies and keep the originals, so backward can run again
         # (torch.autograd.gradcheck runs it twice); a second dW-sized buffer does not matter there.
-        g = _factor(grad_loss, grad_scale)
+        g = output_factor(grad_loss, grad_scale)
         return tuple(t * g if t is not None and t.numel() else t for t in grads)
     # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
     # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
@@ -466,7 +466,7 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor may reuse the buffer for it.
     if torch.compiler.is_compiling():
-        g = _factor(grad_loss, grad_scale)
+        g = output_factor(grad_loss, grad_scale)
         return tuple(t * g if t is not None and t.numel() else t for t in grads)
     # A replayed forward's outputs are scaled by a replayed graph too (two launches instead of a multiply and
     # a Triton launch: at small shapes backward is host-bound as well).
@@ -475,39 +475,34 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     return grads
 
 
-def _factor(grad_loss: Tensor, grad_scale: Tensor) -> Tensor:
-    """The forward-computed gradients' factor, grad_output * grad_scale, in the loss's dtype; 0 when grad_scale is
-    (no token counted: the gradients stay exactly 0 whatever grad_output is, ``chunked.output_factor``)."""
-    return output_factor(grad_loss, grad_scale)
-
-
 def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_scale: Tensor) -> None:
     """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads`` (None: not requested), each
     element rounded once."""
     present = [t for t in grads if t is not None and t.numel()]
-    if _kernel_scales(present, grad_loss) and _kernel_scales(present, grad_scale):
+    if _kernel_scales(present, grad_loss, grad_scale):
         from .kernels.scale_grads import scale_all_in_place
 
-        # One launch for all of them, which forms the factor too (``_factor``'s three small ops would be three
-        # launches more: at small shapes backward is bound by the host).
+        # One launch for all of them, which forms the factor too (``output_factor``'s three small ops would be
+        # three launches more: at small shapes backward is bound by the host).
         scale_all_in_place(present, grad_loss, post=grad_scale)
         return
-    g = _factor(grad_loss, grad_scale)
+    g = output_factor(grad_loss, grad_scale)
     for t in present:
         _scale_in_place(t, g)
 
 
-def _kernel_scales(tensors: list[Tensor], g: Tensor) -> bool:
+def _kernel_scales(tensors: list[Tensor], *factors: Tensor) -> bool:
     """Whether ``tensors *= g`` goes through the Triton kernel: real CUDA bf16/fp16 tensors of one dtype,
-    contiguous, and a 0-dim fp32 factor. On the CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's
-    CUDA kernels first cast a 0-dim CUDA tensor to the tensor's dtype, which would round a bf16/fp16 gradient
-    twice when grad_output is not a power of two, so there the kernel does it (no host sync)."""
+    contiguous, and 0-dim fp32 factors (g, or the grad_output and grad_scale it forms g from) on their GPU. On the
+    CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's CUDA kernels first cast a 0-dim CUDA tensor to
+    the tensor's dtype, which would round a bf16/fp16 gradient twice when grad_output is not a power of two, so
+    there the kernel does it (no host sync)."""
     # Only real tensors: AOT autograd traces the backward with fake/functional tensors (and
     # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
-    if not tensors or type(g) is not Tensor or g.dim() != 0 or g.dtype != torch.float32:
+    if not tensors or not all(type(g) is Tensor and g.dim() == 0 and g.dtype == torch.float32 for g in factors):
         return False
-    dtype, index = tensors[0].dtype, g.get_device()  # the kernel reads g: on the tensors' GPU
-    return dtype in (torch.bfloat16, torch.float16) and all(
+    dtype, index = tensors[0].dtype, factors[0].get_device()  # the kernel reads the factors: on the tensors' GPU
+    return dtype in (torch.bfloat16, torch.float16) and all(g.get_device() == index for g in factors) and all(
         type(t) is Tensor and t.device.type == "cuda" and t.get_device() == index and t.dtype == dtype
         and t.is_contiguous() for t in tensors)
 

@@ -19,7 +19,7 @@ from ..log import logger
 from ..plan.choose import BudgetError
 from .hf_logging import keep_loss_in_graph
 from .inner import compile_graph, inner_compiler, no_cuda_graphs_of_its_own
-from .options import FLCEOptions, split_options
+from .options import PREFIX, FLCEOptions, split_options
 
 BACKEND_NAME = "flce"
 
@@ -98,7 +98,7 @@ def with_options(options: Mapping[str, Any] | None = None, mode: str | None = No
     Options are validated here, so mistakes surface before compiling.
     """
     merged = dict(options or {})
-    merged.update({k if k.startswith("flce.") else f"flce.{k}": v for k, v in flce.items()})
+    merged.update({k if k.startswith(PREFIX) else PREFIX + k: v for k, v in flce.items()})
     split_options(merged)  # validate now
 
     def flce_with_options(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:

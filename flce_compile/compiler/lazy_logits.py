@@ -207,7 +207,7 @@ _PENDING: weakref.WeakValueDictionary[int, LazyLogits] = weakref.WeakValueDictio
 _step_hook: Any = None
 
 
-@torch.compiler.disable  # a compiled ``opt.step`` calls it: traced, it guarded on each pending object (a recompile a step)
+@torch.compiler.disable  # under a compiled ``opt.step``, traced, it guarded on each pending object: a recompile a step
 def _secure_pending(*_args: Any) -> None:
     """A global optimizer step pre-hook (an optimizer, fused ones included, may write the weights without bumping a
     version counter): every held, not yet computed LazyLogits keeps what its forward read, through a copy of its

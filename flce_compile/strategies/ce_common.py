@@ -20,7 +20,8 @@ class CEStepArgs:
         every float below are fp32 (fp64 for fp64 logits).
     ce_scale, z_scale: 0-dim or (rows,): the factor applied to the cross-entropy and z-loss terms of each row
         (for "mean", 1/sum of target weights and 1/valid tokens divided by the power of two that is applied
-        after the GEMMs, see ``chunked._gradient_scales``; 1 for "sum" (0 when no token counts); grad_output for the per-token backward).
+        after the GEMMs, see ``chunked._gradient_scales``; 1 for "sum" (0 when no token counts); grad_output for
+        the per-token backward).
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass.
     grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
