@@ -252,6 +252,59 @@ def _run_tp_site(mesh) -> dict:
     }
 
 
+class _FP32HeadUnderAutocast(torch.nn.Module):
+    """The "keep the LM head in fp32" idiom inside a bf16 autocast region, the loss back under autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.emb(idx))
+            with torch.autocast("cpu", enabled=False):
+                logits = self.lm_head(h.float())
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+
+def _run_tp_fp32_head_under_autocast(mesh) -> dict:
+    """``_FP32HeadUnderAutocast`` with a ColwiseParallel lm_head, compiled with backend="flce" under
+    loss_parallel, against eager loss_parallel."""
+    import torch._dynamo
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    from flce_compile.compiler.tensor_parallel import flce_vocab_parallel_loss
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model = parallelize_module(_FP32HeadUnderAutocast(), mesh, {
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g.clone()  # noqa: E731
+    with loss_parallel():
+        ref = model(idx, labels)
+        ref.backward()
+    ref_grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    torch._dynamo.reset()
+    with loss_parallel():
+        loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
+        loss.backward()
+    return {"loss": loss.full_tensor(), "ref_loss": ref.full_tensor(), "ref_grads": ref_grads,
+            "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+            "fused": [n.target is flce_vocab_parallel_loss for gm in graphs for n in gm.graph.nodes].count(True)}
+
+
 def _run_compiled_dtensor(mesh) -> dict:
     """The op on a Shard(0) DTensor weight in a function compiled with fullgraph=True."""
     import torch._dynamo
@@ -353,6 +406,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["errors"] = _errors(mesh, group)
         results["mode_on_rank0"] = _run_with_a_mode_on_rank0(rank, world, group)
         results["tp_site"] = _run_tp_site(mesh)
+        results["tp_fp32_head"] = _run_tp_fp32_head_under_autocast(mesh)
     except Exception:  # noqa: BLE001 - reported by the test
         results["crash"] = traceback.format_exc()
     finally:
@@ -631,6 +685,20 @@ def test_tensor_parallel_site_in_torch_2_11s_spelling_is_rewritten(ranks):
         torch.testing.assert_close(got["loss"], got["ref_loss"], rtol=1e-5, atol=1e-6)
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tensor_parallel_lm_head_kept_out_of_autocast_computes_in_fp32(ranks):
+    """A tensor-parallel lm_head kept in fp32 with ``autocast(enabled=False)`` inside a bf16 region, its loss
+    back under autocast: the vocabulary-parallel op ran the head's GEMMs in bf16, with the loss's autocast (loss
+    2.6e-4 and lm_head gradient 4.5e-4 off eager loss_parallel). It now computes in the head's dtype with autocast
+    off, as the single-device op does."""
+    for r in ranks:
+        got = r["tp_fp32_head"]
+        assert got["fused"] == 1
+        torch.testing.assert_close(got["loss"], got["ref_loss"], rtol=1e-6, atol=1e-6)
+        for name, grad in got["grads"].items():
+            assert grad.dtype == torch.float32, name
+            torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_tensor_parallel_site_with_returned_logits_says_why(ranks):

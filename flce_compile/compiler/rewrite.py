@@ -12,7 +12,6 @@ site's new nodes are built and typed; a failure before that point leaves the gra
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -26,30 +25,11 @@ from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import SiteResult, analyze
+from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
-
-
-def _compute_operands(input, weight, bias, compute_dtype):
-    """Cast the lm_head's operands to the dtype it computed in (an autocast region that ended before the loss
-    leaves the graph with fp32 parameters and low-precision logits), as autocast did for the lm_head."""
-    if compute_dtype is None:
-        return input, weight, bias
-    cast = lambda t: t.to(compute_dtype) if t is not None and t.dtype != compute_dtype else t  # noqa: E731
-    return cast(input), cast(weight), cast(bias)
-
-
-def _head_autocast(input: torch.Tensor) -> Any:
-    """The autocast state the fused op runs in: off. The operands are already in the dtype the lm_head computed
-    in (``_compute_operands``), which the traced graph knows; the fused node stands where the loss stood, whose
-    autocast state can differ from the head's (an lm_head kept in fp32 with ``autocast(enabled=False)`` inside a
-    bf16 region, its loss after that block: autocast would have run the head's GEMMs in bf16)."""
-    from ..op import autocast_on
-
-    device_type = input.device.type
-    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
 
 def flce_fused_loss(
@@ -74,14 +54,14 @@ def flce_fused_loss(
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
     travels as a plain dict so the generated graph code stays printable. ``compute_dtype``: see
-    ``_compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic float in
+    ``head_dtype.compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic float in
     (``patterns.runtime_float``), which the op reads at run time.
     """
     from ..api import fused_linear_cross_entropy
 
-    input, weight, bias = _compute_operands(input, weight, bias, compute_dtype)
+    input, weight, bias = compute_operands(input, weight, bias, compute_dtype)
     # Rows line up after flattening both sides (the pattern check guarantees it), whatever view the loss saw.
-    with _head_autocast(input):
+    with head_autocast_off(input):
         loss = fused_linear_cross_entropy(
             input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
@@ -120,7 +100,7 @@ def flce_fused_loss_keep(
     """
     from ..api import fused_linear_cross_entropy
 
-    input, weight, bias = _compute_operands(input, weight, bias, compute_dtype)
+    input, weight, bias = compute_operands(input, weight, bias, compute_dtype)
     if indices:
         full = target.new_full(input.shape[:-1], ignore_index)
         rows, rank = full, input.dim()
@@ -132,7 +112,7 @@ def flce_fused_loss_keep(
         target = full
     else:
         target = target.reshape(input.shape[:-1])  # rows line up after flattening (the pattern check)
-    with _head_autocast(input):
+    with head_autocast_off(input):
         loss, logits = fused_linear_cross_entropy(
             input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
@@ -356,7 +336,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 for idx in plan.indices:
                     x = new.add("call_function", operator.getitem, (x, idx))
                 result = new.add("call_function", flce_vocab_parallel_loss, (
-                    x, weight, loss.target, bias, *loss_args, cfg, out_dtype, is_dtensor(loss_val)),
+                    x, weight, loss.target, bias, *loss_args, cfg, out_dtype, is_dtensor(loss_val),
+                    head_compute_dtype(gm, lin)),
                     {k: v for k, v in op_kwargs.items() if k == "precision"})
             elif res.path == "kept_logits":
                 x = site.chain[max(site.chain.index(n) for n in res.escapes)]
@@ -365,7 +346,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 result = new.add("call_function", flce_kept_logits_loss, (x, loss.target, *loss_args, out_dtype))
             else:
                 weight, bias = _head_operands(gm, lin, new)
-                tail = (cfg, out_dtype, _compute_dtype(gm, lin))
+                tail = (cfg, out_dtype, head_compute_dtype(gm, lin))
                 if res.path in ("fused", "fused_lazy"):
                     x = lin.input
                     for idx in plan.indices:
@@ -456,19 +437,6 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
     else:
         weight = lin.weight
     return weight, bias
-
-
-def _compute_dtype(gm: fx.GraphModule, lin: Any) -> torch.dtype | None:
-    """The logits' dtype when any lm_head operand has another one (autocast), else None."""
-    if lin.module_target is not None:
-        mod = gm.get_submodule(lin.module_target)
-        operands = [mod.weight, mod.bias]
-    else:
-        operands = [meta_value(lin.weight), meta_value(lin.bias)]
-    operands.append(meta_value(lin.input))
-    logits_dtype = meta_value(lin.node).dtype
-    mixed = any(isinstance(t, torch.Tensor) and t.dtype != logits_dtype for t in operands)
-    return logits_dtype if mixed else None
 
 
 def _propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any) -> None:

@@ -99,20 +99,26 @@ def flce_vocab_parallel_loss(
     config: Optional[dict],
     out_dtype: torch.dtype,
     as_dtensor: bool,
+    compute_dtype: Optional[torch.dtype] = None,
     *,
     precision: str = "exact",
 ) -> torch.Tensor:
     """The graph-side call of the vocabulary-parallel op (a stable node target for the inner compiler and for
     tests): ``input`` (..., H) the same on every rank, ``weight`` the lm_head's Shard(0) DTensor. With
-    ``as_dtensor`` the loss comes back as the replicated DTensor the loss_parallel loss was."""
+    ``as_dtensor`` the loss comes back as the replicated DTensor the loss_parallel loss was. ``compute_dtype``:
+    the dtype the lm_head computed in, as for the single-device op (``head_dtype.compute_operands``); the op runs
+    with autocast off."""
     from ..vocab_parallel import vocab_parallel_linear_cross_entropy
+    from .head_dtype import compute_operands, head_autocast_off
 
-    loss = vocab_parallel_linear_cross_entropy(
-        input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
-        ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
-        config=config, precision=precision,
-    )
+    input, weight, bias = compute_operands(input, weight, bias, compute_dtype)
+    with head_autocast_off(input):
+        loss = vocab_parallel_linear_cross_entropy(
+            input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
+            ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+            config=config, precision=precision,
+        )
     if reduction == "none":
         loss = loss.view(target.shape)
     if loss.dtype != out_dtype:
