@@ -6,6 +6,7 @@ It is also registered with ``torch._logging``, so ``TORCH_LOGS="+flce_compile"``
 
 import logging
 import os
+import sys
 
 logger = logging.getLogger("flce_compile")
 
@@ -16,8 +17,16 @@ def _register_with_torch_logs() -> None:
     except ImportError:  # a torch without the registry: TORCH_LOGS does not know us, plain logging still works
         return
     register_log("flce_compile", "flce_compile")
-    if "flce_compile" in os.environ.get("TORCH_LOGS", ""):
+    if "flce_compile" in os.environ.get("TORCH_LOGS", "") and not _torch_importing():
         _init_logs()  # torch may have parsed TORCH_LOGS before this name existed; parse it again
+
+
+def _torch_importing() -> bool:
+    """Whether ``import torch`` is still running: torch 2.13 imports a package TORCH_LOGS names while it
+    parses TORCH_LOGS at its import, and sets its handlers up after that (a parse of ours then gave every line
+    twice), as the ``_init_logs`` that ends torch's import would anyway."""
+    spec = getattr(sys.modules.get("torch"), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 _register_with_torch_logs()

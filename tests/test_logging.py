@@ -28,7 +28,9 @@ def _run(torch_logs: str | None) -> str:
 
 def test_torch_logs_enables_the_package_log():
     debug = _run("+flce_compile")
-    assert "flce: loss cross_entropy -> fused" in debug  # INFO
+    # Once: torch 2.13 imports the package while it parses TORCH_LOGS, and a second parse of ours doubled every
+    # line's handler.
+    assert debug.count("flce: loss cross_entropy -> fused") == 1, debug  # INFO
     assert "config for V=32 H=8" in debug  # DEBUG, from the op's config choice
     info = _run("flce_compile")
     assert "-> fused" in info and "config for V=32" not in info
