@@ -2,8 +2,8 @@
 
 One process, one H200: our op's fwd+bwd timed with ten CUDA-event runs while the GPU is cool, the three-GEMM
 floor, then do_bench (a second of back-to-back calls), the ten runs again, and the floor again, with the SM
-clock, memory clock, power and temperature from nvidia-smi beside them. Prints raw lines; the run cited in the
-README is ``results/power_diag_h200_20261201.log``. ("no-flush-free" is a shorter do_bench, 50 + 300 ms.)
+clock, memory clock, power and temperature from nvidia-smi beside them. Prints raw lines; the run cited in
+docs/results_h200.md is ``results/power_diag_h200_20261201.log``. ("no-flush-free" is a shorter do_bench, 50 + 300 ms.)
 
     python benchmarks/power_diag.py
 """

@@ -21,7 +21,8 @@ from flce_compile.tuning.which import which_config
 CUDA = torch.device("cuda")
 #: Llama-3 8B's LM head, the issue's shape.
 V, H = 128256, 4096
-#: The recompute config the H200 measured at 16384 x 4096 x 128256 (README: bound 0.371 GB, 110.5 ms).
+#: The recompute config the H200 measured at 16384 x 4096 x 128256 (docs/op.md, "Low memory": bound 0.371 GB,
+#: 110.5 ms).
 TIGHT = FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=4096)
 PLAIN = FLCEConfig(strategy="triton", chunk_tokens=2048, block_v=8192, num_warps=8)
 

@@ -9,7 +9,8 @@ compiler cannot handle, with this backend or without it: transformers 5.17's MoE
 which AOT autograd cannot trace. With ``flce.inner_failure="traced"`` (the default) the backend runs such a graph
 as traced instead, uncompiled, the fused op in it: the logits stay unmaterialized, as the backend promises. The
 graph is the whole frame Dynamo traced, so none of it is compiled, where Dynamo's fallback still compiles the
-frames the head's frame calls; on the H200 the traced graph was the faster of the two all the same (README).
+frames the head's frame calls; on the H200 the traced graph was the faster of the two all the same
+(docs/backend.md).
 Under ``fullgraph=True``, where torch.compile would raise such a failure, the graph also runs as traced (logged);
 ``"dynamo"`` restores torch.compile's answer.
 """
