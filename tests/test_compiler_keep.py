@@ -329,6 +329,29 @@ def test_lazy_logits_given_to_a_compiled_function(inner, compiled_models):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_compiled_function_given_new_lazy_logits_each_step_compiles_once(compiled_models):
+    """A compiled metric given each step's logits (``metric(out.logits)`` in a training loop): Dynamo traced the
+    class's dispatch and ``compute`` from the metric's frame, guarded on each LazyLogits and compiled them again
+    every step, up to its recompile limit. They now run untraced: frames are traced at the first call only, and
+    the values are eager's."""
+    from torch._dynamo.utils import counters
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    _, ref_logits, _ = _reference(model, idx, labels)
+    metric = torch.compile(lambda t, y: F.cross_entropy(t.flatten(0, 1).float(), y.flatten()), backend="eager")
+    frames, values = [], []
+    for _ in range(4):
+        _, logits = compiled(idx, labels)
+        counters.clear()
+        values.append(metric(logits, labels))
+        frames.append(counters["frames"]["total"])
+    assert frames[0] > 0 and frames[1:] == [0, 0, 0], frames
+    expected = F.cross_entropy(ref_logits.flatten(0, 1).float(), labels.flatten())
+    for value in values:
+        torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6)
+
+
 class _DataWritingSGD(torch.optim.Optimizer):
     """A step that writes the parameters through ``.data``, as fused optimizers write them: no version counter
     sees it."""

@@ -23,7 +23,8 @@ node breaks compiled autograd's tracing of backward, torch 2.13.)
 They are computed with autocast off (a read inside an autocast region gets the forward's dtype and values).
 Under inference mode they are computed at once (inference tensors keep no version counter to check).
 A function compiled with torch.compile and given them runs its operators on them outside the graph (Dynamo does
-not trace this class); any operator's result (``logits.clone()``) is a plain tensor it traces.
+not trace this class: its dispatch and ``compute`` are ``torch.compiler.disable``d); any operator's result
+(``logits.clone()``) is a plain tensor it traces.
 
 ``flce.logits="materialize"`` computes them in the graph instead (a plain tensor at once, as before).
 """
@@ -159,8 +160,11 @@ class LazyLogits(Tensor):
         source.freeze(copies)
         _PENDING.pop(id(self), None)
 
+    @torch.compiler.disable
     def compute(self) -> Tensor:
-        """The values (a plain tensor without autograd history), computed now if they were not yet."""
+        """The values (a plain tensor without autograd history), computed now if they were not yet. Never traced:
+        reached from a function the user compiled (``metric(out.logits)``), Dynamo traced it, guarded on this
+        object and recompiled it for every new LazyLogits, up to its recompile limit."""
         if self._value is None:
             self._value = self._source.value()
             self._source = None  # the operands are free to go (autograd keeps what backward needs)
@@ -168,6 +172,7 @@ class LazyLogits(Tensor):
         return self._value
 
     @classmethod
+    @torch.compiler.disable  # as ``compute``: Dynamo traced it from the user's compiled function, once per object
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         def unwrap(t: Any) -> Any:
             return t.compute() if isinstance(t, LazyLogits) else t
