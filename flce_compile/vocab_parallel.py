@@ -170,7 +170,7 @@ def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: 
             ce_step(CEStepArgs(
                 logits=logits, target=ops.target[t0:t1], ce_weight=ops.ce_weight, weight_sum=weight_sum,
                 ce_scale=one, z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False,
-                class_offset=vocab_start, num_classes=vocab_total, stats_out=stats[:, t0:t1],
+                class_offset=vocab_start, num_classes=vocab_total, stats_out=stats[:, t0:t1], scratch=True,
             ), p)
     return stats
 

@@ -36,6 +36,9 @@ class CEStepArgs:
     residual_out: (rows,) fp32 or None: with ``write_grad``, receives what rounding the gradient to its dtype
         took from each row's true-class entry, g_y - round(g_y) (0 where the target is not among the columns),
         which the loop adds back beside the GEMMs (``strategies.true_class``; the "precise" policy).
+    scratch: the caller owns ``logits`` and reads nothing of them after the step, so a step that does not write
+        the gradient may still work in them (the torch step then needs no chunk-sized copy of fp32 logits: under
+        no_grad it held two chunks, one with gradients).
     """
 
     logits: torch.Tensor
@@ -56,6 +59,7 @@ class CEStepArgs:
     stats_out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
     padded: bool = False
+    scratch: bool = False
 
     def classes(self) -> int:
         """How many classes the loss is over (the columns, unless the logits hold a slice)."""

@@ -97,10 +97,11 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
 
 def _work_buffer(args: CEStepArgs) -> torch.Tensor:
     """The math-dtype buffer the step works in, holding the logits: the logits themselves when the gradient
-    overwrites them, the gradient buffer when it is in the math dtype (kept logits on the CPU), else a copy."""
+    overwrites them or they are the caller's scratch, the gradient buffer when it is in the math dtype (kept
+    logits on the CPU), else a copy."""
     logits, out = args.logits, args.grad_out
     dtype = math_dtype(logits.dtype)
-    if args.write_grad and out is None and logits.dtype == dtype:
+    if (args.write_grad or args.scratch) and out is None and logits.dtype == dtype:
         return logits
     if args.write_grad and out is not None and out.dtype == dtype:
         return out.copy_(logits)

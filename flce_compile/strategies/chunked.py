@@ -478,7 +478,8 @@ def _run_chunks(
                 ce_step(
                     step_rows.chunk(_columns(logits, vocab), rows, write_grad=grads.any,
                                     grad_out=_columns(grad, vocab) if separate_grad else None,
-                                    residual_out=residual, padded=not direct),
+                                    residual_out=residual, padded=not direct,
+                                    scratch=not direct or wide_buffer is not None),
                     p,
                 )
                 if not grads.any:
@@ -538,7 +539,7 @@ class _StepRows:
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
               grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-              padded: bool = False) -> CEStepArgs:
+              padded: bool = False, scratch: bool = False) -> CEStepArgs:
         return CEStepArgs(
             logits=logits,
             target=_take(self.target, rows.start, rows.stop),
@@ -553,6 +554,7 @@ class _StepRows:
             grad_out=grad_out,
             residual_out=residual_out,
             padded=padded,
+            scratch=scratch,
         )
 
 
