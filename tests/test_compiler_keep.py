@@ -470,6 +470,42 @@ def test_lazy_logits_through_a_returned_cast():
         torch.testing.assert_close(g, ref_grads[name], rtol=2e-2, atol=1e-3, msg=name)  # (bf16 parameters)
 
 
+class _ReturnsFlatView(LM):
+    """Returns its logits reshaped off the loss's chain (nanoGPT's ``return logits.view(-1, V), loss`` beside the
+    loss's own view)."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits.view(-1, V)
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_a_returned_reshape_of_the_logits_stays_off_the_graph(mode):
+    """A reshape the graph only returns: under "keep" the logits are computed when read, as for a returned cast
+    (it took the fused_keep path, forming the logits and a logits-sized gradient buffer in backward); under
+    "drop" the reshape is None, as the logits themselves. Eager's values and gradients."""
+    torch.manual_seed(0)
+    model = _ReturnsFlatView()
+    idx, labels = _data()
+    weight = 0.3 if mode == "keep" else 0.0
+    _, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight=weight)
+    cap = _Capture("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": mode})
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    assert [_logits_sized(gm) for gm in cap.graphs] == [[]]
+    if mode == "drop":
+        assert logits is None
+        loss.backward()
+    else:
+        assert type(logits) is LazyLogits and logits.shape == (B * S, V) and not logits.computed
+        (loss + weight * (logits.float() ** 3).mean()).backward()
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_lazy_logits_read_under_autocast_and_made_under_inference_mode(compiled_models):
     """A read inside an autocast region gets the forward's dtype and values; under inference mode (whose tensors
     keep no version counter to check) the logits are computed at once, a plain tensor."""

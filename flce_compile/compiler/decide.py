@@ -109,8 +109,8 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     all_escapes = site.escapes()
     escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
     casts: list[fx.Node] = []
-    if logits_mode == "drop":  # a cast the graph only returns (Accelerate's ``.float()``) is dropped with it
-        escapes, casts = _without_returned_casts(escapes)
+    if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
+        escapes, casts = _without_returned_steps(escapes)
     res.escapes = escapes
     res.dropped = [n for n in all_escapes if n not in escapes] + casts
     res.dropped_outputs = len(res.dropped)
@@ -166,7 +166,7 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
         for user in users:
             if user.op == "output":
                 returned[node] = node
-            elif _returned_cast(user, node):
+            elif _returned_step(user, node):
                 returned[user] = node
             else:
                 return False
@@ -192,26 +192,27 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
     return True
 
 
-#: Methods a returned logits may go through off the loss's chain and still be computed when read (what
-#: Accelerate's mixed precision does to every output: ``.float()``).
-_RETURNED_CASTS = frozenset({"float", "to", "contiguous"})
+#: Methods a returned logits may go through off the loss's chain and still be computed when read: casts (what
+#: Accelerate's mixed precision does to every output: ``.float()``) and reshapes with constant sizes (nanoGPT's
+#: ``return logits.view(-1, V), loss`` beside the loss's own ``logits.view(-1, V)``).
+_RETURNED_METHODS = frozenset({"float", "to", "contiguous", "view", "reshape", "flatten"})
 
 
-def _returned_cast(user: fx.Node, node: fx.Node) -> bool:
-    """Whether ``user`` is a cast of chain node ``node`` (``_RETURNED_CASTS``, constants otherwise) that the graph
-    only returns."""
-    return (user.op == "call_method" and user.target in _RETURNED_CASTS and user.all_input_nodes == [node]
+def _returned_step(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` is a cast or reshape of chain node ``node`` (``_RETURNED_METHODS``, constants otherwise)
+    that the graph only returns."""
+    return (user.op == "call_method" and user.target in _RETURNED_METHODS and user.all_input_nodes == [node]
             and all(u.op == "output" for u in user.users))
 
 
-def _without_returned_casts(escapes: dict[fx.Node, list[fx.Node]]
+def _without_returned_steps(escapes: dict[fx.Node, list[fx.Node]]
                             ) -> tuple[dict[fx.Node, list[fx.Node]], list[fx.Node]]:
-    """``escapes`` less the uses that are casts the graph only returns (``_returned_cast``), and those casts:
-    under "drop" their outputs become None, as the logits' own would."""
+    """``escapes`` less the uses that are casts or reshapes the graph only returns (``_returned_step``), and
+    those: under "drop" their outputs become None, as the logits' own would."""
     kept: dict[fx.Node, list[fx.Node]] = {}
     casts: list[fx.Node] = []
     for node, users in escapes.items():
-        others = [u for u in users if not _returned_cast(u, node)]
+        others = [u for u in users if not _returned_step(u, node)]
         casts += [u for u in users if u not in others]
         if others:
             kept[node] = others
@@ -228,7 +229,7 @@ def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:
         return steps
     if node not in site.chain:
         inputs = node.all_input_nodes
-        if len(inputs) != 1 or inputs[0] not in site.chain or not _returned_cast(node, inputs[0]):
+        if len(inputs) != 1 or inputs[0] not in site.chain or not _returned_step(node, inputs[0]):
             return None
         before = lazy_steps(site, inputs[0])
         return None if before is None else before + [node]
