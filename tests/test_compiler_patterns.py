@@ -50,6 +50,10 @@ FORMS = {
         m.lm_head(x).to(torch.float32).flatten(0, 1).contiguous(), t.flatten(), reduction="sum"),
     "tied_embedding": lambda m, x, t: F.cross_entropy(F.linear(x, m.emb.weight).view(-1, V), t.view(-1)),
     "matmul_T": lambda m, x, t: F.cross_entropy((x @ m.emb.weight.T).view(-1, V), t.view(-1)),
+    "einsum": lambda m, x, t: F.cross_entropy(torch.einsum("bsh,vh->bsv", x, m.emb.weight).view(-1, V), t.view(-1)),
+    # the weight first, read as (H, V), with an ellipsis
+    "einsum_hv_first": lambda m, x, t: F.cross_entropy(
+        torch.einsum("hv, ...h -> ...v", m.emb.weight.t(), x).view(-1, V), t.view(-1)),
     "log_softmax_nll": lambda m, x, t: F.nll_loss(F.log_softmax(m.lm_head(x), dim=-1).view(-1, V), t.view(-1)),
     "scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * 0.5).view(-1, V), t.view(-1)),
     "divisor": lambda m, x, t: F.cross_entropy((m.lm_head(x) / 3.0).view(-1, V), t.view(-1)),
@@ -113,7 +117,8 @@ def test_form_is_fused_and_exact(form, bias):
     got, got_g = _run(model, compiled, idx, t)
     targets = [n.target for n in graphs[0].graph.nodes]
     assert targets.count(flce_fused_loss) == 1, graphs[0].code
-    assert not any(n.op == "call_function" and n.target in (torch._C._nn.linear, torch.matmul, operator.matmul)
+    heads = (torch._C._nn.linear, torch.matmul, operator.matmul, torch.einsum, torch.functional.einsum)
+    assert not any(n.op == "call_function" and n.target in heads
                    and n.meta["example_value"].shape[-1] == V for n in graphs[0].graph.nodes), graphs[0].code
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     assert ref_g.keys() == got_g.keys()

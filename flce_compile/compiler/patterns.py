@@ -28,6 +28,7 @@ from .spellings import dtensor_call, operator_of
 
 _LINEAR_FNS = {F.linear, torch._C._nn.linear}
 _MATMUL_FNS = {torch.matmul, operator.matmul, torch.mm, torch.Tensor.matmul}
+_EINSUM_FNS = {torch.einsum, torch.functional.einsum}
 _CE_FNS = {F.cross_entropy}
 _NLL_FNS = {F.nll_loss}
 _LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
@@ -382,6 +383,37 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
         if wt.op == "call_function" and wt.target is getattr and wt.args[1:] in (("T",), ("mT",)):
             return LinearMatch(node=node, input=x, weight=wt.args[0], form="x @ W.T")
         return LinearMatch(node=node, input=x, weight=wt, weight_is_transposed=True, form="x @ W (W is (H, V))")
+    if _is_fn(node, _EINSUM_FNS):
+        return _einsum_head(node)
+    return None
+
+
+def _einsum_head(node: fx.Node) -> LinearMatch | None:
+    """``torch.einsum("bsh,vh->bsv", x, W)`` (any letters, ``...`` too, either operand first) as an lm_head: the
+    hidden states contracted over their last dimension with a 2-D weight, whose other dimension ends the output.
+    ``"...h,hv->...v"`` reads W as (H, V)."""
+    if node.kwargs or len(node.args) != 3 or not isinstance(node.args[0], str):
+        return None
+    equation, a, b = node.args
+    spec = equation.replace(" ", "")
+    if spec.count("->") != 1 or not all(isinstance(t, fx.Node) for t in (a, b)):
+        return None
+    inputs, output = spec.split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    for (x, xs), (w, ws) in (((a, subscripts[0]), (b, subscripts[1])), ((b, subscripts[1]), (a, subscripts[0]))):
+        if len(ws) != 2 or not xs or "." in ws:
+            continue
+        hidden = xs[-1]
+        if hidden not in ws or ws[0] == ws[1] or hidden in output:
+            continue
+        vocab = ws[1] if ws[0] == hidden else ws[0]
+        if vocab in xs or output != xs[:-1] + vocab or len(set(xs.replace(".", ""))) != len(xs.replace(".", "")):
+            continue
+        transposed = ws[0] == hidden
+        return LinearMatch(node=node, input=x, weight=w, weight_is_transposed=transposed,
+                           form=f"einsum({equation!r})")
     return None
 
 
