@@ -506,6 +506,31 @@ def test_a_returned_reshape_of_the_logits_stays_off_the_graph(mode):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+class _ReturnsDtypeView(LM):
+    """Returns its fp32 logits' bits viewed as bf16 pairs (``view(dtype)``): no gradient flows through it."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits.view(torch.bfloat16)
+
+
+def test_a_returned_dtype_view_of_the_logits_is_no_lazy_reshape():
+    """``view(dtype)`` reinterprets the logits' bits, and eager's result requires no grad. Taken as a returned
+    reshape, it came back as lazy logits requiring grad, and a backward through them raised (no grad_fn in
+    the replayed view). It is left to the graph: eager's values, without grad, and backward works."""
+    torch.manual_seed(0)
+    model = _ReturnsDtypeView()
+    idx, labels = _data()
+    ref_loss, ref_view = model(idx, labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"})
+    loss, view = compiled(idx, labels)
+    assert type(view) is not LazyLogits and not view.requires_grad
+    (loss + 0 * view.float().nan_to_num().sum()).backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(view.view(torch.int16), ref_view.view(torch.int16))
+
+
 def test_lazy_logits_read_under_autocast_and_made_under_inference_mode(compiled_models):
     """A read inside an autocast region gets the forward's dtype and values; under inference mode (whose tensors
     keep no version counter to check) the logits are computed at once, a plain tensor."""

@@ -201,6 +201,8 @@ _RETURNED_METHODS = frozenset({"float", "to", "contiguous", "view", "reshape", "
 def _returned_step(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` is a cast or reshape of chain node ``node`` (``_RETURNED_METHODS``, constants otherwise)
     that the graph only returns."""
+    if user.target == "view" and any(isinstance(a, torch.dtype) for a in (*user.args, *user.kwargs.values())):
+        return False  # ``view(dtype)`` reinterprets the bits: no gradient flows through it, as the lazy head's would
     return (user.op == "call_method" and user.target in _RETURNED_METHODS and user.all_input_nodes == [node]
             and all(u.op == "output" for u in user.users))
 
