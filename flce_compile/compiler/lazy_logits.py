@@ -23,8 +23,8 @@ node breaks compiled autograd's tracing of backward, torch 2.13.)
 They are computed with autocast off (a read inside an autocast region gets the forward's dtype and values).
 Under inference mode they are computed at once (inference tensors keep no version counter to check).
 A function compiled with torch.compile and given them runs its operators on them outside the graph (Dynamo does
-not trace this class: its dispatch and ``compute`` are ``torch.compiler.disable``d); any operator's result
-(``logits.clone()``) is a plain tensor it traces.
+not trace this class: its dispatch and ``compute`` are ``torch.compiler.disable``d, and ``fullgraph=True``
+refuses them); any operator's result (``logits.clone()``) is a plain tensor it traces.
 
 ``flce.logits="materialize"`` computes them in the graph instead (a plain tensor at once, as before).
 """
