@@ -450,6 +450,26 @@ def test_call_module_forms_symbolic_trace():
     torch.testing.assert_close(gm(x, t), m(x, t), rtol=1e-5, atol=1e-6)
 
 
+def test_a_symbolic_label_smoothing_says_the_compile_traces_again(caplog):
+    """An nn.CrossEntropyLoss module under dynamic=True: Dynamo leaves its label_smoothing a symbolic float, and
+    the first trace is refused; AOT autograd (inductor, aot_eager) then specializes the float and Dynamo traces
+    again, which fuses. explain shows only the first trace: its reason says so (it read "label_smoothing=item is
+    not a constant number"), and the refusal is logged at INFO, not warned."""
+    torch.manual_seed(0)
+    model = Head(FORMS["ce_module"])
+    idx, t = _data()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", dynamic=True, options={"flce.inner": "aot_eager"})
+    (report,) = fc.explain(compiled, idx, t)
+    assert not report.fused and "traces the frame again, which fuses" in report.reason
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        loss = compiled(idx, t)
+    assert "-> fused" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "label_smoothing" in r.getMessage()]
+    torch.testing.assert_close(loss, model(idx, t), rtol=1e-5, atol=1e-6)
+
+
 def test_explain_reports_sites_and_graph_breaks():
     torch.manual_seed(0)
     idx, t = _data()
