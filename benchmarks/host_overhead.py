@@ -479,11 +479,12 @@ def cpu_breakdown(shape: str, config: dict, calls: int, reps: int) -> dict[str, 
             from flce_compile.kernels import scales
 
             patched += [(chunked, "_use_scales_kernel", chunked._use_scales_kernel),
-                        (op, "check_targets", op.check_targets), (scales, "mean_scales_kernel", scales.mean_scales_kernel)]
+                        (op, "check_targets", op.check_targets),
+                        (scales, "loss_scales_kernel", scales.loss_scales_kernel)]
             chunked._use_scales_kernel = lambda device: True
             op.check_targets = lambda *args: None
             # Launches nothing (the interpreter's own tensor traffic would be counted otherwise).
-            scales.mean_scales_kernel = {(1,): lambda *args, **kwargs: None}
+            scales.loss_scales_kernel = {(1,): lambda *args, **kwargs: None}
             gpu_path = "ATen ops per fwd+bwd outside the CE step, GPU path (+ the factors' Triton launch)"
             out[gpu_path] = count_aten_ops(step)
             _restore(patched)

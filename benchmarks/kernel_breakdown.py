@@ -34,7 +34,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: Kernel kinds, by a piece of the kernel's name (first match wins); the rest are "other".
 KINDS = (
     ("CE step", ("ce_chunk_kernel",)),
-    ("scale factors", ("mean_scales_kernel", "scale_kernel")),
+    ("scale factors", ("loss_scales_kernel", "scale_kernel")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "ampere_", "splitk", "splitK")),
 )
 

@@ -246,7 +246,7 @@ def test_scales_kernel_equals_the_torch_scales(valid, split, reduction):
         device = "cpu"
     else:
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-    from flce_compile.kernels.scales import mean_scales
+    from flce_compile.kernels.scales import loss_scales
     from flce_compile.strategies import chunked
 
     n = max(valid, 1) + 37
@@ -254,7 +254,7 @@ def test_scales_kernel_equals_the_torch_scales(valid, split, reduction):
     t[valid:] = -7
     t = t[torch.randperm(n, device=device)]
     p = LossParams(ignore_index=-7, reduction=reduction)
-    z, post, loss_factor, weight_sum = mean_scales(t, p.ignore_index, 50, split=split, reduction=reduction)
+    z, post, loss_factor, weight_sum = loss_scales(t, p.ignore_index, 50, split=split, reduction=reduction)
     expected = chunked._gradient_scales(*chunked._reduction_scales(t, None, p, 50, torch.float32), reduction, split)
     for got, want in ((z, expected.ce), (z, expected.z), (post, expected.post)):
         assert got.item() == want.item()

@@ -108,11 +108,11 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.logits_dtype, res.device = out.dtype, out.device
     all_escapes = site.escapes()
     escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
-    casts: list[fx.Node] = []
+    returned_steps: list[fx.Node] = []
     if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
-        escapes, casts = _without_returned_steps(escapes)
+        escapes, returned_steps = _without_returned_steps(escapes)
     res.escapes = escapes
-    res.dropped = [n for n in all_escapes if n not in escapes] + casts
+    res.dropped = [n for n in all_escapes if n not in escapes] + returned_steps
     res.dropped_outputs = len(res.dropped)
     if is_tensor_parallel(site):
         return _vocab_parallel(site, res, escapes, aliases)
@@ -212,13 +212,13 @@ def _without_returned_steps(escapes: dict[fx.Node, list[fx.Node]]
     """``escapes`` less the uses that are casts or reshapes the graph only returns (``_returned_step``), and
     those: under "drop" their outputs become None, as the logits' own would."""
     kept: dict[fx.Node, list[fx.Node]] = {}
-    casts: list[fx.Node] = []
+    steps: list[fx.Node] = []
     for node, users in escapes.items():
         others = [u for u in users if not _returned_step(u, node)]
-        casts += [u for u in users if u not in others]
+        steps += [u for u in users if u not in others]
         if others:
             kept[node] = others
-    return kept, casts
+    return kept, steps
 
 
 def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:

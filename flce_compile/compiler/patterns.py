@@ -337,11 +337,12 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
     if lm.reduction not in ("mean", "sum", "none"):
         return f"reduction={lm.reduction!r} is not a constant 'mean'/'sum'/'none'"
     if _symbolic_float(lm.label_smoothing):  # an nn.CrossEntropyLoss's attribute under dynamic=True
+        # Not SYMBOLIC_FLOAT_FIX's words, which the rewrite warns on: with the default inner compiler this loss ends
+        # up fused, so the refusal of the first trace is logged at INFO.
         return ("label_smoothing is a Python float Dynamo left symbolic (dynamic=True); an inner compiler built on "
                 "AOT autograd (inductor, aot_eager) specializes it and Dynamo traces the frame again, which fuses "
                 "(explain shows the first trace); with another inner compiler, set "
-                "torch._dynamo.config.specialize_float = True or drop dynamic=True")  # (logged at INFO, not warned:
-        # with the default inner compiler the loss ends up fused)
+                "torch._dynamo.config.specialize_float = True or drop dynamic=True")
     if not _is_number(lm.label_smoothing):
         return f"label_smoothing={lm.label_smoothing!r} is not a constant number"
     lm.label_smoothing = float(lm.label_smoothing)

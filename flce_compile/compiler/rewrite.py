@@ -54,8 +54,8 @@ def flce_fused_loss(
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
     travels as a plain dict so the generated graph code stays printable. ``compute_dtype``: see
-    ``head_dtype.compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic float in
-    (``patterns.runtime_float``), which the op reads at run time.
+    ``head_dtype.compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic
+    float in (``patterns.runtime_float``), which the op reads at run time.
     """
     from ..api import fused_linear_cross_entropy
 

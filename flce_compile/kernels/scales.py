@@ -26,7 +26,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def mean_scales_kernel(target_ptr, n, ignore_index, out_ptr, post_ptr, vocab_f, BLOCK: tl.constexpr,
+def loss_scales_kernel(target_ptr, n, ignore_index, out_ptr, post_ptr, vocab_f, BLOCK: tl.constexpr,
                        SPLIT: tl.constexpr, SUM: tl.constexpr):
     count = tl.zeros((), dtype=tl.int32)
     for start in range(0, n, BLOCK):
@@ -51,7 +51,7 @@ def mean_scales_kernel(target_ptr, n, ignore_index, out_ptr, post_ptr, vocab_f, 
     tl.store(post_ptr, tl.where(valid, post, 0.0))  # 0 without a valid token: see chunked.output_factor
 
 
-def mean_scales(target: torch.Tensor, ignore_index: int, vocab: int, split: bool = True,
+def loss_scales(target: torch.Tensor, ignore_index: int, vocab: int, split: bool = True,
                 reduction: str = "mean") -> tuple[torch.Tensor, ...]:
     """(z, post, loss_factor, weight_sum), each 0-dim fp32 on target's device, for a "mean" (or, with
     ``reduction="sum"``, a "sum": every factor 1, or 0 without a valid token, ``chunked._reduction_scales``) over
@@ -60,7 +60,7 @@ def mean_scales(target: torch.Tensor, ignore_index: int, vocab: int, split: bool
     ``grad_scale``, which must not share memory with anything else."""
     out = torch.empty(3, dtype=torch.float32, device=target.device)
     post = torch.empty((), dtype=torch.float32, device=target.device)
-    mean_scales_kernel[(1,)](target, target.shape[0], ignore_index, out, post, float(vocab), BLOCK=BLOCK,
+    loss_scales_kernel[(1,)](target, target.shape[0], ignore_index, out, post, float(vocab), BLOCK=BLOCK,
                              SPLIT=split and reduction == "mean", SUM=reduction == "sum")
     z, weight_sum, loss_factor = out.unbind()
     return z, post, loss_factor, weight_sum

@@ -613,9 +613,9 @@ def fused_forward(
     split = keeps_power_of_two_apart(ops.x.dtype)
     if (p.reduction != "none" and ops.ce_weight is None and dtype == torch.float32
             and _use_scales_kernel(ops.x.device)):
-        from ..kernels.scales import mean_scales
+        from ..kernels.scales import loss_scales
 
-        z, post, loss_factor, weight_sum = mean_scales(ops.target, p.ignore_index, vocab, split=split,
+        z, post, loss_factor, weight_sum = loss_scales(ops.target, p.ignore_index, vocab, split=split,
                                                        reduction=p.reduction)
         ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
     else:
