@@ -470,22 +470,36 @@ def test_lazy_logits_through_a_returned_cast():
         torch.testing.assert_close(g, ref_grads[name], rtol=2e-2, atol=1e-3, msg=name)  # (bf16 parameters)
 
 
-class _ReturnsFlatView(LM):
-    """Returns its logits reshaped off the loss's chain (nanoGPT's ``return logits.view(-1, V), loss`` beside the
-    loss's own view)."""
+class _ReturnsReshaped(LM):
+    """Returns its logits through casts and reshapes off the loss's chain: nanoGPT's ``return logits.view(-1, V),
+    loss`` beside the loss's own view, and two such steps one after another."""
+
+    def __init__(self, returned):
+        super().__init__()
+        self.returned = returned
 
     def forward(self, idx, labels):
         loss, logits = super().forward(idx, labels)
-        return loss, logits.view(-1, V)
+        return loss, self.returned(logits)
+
+
+_RESHAPES = {
+    "view": (lambda z: z.view(-1, V), (B * S, V)),
+    "view_float": (lambda z: z.view(-1, V).float(), (B * S, V)),
+    "view_view": (lambda z: z.view(-1, V).view(B, S, V), (B, S, V)),
+}
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])
-def test_a_returned_reshape_of_the_logits_stays_off_the_graph(mode):
-    """A reshape the graph only returns: under "keep" the logits are computed when read, as for a returned cast
-    (it took the fused_keep path, forming the logits and a logits-sized gradient buffer in backward); under
-    "drop" the reshape is None, as the logits themselves. Eager's values and gradients."""
+@pytest.mark.parametrize("reshape", list(_RESHAPES))
+def test_a_returned_reshape_of_the_logits_stays_off_the_graph(mode, reshape):
+    """Reshapes (and a cast) the graph only returns: under "keep" the logits are computed when read, as for a
+    returned cast (they took the fused_keep path, forming the logits and a logits-sized gradient buffer in
+    backward; two steps one after another did until 2026-12-03); under "drop" the reshape is None, as the logits
+    themselves. Eager's values and gradients."""
+    returned, shape = _RESHAPES[reshape]
     torch.manual_seed(0)
-    model = _ReturnsFlatView()
+    model = _ReturnsReshaped(returned)
     idx, labels = _data()
     weight = 0.3 if mode == "keep" else 0.0
     _, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight=weight)
@@ -499,7 +513,7 @@ def test_a_returned_reshape_of_the_logits_stays_off_the_graph(mode):
         assert logits is None
         loss.backward()
     else:
-        assert type(logits) is LazyLogits and logits.shape == (B * S, V) and not logits.computed
+        assert type(logits) is LazyLogits and logits.shape == shape and not logits.computed
         (loss + weight * (logits.float() ** 3).mean()).backward()
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     for name, g in _grads(model).items():

@@ -166,10 +166,11 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
         for user in users:
             if user.op == "output":
                 returned[node] = node
-            elif _returned_step(user, node):
-                returned[user] = node
-            else:
+                continue
+            after = _returned_after(user, node)
+            if after is None:
                 return False
+            returned.update(dict.fromkeys(after, node))
     if flat_outputs(site.loss_node.graph) is None:
         return False
     if any(isinstance(output_transform(site, chain_node), str) for chain_node in returned.values()):
@@ -194,44 +195,65 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
 
 #: Methods a returned logits may go through off the loss's chain and still be computed when read: casts (what
 #: Accelerate's mixed precision does to every output: ``.float()``) and reshapes with constant sizes (nanoGPT's
-#: ``return logits.view(-1, V), loss`` beside the loss's own ``logits.view(-1, V)``).
+#: ``return logits.view(-1, V), loss`` beside the loss's own ``logits.view(-1, V)``), one after another.
 _RETURNED_METHODS = frozenset({"float", "to", "contiguous", "view", "reshape", "flatten"})
 
 
-def _returned_step(user: fx.Node, node: fx.Node) -> bool:
-    """Whether ``user`` is a cast or reshape of chain node ``node`` (``_RETURNED_METHODS``, constants otherwise)
-    that the graph only returns."""
+def _off_chain_step(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` is a cast or reshape of ``node`` alone (``_RETURNED_METHODS``, constants otherwise)."""
     if user.target == "view" and any(isinstance(a, torch.dtype) for a in (*user.args, *user.kwargs.values())):
         return False  # ``view(dtype)`` reinterprets the bits: no gradient flows through it, as the lazy head's would
-    return (user.op == "call_method" and user.target in _RETURNED_METHODS and user.all_input_nodes == [node]
-            and all(u.op == "output" for u in user.users))
+    return user.op == "call_method" and user.target in _RETURNED_METHODS and user.all_input_nodes == [node]
+
+
+def _returned_after(user: fx.Node, node: fx.Node) -> list[fx.Node] | None:
+    """The nodes the graph returns among ``user`` and the steps after it, when ``user`` is an off-chain step of
+    ``node`` (``_off_chain_step``) and each use after it is another such step or the graph's output
+    (``logits.view(-1, V).float()``); None when anything else uses them."""
+    if not _off_chain_step(user, node):
+        return None
+    returned = []
+    for after in user.users:
+        if after.op == "output":
+            returned.append(user)
+            continue
+        more = _returned_after(after, user)
+        if more is None:
+            return None
+        returned += more
+    return returned
 
 
 def _without_returned_steps(escapes: dict[fx.Node, list[fx.Node]]
                             ) -> tuple[dict[fx.Node, list[fx.Node]], list[fx.Node]]:
-    """``escapes`` less the uses that are casts or reshapes the graph only returns (``_returned_step``), and
-    those: under "drop" their outputs become None, as the logits' own would."""
+    """``escapes`` less the uses that are casts or reshapes the graph only returns (``_returned_after``), and the
+    returned nodes among them: under "drop" their outputs become None, as the logits' own would."""
     kept: dict[fx.Node, list[fx.Node]] = {}
-    steps: list[fx.Node] = []
+    returned: list[fx.Node] = []
     for node, users in escapes.items():
-        others = [u for u in users if not _returned_step(u, node)]
-        steps += [u for u in users if u not in others]
+        others = []
+        for user in users:
+            after = _returned_after(user, node)
+            if after is None:
+                others.append(user)
+            else:
+                returned += after
         if others:
             kept[node] = others
-    return kept, steps
+    return kept, returned
 
 
 def lazy_steps(site: Site, node: fx.Node) -> list[fx.Node] | None:
     """The nodes from the lm_head's output (exclusive) to ``node`` (inclusive), when each is a function or
     method whose only graph input is the step before it (constants otherwise, no float read at run time): the
-    steps a LazyLogits replays on the raw logits. ``node`` is a chain node, or a cast of one the graph only returns
-    (``_returned_cast``). None when they can't be replayed outside the graph."""
+    steps a LazyLogits replays on the raw logits. ``node`` is a chain node, or a cast or reshape off the chain that
+    the graph returns (``_returned_after``). None when they can't be replayed outside the graph."""
     steps: list[fx.Node] = []
     if node is site.linear.node:
         return steps
-    if node not in site.chain:
+    if node not in site.chain:  # checked by ``_returned_after``: a step back to the chain, or to another such step
         inputs = node.all_input_nodes
-        if len(inputs) != 1 or inputs[0] not in site.chain or not _returned_step(node, inputs[0]):
+        if len(inputs) != 1 or not _off_chain_step(node, inputs[0]):
             return None
         before = lazy_steps(site, inputs[0])
         return None if before is None else before + [node]
