@@ -15,7 +15,7 @@ errors of dX and dW; peaky logits (std ~3); ``--ignored-fraction`` sets that sha
 On a GPU (``--device cuda``) each policy is also timed (forward + backward with the op's default config, median
 of CUDA-event runs) against eager and the three-GEMM floor. ``--ablation`` adds emulated variants (explicit
 GEMMs, no op) that show where eager's error comes from. Prints the tables and writes them (markdown and JSON,
-with the device and versions) under benchmarks/results/ and $OUT when set.
+with the device and versions) under ``--out`` (benchmarks/results/ by default) and $OUT when set.
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ def main() -> None:
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ablation", action="store_true", help="add the emulated variants' error ratios")
     parser.add_argument("--no-timing", action="store_true", help="on a GPU, skip the timings")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder of the .md and .json (default: benchmarks/results/, whose committed files it "
+                             "replaces)")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     shapes = args.shape or (["2048x4096x128256"] if on_gpu else ["4096x256x8192"])
@@ -216,7 +219,7 @@ def main() -> None:
             print(text[printed:], flush=True)
             del x, w, t
     kind = "h200" if "H200" in env["device"] else args.device
-    save_results(RESULTS, f"precision_errors_{kind}", text, {"env": env, "cases": cases}, indent=2)
+    save_results(args.out, f"precision_errors_{kind}", text, {"env": env, "cases": cases}, indent=2)
 
 
 if __name__ == "__main__":
