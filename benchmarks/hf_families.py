@@ -50,6 +50,16 @@ def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn
 
         return build
 
+    def with_logits_bias(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+        """BART's family adds ``final_logits_bias`` (zeros when built) to its logits: random here, so it counts."""
+        def biased() -> torch.nn.Module:
+            model = build()
+            with torch.no_grad():
+                model.final_logits_bias.normal_()
+            return model
+
+        return biased
+
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden)
     return {
         "llama": hf("LlamaForCausalLM", "LlamaConfig", **common),
@@ -101,6 +111,11 @@ def builders(vocab: int = V, hidden: int = H) -> dict[str, Callable[[], torch.nn
                   num_attention_heads=4, ffn_dim=2 * hidden, word_embed_proj_dim=hidden),
         "mamba": hf("MambaForCausalLM", "MambaConfig", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
                     state_size=4),
+        # an encoder-decoder, its decoder's inputs from the labels, a bias added to the logits
+        "bart": with_logits_bias(hf("BartForConditionalGeneration", "BartConfig", vocab_size=vocab, d_model=hidden,
+                                    encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=2 * hidden,
+                                    decoder_ffn_dim=2 * hidden, max_position_embeddings=64)),
     }
 
 

@@ -8,6 +8,7 @@ import torch
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
+import flce_compile  # noqa: E402
 import flce_compile.compiler  # noqa: E402,F401  (registers backend="flce" in dev checkouts)
 
 
@@ -104,3 +105,33 @@ def test_llama_kept_logits_cost_their_bytes_only_when_they_exist(llama):
     assert type(held["keep"]).__name__ == "LazyLogits" and not held["keep"].computed
     torch.testing.assert_close(held["keep"], held["materialize"])  # (bf16: the op's chunks, or one F.linear)
     assert held["keep"].computed
+
+
+def test_fp64_llama_is_fused_and_exact():
+    """An fp64 model (gradient checks, references) fuses on the GPU under Inductor, as it does on the CPU: the op
+    computes in fp64 (a dtype check once refused it). Hugging Face's loss casts the logits with ``.float()``, a
+    downcast here, which the op does not reproduce (it computes from the unrounded logits, as every cast on the
+    loss's path): the loss is fp32, the exact fp64 loss rounded once, and the gradients are the exact ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.float64)
+    model.config.use_cache = False
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    logits = model(input_ids=ids).logits
+    exact = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 512), ids[:, 1:].reshape(-1))
+    exact.backward()
+    exact_g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"})
+    report = flce_compile.explain(compiled, input_ids=ids, labels=ids)
+    assert [r.fused for r in report] == [True], str(report)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, exact.float(), rtol=0, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, exact_g[name], rtol=1e-9, atol=1e-12, msg=name)

@@ -19,9 +19,10 @@ from benchmarks.hf_families import train_step as _step  # noqa: E402
 
 #: The families kept here (``benchmarks/hf_families.py`` sweeps them all): the common layouts, a final-logit softcap
 #: (Gemma 2 and 3), a logit scale multiplied (Cohere) or divided (Granite) into the logits, a router's auxiliary
-#: loss added to the cross-entropy (Mixtral), latent attention (DeepSeek V3) and no attention at all (Mamba).
+#: loss added to the cross-entropy (Mixtral), latent attention (DeepSeek V3), no attention at all (Mamba) and an
+#: encoder-decoder whose logits get a bias added (BART's final_logits_bias).
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "phi3", "cohere", "granite", "gemma3",
-            "mixtral_aux", "deepseek_v3", "mamba"]
+            "mixtral_aux", "deepseek_v3", "mamba", "bart"]
 
 
 def _make(name: str) -> torch.nn.Module:
@@ -111,8 +112,8 @@ def test_family_drop_logits_parity_and_graph(name, reference):
 
 
 @pytest.mark.parametrize("name, mode", [(name, "keep") for name in
-                                        ["llama", "gemma2", "gpt2", "cohere", "gemma3", "mixtral_aux"]]
-                         + [("llama", "materialize"), ("gemma2", "materialize")])
+                                        ["llama", "gemma2", "gpt2", "cohere", "gemma3", "mixtral_aux", "bart"]]
+                         + [("llama", "materialize"), ("gemma2", "materialize"), ("bart", "materialize")])
 def test_family_keep_logits_exact(name, mode, reference):
     """The logits the model returns, held through backward (``out = model(...); out.loss.backward()``): eager's,
     bit for bit. By default the graph forms none (they are computed when read: here after backward); under

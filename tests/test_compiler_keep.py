@@ -595,6 +595,22 @@ def test_explain_and_log_the_kept_logits(caplog):
         logged = [r for r in caplog.records if text in r.getMessage() and "options=" in r.getMessage()]
         assert len(logged) == 1 and logged[0].levelname == "INFO", mode
     assert f"{LOGITS_NUMEL * 4 / 1e9:.2f} GB" in logged[0].getMessage()
+    # Logits an op of the graph reads: the log names it and does not offer "drop", which cannot free them.
+    rewrite._logged_keep = False
+    caplog.clear()
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        torch.compile(_ReadsLogits(), backend="flce", options={"flce.inner": "eager"})(idx, labels)
+    logged = [r.getMessage() for r in caplog.records if "so they are formed, exact" in r.getMessage()]
+    assert len(logged) == 1 and "(argmax)" in logged[0] and "options=" not in logged[0], caplog.text
+
+
+class _ReadsLogits(LM):
+    """Returns its logits' argmax (an op of the graph reads the logits; they are not returned)."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits.argmax(-1)
 
 
 class RelabelAfterHead(nn.Module):

@@ -72,6 +72,13 @@ FORMS = {
                                                        None, "sum"),
     "method_forms": lambda m, x, t: F.cross_entropy(
         m.lm_head(x).float().mul(2.0).reshape(-1, V), t.reshape(-1)),
+    # a vocabulary-sized tensor added to the head's output (BART's final_logits_bias), either order, (V,) or (1, V)
+    "bias_add_tensor": lambda m, x, t: F.cross_entropy((m.lm_head(x) + m.cw).view(-1, V), t.view(-1)),
+    "bias_add_first": lambda m, x, t: F.cross_entropy((m.cw.view(1, V) + m.lm_head(x)).view(-1, V), t.view(-1)),
+    "bias_add_method": lambda m, x, t: F.cross_entropy(m.lm_head(x).add(m.cw).view(-1, V), t.view(-1)),
+    # an fp64 head (the op computes fp64 in fp64; it was left unfused, refused by dtype)
+    "float64_head": lambda m, x, t: F.cross_entropy(F.linear(x.double(), m.lm_head.weight.double()).view(-1, V),
+                                                    t.view(-1)),
 }
 
 
@@ -102,7 +109,7 @@ def _compile(model, **flce):
     return torch.compile(model, backend="flce", options=options), graphs
 
 
-CASES = [(f, False) for f in FORMS] + [(f, True) for f in ("nanogpt", "softcap", "logits_shift")]
+CASES = [(f, False) for f in FORMS] + [(f, True) for f in ("nanogpt", "softcap", "logits_shift", "bias_add_tensor")]
 
 
 @pytest.mark.parametrize("form,bias", CASES, ids=[f"{f}{'-bias' if b else ''}" for f, b in CASES])
@@ -178,7 +185,10 @@ def test_escaping_logits(mode, extra_use):
 
 UNSAFE = {
     "tensor_scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * m.cw).view(-1, V), t.view(-1)),
-    "bias_add_tensor": lambda m, x, t: F.cross_entropy((m.lm_head(x) + m.cw).view(-1, V), t.view(-1)),
+    # a bias added after a scale (the op adds its bias before the logit scale)
+    "bias_add_after_scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * 2.0 + m.cw).view(-1, V), t.view(-1)),
+    # promoted: the fp64 sum has another dtype than the head's logits
+    "bias_add_promoting": lambda m, x, t: F.cross_entropy((m.lm_head(x) + m.cw.double()).view(-1, V), t.view(-1)),
     "vocab_slice": lambda m, x, t: F.cross_entropy(m.lm_head(x)[..., : V // 2].reshape(-1, V // 2),
                                                    t.view(-1) % (V // 2)),
     "token_mixing": lambda m, x, t: F.cross_entropy(m.lm_head(x).transpose(0, 1).reshape(-1, V), t.view(-1)),
@@ -186,8 +196,6 @@ UNSAFE = {
     "soft_targets": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V),
                                                     F.one_hot(t.view(-1), V).float()),
     "inplace_scale": lambda m, x, t: F.cross_entropy(m.lm_head(x).mul_(2.0).view(-1, V), t.view(-1)),
-    "float64_head": lambda m, x, t: F.cross_entropy(F.linear(x.double(), m.lm_head.weight.double()).view(-1, V),
-                                                    t.view(-1)),
 }
 
 
@@ -481,6 +489,12 @@ def test_explain_reports_sites_and_graph_breaks():
     assert len(report) == 1 and report[0].fused and report[0].path == "fused_keep"
     assert report[0].kept_logits_bytes == 2 * 6 * V * 4  # the logits themselves, nothing more
     assert "flce.logits='materialize'" in str(report) and "'flce.logits': 'drop'" in str(report)
+    # Logits an op of the graph reads (an accuracy metric) are not freed by "drop": the report says what reads
+    # them and gives no such advice (it did).
+    for mode in ("keep", "drop"):
+        report = fc.explain(Escaping(extra_use=True), idx, t.clamp_min(0), options={"flce.logits": mode})
+        assert report[0].path == "fused_keep" and report[0].logits_users == ["argmax"], str(report)
+        assert "read them (argmax)" in str(report) and "'flce.logits': 'drop'} frees" not in str(report)
 
     class Broken(nn.Module):
         def __init__(self):
@@ -544,3 +558,44 @@ def test_kept_logits_loss_rejects_out_of_range_targets(monkeypatch):
     assert torch.isnan(kept_logits.kept_logits_cross_entropy(logits, target))
     weighted = kept_logits.kept_logits_cross_entropy(logits, target, ce_weight=torch.rand(11), reduction="none")
     assert torch.isnan(weighted[1, 2]) and torch.isfinite(weighted[0]).all()
+
+
+class LogitsOnly(nn.Module):
+    """Returns its logits; the training loop computes the loss after the compiled code."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.emb(idx)))
+
+
+def test_logits_returned_for_a_loss_after_the_compiled_code_are_warned_of_once(caplog, monkeypatch):
+    """A compiled model whose loss the loop computes: nothing can be fused, which a training graph (logits
+    requiring grad) says once at WARNING, naming the fixes (it was silent); an eval graph says so at INFO."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    monkeypatch.setattr(rewrite, "_warned_graph_break", False)
+    model = LogitsOnly()
+    idx, t = _data()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        with torch.no_grad():
+            _compile(model)[0](idx)
+        for _ in range(2):
+            compiled, graphs = _compile(model)
+            F.cross_entropy(compiled(idx).view(-1, V), t.clamp_min(0).view(-1)).backward()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "no loss in this graph" in r.getMessage()]
+    assert [level for level, _ in said] == ["INFO", "WARNING", "INFO"], said
+    assert "Compile a function that calls the model and computes the loss" in said[1][1]
+    assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
+
+
+def test_a_promoting_bias_is_named_as_such():
+    """A bias of a wider dtype than the logits (BART's fp32 final_logits_bias under autocast) is not folded, and
+    the reason says why (it read "unsupported op ... add")."""
+    model = Head(UNSAFE["bias_add_promoting"])
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t.clamp_min(0))
+    assert not report.fused and "bias added to torch.float32 logits, which promotes them" in report.reason

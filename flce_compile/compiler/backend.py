@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 from torch import fx
 
 from .. import graph_replay

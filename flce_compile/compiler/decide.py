@@ -29,9 +29,9 @@ from torch import fx
 
 from .mutations import AliasMap, describe
 from .outputs import flat_outputs, output_node
-from .patterns import (ADVICE, Plan, Site, find_sites, fold_steps, hint_int, meta_value, output_transform,
-                       runtime_softcap, symbolic_softcap_refused)
-from .tensor_parallel import is_tensor_parallel, vocab_parallel_obstacle
+from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear, meta_value,
+                       output_transform, runtime_softcap, symbolic_softcap_refused)
+from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
 
@@ -45,6 +45,9 @@ class SiteResult:
     reason: str | None = None
     note: str | None = None  # why a fused_keep site took the kept_logits path, or what its logits cost
     dropped_outputs: int = 0
+    #: ops in the graph, other than returning them (through casts and reshapes), that read the logits: "drop"
+    #: cannot free logits these need (a user's z-loss, an accuracy metric)
+    logits_users: list[str] = field(default_factory=list)
     kept_logits_bytes: int = 0  # bytes of logits the graph still materializes (+ their gradient on kept_logits)
     tokens: int | None = None
     logits_dtype: torch.dtype | None = None
@@ -107,6 +110,7 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.tokens = hint_int(out.numel() // out.shape[-1]) if out.dim() > 1 else 1
     res.logits_dtype, res.device = out.dtype, out.device
     all_escapes = site.escapes()
+    res.logits_users = _user_names(_without_returned_steps(site.escapes(ignore_output=True))[0])
     escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
     returned_steps: list[fx.Node] = []
     if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
@@ -329,7 +333,7 @@ def _head_roots(site: Site, aliases: AliasMap, *nodes: fx.Node) -> frozenset:
     ``nodes``."""
     lin = site.linear
     attrs = [f"{lin.module_target}.weight", f"{lin.module_target}.bias"] if lin.module_target else []
-    return aliases.roots_of([lin.input, lin.weight, lin.bias, *nodes], attrs)
+    return aliases.roots_of([lin.input, lin.weight, lin.bias, lin.added_bias, *nodes], attrs)
 
 
 def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[fx.Node] | str:
@@ -360,6 +364,55 @@ def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[
     return sorted(prelude, key=aliases.position.__getitem__)
 
 
+def _user_names(escapes: dict[fx.Node, list[fx.Node]]) -> list[str]:
+    """The names of the nodes that use ``escapes``' chain nodes, sorted."""
+    return sorted({u.name for users in escapes.values() for u in users})
+
+
 def _users(escapes: dict[fx.Node, list[fx.Node]]) -> str:
-    names = sorted({u.name for users in escapes.values() for u in users})
+    """``_user_names``, the first four as text."""
+    names = _user_names(escapes)
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+@dataclass(frozen=True)
+class LoneHead:
+    """An lm_head the graph returns the logits of, with no loss in the graph reading them: its loss, if any, is
+    computed after the compiled code (the loop computes it, or a graph break separates them), so nothing can be
+    fused."""
+
+    node: fx.Node
+    form: str
+    tokens: int | None
+    vocab: int
+    tensor_parallel: bool  # a DTensor lm_head, its logits returned through the output hook's redistribute
+    requires_grad: bool  # a training graph (an eval or generation graph returns logits without)
+
+
+#: Why a lone lm_head (``LoneHead``, not tensor-parallel) is not fused, and the fixes.
+LONE_HEAD_REASON = ("no loss in this graph reads its logits: a loss computed after the compiled code (in the "
+                    "training loop, or after a graph break) cannot be fused with it. Compile a function that calls "
+                    "the model and computes the loss, or call flce_compile.fused_linear_cross_entropy on the hidden "
+                    f"states there; flce_compile.explain(...) shows graph breaks ({HF_LOSS_TYPE_HINT})")
+
+
+def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
+    """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, at least twice its input's
+    width (vocabulary-sized), the graph returns."""
+    linked = {r.site.linear.node for r in results if r.site.linear is not None}
+    heads = []
+    for node in gm.graph.nodes:
+        if node in linked or node.op not in ("call_function", "call_module"):
+            continue
+        lin = match_linear(gm, node)
+        tensor_parallel = lin is not None and returned_through_redistribute(node)
+        if lin is None or not (tensor_parallel or any(u.op == "output" for u in node.users)):
+            continue
+        out, x = meta_value(node), meta_value(lin.input)
+        if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
+            continue
+        if out.shape[-1] < 2 * (x.shape[-1] if isinstance(x, torch.Tensor) else 0):
+            continue  # not vocab-sized
+        heads.append(LoneHead(node, lin.form, hint_int(out.numel() // out.shape[-1]), out.shape[-1],
+                              tensor_parallel, out.requires_grad))
+    return heads

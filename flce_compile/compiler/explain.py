@@ -10,7 +10,7 @@ with, or ``options=`` (the same dict ``torch.compile`` takes).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -20,11 +20,11 @@ from ..log import logger
 from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
-from .decide import SiteResult, analyze
+from .decide import LONE_HEAD_REASON, SiteResult, analyze, lone_heads
 from .hf_logging import keep_loss_in_graph
 from .options import FLCEOptions, split_options
-from .patterns import HF_LOSS_TYPE_HINT, Plan, hint_int, match_linear, meta_value
-from .tensor_parallel import LONE_HEAD, returned_through_redistribute
+from .patterns import Plan, meta_value
+from .tensor_parallel import LONE_HEAD
 
 
 @dataclass
@@ -46,6 +46,7 @@ class SiteReport:
     est_saved_bytes: int = 0
     kept_logits_bytes: int = 0
     note: str | None = None
+    logits_users: list[str] = field(default_factory=list)  # the graph's ops that read the logits (not the loss)
 
     def __str__(self) -> str:
         head = f"[graph {self.graph}] {self.loss}: "
@@ -63,14 +64,16 @@ class SiteReport:
             + (" " + " ".join(extra) if extra else "")
             + f", est. memory saved {self.est_saved_bytes / 2**30:.3f} GiB"
         )
+        kept = f"~{self.kept_logits_bytes / 2**30:.3f} GiB"
+        users = ", ".join(self.logits_users[:4]) + (", ..." if len(self.logits_users) > 4 else "")
+        # "drop" frees only logits the graph returns, not logits its own ops read (a z-loss, a metric)
+        why = f"the graph's own ops read them ({users})" if users else "they are returned"
+        advice = "" if users else " (options={'flce.logits': 'drop'} frees them)"
         if self.path == "fused_keep":
-            text += (f"; the logits are returned, exact: ~{self.kept_logits_bytes / 2**30:.3f} GiB stay, nothing "
-                     "logits-sized is saved for backward (options={'flce.logits': 'drop'} frees them)")
+            text += f"; the logits are formed, exact, as {why}: {kept} stay, nothing logits-sized is saved for " \
+                    f"backward{advice}"
         elif self.path == "kept_logits":
-            text += (
-                f"; logits are returned so ~{self.kept_logits_bytes / 2**30:.3f} GiB stay"
-                " (options={'flce.logits': 'drop'} frees them)"
-            )
+            text += f"; logits are kept as {why}: {kept} stay{advice}"
         if self.note:
             text += f"; note: {self.note}"
         if self.reason:  # a fused site can still have a reason, e.g. logits that "drop" could not drop
@@ -139,7 +142,8 @@ def _needs(res: SiteResult) -> dict[str, bool]:
 
     return {"need_dx": requires_grad(lin.input if lin else None, True),
             "need_dw": requires_grad(lin.weight if lin else None, True),
-            "need_db": lin is not None and lin.bias is not None and requires_grad(lin.bias, True),
+            "need_db": lin is not None and any(requires_grad(b, True) for b in (lin.bias, lin.added_bias)
+                                               if b is not None),
             "softcap": res.plan is not None and res.plan.softcap is not None}
 
 
@@ -165,11 +169,8 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
     """Site reports for one Dynamo graph under ``options`` (no rewrite)."""
     reports: list[SiteReport] = []
     results = analyze(gm, options.logits)
-    linked = set()
     for res in results:
         site = res.site
-        if site.linear is not None:
-            linked.add(site.linear.node)
         plan = res.plan
         if not options.enabled:
             res = SiteResult(site, "unchanged", "flce.enabled=False")
@@ -183,26 +184,13 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=_softcap_text(plan),
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
             est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
+            logits_users=res.logits_users,
         ))
-    # lm_heads whose loss is in another graph: a linear with a large output returned by the graph.
-    for node in gm.graph.nodes:
-        if node in linked or node.op not in ("call_function", "call_module"):
-            continue
-        lin = match_linear(gm, node)
-        tensor_parallel = lin is not None and returned_through_redistribute(node)
-        if lin is None or not (tensor_parallel or any(u.op == "output" for u in node.users)):
-            continue
-        out, x = meta_value(node), meta_value(lin.input)
-        if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
-            continue
-        if out.shape[-1] < 2 * (x.shape[-1] if isinstance(x, torch.Tensor) else 0):
-            continue  # not vocab-sized
+    for head in lone_heads(gm, results):  # lm_heads whose loss is in another graph, or after the compiled code
         reports.append(SiteReport(
-            graph=index, loss=f"{node.name} (lm_head-like {lin.form}, output returned by the graph)", fused=False,
-            path="unchanged", strategy=None, tokens=hint_int(out.numel() // out.shape[-1]), vocab=out.shape[-1],
-            hidden=None, reason=LONE_HEAD if tensor_parallel else "no loss in this graph consumes it; if a "
-            "cross_entropy follows after a graph break, nothing can be fused (remove the break between lm_head and "
-            f"the loss; {HF_LOSS_TYPE_HINT})",
+            graph=index, loss=f"{head.node.name} (lm_head-like {head.form}, output returned by the graph)",
+            fused=False, path="unchanged", strategy=None, tokens=head.tokens, vocab=head.vocab, hidden=None,
+            reason=LONE_HEAD if head.tensor_parallel else LONE_HEAD_REASON,
         ))
     return reports
 

@@ -35,6 +35,7 @@ _LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
 _MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul}
 _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
+_ADD_FNS = {operator.add, torch.add, torch.Tensor.add}
 #: Python's augmented-assignment operators (``logits *= 2`` reaches the graph as ``operator.imul``).
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
@@ -44,7 +45,7 @@ _TRANSPOSE_FNS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute
 _IDENTITY_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "clone", "to", "type_as", "type"}
 _RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 _TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims", "permute"}
-_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # logits dtypes the fused op accepts
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # logits dtypes the fused op accepts
 
 
 def _is_fn(node: fx.Node, fns: set) -> bool:
@@ -230,6 +231,9 @@ class LinearMatch:
     bias: fx.Node | None = None
     module_target: str | None = None  # nn.Linear submodule name for call_module forms
     form: str = ""
+    #: a vocabulary-sized tensor added to the GEMM's output, ``node`` being the sum (BART's
+    #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in the logits' dtype
+    added_bias: fx.Node | None = None
 
 
 @dataclass
@@ -359,7 +363,10 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
 
 
 def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
-    """The node as an LM-head GEMM (F.linear, nn.Linear, x @ W.T / matmul with a 2-D right operand)."""
+    """The node as an LM-head GEMM (F.linear, nn.Linear, x @ W.T / matmul with a 2-D right operand), or as such a
+    GEMM plus a bias (``_biased_head``)."""
+    if _is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__")):
+        return _biased_head(gm, node)
     if _is_fn(node, _LINEAR_FNS):
         x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
         if isinstance(x, fx.Node) and isinstance(w, fx.Node) and (b is None or isinstance(b, fx.Node)):
@@ -392,6 +399,41 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
         return LinearMatch(node=node, input=x, weight=wt, weight_is_transposed=True, form="x @ W (W is (H, V))")
     if _is_fn(node, _EINSUM_FNS):
         return _einsum_head(node)
+    return None
+
+
+def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
+    """``head(x) + b`` (either order) as one head with bias ``b``, when ``b`` is a tensor shaped (V,) or (1, ...,
+    1, V) in the logits' dtype (a promotion would change the logits' dtype, which the op does not reproduce)."""
+    if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return None
+    for head, bias in (node.args, node.args[::-1]):
+        if not (isinstance(head, fx.Node) and isinstance(bias, fx.Node)):
+            return None
+        lin = match_linear(gm, head)
+        if lin is None or lin.added_bias is not None or len(head.users) != 1:
+            continue
+        out, b = meta_value(head), meta_value(bias)
+        if not (isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor)) or b.dtype != out.dtype:
+            continue
+        if b.dim() == 0 or b.dim() > out.dim() or b.shape[-1] != out.shape[-1] or any(s != 1 for s in b.shape[:-1]):
+            continue
+        lin.node, lin.added_bias, lin.form = node, bias, f"{lin.form} + bias"
+        return lin
+    return None
+
+
+def _promoting_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Why an add of a head and a vocabulary-sized tensor of another dtype is no biased head (``_biased_head``);
+    None for any other node."""
+    if not (_is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__"))) or len(node.args) != 2:
+        return None
+    for head, bias in (node.args, node.args[::-1]):
+        if isinstance(head, fx.Node) and isinstance(bias, fx.Node) and match_linear(gm, head) is not None:
+            out, b = meta_value(head), meta_value(bias)
+            if isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor) and b.dtype != out.dtype:
+                return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a "
+                        "bias buffer kept in fp32); only a bias in the logits' dtype is folded into the head")
     return None
 
 
@@ -531,7 +573,7 @@ def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
             return site
         got = _classify(node)
         if isinstance(got, str):
-            site.reason = f"unsupported op between lm_head and the loss: {got}"
+            site.reason = f"unsupported op between lm_head and the loss: {_promoting_bias(gm, node) or got}"
             return site
         step, node = got
         steps.append(step)

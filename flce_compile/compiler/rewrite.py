@@ -24,7 +24,7 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import SiteResult, analyze
+from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, analyze, lone_heads
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
@@ -192,6 +192,8 @@ def run_pass(
         else:
             logger.info("flce: %s", region)
     results = analyze(gm, logits)
+    for head in lone_heads(gm, results):
+        _log_lone_head(head)
     fake_mode = _fake_mode(gm, example_inputs)
     fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
@@ -244,6 +246,22 @@ def _log_unfused(res: SiteResult) -> None:
     logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
 
 
+def _log_lone_head(head: LoneHead) -> None:
+    """INFO for an lm_head whose logits the graph returns with no loss reading them; a WARNING, once a process (with
+    a loss whose logits come from outside the graph: the same split, seen from the loss's side), when they require
+    grad: a training loop computes the loss after the compiled code, and nothing is fused."""
+    global _warned_graph_break
+    if head.tensor_parallel:
+        return  # (its loss under loss_parallel() after the compiled code is tensor_parallel's advice, in explain)
+    if head.requires_grad and not _warned_graph_break:
+        _warned_graph_break = True
+        logger.warning("flce: lm_head %s (V=%s, tokens~%s) not fused: %s.", head.node.name, head.vocab, head.tokens,
+                       LONE_HEAD_REASON)
+        return
+    logger.info("flce: lm_head %s (V=%s, tokens~%s) not fused: %s.", head.node.name, head.vocab, head.tokens,
+                LONE_HEAD_REASON)
+
+
 def _log_rewrite(res: SiteResult) -> None:
     global _logged_keep, _logged_lazy, _warned_kept_logits
     logger.info("flce: loss %s -> %s (vocab %s, hidden %s, tokens~%s)%s", res.site.loss_node.name, res.path,
@@ -256,17 +274,23 @@ def _log_rewrite(res: SiteResult) -> None:
             "them in the forward; 'drop' returns logits=None.")
     if res.path == "fused_keep" and not _logged_keep:
         _logged_keep = True
-        logger.info(
-            "flce: the compiled graph returns its logits, so they are kept, exact: %.2f GB at the traced size. "
-            "The loss and the lm_head's gradients are fused around them and nothing logits-sized is saved for "
-            "backward. options={'flce.logits': 'drop'} returns logits=None and saves those %.2f GB.",
-            res.kept_logits_bytes / 1e9, res.kept_logits_bytes / 1e9,
-        )
+        gb = res.kept_logits_bytes / 1e9
+        if res.logits_users:  # (a z-loss, a metric): "drop" frees only logits that are returned
+            logger.info(
+                "flce: the compiled graph's own ops read its logits (%s), so they are formed, exact: %.2f GB at the "
+                "traced size. The loss and the lm_head's gradients are fused around them and nothing logits-sized "
+                "is saved for backward.", ", ".join(res.logits_users[:4]), gb)
+        else:
+            logger.info(
+                "flce: the compiled graph returns its logits, so they are kept, exact: %.2f GB at the traced size. "
+                "The loss and the lm_head's gradients are fused around them and nothing logits-sized is saved for "
+                "backward. options={'flce.logits': 'drop'} returns logits=None and saves those %.2f GB.", gb, gb)
     if res.path == "kept_logits" and not _warned_kept_logits:
         _warned_kept_logits = True
         logger.warning(
             "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and their "
-            "gradient stay. options={'flce.logits': 'drop'} frees them when nothing else needs the logits.",
+            "gradient stay. options={'flce.logits': 'drop'} frees them when nothing but the graph's outputs needs "
+            "the logits.",
             res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
         )
 
@@ -426,7 +450,8 @@ def _runtime_softcap_tensor(new: _NewNodes, scalar: fx.Node) -> fx.Node:
 
 
 def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Node, fx.Node | None]:
-    """The lm_head's weight (V, H) and bias as graph nodes."""
+    """The lm_head's weight (V, H) and bias as graph nodes: the GEMM's bias plus a bias added to its output
+    (``patterns._biased_head``), flattened to (V,), when there is one."""
     bias = lin.bias
     if lin.module_target is not None:
         weight = new.add("get_attr", f"{lin.module_target}.weight", ())
@@ -436,6 +461,9 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
         weight = new.add("call_method", "t", (lin.weight,))
     else:
         weight = lin.weight
+    if lin.added_bias is not None:
+        added = new.add("call_method", "reshape", (lin.added_bias, -1))
+        bias = added if bias is None else new.add("call_function", operator.add, (bias, added))
     return weight, bias
 
 

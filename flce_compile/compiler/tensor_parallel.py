@@ -72,6 +72,8 @@ def vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]]) -
         why = f"the lm_head weight has {layout}, not (Shard(0),) on a 1-D mesh"
     elif lin.bias is not None and not is_vocab_sharded(meta_value(lin.bias)):
         why = "the lm_head bias is not sharded like its weight"
+    elif lin.added_bias is not None:
+        why = "a bias is added to the logits"
     elif escapes:
         why = f"the logits are used outside the loss ({', '.join(sorted(n.name for n in escapes))})"
     elif is_dtensor(meta_value(loss.target)):
