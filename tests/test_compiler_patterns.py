@@ -599,3 +599,18 @@ def test_a_promoting_bias_is_named_as_such():
     idx, t = _data()
     (report,) = fc.explain(model, idx, t.clamp_min(0))
     assert not report.fused and "bias added to torch.float32 logits, which promotes them" in report.reason
+
+
+def test_the_first_unfused_site_is_a_warning(caplog, monkeypatch):
+    """A loss the backend leaves unfused keeps its logits: the first one in a process says so at WARNING (it was
+    INFO, unseen by default, even under flce.logits="drop"), later ones at INFO."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    monkeypatch.setattr(rewrite, "_warned_unfused", False)
+    idx, t = _data()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        for form in ("tensor_scale", "soft_targets"):
+            _compile(Head(UNSAFE[form]), logits="drop")[0](idx, t.clamp_min(0))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "not fused" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "multiplication by a tensor" in said[0][1] and "flce_compile.explain" in said[0][1]

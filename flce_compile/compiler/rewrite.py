@@ -164,6 +164,7 @@ _logged_lazy = False
 _warned_kept_logits = False
 _warned_graph_break = False
 _warned_symbolic_float = False
+_warned_unfused = False
 
 
 def run_pass(
@@ -227,11 +228,12 @@ def run_pass(
 
 
 def _log_unfused(res: SiteResult) -> None:
-    """INFO for a site left unfused; a WARNING, once a process each, where the user asked for the fusion and gets
-    none for a reason with a one-line fix: a softcap or scale Dynamo left symbolic (``dynamic=True``), or a loss
-    whose logits come from outside the compiled graph (only the loss was compiled, or a graph break separates it
-    from the lm_head, whose usual cause in Hugging Face models has a one-line fix)."""
-    global _warned_graph_break, _warned_symbolic_float
+    """A WARNING for the first site left unfused in a process (the user compiled with backend="flce" and this loss
+    keeps its logits: without it the loss was silent unless INFO was on), INFO for later ones; a WARNING, once a
+    process each, for reasons with a one-line fix: a softcap or scale Dynamo left symbolic (``dynamic=True``), or a
+    loss whose logits come from outside the compiled graph (only the loss was compiled, or a graph break separates
+    it from the lm_head, whose usual cause in Hugging Face models has a one-line fix)."""
+    global _warned_graph_break, _warned_symbolic_float, _warned_unfused
     if SYMBOLIC_FLOAT_FIX in (res.reason or "") and not _warned_symbolic_float:
         _warned_symbolic_float = True  # a model that fuses without dynamic=True: the user loses the fusion silently
         logger.warning("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
@@ -242,6 +244,12 @@ def _log_unfused(res: SiteResult) -> None:
             "flce: loss %s not fused: its logits come from outside the compiled graph, and the lm_head must be in "
             "the same graph as the loss. If a graph break separates them, flce_compile.explain(model, ...) shows "
             "where; %s.", res.site.loss_node.name, HF_LOSS_TYPE_HINT)
+        return
+    if not (_warned_unfused or res.site.from_outside_graph):  # (that one's warning is the graph break's, above)
+        _warned_unfused = True
+        logger.warning("flce: loss %s not fused: %s. Its logits are formed as without the backend; "
+                       "flce_compile.explain(model, ...) reports every site (later ones are logged at INFO).",
+                       res.site.loss_node.name, res.reason)
         return
     logger.info("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
 
