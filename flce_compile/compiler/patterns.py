@@ -402,38 +402,38 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
     return None
 
 
-def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
-    """``head(x) + b`` (either order) as one head with bias ``b``, when ``b`` is a tensor shaped (V,) or (1, ...,
-    1, V) in the logits' dtype (a promotion would change the logits' dtype, which the op does not reproduce)."""
-    if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
-        return None
+def _head_plus_tensor(gm: fx.GraphModule, node: fx.Node) -> Iterator[tuple[LinearMatch, Any, Any]]:
+    """For ``node`` = ``head(x) + t`` (either order, no ``alpha``) with ``t`` vocabulary-sized, (V,) or (1, ..., 1,
+    V): the head's match with ``t`` as its ``added_bias`` (``node`` its output), and both traced values."""
+    if not (_is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__"))):
+        return
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or set(node.kwargs) - {"alpha"}:
+        return
     for head, bias in (node.args, node.args[::-1]):
-        if not (isinstance(head, fx.Node) and isinstance(bias, fx.Node)):
-            return None
+        if not (isinstance(head, fx.Node) and isinstance(bias, fx.Node)) or len(head.users) != 1:
+            continue
         lin = match_linear(gm, head)
-        if lin is None or lin.added_bias is not None or len(head.users) != 1:
-            continue
         out, b = meta_value(head), meta_value(bias)
-        if not (isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor)) or b.dtype != out.dtype:
+        if lin is None or lin.added_bias is not None or not (isinstance(out, torch.Tensor)
+                                                             and isinstance(b, torch.Tensor)):
             continue
-        if b.dim() == 0 or b.dim() > out.dim() or b.shape[-1] != out.shape[-1] or any(s != 1 for s in b.shape[:-1]):
-            continue
-        lin.node, lin.added_bias, lin.form = node, bias, f"{lin.form} + bias"
-        return lin
-    return None
+        if 0 < b.dim() <= out.dim() and b.shape[-1] == out.shape[-1] and all(s == 1 for s in b.shape[:-1]):
+            lin.node, lin.added_bias, lin.form = node, bias, f"{lin.form} + bias"
+            yield lin, out, b
+
+
+def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
+    """``head(x) + b`` as one head with bias ``b`` (``_head_plus_tensor``), when ``b`` has the logits' dtype (a
+    promotion would change the logits' dtype, which the op does not reproduce)."""
+    return next((lin for lin, out, b in _head_plus_tensor(gm, node) if b.dtype == out.dtype), None)
 
 
 def _promoting_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """Why an add of a head and a vocabulary-sized tensor of another dtype is no biased head (``_biased_head``);
-    None for any other node."""
-    if not (_is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__"))) or len(node.args) != 2:
-        return None
-    for head, bias in (node.args, node.args[::-1]):
-        if isinstance(head, fx.Node) and isinstance(bias, fx.Node) and match_linear(gm, head) is not None:
-            out, b = meta_value(head), meta_value(bias)
-            if isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor) and b.dtype != out.dtype:
-                return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a "
-                        "bias buffer kept in fp32); only a bias in the logits' dtype is folded into the head")
+    """Why ``head(x) + b`` with ``b`` of another dtype than the logits is no biased head; None for other nodes."""
+    for _, out, b in _head_plus_tensor(gm, node):
+        if b.dtype != out.dtype:
+            return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a bias "
+                    "buffer kept in fp32); only a bias in the logits' dtype is folded into the head")
     return None
 
 
