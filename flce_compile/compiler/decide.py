@@ -110,7 +110,8 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.tokens = hint_int(out.numel() // out.shape[-1]) if out.dim() > 1 else 1
     res.logits_dtype, res.device = out.dtype, out.device
     all_escapes = site.escapes()
-    res.logits_users = _user_names(_without_returned_steps(site.escapes(ignore_output=True))[0])
+    read = _without_returned_steps(site.escapes(ignore_output=True))[0]
+    res.logits_users = sorted({r.name for node, users in read.items() for u in users for r in _readers(u, node)})
     escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
     returned_steps: list[fx.Node] = []
     if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
@@ -187,7 +188,7 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
         return False
     lin = site.linear
     roots = _head_roots(site, aliases, lin.node)
-    if aliases.first_write(lin.node, output_node(site.loss_node.graph), roots) is not None:
+    if aliases.first_write(lin.start, output_node(site.loss_node.graph), roots) is not None:
         return False
     out = meta_value(lin.node)
     size = (hint_int(out.numel()) or 0) * out.element_size()
@@ -226,6 +227,14 @@ def _returned_after(user: fx.Node, node: fx.Node) -> list[fx.Node] | None:
             return None
         returned += more
     return returned
+
+
+def _readers(user: fx.Node, node: fx.Node) -> list[fx.Node]:
+    """The ops that read ``node``'s values through its use ``user``: ``user``, or past the casts and reshapes it
+    starts (``_off_chain_step``), the first other op on each path (returning them is no read)."""
+    if not _off_chain_step(user, node):
+        return [user]
+    return [r for after in user.users if after.op != "output" for r in _readers(after, user)]
 
 
 def _without_returned_steps(escapes: dict[fx.Node, list[fx.Node]]
@@ -280,10 +289,12 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     if site.loss.reduction == "none":
         return "reduction='none' (the op with logits computes mean/sum losses)"
     # The op computes the loss where the lm_head ran: a write to the logits before the loss would be missed.
-    write = aliases.first_write(site.linear.node, site.loss_node, aliases.roots_of([site.linear.node]))
+    write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of([site.linear.node]))
     if write is not None:
         return f"{describe(write)} may write the logits between the lm_head and the loss"
-    prelude = _target_prelude(site, aliases, [plan.softcap] if runtime_softcap(plan) else [])
+    # (the op runs where the GEMM ran: an added bias computed after it moves before it, as the target does)
+    also = [plan.softcap] if runtime_softcap(plan) else []
+    prelude = _target_prelude(site, aliases, also + [site.linear.added_bias] * (site.linear.added_bias is not None))
     if isinstance(prelude, str):
         return prelude
     out = meta_value(site.linear.node)
@@ -325,7 +336,7 @@ def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
 
 def _head_write(site: Site, aliases: AliasMap) -> fx.Node | None:
     """A node between the lm_head and the loss that may write the lm_head's input, weight or bias."""
-    return aliases.first_write(site.linear.node, site.loss_node, _head_roots(site, aliases))
+    return aliases.first_write(site.linear.start, site.loss_node, _head_roots(site, aliases))
 
 
 def _head_roots(site: Site, aliases: AliasMap, *nodes: fx.Node) -> frozenset:
@@ -341,14 +352,14 @@ def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[
     a softcap's read of a graph input, ``patterns.runtime_float``), which fused_keep moves before the lm_head; a
     str says why they can't move."""
     loss, lin = site.loss, site.linear
-    start, stop = aliases.position[lin.node], aliases.position[site.loss_node]
+    start, stop = aliases.position[lin.start], aliases.position[site.loss_node]
     needed = [n for n in (loss.target, loss.ce_weight) if isinstance(n, fx.Node)] + also
     prelude: set[fx.Node] = set()
     work = list(needed)
     while work:
         node = work.pop()
         if node in prelude or aliases.position[node] <= start:
-            if node is lin.node:
+            if node is lin.node or node is lin.start:
                 return "the target is computed from the logits"
             continue
         if aliases.position[node] >= stop:
@@ -358,20 +369,14 @@ def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[
         prelude.add(node)
         work.extend(node.all_input_nodes)
     read = needed + [i for n in prelude for i in n.all_input_nodes]  # moved earlier: nothing may write these
-    write = aliases.first_write(lin.node, site.loss_node, aliases.roots_of(read))
+    write = aliases.first_write(lin.start, site.loss_node, aliases.roots_of(read))
     if write is not None:
         return f"{describe(write)} may write the target or class weights between the lm_head and the loss"
     return sorted(prelude, key=aliases.position.__getitem__)
 
 
-def _user_names(escapes: dict[fx.Node, list[fx.Node]]) -> list[str]:
-    """The names of the nodes that use ``escapes``' chain nodes, sorted."""
-    return sorted({u.name for users in escapes.values() for u in users})
-
-
 def _users(escapes: dict[fx.Node, list[fx.Node]]) -> str:
-    """``_user_names``, the first four as text."""
-    names = _user_names(escapes)
+    names = sorted({u.name for users in escapes.values() for u in users})
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
@@ -398,7 +403,8 @@ LONE_HEAD_REASON = ("no loss in this graph reads its logits: a loss computed aft
 
 def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
     """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, at least twice its input's
-    width (vocabulary-sized), the graph returns."""
+    width (vocabulary-sized), the graph only returns (itself, or through casts and reshapes): logits an op of the
+    graph reads may feed a loss the analysis refused, whose own reason is the one to give."""
     linked = {r.site.linear.node for r in results if r.site.linear is not None}
     heads = []
     for node in gm.graph.nodes:
@@ -406,7 +412,8 @@ def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
             continue
         lin = match_linear(gm, node)
         tensor_parallel = lin is not None and returned_through_redistribute(node)
-        if lin is None or not (tensor_parallel or any(u.op == "output" for u in node.users)):
+        returned_only = all(u.op == "output" or _returned_after(u, node) is not None for u in node.users)
+        if lin is None or not (tensor_parallel or (node.users and returned_only)):
             continue
         out, x = meta_value(node), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):

@@ -234,6 +234,12 @@ class LinearMatch:
     #: a vocabulary-sized tensor added to the GEMM's output, ``node`` being the sum (BART's
     #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in the logits' dtype
     added_bias: fx.Node | None = None
+    gemm: fx.Node | None = None  # with ``added_bias``: the GEMM's own node (``node`` is the sum)
+
+    @property
+    def start(self) -> fx.Node:
+        """Where the head starts reading its operands: the GEMM (checks for writes to them run from here)."""
+        return self.gemm if self.gemm is not None else self.node
 
 
 @dataclass
@@ -418,23 +424,32 @@ def _head_plus_tensor(gm: fx.GraphModule, node: fx.Node) -> Iterator[tuple[Linea
                                                              and isinstance(b, torch.Tensor)):
             continue
         if 0 < b.dim() <= out.dim() and b.shape[-1] == out.shape[-1] and all(s == 1 for s in b.shape[:-1]):
-            lin.node, lin.added_bias, lin.form = node, bias, f"{lin.form} + bias"
+            lin.gemm, lin.node, lin.added_bias, lin.form = head, node, bias, f"{lin.form} + bias"
             yield lin, out, b
 
 
 def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
-    """``head(x) + b`` as one head with bias ``b`` (``_head_plus_tensor``), when ``b`` has the logits' dtype (a
-    promotion would change the logits' dtype, which the op does not reproduce)."""
-    return next((lin for lin, out, b in _head_plus_tensor(gm, node) if b.dtype == out.dtype), None)
+    """``head(x) + b`` as one head with bias ``b`` (``_head_plus_tensor``) when ``_bias_refused`` has no reason."""
+    return next((lin for lin, out, b in _head_plus_tensor(gm, node) if _bias_refused(gm, lin, out, b) is None), None)
 
 
-def _promoting_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """Why ``head(x) + b`` with ``b`` of another dtype than the logits is no biased head; None for other nodes."""
-    for _, out, b in _head_plus_tensor(gm, node):
-        if b.dtype != out.dtype:
-            return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a bias "
-                    "buffer kept in fp32); only a bias in the logits' dtype is folded into the head")
+def _bias_refused(gm: fx.GraphModule, lin: LinearMatch, out: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the added bias ``b`` of ``lin``'s logits ``out`` is not folded into the head, or None: a bias that
+    promotes the logits (the op does not reproduce the wider dtype), or a second bias in 16 bits (their sum, formed
+    once for all tokens, would be rounded where eager rounds each token's)."""
+    if torch.promote_types(b.dtype, out.dtype) != out.dtype:
+        return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a bias buffer "
+                "kept in fp32); only a bias the logits' dtype holds is folded into the head")
+    own = gm.get_submodule(lin.module_target).bias if lin.module_target else lin.bias
+    if own is not None and out.dtype.itemsize < 4:
+        return f"a bias added to {out.dtype} logits of a head with its own bias"
     return None
+
+
+def _unfolded_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """``_bias_refused``'s reason for ``node`` = ``head(x) + b``; None for other nodes."""
+    return next((why for lin, out, b in _head_plus_tensor(gm, node)
+                 if (why := _bias_refused(gm, lin, out, b)) is not None), None)
 
 
 def _einsum_head(node: fx.Node) -> LinearMatch | None:
@@ -573,7 +588,7 @@ def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
             return site
         got = _classify(node)
         if isinstance(got, str):
-            site.reason = f"unsupported op between lm_head and the loss: {_promoting_bias(gm, node) or got}"
+            site.reason = f"unsupported op between lm_head and the loss: {_unfolded_bias(gm, node) or got}"
             return site
         step, node = got
         steps.append(step)

@@ -354,8 +354,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     new = _NewNodes(gm.graph)
     if res.path == "fused_keep":
         for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
-            lin.node.prepend(node)
-    anchor = lin.node if res.path == "fused_keep" else loss.node
+            lin.start.prepend(node)
+    anchor = lin.start if res.path == "fused_keep" else loss.node
     try:
         with gm.graph.inserting_before(anchor):
             ce_weight = new.add("get_attr", loss.ce_weight_attr, ()) if loss.ce_weight_attr else loss.ce_weight
@@ -471,6 +471,9 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
         weight = lin.weight
     if lin.added_bias is not None:
         added = new.add("call_method", "reshape", (lin.added_bias, -1))
+        dtype = meta_value(lin.gemm).dtype
+        if meta_value(lin.added_bias).dtype != dtype:  # a narrower bias (bf16 on fp32 logits), exact in theirs
+            added = new.add("call_method", "to", (added, dtype))
         bias = added if bias is None else new.add("call_function", operator.add, (bias, added))
     return weight, bias
 
