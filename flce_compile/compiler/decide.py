@@ -29,8 +29,8 @@ from torch import fx
 
 from .mutations import AliasMap, describe
 from .outputs import flat_outputs, output_node
-from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear, meta_value,
-                       output_transform, runtime_softcap, symbolic_softcap_refused)
+from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear,
+                       meta_value, output_transform, runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -292,9 +292,10 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of([site.linear.node]))
     if write is not None:
         return f"{describe(write)} may write the logits between the lm_head and the loss"
-    # (the op runs where the GEMM ran: an added bias computed after it moves before it, as the target does)
     also = [plan.softcap] if runtime_softcap(plan) else []
-    prelude = _target_prelude(site, aliases, also + [site.linear.added_bias] * (site.linear.added_bias is not None))
+    if site.linear.added_bias is not None:  # the op runs where the GEMM ran: a bias computed after it moves too
+        also.append(site.linear.added_bias)
+    prelude = _target_prelude(site, aliases, also)
     if isinstance(prelude, str):
         return prelude
     out = meta_value(site.linear.node)

@@ -232,7 +232,7 @@ class LinearMatch:
     module_target: str | None = None  # nn.Linear submodule name for call_module forms
     form: str = ""
     #: a vocabulary-sized tensor added to the GEMM's output, ``node`` being the sum (BART's
-    #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in the logits' dtype
+    #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in a dtype the logits' holds
     added_bias: fx.Node | None = None
     gemm: fx.Node | None = None  # with ``added_bias``: the GEMM's own node (``node`` is the sum)
 

@@ -630,7 +630,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     if not torch.cuda.is_available():
         print("flce-tune: no CUDA GPU is available (torch.cuda.is_available() is False). Tuning measures the op "
               "on the GPU it will run on; run flce-tune on a machine with an NVIDIA GPU and a CUDA build of torch. "
-              "(--list, --show, --export, --which, --list-studies and --plot DIR --replot work without a GPU.)", file=sys.stderr)
+              "(--list, --show, --export, --which, --list-studies and --plot DIR --replot work without a GPU.)",
+              file=sys.stderr)
         return 2
 
     if importlib.util.find_spec("optuna") is None:  # the search's sampler, imported where it runs
