@@ -110,12 +110,13 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     res.tokens = hint_int(out.numel() // out.shape[-1]) if out.dim() > 1 else 1
     res.logits_dtype, res.device = out.dtype, out.device
     all_escapes = site.escapes()
-    read = _without_returned_steps(site.escapes(ignore_output=True))[0]
+    # The uses that read the logits in the graph: without the outputs and the casts or reshapes only returned.
+    read, returned_steps = _without_returned_steps(site.escapes(ignore_output=True))
     res.logits_users = sorted({r.name for node, users in read.items() for u in users for r in _readers(u, node)})
-    escapes = site.escapes(ignore_output=True) if logits_mode == "drop" else all_escapes
-    returned_steps: list[fx.Node] = []
     if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
-        escapes, returned_steps = _without_returned_steps(escapes)
+        escapes = read
+    else:
+        escapes, returned_steps = all_escapes, []
     res.escapes = escapes
     res.dropped = [n for n in all_escapes if n not in escapes] + returned_steps
     res.dropped_outputs = len(res.dropped)

@@ -371,7 +371,7 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
 def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
     """The node as an LM-head GEMM (F.linear, nn.Linear, x @ W.T / matmul with a 2-D right operand), or as such a
     GEMM plus a bias (``_biased_head``)."""
-    if _is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__")):
+    if _is_addition(node):
         return _biased_head(gm, node)
     if _is_fn(node, _LINEAR_FNS):
         x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
@@ -411,7 +411,7 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
 def _head_plus_tensor(gm: fx.GraphModule, node: fx.Node) -> Iterator[tuple[LinearMatch, Any, Any]]:
     """For ``node`` = ``head(x) + t`` (either order, no ``alpha``) with ``t`` vocabulary-sized, (V,) or (1, ..., 1,
     V): the head's match with ``t`` as its ``added_bias`` (``node`` its output), and both traced values."""
-    if not (_is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__"))):
+    if not _is_addition(node):
         return
     if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or set(node.kwargs) - {"alpha"}:
         return
@@ -562,6 +562,11 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "log_softmax without a constant dim"
         return Step("log_softmax", node, first, index=dim), first
     return f"{node.op} {name}"
+
+
+def _is_addition(node: fx.Node) -> bool:
+    """``a + b`` in any of its spellings (out-of-place: ``add_`` and ``+=`` are not among them)."""
+    return _is_fn(node, _ADD_FNS) or _is_method(node, ("add", "__add__", "__radd__"))
 
 
 def _is_multiplication(node: fx.Node) -> bool:

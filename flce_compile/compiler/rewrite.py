@@ -12,6 +12,7 @@ site's new nodes are built and typed; a failure before that point leaves the gra
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -261,13 +262,10 @@ def _log_lone_head(head: LoneHead) -> None:
     global _warned_graph_break
     if head.tensor_parallel:
         return  # (its loss under loss_parallel() after the compiled code is tensor_parallel's advice, in explain)
-    if head.requires_grad and not _warned_graph_break:
-        _warned_graph_break = True
-        logger.warning("flce: lm_head %s (V=%s, tokens~%s) not fused: %s.", head.node.name, head.vocab, head.tokens,
-                       LONE_HEAD_REASON)
-        return
-    logger.info("flce: lm_head %s (V=%s, tokens~%s) not fused: %s.", head.node.name, head.vocab, head.tokens,
-                LONE_HEAD_REASON)
+    warn = head.requires_grad and not _warned_graph_break
+    _warned_graph_break = _warned_graph_break or warn
+    logger.log(logging.WARNING if warn else logging.INFO, "flce: lm_head %s (V=%s, tokens~%s) not fused: %s.",
+               head.node.name, head.vocab, head.tokens, LONE_HEAD_REASON)
 
 
 def _log_rewrite(res: SiteResult) -> None:
