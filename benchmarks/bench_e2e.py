@@ -1,5 +1,6 @@
 """End-to-end training step of a Llama-3.2-1B-shaped HF model (or, with ``--model gpt2``, GPT-2 small, whose class
-names no loss type; with ``--model qwen3moe``, a mixture-of-experts model of Qwen3-30B-A3B's layers), in the loop
+names no loss type; with ``--model qwen3moe``, a mixture-of-experts model of Qwen3-30B-A3B's layers; with
+``--model bart``, BART-large, whose fp32 ``final_logits_bias`` promotes the logits under autocast), in the loop
 most people write (``loss = model(input_ids=ids, labels=ids).loss; loss.backward()``), bf16 weights, or fp32
 weights under bf16 autocast with ``--autocast``. GPU only.
 
@@ -20,6 +21,7 @@ patch changes nothing for them and they run once.
     python benchmarks/bench_e2e.py --seq 16384 --variants inductor flce --mask patched
     python benchmarks/bench_e2e.py --model gpt2 --seq 16384 --variants eager inductor flce --mask as-is
     python benchmarks/bench_e2e.py --model qwen3moe --autocast --seq 16384 --variants eager inductor flce --mask as-is
+    python benchmarks/bench_e2e.py --model bart --autocast --seq 8192 --variants eager inductor flce --mask as-is
 
 Prints a table (peak GB, median step ms after warm-up, the loss, and each flce row's time and peak relative to
 the same inner compiler without the pass) and writes JSON + markdown under benchmarks/results/ (and $OUT).
@@ -88,7 +90,9 @@ def llama_config(vocab: int = 128256, hidden: int = 2048, layers: int = 16):
 #: The models ``--model`` picks, as the result files name them.
 MODELS = {"llama": "Llama-3.2-1B shape",
           "gpt2": "GPT-2 small (124M, V = 50257), its loss type unset as transformers builds it",
-          "qwen3moe": "Qwen3-30B-A3B's layer shape, 4 layers and 32 experts (1.3B, V = 151936)"}
+          "qwen3moe": "Qwen3-30B-A3B's layer shape, 4 layers and 32 experts (1.3B, V = 151936)",
+          "bart": "BART-large's shape (12 + 12 layers, hidden 1024, V = 50265, final_logits_bias), encoder and decoder "
+                  "both given the sequence"}
 
 
 def qwen3moe_config(layers: int = 4, experts: int = 32):
@@ -106,13 +110,28 @@ def qwen3moe_config(layers: int = 4, experts: int = 32):
     return cfg
 
 
+def bart_config(positions: int = 1024, layers: int = 12):
+    """BART-large's shape (hidden 1024, 16 heads, MLP 4096, V = 50265, tied head) with ``layers`` encoder and
+    decoder layers and ``positions`` learned positions, dropout off (steps compare across variants)."""
+    import transformers
+
+    cfg = transformers.BartConfig(
+        vocab_size=50265, d_model=1024, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=16,
+        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, max_position_embeddings=positions,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
 def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, family: str = "llama",
                 positions: int = 1024, **shape):
     """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
     device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
-    ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts). ``family`` "gpt2":
-    GPT-2 small with ``positions`` learned positions (the longest sequence it is run at), otherwise as
-    transformers builds it."""
+    ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts, bart_config's layers).
+    ``family`` "gpt2": GPT-2 small with ``positions`` learned positions (the longest sequence it is run at),
+    otherwise as transformers builds it; "bart": BART-large's shape with as many positions, its
+    final_logits_bias random."""
     import transformers
 
     torch.manual_seed(0)
@@ -123,6 +142,10 @@ def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, famil
         model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)
     elif family == "qwen3moe":
         model = transformers.Qwen3MoeForCausalLM(qwen3moe_config(**shape)).to(device, dtype)
+    elif family == "bart":
+        model = transformers.BartForConditionalGeneration(bart_config(positions, **shape)).to(device, dtype)
+        with torch.no_grad():  # zeros when built: random, so that it counts
+            model.final_logits_bias.normal_()
     else:
         raise ValueError(f"family={family!r} is unknown; use one of {sorted(MODELS)}")
     model.config.use_cache = False

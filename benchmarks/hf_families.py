@@ -8,6 +8,7 @@ and the kept logits. A family this transformers lacks is listed as such.
 
     python benchmarks/hf_families.py                       # every family, inner compiler aot_eager
     python benchmarks/hf_families.py llama gemma3 --inner inductor
+    python benchmarks/hf_families.py bart --autocast bf16  # fp32 parameters under autocast, as the Trainer's bf16
 """
 
 from __future__ import annotations
@@ -186,10 +187,19 @@ def _fused_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
     return {"fused": targets.count(flce_fused_loss), "fused_keep": targets.count(flce_fused_loss_keep)}
 
 
-def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
+#: ``--autocast`` names -> dtypes.
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast(device: str, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast to ``dtype`` on ``device``'s type (off when None)."""
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
+
+
+def check_family(name: str, inner: str, device: str = "cpu", autocast: torch.dtype | None = None) -> dict[str, Any]:
     """One family's row: for each logits mode, what ``explain`` says the pass does with each site (path and
     reason), the fused ops the compiled graphs really hold, whether the returned logits were dropped, and the
-    differences to eager."""
+    differences to eager (run under autocast to ``autocast`` too, when given)."""
     from flce_compile.compiler.explain import explain
 
     try:
@@ -197,14 +207,17 @@ def check_family(name: str, inner: str, device: str = "cpu") -> dict[str, Any]:
     except FamilyMissing as exc:
         return {"family": name, "status": f"not in this transformers ({exc})"}
     ids, labels = (t.to(device) for t in batch())
-    ref, ref_grads = train_step(model, model, ids, labels)
+    with _autocast(device, autocast):
+        ref, ref_grads = train_step(model, model, ids, labels)
     row: dict[str, Any] = {"family": name}
     for logits in ("keep", "drop"):
-        report = explain(model, input_ids=ids, labels=labels, options={"flce.logits": logits})
+        with _autocast(device, autocast):
+            report = explain(model, input_ids=ids, labels=labels, options={"flce.logits": logits})
         torch._dynamo.reset()
         recorder = _Recorder(inner)
         compiled = torch.compile(model, backend="flce", options={"flce.inner": recorder, "flce.logits": logits})
-        out, grads = train_step(model, compiled, ids, labels)
+        with _autocast(device, autocast):
+            out, grads = train_step(model, compiled, ids, labels)
         mode: dict[str, Any] = {
             "graphs": report.graph_count, "graph_breaks": report.graph_breaks,
             "sites": [{"path": s.path, "reason": s.reason, "softcap": s.softcap, "logit_scale": s.logit_scale}
@@ -229,7 +242,8 @@ def table(result: dict[str, Any]) -> str:
     """The sweep as a markdown table: one row per family, keep and drop side by side."""
     env = result["env"]
     lines = [f"# hf_families: backend=\"flce\" on tiny Hugging Face causal LMs, {env['date']}", "",
-             f"torch {env['torch']}, transformers {env['transformers']}, inner compiler {result['inner']}, fp32 on "
+             f"torch {env['torch']}, transformers {env['transformers']}, inner compiler {result['inner']}, fp32 "
+             f"{'parameters under ' + result['autocast'] + ' autocast ' if result.get('autocast') else ''}on "
              f"{env.get('device', 'cpu')}; one forward + backward of `model(input_ids=ids, labels=labels).loss`, "
              "one-layer random models, 2 x 8 tokens, vocab 160, as is and through `torch.compile(model, "
              "backend=\"flce\")` with `flce.logits` \"keep\" (the default: the returned logits computed when "
@@ -275,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("families", nargs="*", help="family names (default: all of them)")
     parser.add_argument("--inner", default="aot_eager", help="the backend's inner compiler")
     parser.add_argument("--device", default="cpu", help="where the models run (fp32 either way)")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST), help="run eager and compiled steps under autocast "
+                        "to this dtype (the parameters stay fp32, as the Trainer's bf16=True runs them)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -289,14 +305,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for name in args.families or list(builders()):
         try:
-            rows.append(check_family(name, args.inner, args.device))
+            rows.append(check_family(name, args.inner, args.device, AUTOCAST.get(args.autocast)))
         except Exception as exc:  # noqa: BLE001 - a failing family is a row of the table, not the end of the sweep
             rows.append({"family": name, "status": f"error: {type(exc).__name__}: {str(exc)[:200]}"})
         print(json.dumps(rows[-1]), flush=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     result = {"env": {"date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-                      "device": device, **versions()}, "inner": args.inner, "rows": rows}
-    where = "" if args.device == "cpu" else "_" + args.device.split(":")[0]
+                      "device": device, **versions()}, "inner": args.inner, "autocast": args.autocast, "rows": rows}
+    where = ("" if args.device == "cpu" else "_" + args.device.split(":")[0]) + (
+        f"_{args.autocast}_autocast" if args.autocast else "")
     save_results(args.out, f"hf_families_{args.inner}{where}{args.tag}", table(result) + "\n", result)
     print(table(result))
     return result

@@ -71,8 +71,10 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             raise TypeError(f"bias must be a tensor of shape ({weight.shape[0]},) or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) (one per class), got {tuple(bias.shape)}")
-        if bias.dtype != weight.dtype or bias.device != weight.device:
-            raise TypeError(f"bias must match weight's dtype and device ({weight.dtype}, {weight.device})")
+        if bias.device != weight.device or not (bias.dtype == weight.dtype or _wide_bias(bias, weight)):
+            raise TypeError(f"bias must be on weight's device ({weight.device}) in weight's dtype ({weight.dtype}), "
+                            f"or float32 beside bf16/fp16 weights (added to fp32 logits); got {bias.dtype} on "
+                            f"{bias.device}")
     if ce_weight is not None:
         if not isinstance(ce_weight, Tensor):
             raise TypeError(f"ce_weight must be a floating tensor of shape ({weight.shape[0]},) (a weight per class) "
@@ -165,6 +167,12 @@ def _softcap_arg(softcap: float | Tensor | None) -> float:
     return float(softcap)
 
 
+def _wide_bias(bias: Tensor, weight: Tensor) -> bool:
+    """Whether ``bias`` is fp32 beside bf16/fp16 ``weight``: it promotes the logits, which the op then forms in
+    fp32 (BART's ``final_logits_bias`` buffer under autocast, folded into the head by the ``flce`` backend)."""
+    return bias.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
     so fp32 parameters receive fp32 gradients)."""
@@ -206,7 +214,10 @@ def fused_linear_cross_entropy(
     as in torch, and its gradients are exactly 0.
 
     Args:
-        input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None.
+        input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None, in
+            the weight's dtype, or fp32 beside bf16/fp16 weights: it then promotes the logits as
+            ``F.linear(input, weight) + bias`` does, and the op forms them in fp32 (``FLCEConfig.fp32_logits``;
+            such a bias may not require grad). Under autocast it is cast with the weight, as F.linear casts it.
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (the default, from
             ``precision="exact"``) is as exact as eager, the weight dtype (``precision="compact"``) saves V*H*4
             bytes at some accuracy cost. fp64 weights always accumulate in fp64.
@@ -251,12 +262,22 @@ def fused_linear_cross_entropy(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
             "F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction='none') on the logits"
         )
-    fast_config = memory_budget_gb is None and check_precision(precision) != "precise"
+    input, weight, bias = _autocast(input, weight, bias)
+    # An fp32 bias beside 16-bit weights promotes the logits, as ``F.linear(input, weight) + bias`` does: the op
+    # adds it to fp32 logits (``FLCEConfig.fp32_logits``, whatever the precision policy).
+    wide = bias is not None and _wide_bias(bias, weight)
+    if wide and torch.is_grad_enabled() and bias.requires_grad:
+        raise ValueError(
+            f"an fp32 bias beside {weight.dtype} weights that requires grad is not supported: its gradient would "
+            f"sum {weight.dtype} logit gradients, where eager's sums fp32 ones. Pass bias.detach() for a fixed "
+            f"bias, or a bias in {weight.dtype}")
+    fast_config = memory_budget_gb is None and check_precision(precision) != "precise" and not wide
     if fast_config:  # the memoised argument: nothing is laid over the caller's fields
         config_text = config_arg(config)
     else:
         forced = forced_by(precision, config_overrides(config))
-    input, weight, bias = _autocast(input, weight, bias)
+        if wide:
+            forced = {**(forced or {}), "fp32_logits": True}
     accum_dtype = accum_dtype_for(precision, accum_dtype, weight.dtype)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]

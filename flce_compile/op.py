@@ -295,7 +295,7 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, par
 def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) -> tuple[Tensor, Tensor, Tensor]:
     dx = input.new_empty(input.shape if grads and compute_dx else _EMPTY)
     dw = weight.new_empty(weight.shape if grads and compute_dw else _EMPTY)
-    db = weight.new_empty(bias.shape if grads and compute_db and bias is not None else _EMPTY)
+    db = bias.new_empty(bias.shape) if grads and compute_db and bias is not None else weight.new_empty(_EMPTY)
     return dx, dw, db
 
 

@@ -99,3 +99,16 @@ def test_causal_skip_gives_compiled_models_eager_attention(monkeypatch):
     assert calls and all(kw["attn_mask"] is None and kw["is_causal"] for kw in calls)
     # Padded batches still get their mask.
     assert masking_utils._ignore_causal_mask_sdpa(torch.ones(1, 16, dtype=torch.bool), 16, 16, 0, 0) is not None
+
+
+def test_bart_is_bart_large_shaped_with_a_random_logits_bias():
+    """``--model bart``: BART-large's shape at the layers asked, as many positions as the longest run, its
+    final_logits_bias random (zeros when built would leave nothing to fold), an fp32 buffer beside fp32 weights
+    (the autocast case the backend folds), checkpointed, in training mode."""
+    model = _bench().build_model("cpu", torch.float32, family="bart", positions=64, layers=1)
+    cfg = model.config
+    assert type(model).__name__ == "BartForConditionalGeneration" and model.training
+    assert (cfg.d_model, cfg.vocab_size, cfg.encoder_ffn_dim, cfg.max_position_embeddings) == (1024, 50265, 4096, 64)
+    assert (cfg.encoder_layers, cfg.decoder_layers) == (1, 1) and model.is_gradient_checkpointing
+    bias = model.final_logits_bias
+    assert bias.dtype == torch.float32 and not bias.requires_grad and bias.std() > 0.5

@@ -32,6 +32,19 @@ def test_sweep_row_and_table(tmp_path):
     assert keep["inner_failures"] == drop["inner_failures"] == 0
 
 
+def test_sweep_under_autocast_fuses_bart_and_says_so(tmp_path):
+    """--autocast bf16 runs eager and compiled steps under autocast with fp32 parameters, as the Trainer's bf16=True
+    does: BART's fp32 final_logits_bias then promotes the bf16 logits (it was left unfused there); the file and the
+    table say which autocast ran."""
+    result = hf_families.main(["bart", "--inner", "eager", "--autocast", "bf16", "--out", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["status"] == "ok" and result["autocast"] == "bf16"
+    assert [s["path"] for s in row["keep"]["sites"]] == ["fused_lazy"]
+    assert row["drop"]["fused_ops"] == {"fused": 1, "fused_keep": 0} and row["keep"]["logits"] == 0.0
+    table = (tmp_path / "hf_families_eager_bf16_autocast.md").read_text()
+    assert "fp32 parameters under bf16 autocast on cpu" in table
+
+
 def test_sweep_leaves_logging_alone(tmp_path):
     """main() is also called from tests: the transformers logger and warning filters stay as they were."""
     import logging

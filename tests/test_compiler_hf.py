@@ -143,6 +143,48 @@ def test_family_keep_logits_exact(name, mode, reference):
     assert type(got.logits.grad_fn).__name__ == f"{LogitsGrad.__name__}Backward"
 
 
+@pytest.mark.parametrize("mode", ["keep", "drop", "materialize"])
+def test_bart_under_bf16_autocast_is_fused_and_as_exact_as_eager(mode, reference):
+    """BART as the Trainer runs it with bf16=True: fp32 parameters under autocast, where the fp32
+    final_logits_bias buffer promotes the bf16 logits to fp32. The op adds it to fp32 logits, so the loss and the
+    lm_head's (tied) gradient are as near fp64 as eager's, or nearer; the returned logits are eager's, bit for bit, computed
+    when read (keep) or by the graph (materialize: the loss then comes from them, the kept_logits path). The site
+    was left unfused ("promotes them")."""
+    import copy
+
+    model, ids, labels, _, _ = reference("bart")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_grads = _step(model, model, ids, labels)
+    m64 = copy.deepcopy(model).double()
+    exact, exact_grads = _step(m64, m64, ids, labels)
+    cap = Capture("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": mode})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, grads = _step(model, compiled, ids, labels)
+    targets = [t for gm in cap.graphs for t in _targets(gm)]
+    assert torch.nn.functional.cross_entropy not in targets
+    if mode == "materialize":
+        assert flce_fused_loss not in targets
+        torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+        _assert_same(ref, got, ref_grads, grads)
+        return
+    (node,) = [n for gm in cap.graphs for n in gm.graph.nodes if n.target is flce_fused_loss]
+    assert node.args[12] == torch.bfloat16 and node.kwargs["wide_bias"]  # the GEMMs in bf16, as autocast's
+    # (Both round the head's operands to bf16; eager also rounds the logits: 1.2e-4 from fp64, ours 8.7e-5.)
+    assert abs(got.loss.double() - exact.loss) <= abs(ref.loss.double() - exact.loss)
+    head = "model.shared.weight"
+    ours, eager = ((g[head].double() - exact_grads[head]).norm() for g in (grads, ref_grads))
+    assert ours <= eager * 1.05, (ours, eager)
+    for name, g in grads.items():  # the rest: the trunk's backward under autocast, as eager's up to its rounding
+        assert (g - ref_grads[name]).norm() <= 2e-2 * ref_grads[name].norm() + 1e-6, name
+    if mode == "drop":
+        assert got.logits is None
+        return
+    assert type(got.logits) is LazyLogits and got.logits.dtype == torch.float32
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("logits", ["drop", "keep"])
 def test_aot_eager_inner_llama(logits, reference):
     """Through AOT autograd (the fused op's fake impl and autograd traced), vs aot_eager without the pass."""

@@ -603,12 +603,93 @@ def test_logits_returned_for_a_loss_after_the_compiled_code_are_warned_of_once(c
 
 
 def test_a_promoting_bias_is_named_as_such():
-    """A bias of a wider dtype than the logits (BART's fp32 final_logits_bias under autocast) is not folded, and
-    the reason says why (it read "unsupported op ... add")."""
+    """A bias that promotes the logits to another dtype than fp32 (fp64 on fp32 logits) is not folded, and the
+    reason says why (it read "unsupported op ... add")."""
     model = Head(UNSAFE["bias_add_promoting"])
     idx, t = _data()
     (report,) = fc.explain(model, idx, t.clamp_min(0))
     assert not report.fused and "bias added to torch.float32 logits, which promotes them" in report.reason
+    assert "only fp32 on bf16/fp16 logits" in report.reason
+
+
+class WideBias(nn.Module):
+    """A bf16 model whose logits get an fp32 bias buffer added, which promotes them to fp32: BART's
+    ``final_logits_bias`` under autocast, in a model small enough for the CPU. ``grad_bias``: a parameter instead;
+    ``own_bias``: the head has a bias of its own too."""
+
+    def __init__(self, grad_bias=False, own_bias=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H)
+        self.proj = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=own_bias)
+        self.to(torch.bfloat16)
+        fb = torch.randn(1, V) * 2
+        if grad_bias:
+            self.fb = nn.Parameter(fb)
+        else:
+            self.register_buffer("fb", fb)
+
+    def forward(self, idx, t):
+        z = self.lm_head(torch.tanh(self.proj(self.emb(idx)))) + self.fb
+        return F.cross_entropy(z.view(-1, V), t.view(-1)), z
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop", "materialize"])
+def test_an_fp32_bias_buffer_on_bf16_logits_is_folded_nearer_fp64_than_eager(mode):
+    """The fp32 bias promotes the bf16 logits: the op adds it to fp32 logits (unrounded, so the loss and the
+    gradients are nearer fp64 than eager's), and the returned logits are eager's, bit for bit: computed when read
+    (keep, the GEMM in bf16 and the bias added after it), or by the graph itself (materialize, whose op with logits
+    would return them unpromoted: the loss is taken from the graph's logits, the kept_logits path). The site was
+    left unfused."""
+    model = WideBias()
+    idx, t = _data()
+    t = t.clamp_min(0)
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_z = model(idx, t)
+    ref_loss.backward()
+    ref_g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # The head in fp64 on the trunk's bf16 hidden states (both runs compute those alike).
+    h64 = torch.tanh(model.proj(model.emb(idx))).detach().double()
+    w64 = model.lm_head.weight.detach().double().requires_grad_()
+    exact = F.cross_entropy((h64 @ w64.T + model.fb.double()).view(-1, V), t.view(-1))
+    exact.backward()
+    compiled, graphs = _compile(model, logits=mode)
+    model.zero_grad(set_to_none=True)
+    loss, z = compiled(idx, t)
+    loss.backward()
+    nodes = [n for n in graphs[0].graph.nodes if n.target in (flce_fused_loss, flce_kept_logits_loss)]
+    assert [n.target for n in nodes] == [flce_kept_logits_loss if mode == "materialize" else flce_fused_loss]
+    if mode == "materialize":
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(z, ref_z, rtol=0, atol=0)
+        return
+    assert nodes[0].kwargs["wide_bias"] is True and nodes[0].args[12] is None  # the GEMMs in bf16: no casts
+    assert not [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is not flce_fused_loss
+                and n.meta["example_value"].shape[-1:] == (V,) and n.meta["example_value"].dim() > 1], "no logits"
+    assert abs(loss.double() - exact) < abs(ref_loss.double() - exact) / 10
+    ours, eager = (model.lm_head.weight.grad.double() - w64.grad).norm(), (ref_g["lm_head.weight"] - w64.grad).norm()
+    assert ours <= eager * 1.05, (ours, eager)
+    for name, p in model.named_parameters():  # the trunk's bf16 backward from dX: as eager's, up to rounding
+        assert (p.grad - ref_g[name]).float().norm() <= 2e-2 * ref_g[name].float().norm(), name
+    if mode == "drop":
+        assert z is None
+        return
+    assert type(z).__name__ == "LazyLogits" and z.dtype == torch.float32
+    torch.testing.assert_close(z, ref_z, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grad_bias, own_bias, why", [
+    (True, False, "and requires grad: the fused op's bias gradient would sum torch.bfloat16 logit gradients"),
+    (False, True, "on a head with its own bias"),
+])
+def test_an_fp32_bias_on_bf16_logits_that_needs_a_gradient_or_meets_a_head_bias_is_not_folded(grad_bias, own_bias,
+                                                                                                why):
+    """The op's bias gradient would come from bf16 logit gradients, less exact than eager's fp32 sums; a head's
+    own bias beside it is not combined. Each names its reason."""
+    idx, t = _data()
+    (report,) = fc.explain(WideBias(grad_bias, own_bias), idx, t.clamp_min(0))
+    assert not report.fused and why in report.reason, report.reason
 
 
 def test_a_second_bias_in_16_bits_is_not_folded():

@@ -272,6 +272,52 @@ def test_autocast_bf16_matches_eager_autocast():
         assert (ours.double() - exact).norm() <= (eager.double() - exact).norm() * 1.05 + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", [CFG, {"strategy": "recompute", "chunk_tokens": 8, "vocab_block": 32}])
+def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
+    """An fp32 bias beside bf16/fp16 weights (BART's final_logits_bias under autocast, folded by the backend) is
+    added to fp32 logits, as ``F.linear(x, w) + bias`` promotes them: the loss and gradients are nearer fp64 than
+    eager's (which rounds the GEMM's output first). It used to be refused as a dtype mismatch."""
+    x, w, t = _inputs(n=48, h=16, v=96, dtype=dtype)
+    b = torch.randn(96) * 3
+    x.requires_grad_()
+    w.requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t, b, config=config)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == dtype and w.grad.dtype == dtype
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(xr, wr) + b, t)
+    ref.backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = F.cross_entropy(x64 @ w64.T + b.double(), t)
+    exact.backward()
+    assert abs(loss.double() - exact) <= abs(ref.double() - exact) + 1e-7
+    for ours, eager, want in ((x.grad, xr.grad, x64.grad), (w.grad, wr.grad, w64.grad)):
+        assert (ours.double() - want).norm() <= (eager.double() - want).norm() * 1.05 + 1e-6
+
+
+def test_an_fp32_bias_beside_16_bit_weights_is_refused_when_it_needs_a_gradient_or_another_dtype():
+    """Its gradient would sum 16-bit logit gradients where eager sums fp32 ones, so a bias that requires grad is
+    an error naming the fixes; a bias of any other dtype is an error naming the two that are accepted. Under
+    autocast the bias is cast with the weight, as F.linear casts it."""
+    x, w, t = _inputs(n=8, h=16, v=96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="requires grad is not supported.*bias.detach"):
+        fused_linear_cross_entropy(x, w, t, torch.zeros(96, requires_grad=True))
+    with torch.no_grad():
+        fused_linear_cross_entropy(x, w, t, torch.zeros(96, requires_grad=True))  # no gradient asked: runs
+    with pytest.raises(TypeError, match=r"in weight's dtype \(torch.bfloat16\), or float32 beside bf16/fp16"):
+        fused_linear_cross_entropy(x, w, t, torch.zeros(96, dtype=torch.float64))
+    with pytest.raises(TypeError, match="or float32 beside bf16/fp16"):
+        fused_linear_cross_entropy(x.float(), w.float(), t, torch.zeros(96, dtype=torch.bfloat16))
+    b = torch.randn(96, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, t, b, config=CFG)
+        ref = F.cross_entropy(F.linear(x, w, b).float(), t)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert b.grad is not None and b.grad.dtype == torch.float32
+
+
 def test_accum_dtype_bf16_runs_and_is_close():
     x, w, t = _inputs(dtype=torch.bfloat16)
     w.requires_grad_()

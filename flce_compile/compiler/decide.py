@@ -289,6 +289,9 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
         return plan
     if site.loss.reduction == "none":
         return "reduction='none' (the op with logits computes mean/sum losses)"
+    if site.linear.wide_bias:
+        return ("an fp32 bias promotes the logits, which the op with logits returns in the lm_head's dtype, "
+                "unpromoted")
     # The op computes the loss where the lm_head ran: a write to the logits before the loss would be missed.
     write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of([site.linear.node]))
     if write is not None:

@@ -118,10 +118,14 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
     from ..plan.precision import accum_dtype_for, forced_by
 
     forced = forced_by(options.precision, options.config)
-    args = (res.tokens or 1, res.site.vocab, res.site.hidden, res.logits_dtype, res.device)
+    lin = res.site.linear
+    dtype = meta_value(lin.start).dtype  # the GEMM's, which a wider bias added after it does not change
+    if lin.wide_bias:  # the op adds it to fp32 logits
+        forced = {**(forced or {}), "fp32_logits": True}
+    args = (res.tokens or 1, res.site.vocab, res.site.hidden, dtype, res.device)
     if options.memory_budget_gb is not None:  # errors here are the rewrite's own: let them through
         cfg, source = config_within_budget(forced, options.memory_budget_gb, *args,
-                                           accum_dtype_for(options.precision, None, res.logits_dtype),
+                                           accum_dtype_for(options.precision, None, dtype),
                                            **_needs(res))
         return f"{cfg.strategy} ({source})"
     try:

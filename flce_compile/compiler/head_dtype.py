@@ -20,15 +20,16 @@ from .patterns import meta_value
 
 
 def head_compute_dtype(gm: fx.GraphModule, lin: Any) -> torch.dtype | None:
-    """The logits' dtype when any operand of the lm_head ``lin`` (a ``patterns`` linear) has another one
-    (autocast), else None."""
+    """The dtype the lm_head ``lin`` (a ``patterns`` linear) computed in, its GEMM's output's, when any operand has
+    another one (autocast), else None. (Not the logits' dtype: a wider bias added after the GEMM promotes those,
+    ``LinearMatch.wide_bias``, and the GEMM still ran in 16 bits.)"""
     if lin.module_target is not None:
         mod = gm.get_submodule(lin.module_target)
         operands = [mod.weight, mod.bias]
     else:
         operands = [meta_value(lin.weight), meta_value(lin.bias)]
     operands.append(meta_value(lin.input))
-    logits_dtype = meta_value(lin.node).dtype
+    logits_dtype = meta_value(lin.start).dtype
     mixed = any(isinstance(t, torch.Tensor) and t.dtype != logits_dtype for t in operands)
     return logits_dtype if mixed else None
 

@@ -53,10 +53,12 @@ class _Source:
     """What a LazyLogits is computed from: the lm_head's operands, with what they held when the forward returned
     them (version counters, the weight's memory), and the steps to the returned output."""
 
-    __slots__ = ("x", "weight", "bias", "replay", "dtype", "versions", "weight_memory")
+    __slots__ = ("x", "weight", "bias", "replay", "dtype", "gemm_dtype", "versions", "weight_memory")
 
-    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype) -> None:
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
+                 gemm_dtype: torch.dtype | None = None) -> None:
         self.x, self.weight, self.bias, self.replay, self.dtype = x, weight, bias, replay, dtype
+        self.gemm_dtype = gemm_dtype
         self.versions = tuple(t._version for t in self.operands())
         self.weight_memory = _memory(weight)
 
@@ -96,7 +98,7 @@ class _Source:
 
     def value(self) -> Tensor:
         self.check()
-        return _values(self.x, self.weight, self.bias, self.replay, self.dtype)
+        return _values(self.x, self.weight, self.bias, self.replay, self.dtype, self.gemm_dtype)
 
 
 def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
@@ -104,14 +106,20 @@ def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, .
     return (x, weight) if bias is None else (x, weight, bias)
 
 
-def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype) -> Tensor:
+def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
+            gemm_dtype: torch.dtype | None = None) -> Tensor:
     """The returned logits' values, without autograd history, with autocast off (the forward's values)."""
     with torch.no_grad(), _no_autocast(x):
-        return replay(_head(x, weight, bias, dtype))
+        return replay(_head(x, weight, bias, dtype, gemm_dtype))
 
 
-def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The raw logits, as the graph's lm_head computed them: in its logits dtype (as under autocast)."""
+def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+          gemm_dtype: torch.dtype | None = None) -> Tensor:
+    """The raw logits, as the graph's lm_head computed them: in its logits dtype (as under autocast). With
+    ``gemm_dtype``, the GEMM ran in it and ``bias``, wider, was added to its output, promoting it to ``dtype``
+    (BART's fp32 ``final_logits_bias`` on bf16 logits)."""
+    if gemm_dtype is not None:
+        return F.linear(x.to(gemm_dtype), weight.to(gemm_dtype)) + bias
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
@@ -246,24 +254,25 @@ class _LazyHead(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         inputs = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip((x, weight, bias), need)]
         with torch.enable_grad(), _no_autocast(x):
-            out = source.replay(_head(*inputs, source.dtype))
+            out = source.replay(_head(*inputs, source.dtype, source.gemm_dtype))
         wanted = [t for t, n in zip(inputs, need) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need)) + (None, None)
 
 
 def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
-                like: Tensor) -> Tensor:
-    """The LazyLogits standing for ``replay(F.linear(x, weight, bias))`` in ``dtype``; ``like`` (a meta tensor)
+                like: Tensor, gemm_dtype: torch.dtype | None = None) -> Tensor:
+    """The LazyLogits standing for ``replay(F.linear(x, weight, bias))`` in ``dtype`` (``_head``: with
+    ``gemm_dtype``, ``replay(F.linear(x, weight) + bias)``, the GEMM in ``gemm_dtype``); ``like`` (a meta tensor)
     gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad.
     Under inference mode, the logits themselves (computed now)."""
     global _step_hook
     operands = _operands(x, weight, bias)
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
-        return _values(x, weight, bias, replay, dtype)
+        return _values(x, weight, bias, replay, dtype, gemm_dtype)
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_secure_pending)
-    source = _Source(x, weight, bias, replay, dtype)
+    source = _Source(x, weight, bias, replay, dtype, gemm_dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return _LazyHead.apply(x, weight, bias, source, like)
     return LazyLogits(source, like)

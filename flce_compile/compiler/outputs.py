@@ -94,6 +94,8 @@ class LazyOutput:
     bias: int | None
     replay: Replay
     dtype: torch.dtype
+    #: the GEMM's dtype when a wider bias promotes its output to ``dtype`` (``patterns.LinearMatch.wide_bias``)
+    gemm_dtype: torch.dtype | None = None
     #: (hidden states' shape) -> a meta tensor shaped as the output (its shape, strides and dtype).
     likes: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
@@ -107,7 +109,7 @@ class LazyOutput:
             if len(self.likes) >= 64:
                 self.likes.clear()
             self.likes[key] = like
-        return lazy_logits(x, weight, bias, self.replay, self.dtype, like)
+        return lazy_logits(x, weight, bias, self.replay, self.dtype, like, self.gemm_dtype)
 
 
 def output_node(graph: fx.Graph) -> fx.Node:

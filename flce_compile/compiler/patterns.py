@@ -232,7 +232,8 @@ class LinearMatch:
     module_target: str | None = None  # nn.Linear submodule name for call_module forms
     form: str = ""
     #: a vocabulary-sized tensor added to the GEMM's output, ``node`` being the sum (BART's
-    #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in a dtype the logits' holds
+    #: ``lm_head(h) + final_logits_bias``): a bias of the head, (V,) or (1, ..., 1, V), in a dtype the logits' holds,
+    #: or fp32 on 16-bit logits, which it promotes (``wide_bias``)
     added_bias: fx.Node | None = None
     gemm: fx.Node | None = None  # with ``added_bias``: the GEMM's own node (``node`` is the sum)
 
@@ -240,6 +241,15 @@ class LinearMatch:
     def start(self) -> fx.Node:
         """Where the head starts reading its operands: the GEMM (checks for writes to them run from here)."""
         return self.gemm if self.gemm is not None else self.node
+
+    @property
+    def wide_bias(self) -> bool:
+        """Whether the added bias is wider than the GEMM's output and promotes the logits (an fp32 bias buffer on
+        bf16 logits: BART's ``final_logits_bias`` under autocast), so that the op adds it to fp32 logits."""
+        if self.added_bias is None:
+            return False
+        gemm_dtype = meta_value(self.gemm).dtype
+        return torch.promote_types(meta_value(self.added_bias).dtype, gemm_dtype) != gemm_dtype
 
 
 @dataclass
@@ -434,13 +444,25 @@ def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
 
 
 def _bias_refused(gm: fx.GraphModule, lin: LinearMatch, out: torch.Tensor, b: torch.Tensor) -> str | None:
-    """Why the added bias ``b`` of ``lin``'s logits ``out`` is not folded into the head, or None: a bias that
-    promotes the logits (the op does not reproduce the wider dtype), or a second bias in 16 bits (their sum, formed
-    once for all tokens, would be rounded where eager rounds each token's)."""
-    if torch.promote_types(b.dtype, out.dtype) != out.dtype:
-        return (f"a {b.dtype} bias added to {out.dtype} logits, which promotes them (under autocast, a bias buffer "
-                "kept in fp32); only a bias the logits' dtype holds is folded into the head")
+    """Why the added bias ``b`` of ``lin``'s logits ``out`` is not folded into the head, or None.
+
+    Folded: a bias the logits' dtype holds, and an fp32 bias on bf16/fp16 logits (which it promotes to fp32: the
+    op then adds it to fp32 logits, ``LinearMatch.wide_bias``). Refused: a bias promoting to another dtype; a
+    promoting bias that requires grad (the op's bias gradient would come from 16-bit logit gradients, where eager
+    sums fp32 ones) or beside the head's own bias; a second bias in 16 bits (their sum, formed once for all tokens,
+    would be rounded where eager rounds each token's)."""
     own = gm.get_submodule(lin.module_target).bias if lin.module_target else lin.bias
+    promoted = torch.promote_types(b.dtype, out.dtype)
+    if promoted != out.dtype:
+        what = f"a {b.dtype} bias added to {out.dtype} logits, which promotes them"
+        if promoted != torch.float32 or out.dtype not in (torch.bfloat16, torch.float16):
+            return f"{what}; only fp32 on bf16/fp16 logits, or a bias the logits' dtype holds, is folded"
+        if b.requires_grad:
+            return (f"{what}, and requires grad: the fused op's bias gradient would sum {out.dtype} logit "
+                    "gradients where eager sums fp32 ones; a bias buffer (BART's final_logits_bias) is folded")
+        if own is not None:
+            return f"{what}, on a head with its own bias"
+        return None
     if own is not None and out.dtype.itemsize < 4:
         return f"a bias added to {out.dtype} logits of a head with its own bias"
     return None

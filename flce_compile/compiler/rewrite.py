@@ -50,17 +50,23 @@ def flce_fused_loss(
     *,
     precision: str = "exact",
     memory_budget_gb: Optional[float] = None,
+    wide_bias: bool = False,
 ) -> torch.Tensor:
     """The graph-side call of the fused op (a stable node target for the inner compiler and for tests).
 
     The op is imported at call time so the compiler pass does not depend on import order, and the config
     travels as a plain dict so the generated graph code stays printable. ``compute_dtype``: see
     ``head_dtype.compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic
-    float in (``patterns.runtime_float``), which the op reads at run time.
+    float in (``patterns.runtime_float``), which the op reads at run time. ``wide_bias``: ``bias`` is an fp32 bias
+    added to the 16-bit logits (``patterns.LinearMatch.wide_bias``), which the op adds to fp32 logits: it keeps its
+    dtype where autocast's casts would round the head's own bias.
     """
     from ..api import fused_linear_cross_entropy
 
-    input, weight, bias = compute_operands(input, weight, bias, compute_dtype)
+    if wide_bias:
+        input, weight, _ = compute_operands(input, weight, None, compute_dtype)
+    else:
+        input, weight, bias = compute_operands(input, weight, bias, compute_dtype)
     # Rows line up after flattening both sides (the pattern check guarantees it), whatever view the loss saw.
     with head_autocast_off(input):
         loss = fused_linear_cross_entropy(
@@ -382,7 +388,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
                     result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail),
-                                     op_kwargs)
+                                     {**op_kwargs, "wide_bias": True} if lin.wide_bias else op_kwargs)
                 else:
                     both = new.add("call_function", flce_fused_loss_keep, (
                         lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)), op_kwargs)
@@ -431,6 +437,7 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
     out_node = output_node(gm.graph)
     items = flat_outputs(gm.graph)
     dtype = meta_value(lin.node).dtype
+    gemm_dtype = meta_value(lin.gemm).dtype if lin.wide_bias else None
     for node, steps in res.lazy_outputs.items():
         replay = fx.Graph()
         env = {lin.node: replay.placeholder("logits")}
@@ -439,7 +446,8 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
         replay.output(env[node])
         fixup.lazy.append(LazyOutput(
             [i for i, item in enumerate(items) if item is node], fixup.add_extra(lin.input), fixup.add_extra(weight),
-            fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype))
+            fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype,
+            gemm_dtype))
     lazy = set(res.lazy_outputs)
     out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in lazy else n)
     return list(lazy)
@@ -470,7 +478,9 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
     if lin.added_bias is not None:
         added = new.add("call_method", "reshape", (lin.added_bias, -1))
         dtype = meta_value(lin.gemm).dtype
-        if meta_value(lin.added_bias).dtype != dtype:  # a narrower bias (bf16 on fp32 logits), exact in theirs
+        # A narrower bias (bf16 on fp32 logits) is exact in theirs; a wider one (``wide_bias``, the head then has
+        # no bias of its own) stays as it is: the op adds it to fp32 logits.
+        if meta_value(lin.added_bias).dtype != dtype and not lin.wide_bias:
             added = new.add("call_method", "to", (added, dtype))
         bias = added if bias is None else new.add("call_function", operator.add, (bias, added))
     return weight, bias
