@@ -307,8 +307,66 @@ def test_a_mask_for_a_query_shorter_than_the_keys_stays():
 
     gm, inputs = capture(fn, *QKV)
     result = drop_causal_masks(gm)
-    assert result.calls == 0 and list(result.refused.values()) == ["its query and key lengths differ (4 and 8)"]
+    assert result.calls == 0 and list(result.refused.values()) == [
+        "its query and key lengths differ (4 and 8) and it hides some keys"]
     torch.testing.assert_close(run(gm, inputs)[0], fn(*QKV))
+
+
+def _all_true(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(1, 8, 8, dtype=torch.bool))
+
+
+def _zeros(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(8, 8))
+
+
+def _cross(q, k, v):  # a shorter query over every key: a cross-attention without padding
+    return F.scaled_dot_product_attention(q[..., :4, :], k, v, attn_mask=torch.ones(4, 8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("fn", [_all_true, _zeros, _cross])
+def test_a_mask_that_hides_nothing_is_dropped(fn):
+    """An encoder's or a cross-attention's mask without padding, all True (or all 0), which transformers 5.17
+    builds under Dynamo where eager passes none (BART's encoder and cross-attention): the call runs without it
+    (the flash kernel), for any query and key lengths, with the same output. It was kept ("not causal")."""
+    gm, inputs = capture(fn, *QKV)
+    expected = fn(*QKV)
+    result = drop_causal_masks(gm)
+    assert (result.calls, result.unmasked, result.refused) == (1, 1, {})
+    assert str(result) == "1 SDPA call(s) run without an in-graph mask that hides nothing"
+    (node,) = sdpa_nodes(gm)
+    assert node.kwargs["attn_mask"] is None and node.kwargs["is_causal"] is False
+    torch.testing.assert_close(run(gm, inputs)[0], expected)
+
+
+def test_a_checkpoint_body_given_a_causal_and_a_hide_nothing_mask_keeps_both():
+    """One activation-checkpoint body called with a causal mask and with one that hides nothing: its one SDPA call
+    cannot take both forms, so it stays as traced; calls outside checkpoints change each by its own mask."""
+    from torch.utils.checkpoint import checkpoint
+
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def fn(q, k, v):
+        causal, full = torch.ones(8, 8, dtype=torch.bool).tril(), torch.ones(8, 8, dtype=torch.bool)
+        return (checkpoint(attend, q, k, v, causal, use_reentrant=False)
+                + checkpoint(attend, q, k, v, full, use_reentrant=False)
+                + attend(q, k, v, causal) + attend(q, k, v, full))
+
+    gm, inputs = capture(fn, *QKV)
+    expected = fn(*QKV)
+    first, second = [n for n in gm.graph.nodes if is_checkpoint(n)]
+    second.args = (first.args[0], *second.args[1:])  # one body for both calls (Dynamo traced one each here)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    result = drop_causal_masks(gm)
+    assert (result.calls, result.unmasked) == (2, 1), str(result)
+    assert str(result) == ("1 SDPA call(s) run with is_causal=True instead of an in-graph causal mask; 1 SDPA "
+                           "call(s) run without an in-graph mask that hides nothing")
+    kept = [n for n in sdpa_nodes(gm) if n.kwargs.get("attn_mask") is not None]
+    assert len(kept) == 1 and kept[0].graph is not gm.graph  # the checkpoint body's
+    torch.testing.assert_close(run(gm, inputs)[0], expected)
 
 
 def test_a_mask_that_does_not_broadcast_to_the_query_stays():

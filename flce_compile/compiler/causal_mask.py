@@ -1,4 +1,5 @@
-"""Causal attention masks built in the graph: SDPA calls that receive one run with ``is_causal=True`` instead.
+"""Causal attention masks built in the graph: SDPA calls that receive one run with ``is_causal=True`` instead (and
+masks that hide nothing, with no mask).
 
 Compiled Hugging Face models lose SDPA's flash kernel: under Dynamo, transformers cannot rule out padding or
 packed sequences (checks it makes on tensor values in eager), so it builds an explicit S x S mask from the
@@ -15,7 +16,9 @@ device it is built on, and compared with ``tril(ones(L, L))`` (SDPA's ``is_causa
 be equal, as in training, so that no kernel's alignment convention matters; a float mask must hold only 0 and
 -inf or the dtype's lowest value). Only then does each SDPA call that receives it, directly or through an
 activation checkpoint's operand, get ``attn_mask=None, is_causal=True``; the mask's nodes left without users are
-erased.
+erased. A mask that hides nothing (all True, or all 0: an encoder's or a cross-attention's mask without padding,
+which transformers 5.17 builds under Dynamo where eager passes none; BART's encoder and cross-attention) is dropped
+the same way, the call then getting ``attn_mask=None, is_causal=False``, for any query and key lengths.
 Evaluating costs the mask's memory once at compile time, which every step of the unchanged graph would pay;
 an evaluation that fails (out of memory, say) leaves the graph as it was.
 """
@@ -49,13 +52,20 @@ _ROW_BLOCK = 4096
 
 @dataclass
 class MaskRewrite:
-    """What the pass did to one graph: SDPA calls given ``is_causal=True``, and masks it left alone, with why."""
+    """What the pass did to one graph: SDPA calls whose mask it dropped (given ``is_causal=True``, or, of those,
+    ``unmasked`` ones whose mask hid nothing), and masks it left alone, with why."""
 
     calls: int = 0
     refused: dict[str, str] = field(default_factory=dict)  # mask node name -> reason
+    unmasked: int = 0
 
     def __str__(self) -> str:
-        text = f"{self.calls} SDPA call(s) run with is_causal=True instead of an in-graph causal mask"
+        causal = self.calls - self.unmasked
+        parts = [f"{causal} SDPA call(s) run with is_causal=True instead of an in-graph causal mask"] if (
+            causal or not self.unmasked) else []
+        if self.unmasked:
+            parts.append(f"{self.unmasked} SDPA call(s) run without an in-graph mask that hides nothing")
+        text = "; ".join(parts)
         if self.refused:
             text += "; masks kept: " + "; ".join(f"{name}: {why}" for name, why in self.refused.items())
         return text
@@ -63,29 +73,33 @@ class MaskRewrite:
 
 def drop_causal_masks(gm: fx.GraphModule) -> MaskRewrite:
     """Give every SDPA call of ``gm`` (and of its activation checkpoints' bodies) whose mask is proven causal
-    ``is_causal=True`` and no mask, in place. Returns what was done."""
+    ``is_causal=True`` and no mask, and every one whose mask is proven to hide nothing no mask, in place. Returns
+    what was done."""
     facts = _Facts(gm)
     calls = _sdpa_calls(facts)
     result = MaskRewrite()
-    # None (causal for that attention) or the reason it is not, per (mask node in gm, query shape, key length):
-    # one mask may serve attentions of other shapes, for which it broadcasts differently.
-    verdicts: dict[tuple, str | None] = {}
+    # Per (mask node in gm, query shape, key length): True (causal for that attention), False (it hides nothing)
+    # or the reason it is neither. One mask may serve attentions of other shapes, for which it broadcasts
+    # differently.
+    verdicts: dict[tuple, bool | str] = {}
     for sdpa in calls:
         if sdpa.key not in verdicts:
-            verdicts[sdpa.key] = _causal_verdict(facts, sdpa.outer_mask, sdpa.query_shape, sdpa.key_len)
-            if verdicts[sdpa.key] is not None:
+            verdicts[sdpa.key] = _mask_verdict(facts, sdpa.outer_mask, sdpa.query_shape, sdpa.key_len)
+            if isinstance(verdicts[sdpa.key], str):
                 result.refused[sdpa.outer_mask.name] = verdicts[sdpa.key]
     # A call inside a checkpoint body is shared by every call of that body: it changes only when all of them
-    # pass a causal mask (and the body writes nothing into it).
+    # pass a mask of one kind (and the body writes nothing into it).
     by_node: dict[fx.Node, list[_SDPACall]] = {}
     for sdpa in calls:
         by_node.setdefault(sdpa.node, []).append(sdpa)
     changed_bodies: dict[str, fx.GraphModule] = {}
     for node, uses in by_node.items():
-        if any(verdicts[u.key] is not None or not u.body_safe for u in uses):
+        kinds = {verdicts[u.key] for u in uses}
+        if len(kinds) != 1 or isinstance(is_causal := kinds.pop(), str) or not all(u.body_safe for u in uses):
             continue
-        _make_causal(node)
+        _drop_mask(node, is_causal)
         result.calls += 1
+        result.unmasked += not is_causal
         if uses[0].body is not None:
             changed_bodies[uses[0].body_name] = uses[0].body
     for name, body in changed_bodies.items():
@@ -178,13 +192,12 @@ def _shapes(node: fx.Node) -> tuple[tuple[int, ...] | None, int | None]:
     return query_shape, key_len
 
 
-def _causal_verdict(facts: _Facts, mask: fx.Node, query_shape: tuple[int, ...] | None,
-                    key_len: int | None) -> str | None:
-    """None when ``mask`` is a constant causal mask for an SDPA of these shapes; else why not."""
+def _mask_verdict(facts: _Facts, mask: fx.Node, query_shape: tuple[int, ...] | None,
+                  key_len: int | None) -> bool | str:
+    """True when ``mask`` is a constant causal mask for an SDPA of these shapes, False when it is a constant mask
+    that hides nothing; else why it is neither."""
     if query_shape is None or key_len is None:
         return "the attention's shapes are not static (torch.compile(..., dynamic=False) keeps them so)"
-    if query_shape[-2] != key_len:  # SDPA documents a top-left causal mask then; not every kernel is checked
-        return f"its query and key lengths differ ({query_shape[-2]} and {key_len})"
     ancestors = _ancestors(mask)
     for node in ancestors:
         if node.op == "placeholder":
@@ -324,9 +337,10 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, ancestors: set[fx.Node]) -> obj
     return fx.GraphModule(gm, graph)()
 
 
-def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> str | None:
-    """None when ``value`` is SDPA's causal mask for a query of ``query_shape`` and ``key_len`` keys, in every
-    batch and head, broadcast as SDPA broadcasts it; else why not."""
+def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> bool | str:
+    """For a query of ``query_shape`` and ``key_len`` keys, in every batch and head, ``value`` broadcast as SDPA
+    broadcasts it: True when it is SDPA's causal mask (query and key lengths equal: SDPA documents a top-left
+    causal mask otherwise, and not every kernel is checked), False when it hides nothing; else why neither."""
     query_len = query_shape[-2]
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return "it is not a tensor of two or more dimensions"
@@ -343,9 +357,9 @@ def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> str |
             value = value.narrow(dim, 0, 1)
     value = value.reshape(-1, query_len, key_len)
     columns = torch.arange(key_len, device=value.device)
+    is_causal, hides_nothing = query_len == key_len, True
     for start in range(0, query_len, _ROW_BLOCK):
         rows = value[:, start:start + _ROW_BLOCK]
-        causal = columns[None, :] <= torch.arange(start, start + rows.shape[1], device=value.device)[:, None]
         if value.dtype == torch.bool:
             allowed = rows
         else:
@@ -353,17 +367,27 @@ def _compare(value: object, query_shape: tuple[int, ...], key_len: int) -> str |
             low = torch.finfo(value.dtype).min
             if not bool((allowed | (rows == float("-inf")) | (rows == low)).all()):
                 return "a float mask with values other than 0 and -inf (or the dtype's lowest value)"
-        if not bool((allowed == causal).all()):
-            return "it is not causal (padding, packed sequences, a window or another pattern)"
-    return None
+        hides_nothing = hides_nothing and bool(allowed.all())
+        if is_causal:
+            causal = columns[None, :] <= torch.arange(start, start + rows.shape[1], device=value.device)[:, None]
+            is_causal = bool((allowed == causal).all())
+        if not (is_causal or hides_nothing):
+            break
+    if is_causal:  # (a 1 x 1 mask hides nothing too: either way the same attention)
+        return True
+    if hides_nothing:
+        return False
+    if query_len != key_len:
+        return f"its query and key lengths differ ({query_len} and {key_len}) and it hides some keys"
+    return "it is not causal (padding, packed sequences, a window or another pattern)"
 
 
-def _make_causal(node: fx.Node) -> None:
-    """SDPA call ``node`` with ``attn_mask=None, is_causal=True``, every other argument as it was."""
+def _drop_mask(node: fx.Node, is_causal: bool) -> None:
+    """SDPA call ``node`` with ``attn_mask=None`` and ``is_causal``, every other argument as it was."""
     arguments = _arguments(node)
     query, key, value = (arguments.pop(name) for name in _SDPA_PARAMS[:3])
     arguments["attn_mask"] = None
-    arguments["is_causal"] = True
+    arguments["is_causal"] = is_causal
     node.args = (query, key, value)
     node.kwargs = arguments
 
