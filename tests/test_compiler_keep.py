@@ -613,6 +613,52 @@ class _ReadsLogits(LM):
         return loss, logits.argmax(-1)
 
 
+class _ReturnsAndMeasures(LM):
+    """Returns its logits and an accuracy the graph computes from their argmax (an in-graph read that takes no
+    gradient)."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits, (logits.argmax(-1) == labels).float().mean()
+
+
+@pytest.mark.parametrize("use_logits", [False, True])
+def test_an_argmax_metric_beside_returned_logits_leaves_no_logits_sized_tangent(use_logits):
+    """An in-graph read that takes no gradient (an accuracy from the argmax) does not keep the returned logits'
+    gradient in the graph: they are re-attached outside it, so a loop that reads only the loss gets no
+    logits-sized zero gradient and no GEMMs on it in backward (it did: a (B, S, V) tangent, and the note spoke of
+    a gradient buffer); a loss on the returned logits still reaches the weights as in eager."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    model = _ReturnsAndMeasures()
+    idx, labels = _data()
+    weight = 0.3 if use_logits else 0.0
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_logits, ref_acc = model(idx, labels)
+    (ref_loss + weight * (ref_logits.float() ** 3).mean()).backward()
+    ref_grads = _grads(model)
+    backward_inputs = []
+
+    def backward_compiler(gm, example_inputs):
+        backward_inputs.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    inner = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=backward_compiler)
+    torch._dynamo.reset()
+    (report,) = fc.explain(model, idx, labels)
+    assert report.path == "fused_keep" and "gradient buffer" not in str(report), str(report)
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": inner})
+    model.zero_grad(set_to_none=True)
+    loss, logits, acc = compiled(idx, labels)
+    (loss + weight * (logits.float() ** 3).mean()).backward()
+    assert (B, S, V) not in backward_inputs and (B * S, V) not in backward_inputs, backward_inputs
+    torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
+    torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-6, atol=1e-6)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 class RelabelAfterHead(nn.Module):
     """Writes the labels between the lm_head and the loss: the target cannot move before the lm_head."""
 

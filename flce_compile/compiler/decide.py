@@ -305,14 +305,17 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     out = meta_value(site.linear.node)
     res.path, res.plan, res.prelude = "fused_keep", plan, prelude
     res.kept_logits_bytes = (hint_int(out.numel()) or 0) * out.element_size()
-    in_graph = [u for users in res.escapes.values() for u in users if u.op != "output"]
     if not out.requires_grad:
         return None  # no gradient anywhere: nothing to re-attach
-    if in_graph:
-        res.note = (f"the logits feed {', '.join(sorted({u.name for u in in_graph})[:4])} in the graph, so their "
+    # In-graph reads that take no gradient (an argmax metric) read the detached logits as well; any other keeps
+    # the logits' gradient in the graph (a view or cast too: it may be returned and used in a loss).
+    graded = [u for users in res.escapes.values() for u in users if u.op != "output" and not _takes_no_gradient(u)]
+    if graded:
+        res.note = (f"the logits feed {', '.join(sorted({u.name for u in graded})[:4])} in the graph, so their "
                     "gradient flows through the op (a logits-sized gradient buffer in backward)")
         return None
-    transforms = {node: output_transform(site, node) for node in res.escapes}
+    transforms = {node: output_transform(site, node) for node, users in res.escapes.items()
+                  if any(u.op == "output" for u in users)}
     blocked = {n.name: t for n, t in transforms.items() if isinstance(t, str)}
     if blocked:
         res.note = (f"the returned logits {', '.join(blocked)} are computed through "
@@ -321,6 +324,13 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
         return None
     res.logits_outputs = transforms
     return None
+
+
+def _takes_no_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s traced value is one tensor that does not require grad (``argmax``, a comparison,
+    ``detach``, anything computed under ``no_grad``): no gradient reaches the logits through it."""
+    value = meta_value(node)
+    return isinstance(value, torch.Tensor) and not value.requires_grad
 
 
 def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
