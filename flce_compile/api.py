@@ -217,7 +217,8 @@ def fused_linear_cross_entropy(
         input: (..., H) hidden states. weight: (V, H). target: (...) integer class ids. bias: (V,) or None, in
             the weight's dtype, or fp32 beside bf16/fp16 weights: it then promotes the logits as
             ``F.linear(input, weight) + bias`` does, and the op forms them in fp32 (``FLCEConfig.fp32_logits``;
-            such a bias may not require grad). Under autocast it is cast with the weight, as F.linear casts it.
+            such a bias may not require grad, nor come with ``return_logits``). Under autocast it is cast with
+            the weight, as F.linear casts it.
         accum_dtype: dtype of the dW accumulator over chunks; torch.float32 (the default, from
             ``precision="exact"``) is as exact as eager, the weight dtype (``precision="compact"``) saves V*H*4
             bytes at some accuracy cost. fp64 weights always accumulate in fp64.
@@ -271,6 +272,11 @@ def fused_linear_cross_entropy(
             f"an fp32 bias beside {weight.dtype} weights that requires grad is not supported: its gradient would "
             f"sum {weight.dtype} logit gradients, where eager's sums fp32 ones. Pass bias.detach() for a fixed "
             f"bias, or a bias in {weight.dtype}")
+    if wide and return_logits:
+        raise ValueError(
+            f"return_logits=True with an fp32 bias beside {weight.dtype} weights is not supported: the op returns "
+            f"logits in {weight.dtype}, where the bias promotes them to fp32. Compute them as "
+            "F.linear(input, weight) + bias, or pass a bias in the weight's dtype")
     fast_config = memory_budget_gb is None and check_precision(precision) != "precise" and not wide
     if fast_config:  # the memoised argument: nothing is laid over the caller's fields
         config_text = config_arg(config)

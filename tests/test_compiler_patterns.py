@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flce_compile.compiler as fc
+from flce_compile.compiler.patterns import meta_value
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, run_pass
 
 V, H = 96, 16
@@ -676,6 +677,24 @@ def test_an_fp32_bias_buffer_on_bf16_logits_is_folded_nearer_fp64_than_eager(mod
         assert z is None
         return
     assert type(z).__name__ == "LazyLogits" and z.dtype == torch.float32
+    torch.testing.assert_close(z, ref_z, rtol=0, atol=0)
+
+
+def test_a_bf16_bias_on_fp16_logits_promotes_them_and_is_folded_in_fp32():
+    """bf16 + fp16 promotes to fp32 as fp32 + fp16 does: the bias is cast to fp32 (exactly) and folded as a wide
+    bias. The pass took it for a wide bias and the op then refused its dtype: explain said fused, the rewrite
+    failed with a TypeError and the site ran unfused (review of 2026-12-03)."""
+    model = WideBias().half()
+    model.fb = model.fb.bfloat16()
+    idx, t = _data()
+    t = t.clamp_min(0)
+    ref_loss, ref_z = model(idx, t)
+    assert ref_z.dtype == torch.float32
+    compiled, graphs = _compile(model)
+    loss, z = compiled(idx, t)
+    (node,) = [n for n in graphs[0].graph.nodes if n.target is flce_fused_loss]
+    assert node.kwargs["wide_bias"] is True and meta_value(node.args[3]).dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(z, ref_z, rtol=0, atol=0)
 
 

@@ -298,13 +298,15 @@ def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
 
 def test_an_fp32_bias_beside_16_bit_weights_is_refused_when_it_needs_a_gradient_or_another_dtype():
     """Its gradient would sum 16-bit logit gradients where eager sums fp32 ones, so a bias that requires grad is
-    an error naming the fixes; a bias of any other dtype is an error naming the two that are accepted. Under
+    an error naming the fixes, as is return_logits (the op's logits are in the compute dtype, unpromoted); a bias of any other dtype is an error naming the two that are accepted. Under
     autocast the bias is cast with the weight, as F.linear casts it."""
     x, w, t = _inputs(n=8, h=16, v=96, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="requires grad is not supported.*bias.detach"):
         fused_linear_cross_entropy(x, w, t, torch.zeros(96, requires_grad=True))
     with torch.no_grad():
         fused_linear_cross_entropy(x, w, t, torch.zeros(96, requires_grad=True))  # no gradient asked: runs
+    with pytest.raises(ValueError, match=r"return_logits=True with an fp32 bias beside torch.bfloat16 weights"):
+        fused_linear_cross_entropy(x, w, t, torch.zeros(96), return_logits=True)  # (its logits would be bf16)
     with pytest.raises(TypeError, match=r"in weight's dtype \(torch.bfloat16\), or float32 beside bf16/fp16"):
         fused_linear_cross_entropy(x, w, t, torch.zeros(96, dtype=torch.float64))
     with pytest.raises(TypeError, match="or float32 beside bf16/fp16"):

@@ -446,8 +446,9 @@ def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
 def _bias_refused(gm: fx.GraphModule, lin: LinearMatch, out: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why the added bias ``b`` of ``lin``'s logits ``out`` is not folded into the head, or None.
 
-    Folded: a bias the logits' dtype holds, and an fp32 bias on bf16/fp16 logits (which it promotes to fp32: the
-    op then adds it to fp32 logits, ``LinearMatch.wide_bias``). Refused: a bias promoting to another dtype; a
+    Folded: a bias the logits' dtype holds, and a bias that promotes bf16/fp16 logits to fp32 (an fp32 one, or a
+    bf16 one on fp16 logits and the reverse, which the rewrite casts to fp32, exactly: the op then adds it to fp32
+    logits, ``LinearMatch.wide_bias``). Refused: a bias promoting to another dtype; a
     promoting bias that requires grad (the op's bias gradient would come from 16-bit logit gradients, where eager
     sums fp32 ones) or beside the head's own bias; a second bias in 16 bits (their sum, formed once for all tokens,
     would be rounded where eager rounds each token's)."""

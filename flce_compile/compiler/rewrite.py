@@ -478,10 +478,12 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
     if lin.added_bias is not None:
         added = new.add("call_method", "reshape", (lin.added_bias, -1))
         dtype = meta_value(lin.gemm).dtype
-        # A narrower bias (bf16 on fp32 logits) is exact in theirs; a wider one (``wide_bias``, the head then has
-        # no bias of its own) stays as it is: the op adds it to fp32 logits.
-        if meta_value(lin.added_bias).dtype != dtype and not lin.wide_bias:
-            added = new.add("call_method", "to", (added, dtype))
+        # A narrower bias (bf16 on fp32 logits) is exact in theirs. A wider one (``wide_bias``, the head then has
+        # no bias of its own) is added by the op to fp32 logits, in fp32 (a bf16 bias on fp16 logits promotes to
+        # fp32 as well, and is exact there).
+        cast_to = torch.float32 if lin.wide_bias else dtype
+        if meta_value(lin.added_bias).dtype != cast_to:
+            added = new.add("call_method", "to", (added, cast_to))
         bias = added if bias is None else new.add("call_function", operator.add, (bias, added))
     return weight, bias
 
