@@ -147,7 +147,7 @@ def test_family_keep_logits_exact(name, mode, reference):
 def test_bart_under_bf16_autocast_is_fused_and_as_exact_as_eager(mode, reference):
     """BART as the Trainer runs it with bf16=True: fp32 parameters under autocast, where the fp32
     final_logits_bias buffer promotes the bf16 logits to fp32. The op adds it to fp32 logits, so the loss and the
-    lm_head's (tied) gradient are as near fp64 as eager's, or nearer; the returned logits are eager's, bit for bit, computed
+    lm_head's (tied) gradient is as near fp64 as eager's, or nearer, and the loss close to eager's; the returned logits are eager's, bit for bit, computed
     when read (keep) or by the graph (materialize: the loss then comes from them, the kept_logits path). The site
     was left unfused ("promotes them")."""
     import copy
@@ -171,8 +171,9 @@ def test_bart_under_bf16_autocast_is_fused_and_as_exact_as_eager(mode, reference
         return
     (node,) = [n for gm in cap.graphs for n in gm.graph.nodes if n.target is flce_fused_loss]
     assert node.args[12] == torch.bfloat16 and node.kwargs["wide_bias"]  # the GEMMs in bf16, as autocast's
-    # (Both round the head's operands to bf16; eager also rounds the logits: 1.2e-4 from fp64, ours 8.7e-5.)
-    assert abs(got.loss.double() - exact.loss) <= abs(ref.loss.double() - exact.loss)
+    # Both round the head's operands to bf16, which dominates one batch's loss error against the fp64 model (ours
+    # 8.7e-5 here, eager's 1.2e-4, but either may be the nearer); eager also rounds the logits.
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-4, atol=1e-4)
     head = "model.shared.weight"
     ours, eager = ((g[head].double() - exact_grads[head]).norm() for g in (grads, ref_grads))
     assert ours <= eager * 1.05, (ours, eager)
@@ -183,6 +184,22 @@ def test_bart_under_bf16_autocast_is_fused_and_as_exact_as_eager(mode, reference
         return
     assert type(got.logits) is LazyLogits and got.logits.dtype == torch.float32
     torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+
+
+def test_bart_in_bf16_returns_eager_logits_bit_for_bit(reference):
+    """A bf16 BART's final_logits_bias (bf16 too) is folded into the op's GEMM, rounded once; the returned logits,
+    computed when read, add it after the GEMM as eager does, so they are eager's bit for bit (they differed in
+    the last bit in 16% of elements: the lazy head added it inside the GEMM). The loss is close to eager's."""
+    import copy
+
+    model = copy.deepcopy(reference("bart")[0]).to(torch.bfloat16)
+    ids, labels = _batch()
+    ref, _ = _step(model, model, ids, labels)
+    torch._dynamo.reset()
+    got, _ = _step(model, torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}), ids, labels)
+    assert type(got.logits) is LazyLogits and got.logits.dtype == torch.bfloat16
+    assert torch.equal(got.logits, ref.logits)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("logits", ["drop", "keep"])

@@ -116,8 +116,8 @@ def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtyp
 def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
           gemm_dtype: torch.dtype | None = None) -> Tensor:
     """The raw logits, as the graph's lm_head computed them: in its logits dtype (as under autocast). With
-    ``gemm_dtype``, the GEMM ran in it and ``bias``, wider, was added to its output, promoting it to ``dtype``
-    (BART's fp32 ``final_logits_bias`` on bf16 logits)."""
+    ``gemm_dtype``, the GEMM ran in it and ``bias`` was added to its output, as eager adds it (BART's
+    ``final_logits_bias``; an fp32 one on bf16 logits promotes them to ``dtype``)."""
     if gemm_dtype is not None:
         return F.linear(x.to(gemm_dtype), weight.to(gemm_dtype)) + bias
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))

@@ -94,7 +94,8 @@ class LazyOutput:
     bias: int | None
     replay: Replay
     dtype: torch.dtype
-    #: the GEMM's dtype when a wider bias promotes its output to ``dtype`` (``patterns.LinearMatch.wide_bias``)
+    #: the GEMM's dtype when a bias is added to its output (``patterns.LinearMatch.added_bias``; a wider one
+    #: promotes it to ``dtype``): the logits are then computed as eager does, the bias added after the GEMM
     gemm_dtype: torch.dtype | None = None
     #: (hidden states' shape) -> a meta tensor shaped as the output (its shape, strides and dtype).
     likes: dict[tuple, torch.Tensor] = field(default_factory=dict)
