@@ -659,6 +659,58 @@ def test_an_argmax_metric_beside_returned_logits_leaves_no_logits_sized_tangent(
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+class _CappedAndWritten(nn.Module):
+    """Gemma-2's softcap, its output written in place through a ``detach`` alias after the loss (``after``) or
+    before it, or (``no_grad_loss``) the loss computed under ``torch.no_grad()``; returns (loss, logits)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.emb, self.lm_head, self.case = nn.Embedding(V, H), nn.Linear(H, V), case
+
+    def forward(self, idx, labels):
+        z = self.lm_head(self.emb(idx))
+        if self.case == "no_grad_loss":
+            with torch.no_grad():
+                loss = F.cross_entropy(z.view(-1, V), labels.view(-1))
+            return loss, z
+        z = torch.tanh(z / 2.0) * 2.0
+        if self.case == "before":
+            z.detach().mul_(2.0)
+        loss = F.cross_entropy(z.float().view(-1, V), labels.view(-1))
+        if self.case == "after":
+            z.detach().zero_()
+        return loss, z
+
+
+@pytest.mark.parametrize("case", ["after", "before", "no_grad_loss"])
+@pytest.mark.parametrize("mode", ["keep", "materialize"])
+def test_writes_to_capped_logits_and_a_loss_under_no_grad_are_seen(case, mode):
+    """Review cases (2026-12-03), each compared with eager: a ``detach`` alias of the capped logits written after
+    the loss counted as a read that takes no gradient, and the re-attached softcap gradient read the written values
+    (lm_head gradient norm 119.5 against eager's 110.5); a write to them before the loss was missed, as only the
+    head's output was checked (loss 4.358 against 4.843); a loss under ``no_grad`` got a gradient, the op
+    running where the head ran (|dW| 1.03 against 0.22). The two last take the kept-logits path now."""
+    torch.manual_seed(0)
+    model = _CappedAndWritten(case)
+    idx, labels = _data()
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss, z = fn(idx, labels)
+        total = loss + z.float().sum() if loss.requires_grad or case != "no_grad_loss" else z.float().square().mean()
+        total.backward()
+        return loss.detach(), loss.requires_grad, _grads(model)
+
+    ref_loss, ref_requires, ref_grads = step(model)
+    torch._dynamo.reset()
+    loss, requires, grads = step(torch.compile(model, backend="flce", options={"flce.inner": "aot_eager",
+                                                                                "flce.logits": mode}))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert requires == ref_requires
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 class RelabelAfterHead(nn.Module):
     """Writes the labels between the lm_head and the loss: the target cannot move before the lm_head."""
 

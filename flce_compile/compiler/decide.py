@@ -292,10 +292,14 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     if site.linear.wide_bias:
         return ("an fp32 bias promotes the logits, which the op with logits returns in the lm_head's dtype, "
                 "unpromoted")
-    # The op computes the loss where the lm_head ran: a write to the logits before the loss would be missed.
-    write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of([site.linear.node]))
+    # The op computes the loss where the lm_head ran: a write to the logits, or to a step after them (a softcap's
+    # output), before the loss would be missed; so would a change of grad mode (a loss under no_grad).
+    write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of(site.chain))
     if write is not None:
         return f"{describe(write)} may write the logits between the lm_head and the loss"
+    switch = _grad_mode_switch(site.linear.start, site.loss_node)
+    if switch is not None:
+        return f"{switch.name} changes grad mode between the lm_head and the loss"
     also = [plan.softcap] if runtime_softcap(plan) else []
     if site.linear.added_bias is not None:  # the op runs where the GEMM ran: a bias computed after it moves too
         also.append(site.linear.added_bias)
@@ -308,8 +312,10 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     if not out.requires_grad:
         return None  # no gradient anywhere: nothing to re-attach
     # In-graph reads that take no gradient (an argmax metric) read the detached logits as well; any other keeps
-    # the logits' gradient in the graph (a view or cast too: it may be returned and used in a loss).
-    graded = [u for users in res.escapes.values() for u in users if u.op != "output" and not _takes_no_gradient(u)]
+    # the logits' gradient in the graph (a view or cast too: it may be returned and used in a loss; and
+    # ``detach``, whose alias could write the values the re-attached gradient of a softcap reads).
+    graded = [u for users in res.escapes.values() for u in users
+              if u.op != "output" and not (_takes_no_gradient(u) and aliases.effects[u].fresh)]
     if graded:
         res.note = (f"the logits feed {', '.join(sorted({u.name for u in graded})[:4])} in the graph, so their "
                     "gradient flows through the op (a logits-sized gradient buffer in backward)")
@@ -323,6 +329,17 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
                     "gradient in backward when they get none)")
         return None
     res.logits_outputs = transforms
+    return None
+
+
+def _grad_mode_switch(start: fx.Node, stop: fx.Node) -> fx.Node | None:
+    """The first node strictly between ``start`` and ``stop`` that sets grad mode (``torch.no_grad()`` or
+    ``enable_grad()`` as Dynamo records them), or None."""
+    node = start.next
+    while node is not stop and node.op != "output":
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_set_grad_enabled":
+            return node
+        node = node.next
     return None
 
 
