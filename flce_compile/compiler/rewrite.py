@@ -437,9 +437,9 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
     out_node = output_node(gm.graph)
     items = flat_outputs(gm.graph)
     dtype = meta_value(lin.node).dtype
-    # A bias added to the GEMM's output (the head has none of its own then, or one in fp32) is added after the
-    # GEMM, as eager adds it: the op folds it into its GEMM (one rounding), which in 16 bits can differ from
-    # eager's sum in the last bit; returned logits are eager's.
+    # A bias added to the output of a head with none of its own is added after the GEMM here, as eager adds it:
+    # the op folds it into its GEMM (one rounding, which in 16 bits can differ from eager's sum in the last bit),
+    # and the returned logits stay eager's.
     own_bias = lin.bias is not None or (lin.module_target is not None
                                         and gm.get_submodule(lin.module_target).bias is not None)
     gemm_dtype = meta_value(lin.gemm).dtype if lin.added_bias is not None and not own_bias else None
