@@ -450,3 +450,34 @@ def test_explain_reports_the_attention_rewrite(llama):
     assert "attention: 2 SDPA call(s)" in str(report)
     off = flce_compile.explain(llama, input_ids=ids, labels=ids, options={"flce.causal_masks": False})
     assert not any("attention" in note for note in off.notes)
+
+
+def test_explain_names_the_checkpoint_side_effect_fix_when_kernels_is_loaded(llama, monkeypatch):
+    """transformers 5.25 requires ``kernels``, whose hook made a checkpointed Llama compile in five pieces (CI's
+    clean clone, 2026-12-03): explain says so and names the Dynamo flag, only for a checkpointed model with the
+    package loaded and the flag off."""
+    import sys
+    import types
+
+    import torch._dynamo.config as dynamo_config
+
+    import flce_compile
+
+    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        pytest.skip("this torch has no such flag")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setitem(sys.modules, "kernels", sys.modules.get("kernels") or types.ModuleType("kernels"))
+    flag = "skip_fwd_side_effects_in_bwd_under_checkpoint = True"
+
+    def noted() -> bool:
+        with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            return any(flag in note for note in flce_compile.explain(llama, input_ids=ids, labels=ids).notes)
+
+    assert not noted()  # not checkpointed
+    llama.gradient_checkpointing_enable()
+    try:
+        assert noted()
+        with checkpoint_side_effects_allowed():
+            assert not any(flag in n for n in flce_compile.explain(llama, input_ids=ids, labels=ids).notes)
+    finally:
+        llama.gradient_checkpointing_disable()

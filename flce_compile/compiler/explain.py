@@ -235,8 +235,31 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     if opts.enabled:
         keep_loss_in_graph()  # the reset dropped its compile-start callback
+    hint = _checkpoint_side_effect_hint(model)
+    if hint is not None:
+        report.notes.append(hint)
     logger.info("%s", report)
     return report
+
+
+def _checkpoint_side_effect_hint(model: Any) -> str | None:
+    """A note for a checkpointed Hugging Face model with the ``kernels`` package loaded (a dependency of
+    transformers 5.25) while Dynamo refuses side effects inside checkpoints: the package's layer hook sets a
+    context variable in each checkpointed forward, so Dynamo compiles such a model in pieces (the decoder layers
+    left out, their attention masks kept; five graphs for a two-layer Llama). None otherwise."""
+    import sys
+
+    import torch._dynamo.config as dynamo_config
+
+    module = getattr(model, "_orig_mod", model)
+    checkpointed = getattr(module, "is_gradient_checkpointing", False)
+    if "kernels" not in sys.modules or checkpointed is not True or getattr(
+            dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True):
+        return None
+    return ("the model is checkpointed and the `kernels` package (which transformers 5.25 requires) is loaded: its "
+            "layer hook sets a context variable inside each checkpointed forward, a side effect Dynamo refuses "
+            "there, so the layers may run outside these graphs with their attention masks; set "
+            "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling")
 
 
 def _dynamic_as(dynamic: bool | None) -> contextlib.AbstractContextManager:
