@@ -265,7 +265,7 @@ def fused_linear_cross_entropy(
         )
     input, weight, bias = _autocast(input, weight, bias)
     # An fp32 bias beside 16-bit weights promotes the logits, as ``F.linear(input, weight) + bias`` does: the op
-    # adds it to fp32 logits (``FLCEConfig.fp32_logits``, whatever the precision policy).
+    # adds it to fp32 logits (``forced_by`` forces ``FLCEConfig.fp32_logits``, whatever the precision policy).
     wide = bias is not None and _wide_bias(bias, weight)
     if wide and torch.is_grad_enabled() and bias.requires_grad:
         raise ValueError(
@@ -281,9 +281,7 @@ def fused_linear_cross_entropy(
     if fast_config:  # the memoised argument: nothing is laid over the caller's fields
         config_text = config_arg(config)
     else:
-        forced = forced_by(precision, config_overrides(config))
-        if wide:
-            forced = {**(forced or {}), "fp32_logits": True}
+        forced = forced_by(precision, config_overrides(config), wide)
     accum_dtype = accum_dtype_for(precision, accum_dtype, weight.dtype)
     grad_on = torch.is_grad_enabled()
     hidden = weight.shape[1]

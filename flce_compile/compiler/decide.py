@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .mutations import AliasMap, describe
+from .mutations import AliasMap, describe, nodes_between
 from .outputs import flat_outputs, output_node
 from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear,
                        meta_value, output_transform, runtime_softcap, symbolic_softcap_refused)
@@ -335,12 +335,8 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
 def _grad_mode_switch(start: fx.Node, stop: fx.Node) -> fx.Node | None:
     """The first node strictly between ``start`` and ``stop`` that sets grad mode (``torch.no_grad()`` or
     ``enable_grad()`` as Dynamo records them), or None."""
-    node = start.next
-    while node is not stop and node.op != "output":
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_set_grad_enabled":
-            return node
-        node = node.next
-    return None
+    return next((node for node in nodes_between(start, stop) if node.op == "call_function"
+                 and getattr(node.target, "__name__", "") == "_set_grad_enabled"), None)
 
 
 def _takes_no_gradient(node: fx.Node) -> bool:

@@ -117,11 +117,9 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
     from ..plan.choose import config_within_budget, resolve_config
     from ..plan.precision import accum_dtype_for, forced_by
 
-    forced = forced_by(options.precision, options.config)
     lin = res.site.linear
+    forced = forced_by(options.precision, options.config, lin.wide_bias)  # (a wide bias: the op's fp32 logits)
     dtype = meta_value(lin.start).dtype  # the GEMM's, which a wider bias added after it does not change
-    if lin.wide_bias:  # the op adds it to fp32 logits
-        forced = {**(forced or {}), "fp32_logits": True}
     args = (res.tokens or 1, res.site.vocab, res.site.hidden, dtype, res.device)
     if options.memory_budget_gb is not None:  # errors here are the rewrite's own: let them through
         cfg, source = config_within_budget(forced, options.memory_budget_gb, *args,

@@ -17,7 +17,7 @@ import functools
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -238,13 +238,17 @@ class AliasMap:
     def first_write(self, start: fx.Node, stop: fx.Node, roots: frozenset[Any]) -> fx.Node | None:
         """The first node strictly between ``start`` and ``stop`` (graph order) that may write a tensor sharing
         memory with ``roots``, or None."""
-        node = start.next
-        while node is not stop and node.op != "output":
-            for written in self.effects[node].writes:
-                if self.roots[written] & roots:
-                    return node
-            node = node.next
-        return None
+        return next((node for node in nodes_between(start, stop)
+                     if any(self.roots[written] & roots for written in self.effects[node].writes)), None)
+
+
+def nodes_between(start: fx.Node, stop: fx.Node) -> Iterator[fx.Node]:
+    """The nodes strictly between ``start`` and ``stop`` in graph order (up to the output, when ``stop`` is not
+    after ``start``)."""
+    node = start.next
+    while node is not stop and node.op != "output":
+        yield node
+        node = node.next
 
 
 def describe(node: fx.Node) -> str:

@@ -443,6 +443,12 @@ def _biased_head(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
     return next((lin for lin, out, b in _head_plus_tensor(gm, node) if _bias_refused(gm, lin, out, b) is None), None)
 
 
+def own_bias(gm: fx.GraphModule, lin: LinearMatch) -> Any:
+    """The head's own bias, not one added to its output: the module's parameter (``nn.Linear`` forms) or the
+    GEMM's bias node; None when it has none."""
+    return gm.get_submodule(lin.module_target).bias if lin.module_target else lin.bias
+
+
 def _bias_refused(gm: fx.GraphModule, lin: LinearMatch, out: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why the added bias ``b`` of ``lin``'s logits ``out`` is not folded into the head, or None.
 
@@ -452,7 +458,7 @@ def _bias_refused(gm: fx.GraphModule, lin: LinearMatch, out: torch.Tensor, b: to
     promoting bias that requires grad (the op's bias gradient would come from 16-bit logit gradients, where eager
     sums fp32 ones) or beside the head's own bias; a second bias in 16 bits (their sum, formed once for all tokens,
     would be rounded where eager rounds each token's)."""
-    own = gm.get_submodule(lin.module_target).bias if lin.module_target else lin.bias
+    own = own_bias(gm, lin)
     promoted = torch.promote_types(b.dtype, out.dtype)
     if promoted != out.dtype:
         what = f"a {b.dtype} bias added to {out.dtype} logits, which promotes them"

@@ -29,7 +29,7 @@ from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, analyze, lone_heads
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, runtime_softcap
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, own_bias, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -440,9 +440,7 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
     # A bias added to the output of a head with none of its own is added after the GEMM here, as eager adds it:
     # the op folds it into its GEMM (one rounding, which in 16 bits can differ from eager's sum in the last bit),
     # and the returned logits stay eager's.
-    own_bias = lin.bias is not None or (lin.module_target is not None
-                                        and gm.get_submodule(lin.module_target).bias is not None)
-    gemm_dtype = meta_value(lin.gemm).dtype if lin.added_bias is not None and not own_bias else None
+    gemm_dtype = meta_value(lin.gemm).dtype if lin.added_bias is not None and own_bias(gm, lin) is None else None
     for node, steps in res.lazy_outputs.items():
         replay = fx.Graph()
         env = {lin.node: replay.placeholder("logits")}
@@ -474,7 +472,7 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
     bias = lin.bias
     if lin.module_target is not None:
         weight = new.add("get_attr", f"{lin.module_target}.weight", ())
-        if gm.get_submodule(lin.module_target).bias is not None:
+        if own_bias(gm, lin) is not None:
             bias = new.add("get_attr", f"{lin.module_target}.bias", ())
     elif lin.weight_is_transposed:
         weight = new.add("call_method", "t", (lin.weight,))

@@ -79,11 +79,13 @@ def accum_dtype_for(precision: str, accum_dtype: torch.dtype | None, compute_dty
     return compute_dtype if compute_dtype == torch.float64 else accum_dtype
 
 
-def forced_by(precision: str, forced: dict[str, Any] | None) -> dict[str, Any] | None:
+def forced_by(precision: str, forced: dict[str, Any] | None, wide_bias: bool = False) -> dict[str, Any] | None:
     """The caller's forced config fields (``config_overrides``) with those of ``precision`` laid over them: the
     policy wins over a config field (an ``FLCEConfig`` forces every field, fp32_logits=False included, so a
-    config passed beside precision="precise" could not otherwise say it did not mean to turn it off)."""
-    fields = _FORCED[check_precision(precision)]
+    config passed beside precision="precise" could not otherwise say it did not mean to turn it off).
+    ``wide_bias``: an fp32 bias beside 16-bit weights, which promotes the logits: fp32_logits is forced too,
+    whatever the policy."""
+    fields = {**_FORCED[check_precision(precision)], **({"fp32_logits": True} if wide_bias else {})}
     if not fields:
         return forced
     return {**(forced or {}), **fields}
