@@ -22,6 +22,7 @@ patch changes nothing for them and they run once.
     python benchmarks/bench_e2e.py --model gpt2 --seq 16384 --variants eager inductor flce --mask as-is
     python benchmarks/bench_e2e.py --model qwen3moe --autocast --seq 16384 --variants eager inductor flce --mask as-is
     python benchmarks/bench_e2e.py --model bart --autocast --seq 8192 --variants eager inductor flce --mask as-is
+    python benchmarks/bench_e2e.py --objective log-probs --seq 16384 --variants eager inductor flce --mask as-is
 
 Prints a table (peak GB, median step ms after warm-up, the loss, and each flce row's time and peak relative to
 the same inner compiler without the pass) and writes JSON + markdown under benchmarks/results/ (and $OUT).
@@ -40,6 +41,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -214,22 +216,48 @@ def compile_variant(variant: str, module, flce_inner: str | None = None):
     raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 
 
-def prepare(variant: str, model):
+#: What a step differentiates: the model's own loss (``loss = model(input_ids=ids, labels=ids).loss``), or a
+#: policy-gradient objective written by hand, as DPO, PPO and GRPO code does: each token's log-prob picked with
+#: ``gather`` from a log_softmax of the returned logits, weighted by a per-token advantage; the compiled variants
+#: compile that function (the model inside it), as a user compiling their step would.
+OBJECTIVES = ("loss", "log-probs")
+
+
+def log_prob_objective(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The "log-probs" objective of ``model``: -mean(advantage * log p(token)), the advantages fixed per shape."""
+    advantages: dict[tuple, torch.Tensor] = {}
+
+    def objective(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=ids).logits[:, :-1]
+        picked = torch.gather(logits.float().log_softmax(-1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        weights = advantages.setdefault(tuple(picked.shape), torch.randn(
+            picked.shape, generator=torch.Generator().manual_seed(0)).to(picked.device))
+        return -(picked * weights).mean()
+
+    return objective
+
+
+def prepare(variant: str, model, objective: str = "loss"):
     """A callable (input_ids) -> loss for one variant, or raise RuntimeError('unavailable: ...')."""
     torch._dynamo.reset()
+    if objective == "log-probs":
+        if variant in LIGER_VARIANTS:
+            raise RuntimeError("unavailable: Liger patches the model's loss, which this objective does not use")
+        return compile_variant(variant, log_prob_objective(model))
     if variant in LIGER_VARIANTS:
         apply_liger(variant, model)
     fn = compile_variant(variant, model)
     return lambda ids: fn(input_ids=ids, labels=ids).loss
 
 
-def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, autocast: bool = False) -> dict:
+def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, autocast: bool = False,
+            objective: str = "loss") -> dict:
     """One variant's row: the first step's time (with the compile), then the median step time and the peak memory
     after ``warmup`` steps; ``autocast``: each step under bf16 autocast (the model's weights fp32)."""
     row: dict = {"variant": variant, "seq": seq, "mask": mask}
     ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).cuda()
     try:
-        step_fn = prepare(variant, model)
+        step_fn = prepare(variant, model, objective)
         times = []
         for i in range(warmup + steps):
             model.zero_grad(set_to_none=True)
@@ -293,6 +321,9 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model (default llama)")
     parser.add_argument("--autocast", action="store_true",
                         help="fp32 weights, each step under bf16 autocast (default: bf16 weights, no autocast)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="loss",
+                        help="loss (default): the model's own loss; log-probs: per-token log-probs picked with "
+                             "gather and weighted, as policy-gradient code writes it (see OBJECTIVES)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
@@ -300,7 +331,8 @@ def main() -> None:
     import transformers
 
     env = {
-        "model": MODELS[args.model], "precision": PRECISIONS[args.autocast], "gpu": torch.cuda.get_device_name(),
+        "model": MODELS[args.model], "precision": PRECISIONS[args.autocast], "objective": args.objective,
+        "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     }
@@ -317,7 +349,7 @@ def main() -> None:
     for variant, seq, mask in plan_runs(args.variants, args.seq, args.mask):
         if mask == "patched":
             allow_causal_skip_under_compile()  # idempotent; after every as-is row
-        row = run_one(variant, model, seq, args.steps, args.warmup, mask, args.autocast)
+        row = run_one(variant, model, seq, args.steps, args.warmup, mask, args.autocast, args.objective)
         rows.append(row)
         print(json.dumps(row), flush=True)
         _write(stem, env, rows)  # after every row: a run cut short by a time limit keeps what it measured

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import graph_replay
 from .log import logger
-from .params import LossParams, decode_params, encode_params, math_dtype
+from .params import NO_IGNORED_CLASS, LossParams, decode_params, encode_params, math_dtype
 from .plan import registry
 from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
@@ -116,6 +116,9 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
         first = int(target[bad][0])
+        if ignore_index == NO_IGNORED_CLASS:  # the compiler's per-token log-prob gather
+            raise ValueError(f"the log-prob gather's index holds class id {first}, outside [0, {vocab}) (gather "
+                             "ignores no label: mask them before the gather, e.g. labels.clamp(min=0))")
         raise ValueError(
             f"target holds class id {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
             "fix the labels or pass the ignore_index they use"

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 REDUCTIONS = ("mean", "sum", "none")
+#: An ignore_index that ignores no class: the one the compiler gives a per-token log-prob gather, which reads
+#: every row (a negative id there is out of range, an error as for ``gather``). Fits int32 targets too.
+NO_IGNORED_CLASS = -(2**31)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 import transformers.masking_utils as masking_utils  # noqa: E402
 
+import flce_compile  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -112,3 +114,31 @@ def test_bart_is_bart_large_shaped_with_a_random_logits_bias():
     assert (cfg.encoder_layers, cfg.decoder_layers) == (1, 1) and model.is_gradient_checkpointing
     bias = model.final_logits_bias
     assert bias.dtype == torch.float32 and not bias.requires_grad and bias.std() > 0.5
+
+
+def test_the_log_prob_objective_is_fused_and_equals_eager():
+    """``--objective log-probs``: the hand-written policy-gradient objective, compiled as the flce variants compile
+    it, fuses its per-token log-prob pick and gives eager's loss and gradients; Liger has no row for it."""
+    bench = _bench()
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (1, 24))
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref, ref_g = run(bench.prepare("eager", model, "log-probs"))
+    objective = bench.log_prob_objective(model)
+    (report,) = flce_compile.explain(objective, ids, options={"flce.inner": "aot_eager"})
+    assert report.fused and "gather of log_softmax" in report.loss, str(report)
+    got, got_g = run(bench.compile_variant("flce", objective, flce_inner="aot_eager"))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        bench.prepare("liger-flce", model, "log-probs")

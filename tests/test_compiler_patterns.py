@@ -82,6 +82,17 @@ FORMS = {
     # an fp64 head (the op computes fp64 in fp64; it was left unfused, refused by dtype)
     "float64_head": lambda m, x, t: F.cross_entropy(F.linear(x.double(), m.lm_head.weight.double()).view(-1, V),
                                                     t.view(-1)),
+    # per-token log-probs as RL and preference losses pick them (the negated per-token cross-entropy), shifted
+    "log_prob_gather": lambda m, x, t: torch.gather(F.log_softmax(m.lm_head(x)[:, :-1].float(), dim=-1), 2,
+                                                    t[:, 1:].unsqueeze(-1)).squeeze(-1),
+    "log_prob_method": lambda m, x, t: m.lm_head(x).log_softmax(-1).gather(-1, t[..., None]).squeeze(-1),
+    "log_prob_take_along": lambda m, x, t: torch.take_along_dim(torch.log_softmax(m.lm_head(x), dim=-1),
+                                                                t.unsqueeze(-1), dim=-1),
+    "log_prob_rows": lambda m, x, t: F.log_softmax(m.lm_head(x).view(-1, V), 1).gather(1, t.view(-1, 1)) * 0.5,
+    # shifted and cast after the log_softmax; an index with fewer rows than the log-probs (gather reads a prefix)
+    "log_prob_shift_after": lambda m, x, t: m.lm_head(x).float().log_softmax(-1)[:, :-1].gather(
+        -1, t[:, 1:, None]).squeeze(-1),
+    "log_prob_prefix": lambda m, x, t: m.lm_head(x).log_softmax(-1).gather(-1, t[:, :3, None]),
 }
 
 
@@ -186,6 +197,130 @@ def test_escaping_logits(mode, extra_use):
         assert torch._C._nn.linear not in targets
 
 
+class LogProbs(nn.Module):
+    """Per-token log-probs as a preference loss picks them, the log_softmax also read by an entropy bonus (the
+    kept-logits path), or the logits returned beside them."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.extra = extra
+
+    def forward(self, idx, t):
+        logits = self.lm_head(torch.tanh(self.emb(idx)))
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        picked = log_probs.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        if self.extra == "entropy":
+            return picked - 0.1 * (log_probs.exp() * log_probs).sum(-1)
+        return (picked, logits) if self.extra == "logits" else picked
+
+
+@pytest.mark.parametrize("extra,path", [("entropy", None), ("logits", flce_fused_loss)])
+def test_log_probs_read_elsewhere_or_returned_are_exact(extra, path):
+    """Returned logits are computed when read (the pick fused); log-probs an entropy also reads stay the graph's
+    (a gather of kept log-probs is no cross-entropy of them), as they do when written in place."""
+    torch.manual_seed(0)
+    model = LogProbs(extra)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    weights = torch.rand(t.shape)  # a per-token weighting, as advantages weight them
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(idx, t)
+        picked = out[0] if isinstance(out, tuple) else out
+        (picked * weights).sum().backward()
+        return out, [p.grad.clone() for p in model.parameters()]
+
+    ref, ref_g = run(model)
+    compiled, graphs = _compile(model)
+    got, got_g = run(compiled)
+    targets = [n.target for n in graphs[0].graph.nodes]
+    if path is None:
+        assert not {flce_fused_loss, flce_kept_logits_loss} & set(targets), graphs[0].code
+    else:
+        assert targets.count(path) == 1, graphs[0].code
+    for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_log_probs_fuse_when_the_index_rows_are_symbolic():
+    """Sequence lengths that vary between calls: after Dynamo's recompile the labels' length is a symbol of its own,
+    not known equal to the log-probs' (gather only needs it no larger), which left the pick unfused; the rewrite
+    narrows the hidden states to the index's rows instead."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+
+    def log_probs(ids, labels):
+        return head(emb(ids))[:, :-1].log_softmax(-1).gather(-1, labels[:, 1:, None]).squeeze(-1)
+
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(log_probs, backend="flce", options={"flce.inner": capture})
+    for seq in (5, 7, 9):
+        ids, labels = torch.randint(0, V, (2, seq)), torch.randint(0, V, (2, seq))
+        torch.testing.assert_close(compiled(ids, labels), log_probs(ids, labels), rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 2 and all(flce_fused_loss in {n.target for n in g.graph.nodes} for g in graphs)
+    assert "narrow" in {n.target for n in graphs[1].graph.nodes}, graphs[1].code
+
+
+class WrittenAfterItsStep(nn.Module):
+    """Logits scaled out of place, then written in place before the loss reads the scaled copy (``case`` "ce"),
+    or log-probs taken from them before the write ("gather"), or the log-probs themselves written ("log_probs")."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.emb, self.lm_head, self.case = nn.Embedding(V, H), nn.Linear(H, V, bias=False), case
+
+    def forward(self, idx, t):
+        logits = self.lm_head(self.emb(idx))
+        step = logits * 0.5 if self.case == "ce" else logits.log_softmax(-1)
+        (step if self.case == "log_probs" else logits).mul_(2.0)
+        if self.case == "ce":
+            return F.cross_entropy(step.view(-1, V), t.view(-1), reduction="none"), logits
+        return step.gather(-1, t.unsqueeze(-1)), logits
+
+
+@pytest.mark.parametrize("case", ["ce", "gather", "log_probs"])
+def test_a_write_after_the_kept_logits_were_read_is_seen(case):
+    """Review cases (2026-12-03): the kept-logits loss replayed the steps after the logits where the loss ran, so
+    a write to the logits after a step had read them reached the loss (max error 5.25 against eager, the
+    cross-entropy before this change too); a write to log-probs before their pick was taken for the pick of their
+    log_softmax (1.03 to 4.85). Both sites now stay as traced."""
+    torch.manual_seed(0)
+    model = WrittenAfterItsStep(case)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    with torch.no_grad():
+        ref = model(idx, t)
+        compiled, graphs = _compile(model)
+        got = compiled(idx, t)
+    assert not {flce_fused_loss, flce_kept_logits_loss} & {n.target for n in graphs[0].graph.nodes}
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_log_prob_index_out_of_range_raises_as_gather_does():
+    """A log-prob gather ignores no class: an index of -100 (an unmasked label) is an error, as in eager."""
+    model = LogProbs(None)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    t[0, 1] = -100
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        model(idx, t)
+    compiled, _ = _compile(model)
+    with pytest.raises(Exception, match="gather.s index holds class id -100, outside"):
+        compiled(idx, t)
+
+
 UNSAFE = {
     "tensor_scale": lambda m, x, t: F.cross_entropy((m.lm_head(x) * m.cw).view(-1, V), t.view(-1)),
     # a bias added after a scale (the op adds its bias before the logit scale)
@@ -199,6 +334,9 @@ UNSAFE = {
     "soft_targets": lambda m, x, t: F.cross_entropy(m.lm_head(x).view(-1, V),
                                                     F.one_hot(t.view(-1), V).float()),
     "inplace_scale": lambda m, x, t: F.cross_entropy(m.lm_head(x).mul_(2.0).view(-1, V), t.view(-1)),
+    # log-probs gathered two per row, or from a log_softmax over the tokens
+    "log_prob_two_per_row": lambda m, x, t: F.log_softmax(m.lm_head(x), -1).gather(-1, torch.stack([t, t], -1)),
+    "log_prob_over_tokens": lambda m, x, t: F.log_softmax(m.lm_head(x), 1).gather(-1, t[..., None]),
 }
 
 
@@ -611,6 +749,34 @@ def test_a_promoting_bias_is_named_as_such():
     (report,) = fc.explain(model, idx, t.clamp_min(0))
     assert not report.fused and "bias added to torch.float32 logits, which promotes them" in report.reason
     assert "only fp32 on bf16/fp16 logits" in report.reason
+
+
+class LoraHead(nn.Module):
+    """An lm_head with a low-rank adapter, as peft's LoRA lays it out with "lm_head" among its target modules."""
+
+    def __init__(self, own_input=True):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.lora_a, self.lora_b = nn.Linear(H, 4, bias=False), nn.Linear(4, V, bias=False)
+        self.own_input = own_input
+
+    def forward(self, idx, t):
+        x = self.emb(idx)
+        low = F.dropout(x, 0.1, self.training) if self.own_input else torch.tanh(x)
+        logits = self.lm_head(x) + self.lora_b(self.lora_a(low)) * 2.0
+        return F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+
+def test_lora_on_the_lm_head_is_named_as_such():
+    """An adapter on the head is left unfused, and the reason names it and the two ways to fuse (it read
+    "unsupported op ... add"); a low-rank branch reading something else is not called an adapter."""
+    idx, t = _data()
+    (report,) = fc.explain(LoraHead(), idx, t.clamp_min(0))
+    assert not report.fused and "low-rank adapter's output is added to the logits" in report.reason
+    assert "merge_and_unload" in report.reason
+    (report,) = fc.explain(LoraHead(own_input=False), idx, t.clamp_min(0))
+    assert not report.fused and "adapter" not in report.reason and "call_function add" in report.reason
 
 
 class WideBias(nn.Module):

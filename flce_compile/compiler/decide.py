@@ -141,7 +141,7 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     obstacle = _fused_keep_obstacle(site, res, aliases)
     if obstacle is None:
         return res
-    return _kept_logits(site, res, obstacle)
+    return _kept_logits(site, res, obstacle, aliases)
 
 
 def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.Node]],
@@ -346,13 +346,19 @@ def _takes_no_gradient(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and not value.requires_grad
 
 
-def _kept_logits(site: Site, res: SiteResult, why: str) -> SiteResult:
+def _kept_logits(site: Site, res: SiteResult, why: str, aliases: AliasMap) -> SiteResult:
     """The fallback: the loss from the logits the graph keeps, from the last escaping chain node on."""
     chain = site.chain
     last = max(chain.index(n) for n in res.escapes)
     plan = fold_steps(site, last)
     if not isinstance(plan, str) and runtime_softcap(plan):
         plan = symbolic_softcap_refused("the kept-logits loss")
+    # The loss reads the kept node where the loss ran and replays the steps after it there: a write to the kept
+    # node, or to a step after it, once the first of those steps has read it would be missed (or applied twice).
+    write = (aliases.first_write(chain[last + 1], site.loss_node, aliases.roots_of(chain[last:]))
+             if last < len(chain) - 1 and not isinstance(plan, str) else None)
+    if write is not None:
+        plan = f"{describe(write)} may write them between the lm_head and the loss"
     if isinstance(plan, str):
         res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
         return res

@@ -76,8 +76,9 @@ class _Source:
             what += ["its weight's memory was moved or freed (e.g. resharded by FSDP)"] if moved else []
             raise StaleLogitsError(
                 "flce: these logits are computed when first read, from the lm_head's operands as the forward left "
-                f"them, but since then {' and '.join(what)}, with no backward or optimizer step in between (which "
-                "compute held logits first). Read the logits before changing those tensors, or compile with "
+                f"them, but since then {' and '.join(what)} outside a torch.optim optimizer's step (whose step "
+                "pre-hook secures held logits first; a manual update such as `with torch.no_grad(): p.add_(...)` "
+                "does not). Read the logits before changing those tensors, or compile with "
                 "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
     def freeze(self, copies: dict[int, Tensor]) -> None:

@@ -3,8 +3,10 @@
 A site is found from its loss node backwards: the loss's input is followed through ops that keep every logits
 row intact (dtype casts, contiguous, view/reshape/flatten that keep the vocab dim last, a transpose into the
 (N, C, d) layout, slicing of token dims, a constant scale, a Gemma2-style softcap, log_softmax) until the
-LM-head linear is reached. Every step is recorded so the rewrite can replay what matters (slices, scale,
-softcap) and drop the rest. Nothing here mutates the graph; each site carries the reason it cannot be fused.
+LM-head linear is reached. Per-token log-probs gathered from a log_softmax (RL and preference losses) are a loss
+too: the negated per-token cross-entropy (``match_log_prob_gather``). Every step is recorded so the rewrite can
+replay what matters (slices, scale, softcap) and drop the rest. Nothing here mutates the graph; each site carries
+the reason it cannot be fused.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..dtensor import is_dtensor
+from ..params import NO_IGNORED_CLASS
 from .spellings import dtensor_call, operator_of
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -32,6 +36,9 @@ _EINSUM_FNS = {torch.einsum, torch.functional.einsum}
 _CE_FNS = {F.cross_entropy}
 _NLL_FNS = {F.nll_loss}
 _LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+_DROPOUT_FNS = {F.dropout}
+_GATHER_FNS = {torch.gather, torch.Tensor.gather}
+_TAKE_ALONG_FNS = {torch.take_along_dim, torch.Tensor.take_along_dim}
 _TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
 _MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul}
 _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
@@ -257,7 +264,7 @@ class LossMatch:
     """The loss call and its (constant) arguments."""
 
     node: fx.Node
-    kind: str  # "cross_entropy" | "nll_loss"
+    kind: str  # "cross_entropy" | "nll_loss" | "log_prob_gather" (``match_log_prob_gather``)
     input: fx.Node
     target: fx.Node
     ce_weight: Any = None  # fx.Node, or a get_attr target string for module forms
@@ -266,6 +273,9 @@ class LossMatch:
     reduction: str = "mean"
     label_smoothing: float = 0.0
     form: str = ""
+    # A log-prob gather whose index may cover fewer rows than the log-probs (gather reads a prefix of each token
+    # dim; sizes Dynamo left symbolic need not be known equal): the rewrite narrows the rows to the index's.
+    narrow_rows: bool = False
 
 
 @dataclass
@@ -326,7 +336,7 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
     elif _is_fn(node, _NLL_FNS) or isinstance(mod, nn.NLLLoss):
         kind = "nll_loss"
     else:
-        return None
+        return match_log_prob_gather(node)
     if mod is not None:  # module call: options live on the module
         inp, target = _arg(node, 0, "input"), _arg(node, 1, "target")
         weight = getattr(mod, "weight", None)
@@ -372,6 +382,51 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
     if isinstance(target_val, torch.Tensor) and target_val.is_floating_point():
         return "target holds class probabilities (floating dtype), not class indices"
     return lm
+
+
+def match_log_prob_gather(node: fx.Node) -> LossMatch | str | None:
+    """Per-token log-probabilities picked from a log_softmax over the vocab, as RL and preference losses write
+    them (``torch.gather(logits.log_softmax(-1), -1, labels.unsqueeze(-1))``, ``take_along_dim``): the negated
+    per-token cross-entropy (reduction "none", no class ignored), shaped like the index. None for any other node,
+    and for a gather that does not read a log_softmax (most gathers are not losses); a str says why a log-prob
+    gather can't be used."""
+    if _is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",)):
+        log_probs, dim, index = _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "index")
+    elif _is_fn(node, _TAKE_ALONG_FNS) or _is_method(node, ("take_along_dim",)):
+        log_probs, index, dim = _arg(node, 0, "input"), _arg(node, 1, "indices"), _arg(node, 2, "dim")
+    else:
+        return None
+    if not _after_log_softmax(log_probs):
+        return None
+    lp, idx = meta_value(log_probs), meta_value(index)
+    if not (isinstance(lp, torch.Tensor) and isinstance(idx, torch.Tensor) and isinstance(index, fx.Node)):
+        return "the gathered log-probs or their index carry no shape information"
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -lp.dim() <= dim < lp.dim():
+        return f"the log-probs are gathered with dim={dim!r}, not a constant dim"
+    if dim % lp.dim() != lp.dim() - 1:
+        return "the log-probs are gathered over a dim other than the last"
+    if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() != lp.dim() or _static_int(idx.shape[-1]) != 1:
+        return "the gather index is not one integer class id per row (shape (..., 1))"
+    every_row = all(statically_known_true(a == b) for a, b in zip(idx.shape[:-1], lp.shape[:-1]))
+    return LossMatch(node=node, kind="log_prob_gather", input=log_probs, target=index,
+                     ignore_index=NO_IGNORED_CLASS, reduction="none",
+                     form=f"{node.op} {getattr(node.target, '__name__', node.target)} of log_softmax",
+                     narrow_rows=not every_row)
+
+
+def _after_log_softmax(node: Any) -> bool:
+    """Whether ``node`` is a log_softmax's output, or one taken through casts and token-dim slices
+    (``log_probs[:, :-1].float()``)."""
+    for _ in range(8):  # a few steps at most; the chain walk then checks each
+        if not isinstance(node, fx.Node):
+            return False
+        if _is_fn(node, _LOG_SOFTMAX_FNS) or _is_method(node, ("log_softmax",)):
+            return True
+        got = _classify(node)
+        if isinstance(got, str) or got[0].kind not in ("identity", "slice"):
+            return False
+        node = got[1]
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -479,6 +534,36 @@ def _unfolded_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """``_bias_refused``'s reason for ``node`` = ``head(x) + b``; None for other nodes."""
     return next((why for lin, out, b in _head_plus_tensor(gm, node)
                  if (why := _bias_refused(gm, lin, out, b)) is not None), None)
+
+
+def _low_rank_addend(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Why ``node`` = ``head(x) + s * B(A(x))`` is not fused: a low-rank adapter on the lm_head (peft's LoRA with
+    ``"lm_head"`` among its ``target_modules``); None for other nodes."""
+    if not _is_addition(node) or len(node.args) != 2:
+        return None
+    for head, other in (node.args, node.args[::-1]):
+        lin = match_linear(gm, head) if isinstance(head, fx.Node) and isinstance(other, fx.Node) else None
+        if lin is None:
+            continue
+        while _is_multiplication(other) and any(_is_number(a) for a in other.args):  # the adapter's scaling
+            other = next(a for a in other.args if isinstance(a, fx.Node))
+        up = match_linear(gm, other)
+        down = match_linear(gm, up.input) if up is not None else None
+        source = down.input if down is not None else None
+        if isinstance(source, fx.Node) and (_is_fn(source, _DROPOUT_FNS)
+                                            or isinstance(_module(gm, source), nn.Dropout)):  # lora_dropout
+            source = _arg(source, 0, "input")
+        if source is None or source is not lin.input:
+            continue
+        out, low = meta_value(head), meta_value(up.input)
+        if not (isinstance(out, torch.Tensor) and isinstance(low, torch.Tensor)):
+            continue
+        rank, vocab = _static_int(low.shape[-1]), _static_int(out.shape[-1])
+        if rank is not None and vocab is not None and 2 * rank < vocab:
+            return ("a low-rank adapter's output is added to the logits (LoRA on the lm_head: peft's target_modules "
+                    "holds 'lm_head'); the fused op takes the head's one weight: leave lm_head out of the "
+                    "adapter, or merge the adapter into the weight first (peft's merge_and_unload)")
+    return None
 
 
 def _einsum_head(node: fx.Node) -> LinearMatch | None:
@@ -622,7 +707,8 @@ def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
             return site
         got = _classify(node)
         if isinstance(got, str):
-            site.reason = f"unsupported op between lm_head and the loss: {_unfolded_bias(gm, node) or got}"
+            why = _unfolded_bias(gm, node) or _low_rank_addend(gm, node) or got
+            site.reason = f"unsupported op between lm_head and the loss: {why}"
             return site
         step, node = got
         steps.append(step)
@@ -790,7 +876,16 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         return problem
     if site.loss.kind == "nll_loss" and not log_softmax_seen:
         return "nll_loss on logits that are not log_softmax'ed"
+    if site.loss.kind == "log_prob_gather" and not log_softmax_seen:  # the kept log-probs (a gather is no CE)
+        return "the gather reads log-probs the graph keeps (read or written by other ops), not their log_softmax"
     ndim_in = len(order)
+    if site.loss.kind == "log_prob_gather":  # gathered over the last dim (``match_log_prob_gather``)
+        if class_dim != ndim_in - 1:
+            return "the log-probs are gathered over a dim other than the vocab"
+        if site.loss.narrow_rows and (reshaped or order != sorted(order)):
+            return ("the gather index may cover fewer rows than the log-probs, whose token dims are reshaped or "
+                    "transposed")
+        return plan
     if ndim_in >= 2 and class_dim != 1:
         return "the loss sees the vocab in a dim other than 1"
     if ndim_in == 1 and class_dim != 0:
@@ -855,7 +950,7 @@ def find_sites(gm: fx.GraphModule) -> list[Site]:
     """Every loss node in the graph as a Site; ``site.reason`` says why one can't be fused (None = fusable)."""
     sites: list[Site] = []
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_module"):
+        if node.op not in ("call_function", "call_module", "call_method"):  # (a method: ``lp.gather(-1, t)``)
             continue
         try:
             loss = match_loss(gm, node)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
@@ -337,6 +338,21 @@ class _NewNodes:
             self.graph.erase_node(node)
 
 
+def _gathered_rows(new: _NewNodes, x: fx.Node, loss: Any) -> fx.Node:
+    """``x`` (the rows the loss reads, hidden states or logits) narrowed in each token dim to the size of a
+    log-prob gather's index, which may hold fewer rows than the log-probs (``LossMatch.narrow_rows``: gather
+    reads a prefix of each); ``x`` itself for every other loss."""
+    if not loss.narrow_rows:
+        return x
+    index, log_probs = meta_value(loss.target), meta_value(loss.input)
+    for dim in range(index.dim() - 1):
+        if statically_known_true(index.shape[dim] == log_probs.shape[dim]):
+            continue
+        size = new.add("call_method", "size", (loss.target, dim))
+        x = new.add("call_method", "narrow", (x, dim, 0, size))
+    return x
+
+
 def _op_kwargs(precision: str, memory_budget_gb: Optional[float]) -> dict[str, Any]:
     """The fused op's keyword arguments from the backend options, left out at their defaults (readable
     graphs)."""
@@ -379,6 +395,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 x = site.chain[max(site.chain.index(n) for n in res.escapes)]
                 for idx in plan.indices:
                     x = new.add("call_function", operator.getitem, (x, idx))
+                x = _gathered_rows(new, x, loss)
                 result = new.add("call_function", flce_kept_logits_loss, (x, loss.target, *loss_args, out_dtype))
             else:
                 weight, bias = _head_operands(gm, lin, new)
@@ -387,6 +404,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     x = lin.input
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
+                    x = _gathered_rows(new, x, loss)
                     result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail),
                                      {**op_kwargs, "wide_bias": True} if lin.wide_bias else op_kwargs)
                 else:
@@ -398,6 +416,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     if res.logits_outputs and not attach:
                         res.logits_outputs, res.note = {}, "the graph's outputs are not a flat tuple"
                     graph_logits = new.add("call_method", "detach", (logits,)) if attach else logits
+            if loss.kind == "log_prob_gather":  # the per-token loss, shaped like the index, is the negated log-prob
+                result = new.add("call_function", operator.neg, (result,))
         _propagate_meta(gm, new.nodes, fake_mode)
     except Exception:
         new.rollback()

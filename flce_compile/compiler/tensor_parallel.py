@@ -74,6 +74,8 @@ def vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]]) -
         why = "the lm_head bias is not sharded like its weight"
     elif lin.added_bias is not None:
         why = "a bias is added to the logits"
+    elif loss.kind == "log_prob_gather":
+        why = "the loss gathers per-token log-probs, which the vocabulary-parallel op does not return"
     elif escapes:
         why = f"the logits are used outside the loss ({', '.join(sorted(n.name for n in escapes))})"
     elif is_dtensor(meta_value(loss.target)):
