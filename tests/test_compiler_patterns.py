@@ -308,6 +308,54 @@ def test_a_write_after_the_kept_logits_were_read_is_seen(case):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+class HeadWithoutGrad(nn.Module):
+    """The lm_head under ``torch.no_grad()`` (a reference model's logits), its loss outside it; ``case``: the
+    loss ("ce", "gather"), or the logits also read by an argmax and written after the loss ("written_after")."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.emb, self.lm_head, self.case = nn.Embedding(V, H), nn.Linear(H, V, bias=False), case
+
+    def forward(self, idx, t):
+        h = torch.tanh(self.emb(idx))
+        if self.case == "written_after":
+            logits = self.lm_head(h)
+            picked = -F.cross_entropy(logits.view(-1, V), t.view(-1), reduction="none").view(t.shape)
+            accuracy = (logits.argmax(-1) == t).float().mean()
+            logits.detach().mul_(3.0)
+            return (picked * h.sum(-1)).sum() + accuracy
+        with torch.no_grad():
+            logits = self.lm_head(h)
+        if self.case == "gather":
+            picked = logits.log_softmax(-1).gather(-1, t[..., None]).squeeze(-1)
+        else:
+            picked = -F.cross_entropy(logits.view(-1, V), t.view(-1), reduction="none").view(t.shape)
+        return (picked * h.sum(-1)).sum()  # differentiable through h alone
+
+
+@pytest.mark.parametrize("case", ["ce", "gather", "written_after"])
+def test_logits_without_grad_and_logits_written_after_the_loss_are_as_eager(case):
+    """Review cases (2026-12-03): logits formed under no_grad and picked outside it got a gradient into the
+    lm_head (max 4.97; eager's is None) and the hidden states (off by 1.17), the fused op running where the loss
+    ran, with grad on: the cross-entropy before this change too; the op now reads detached operands there. Logits
+    written after a "none" loss on the kept-logits path failed backward's version check (the loss keeps the logits
+    for its backward, eager's log_softmax its output): that site stays as traced."""
+    torch.manual_seed(0)
+    model = HeadWithoutGrad(case)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    got, got_g = _run(model, compiled, idx, t)
+    targets = {n.target for g in graphs for n in g.graph.nodes}
+    assert (flce_fused_loss in targets) == (case != "written_after"), graphs[0].code
+    assert flce_kept_logits_loss not in targets
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert ref_g.keys() == got_g.keys()
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_log_prob_index_out_of_range_raises_as_gather_does():
     """A log-prob gather ignores no class: an index of -100 (an unmasked label) is an error, as in eager."""
     model = LogProbs(None)
@@ -337,6 +385,9 @@ UNSAFE = {
     # log-probs gathered two per row, or from a log_softmax over the tokens
     "log_prob_two_per_row": lambda m, x, t: F.log_softmax(m.lm_head(x), -1).gather(-1, torch.stack([t, t], -1)),
     "log_prob_over_tokens": lambda m, x, t: F.log_softmax(m.lm_head(x), 1).gather(-1, t[..., None]),
+    # take_along_dim broadcasts an index with one row over the log-probs' rows (a gather would read one row)
+    "log_prob_take_along_broadcast": lambda m, x, t: torch.take_along_dim(F.log_softmax(m.lm_head(x), -1),
+                                                                          t[:1, :, None], dim=-1),
 }
 
 

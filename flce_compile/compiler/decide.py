@@ -179,6 +179,10 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
             returned.update(dict.fromkeys(after, node))
     if flat_outputs(site.loss_node.graph) is None:
         return False
+    # Logits the head formed under another grad mode than the one they are read in later would be computed with
+    # the reader's (a reference model's logits under no_grad would require grad when read outside it).
+    if _grad_mode_switch(site.linear.start, output_node(site.loss_node.graph)) is not None:
+        return False
     if any(isinstance(output_transform(site, chain_node), str) for chain_node in returned.values()):
         return False
     steps = {node: lazy_steps(site, node) for node in returned}
@@ -355,10 +359,17 @@ def _kept_logits(site: Site, res: SiteResult, why: str, aliases: AliasMap) -> Si
         plan = symbolic_softcap_refused("the kept-logits loss")
     # The loss reads the kept node where the loss ran and replays the steps after it there: a write to the kept
     # node, or to a step after it, once the first of those steps has read it would be missed (or applied twice).
-    write = (aliases.first_write(chain[last + 1], site.loss_node, aliases.roots_of(chain[last:]))
+    roots = aliases.roots_of(chain[last:])
+    write = (aliases.first_write(chain[last + 1], site.loss_node, roots)
              if last < len(chain) - 1 and not isinstance(plan, str) else None)
     if write is not None:
         plan = f"{describe(write)} may write them between the lm_head and the loss"
+    # It also keeps them for its backward, where eager's loss may keep something else (log_softmax its output):
+    # a write after the loss would fail backward's version check where eager runs.
+    write = (aliases.first_write(site.loss_node, output_node(site.loss_node.graph), roots)
+             if not isinstance(plan, str) else None)
+    if write is not None:
+        plan = f"{describe(write)} may write them after the loss, which reads them again in backward"
     if isinstance(plan, str):
         res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
         return res

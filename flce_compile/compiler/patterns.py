@@ -408,6 +408,8 @@ def match_log_prob_gather(node: fx.Node) -> LossMatch | str | None:
     if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() != lp.dim() or _static_int(idx.shape[-1]) != 1:
         return "the gather index is not one integer class id per row (shape (..., 1))"
     every_row = all(statically_known_true(a == b) for a, b in zip(idx.shape[:-1], lp.shape[:-1]))
+    if not every_row and not (_is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",))):
+        return "take_along_dim's index may broadcast over the log-probs' rows (it is not known to cover each)"
     return LossMatch(node=node, kind="log_prob_gather", input=log_probs, target=index,
                      ignore_index=NO_IGNORED_CLASS, reduction="none",
                      form=f"{node.op} {getattr(node.target, '__name__', node.target)} of log_softmax",

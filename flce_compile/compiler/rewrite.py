@@ -405,8 +405,15 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
                     x = _gathered_rows(new, x, loss)
-                    result = new.add("call_function", flce_fused_loss, (x, weight, loss.target, bias, *loss_args, *tail),
-                                     {**op_kwargs, "wide_bias": True} if lin.wide_bias else op_kwargs)
+                    operands = (x, weight, bias)
+                    if not meta_value(lin.node).requires_grad:
+                        # The head ran without grad (under no_grad, say) and the op runs where the loss does,
+                        # maybe with it: no gradient may reach its operands, as none reaches eager's logits.
+                        operands = tuple(new.add("call_method", "detach", (t,)) if isinstance(t, fx.Node) else t
+                                         for t in operands)
+                    result = new.add("call_function", flce_fused_loss, (
+                        operands[0], operands[1], loss.target, operands[2], *loss_args, *tail),
+                        {**op_kwargs, "wide_bias": True} if lin.wide_bias else op_kwargs)
                 else:
                     both = new.add("call_function", flce_fused_loss_keep, (
                         lin.input, weight, loss.target, bias, *loss_args, *tail, tuple(plan.indices)), op_kwargs)
