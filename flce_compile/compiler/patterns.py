@@ -273,9 +273,9 @@ class LossMatch:
     reduction: str = "mean"
     label_smoothing: float = 0.0
     form: str = ""
-    # A log-prob gather whose index may cover fewer rows than the log-probs (gather reads a prefix of each token
-    # dim; sizes Dynamo left symbolic need not be known equal): the rewrite narrows the rows to the index's.
-    narrow_rows: bool = False
+    # A log-prob gather's token dims where its index may cover fewer rows than the log-probs (gather reads a
+    # prefix of each; sizes Dynamo left symbolic need not be known equal): the rewrite narrows them to the index's.
+    narrow_dims: tuple[int, ...] = ()
 
 
 @dataclass
@@ -390,7 +390,8 @@ def match_log_prob_gather(node: fx.Node) -> LossMatch | str | None:
     per-token cross-entropy (reduction "none", no class ignored), shaped like the index. None for any other node,
     and for a gather that does not read a log_softmax (most gathers are not losses); a str says why a log-prob
     gather can't be used."""
-    if _is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",)):
+    gather = _is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",))
+    if gather:
         log_probs, dim, index = _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "index")
     elif _is_fn(node, _TAKE_ALONG_FNS) or _is_method(node, ("take_along_dim",)):
         log_probs, index, dim = _arg(node, 0, "input"), _arg(node, 1, "indices"), _arg(node, 2, "dim")
@@ -407,13 +408,14 @@ def match_log_prob_gather(node: fx.Node) -> LossMatch | str | None:
         return "the log-probs are gathered over a dim other than the last"
     if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() != lp.dim() or _static_int(idx.shape[-1]) != 1:
         return "the gather index is not one integer class id per row (shape (..., 1))"
-    every_row = all(statically_known_true(a == b) for a, b in zip(idx.shape[:-1], lp.shape[:-1]))
-    if not every_row and not (_is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",))):
+    shorter = tuple(d for d, (a, b) in enumerate(zip(idx.shape[:-1], lp.shape[:-1]))
+                    if not statically_known_true(a == b))
+    if shorter and not gather:
         return "take_along_dim's index may broadcast over the log-probs' rows (it is not known to cover each)"
     return LossMatch(node=node, kind="log_prob_gather", input=log_probs, target=index,
                      ignore_index=NO_IGNORED_CLASS, reduction="none",
                      form=f"{node.op} {getattr(node.target, '__name__', node.target)} of log_softmax",
-                     narrow_rows=not every_row)
+                     narrow_dims=shorter)
 
 
 def _after_log_softmax(node: Any) -> bool:
@@ -878,13 +880,13 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         return problem
     if site.loss.kind == "nll_loss" and not log_softmax_seen:
         return "nll_loss on logits that are not log_softmax'ed"
-    if site.loss.kind == "log_prob_gather" and not log_softmax_seen:  # the kept log-probs (a gather is no CE)
-        return "the gather reads log-probs the graph keeps (read or written by other ops), not their log_softmax"
     ndim_in = len(order)
     if site.loss.kind == "log_prob_gather":  # gathered over the last dim (``match_log_prob_gather``)
+        if not log_softmax_seen:  # the kept log-probs: a gather of them is no cross-entropy of them
+            return "the gather reads log-probs the graph keeps (read or written by other ops), not their log_softmax"
         if class_dim != ndim_in - 1:
             return "the log-probs are gathered over a dim other than the vocab"
-        if site.loss.narrow_rows and (reshaped or order != sorted(order)):
+        if site.loss.narrow_dims and (reshaped or order != sorted(order)):
             return ("the gather index may cover fewer rows than the log-probs, whose token dims are reshaped or "
                     "transposed")
         return plan

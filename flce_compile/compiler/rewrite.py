@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
@@ -339,15 +338,10 @@ class _NewNodes:
 
 
 def _gathered_rows(new: _NewNodes, x: fx.Node, loss: Any) -> fx.Node:
-    """``x`` (the rows the loss reads, hidden states or logits) narrowed in each token dim to the size of a
-    log-prob gather's index, which may hold fewer rows than the log-probs (``LossMatch.narrow_rows``: gather
-    reads a prefix of each); ``x`` itself for every other loss."""
-    if not loss.narrow_rows:
-        return x
-    index, log_probs = meta_value(loss.target), meta_value(loss.input)
-    for dim in range(index.dim() - 1):
-        if statically_known_true(index.shape[dim] == log_probs.shape[dim]):
-            continue
+    """``x`` (the rows the loss reads, hidden states or logits) narrowed to the size of a log-prob gather's index
+    in each token dim where it may hold fewer rows than the log-probs (``LossMatch.narrow_dims``: gather reads a
+    prefix of each); ``x`` itself for every other loss."""
+    for dim in loss.narrow_dims:
         size = new.add("call_method", "size", (loss.target, dim))
         x = new.add("call_method", "narrow", (x, dim, 0, size))
     return x
