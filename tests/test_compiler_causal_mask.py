@@ -7,6 +7,8 @@ import copy
 import logging
 import operator
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -476,7 +478,11 @@ def test_explain_names_the_checkpoint_side_effect_fix_when_kernels_is_loaded(lla
     assert not noted()  # not checkpointed
     llama.gradient_checkpointing_enable()
     try:
-        assert noted()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert noted()
+        # (transformers 5.25 renamed the property it reads, and warns on the old name)
+        assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
         with checkpoint_side_effects_allowed():
             assert not any(flag in n for n in flce_compile.explain(llama, input_ids=ids, labels=ids).notes)
     finally:

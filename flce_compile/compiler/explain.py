@@ -250,7 +250,9 @@ def _checkpoint_side_effect_hint(model: Any) -> str | None:
     import torch._dynamo.config as dynamo_config
 
     module = getattr(model, "_orig_mod", model)
-    checkpointed = getattr(module, "is_gradient_checkpointing", False)
+    # transformers 5.25 renamed the property and warns on the old name (read only where the new one is missing).
+    checkpointed = (module.is_activation_checkpointing if hasattr(type(module), "is_activation_checkpointing")
+                    else getattr(module, "is_gradient_checkpointing", False))
     if "kernels" not in sys.modules or checkpointed is not True or getattr(
             dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True):
         return None
