@@ -6,7 +6,6 @@ import contextlib
 import copy
 import logging
 import operator
-
 import warnings
 
 import pytest
