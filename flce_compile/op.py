@@ -113,7 +113,9 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     because checking would cost a host sync."""
     if not targets_checked(target.is_cpu):
         return
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    bad = (target < 0) | (target >= vocab)
+    if ignore_index != NO_IGNORED_CLASS:  # (the gather's marker is no class id: gather refuses it too)
+        bad &= target != ignore_index
     if bool(bad.any()):
         first = int(target[bad][0])
         if ignore_index == NO_IGNORED_CLASS:  # the compiler's per-token log-prob gather

@@ -357,16 +357,19 @@ def test_logits_without_grad_and_logits_written_after_the_loss_are_as_eager(case
 
 
 def test_a_log_prob_index_out_of_range_raises_as_gather_does():
-    """A log-prob gather ignores no class: an index of -100 (an unmasked label) is an error, as in eager."""
+    """A log-prob gather ignores no class: an index of -100 (an unmasked label) is an error, as in eager, and so
+    is -2**31, the op's own "no class ignored" marker (it was read as an ignored token, log-prob 0)."""
     model = LogProbs(None)
     idx, t = _data()
     t = t.clamp_min(0)
-    t[0, 1] = -100
-    with pytest.raises(RuntimeError, match="out of bounds"):
-        model(idx, t)
     compiled, _ = _compile(model)
-    with pytest.raises(Exception, match="gather.s index holds class id -100, outside"):
-        compiled(idx, t)
+    for bad in (-100, -(2**31)):
+        t_bad = t.clone()
+        t_bad[0, 1] = bad
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            model(idx, t_bad)
+        with pytest.raises(Exception, match=f"gather.s index holds class id {bad}, outside"):
+            compiled(idx, t_bad)
 
 
 UNSAFE = {
