@@ -4,6 +4,7 @@ must never hand a backward that keeps its graph wrong gradients (``compiler.grap
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -77,16 +78,29 @@ def test_a_backward_that_keeps_its_graph_never_runs_a_cached_one_that_overwrote_
         torch._dynamo.reset()
 
 
-def test_the_graph_functions_are_marked_cacheable_keyed_on_the_source(monkeypatch):
-    """Marked once, beside what the user marked, with a key that names the package's source."""
+def test_the_graph_functions_are_marked_cacheable_keyed_on_the_source_and_the_strategies(monkeypatch):
+    """Marked beside what the user marked, with a key that names the package's source and the registered
+    strategies' loops: a strategy registered between two runs (a "recompute" one saves other tensors for backward)
+    must not get the other run's graphs (a review found a warm start crashing on them)."""
+    from flce_compile.plan import registry
+
     config = torch._inductor.config
     if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
         pytest.skip("this torch has no unsafe_marked_cacheable_functions")
     monkeypatch.setattr(config, "unsafe_marked_cacheable_functions", {"user.fn": "1"})
-    monkeypatch.setattr(graph_cache, "_marked", False)
     graph_cache.mark_graph_functions_cacheable()
     marked = config.unsafe_marked_cacheable_functions
-    key = graph_cache.source_key()
+    names = [f"{fn.__module__}.{fn.__name__}" for fn in graph_cache.GRAPH_FUNCTIONS]
+    key = marked[names[0]]
     assert marked["user.fn"] == "1"
-    assert {marked[f"{fn.__module__}.{fn.__name__}"] for fn in graph_cache.GRAPH_FUNCTIONS} == {key}
-    assert key.startswith("flce_compile-") and len(key) == len("flce_compile-") + 16
+    assert {marked[n] for n in names} == {key} and key.startswith(graph_cache.source_key() + "-")
+    recompute = registry.get("recompute")
+    monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "mine": dataclasses.replace(recompute,
+                                                                                                  name="mine")})
+    graph_cache.mark_graph_functions_cacheable()
+    mine_recompute = config.unsafe_marked_cacheable_functions[names[0]]
+    monkeypatch.setitem(registry._REGISTRY, "mine", dataclasses.replace(recompute, name="mine", loop="chunked"))
+    graph_cache.mark_graph_functions_cacheable()
+    mine_chunked = config.unsafe_marked_cacheable_functions[names[0]]
+    assert len({key, mine_recompute, mine_chunked}) == 3
+    assert config.unsafe_marked_cacheable_functions["user.fn"] == "1"

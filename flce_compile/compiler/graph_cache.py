@@ -12,9 +12,15 @@ it does for any compiled model (a cold start compiles a backward that keeps them
 marked cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source:
 an entry traced through other code of theirs is never served. Warm starts then skip AOT autograd's tracing too.
 
-What the functions read besides their arguments is torch's state (which the cache keys on, as for any graph) and,
-for ``flce.memory_budget_gb`` only, the config the tuning database suggests, which picks the budget's chunk size
-when the graph is traced: a cached graph keeps the one chosen then (every config is exact).
+Graphs that the AOT autograd cache still skips (one holding a custom ``torch.autograd.Function``, or selective
+activation checkpointing whose ``context_fn`` has no ``cache_hash``) stay exposed to that FX graph cache gap, as
+they are without this backend; ``torch._functorch.config.donated_buffer = False`` closes it for them.
+
+What the functions read besides their arguments is torch's state (which the cache keys on, as for any graph),
+the strategy registry (a config that forces a strategy of the "recompute" loop saves other tensors for backward:
+the key holds each registered strategy's name and loop, so a strategy registered or changed between runs makes
+another key) and, for ``flce.memory_budget_gb`` only, the config the tuning database suggests, which picks the
+budget's chunk size when the graph is traced: a cached graph keeps the one chosen then (every config is exact).
 """
 
 from __future__ import annotations
@@ -25,17 +31,18 @@ from pathlib import Path
 import torch
 
 from ..log import logger
+from ..plan import registry
 from .rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 from .tensor_parallel import flce_vocab_parallel_loss
 
 #: The pass's functions that rewritten graphs call.
 GRAPH_FUNCTIONS = (flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, flce_vocab_parallel_loss)
 
-_marked = False
+_source: str | None = None  # ``source_key``'s answer, once read
 
 
 def source_key() -> str:
-    """A digest of every Python file of the package (their paths and contents): the cache key the functions carry."""
+    """A digest of every Python file of the package (their paths and contents)."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
@@ -44,20 +51,27 @@ def source_key() -> str:
     return "flce_compile-" + digest.hexdigest()[:16]
 
 
+def cache_key() -> str:
+    """The key the functions carry: the package's source and each registered strategy's name and loop."""
+    global _source
+    if _source is None:
+        _source = source_key()
+    loops = ",".join(f"{name}:{registry.get(name).loop}" for name in sorted(registry.names()))
+    return f"{_source}-{hashlib.sha256(loops.encode()).hexdigest()[:8]}"
+
+
 def mark_graph_functions_cacheable() -> None:
-    """Let the AOT autograd cache hold graphs that call ``GRAPH_FUNCTIONS`` (once per process; a no-op on a torch
-    without the setting). Entries the user added are kept; a dict the user assigns later drops ours, and graphs
-    that call them are then compiled afresh, as before."""
-    global _marked
-    if _marked:
-        return
-    _marked = True
+    """Let the AOT autograd cache hold graphs that call ``GRAPH_FUNCTIONS``, under ``cache_key`` (asked before each
+    fused graph is compiled: a strategy registered since changes it; a no-op on a torch without the setting).
+    Entries the user added are kept; a dict the user assigns later drops ours until the next fused graph."""
     config = torch._inductor.config
     marked = getattr(config, "unsafe_marked_cacheable_functions", None)
     if not isinstance(marked, dict):
         logger.debug("flce: this torch has no unsafe_marked_cacheable_functions; rewritten graphs skip the AOT cache")
         return
-    key = source_key()
+    key = cache_key()
+    ours = {f"{fn.__module__}.{fn.__name__}": key for fn in GRAPH_FUNCTIONS}
+    if all(marked.get(name) == value for name, value in ours.items()):
+        return
     # A new dict, assigned: the one there may be the config's default, which must stay as it is.
-    config.unsafe_marked_cacheable_functions = {
-        **marked, **{f"{fn.__module__}.{fn.__name__}": key for fn in GRAPH_FUNCTIONS}}
+    config.unsafe_marked_cacheable_functions = {**marked, **ours}
