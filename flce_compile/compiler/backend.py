@@ -50,14 +50,14 @@ def flce_backend(
             result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
                               memory_budget_gb=opts.memory_budget_gb)
             wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
-            if fused:
-                from .graph_cache import mark_graph_functions_cacheable
-
-                mark_graph_functions_cacheable()  # (before the inner compiler looks the graph up)
         except BudgetError:  # flce.memory_budget_gb that no config fits: the user's setting, as in an eager call
             raise
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
+    if fused:
+        from .graph_cache import mark_graph_functions_cacheable
+
+        mark_graph_functions_cacheable()  # (before the inner compiler looks the graph up)
     compiled, traced = compile_graph(inner, gm, example_inputs, opts, fused)
     if fused and (traced or no_cuda_graphs_of_its_own(opts, mode, inner_options)):
         compiled = _AllowGraphReplay(compiled)

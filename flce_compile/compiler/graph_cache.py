@@ -9,8 +9,8 @@ backward cached by an earlier process that had not: it overwrote the forward's g
 second backward read them scaled by the first one's grad_output (the lm_head's gradient 3x where eager's is 5x,
 with nothing raised). The AOT autograd cache keys on that and refuses such a backward with torch's own error, as
 it does for any compiled model (a cold start compiles a backward that keeps them, and runs). So the functions are
-marked cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source:
-an entry traced through other code of theirs is never served. Warm starts then skip AOT autograd's tracing too.
+marked cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source
+(``cache_key``): an entry traced through other code of theirs is never served. Warm starts then skip AOT autograd's tracing too.
 
 Graphs that the AOT autograd cache still skips (one holding a custom ``torch.autograd.Function``, or selective
 activation checkpointing whose ``context_fn`` has no ``cache_hash``) stay exposed to that FX graph cache gap, as
@@ -69,7 +69,11 @@ def mark_graph_functions_cacheable() -> None:
     if not isinstance(marked, dict):
         logger.debug("flce: this torch has no unsafe_marked_cacheable_functions; rewritten graphs skip the AOT cache")
         return
-    key = cache_key()
+    try:
+        key = cache_key()
+    except Exception as exc:  # noqa: BLE001 - an unreadable source file: the graph skips the AOT cache, as before
+        logger.debug("flce: no AOT cache key for the graph functions: %r", exc)
+        return
     ours = {f"{fn.__module__}.{fn.__name__}": key for fn in GRAPH_FUNCTIONS}
     if all(marked.get(name) == value for name, value in ours.items()):
         return
