@@ -10,7 +10,8 @@ second backward read them scaled by the first one's grad_output (the lm_head's g
 with nothing raised). The AOT autograd cache keys on that and refuses such a backward with torch's own error, as
 it does for any compiled model (a cold start compiles a backward that keeps them, and runs). So the functions are
 marked cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source
-(``cache_key``): an entry traced through other code of theirs is never served. Warm starts then skip AOT autograd's tracing too.
+(``cache_key``): an entry traced through other code of theirs is never served. Warm starts then skip AOT
+autograd's tracing too.
 
 Graphs that the AOT autograd cache still skips (one holding a custom ``torch.autograd.Function``, or selective
 activation checkpointing whose ``context_fn`` has no ``cache_hash``) stay exposed to that FX graph cache gap, as
