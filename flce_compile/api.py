@@ -120,6 +120,13 @@ def _check_number(name: str, value: Any, expected: str) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, _NUMBERS):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} as a tensor must hold one number, got shape {tuple(value.shape)}; pass a "
+                             "float or a one-element tensor")
+        if value.requires_grad:
+            raise TypeError(f"{name} is a tensor that requires grad, but the fused op takes it as a constant and "
+                            f"would give it no gradient: pass {name}.detach()")
 
 
 def _validate_softcap_tensor(softcap: Tensor) -> None:
@@ -139,18 +146,20 @@ def _validate_softcap_tensor(softcap: Tensor) -> None:
 def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: float) -> None:
     """The scalar options the op takes as constants."""
     try:
+        if isinstance(ignore_index, bool):  # an int to Python, but never a class id (F.cross_entropy refuses it)
+            raise TypeError
         index = operator.index(ignore_index)
     except TypeError:
         raise TypeError(f"ignore_index={ignore_index!r} must be an int (a class id)") from None
     if not _INT64[0] <= index <= _INT64[1]:
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
-    _check_number("logit_scale", logit_scale, "a float")
     if isinstance(logit_scale, Tensor) and logit_scale.requires_grad:
         raise TypeError(
             "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "
             "no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale (and "
             "bias * logit_scale) so autograd reaches a learned one"
         )
+    _check_number("logit_scale", logit_scale, "a float")
     _check_number("z_loss", z_loss, "a float >= 0")
     if not z_loss >= 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
@@ -175,12 +184,12 @@ def _wide_bias(bias: Tensor, weight: Tensor) -> bool:
 
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Under torch.autocast, compute in the autocast dtype as F.linear would (the casts are differentiable,
-    so fp32 parameters receive fp32 gradients)."""
+    so fp32 parameters receive fp32 gradients). fp64 tensors stay fp64, as autocast leaves them."""
     device_type = input.device.type
     if not autocast_on(device_type):
         return input, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
-    cast = (lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t)
+    cast = (lambda t: t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t)
     return cast(input), cast(weight), cast(bias)
 
 
@@ -297,7 +306,7 @@ def fused_linear_cross_entropy(
     if memory_budget_gb is not None:
         forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on)
     if not fast_config:
-        config_text = json.dumps(forced, sort_keys=True) if forced else ""
+        config_text = _forced_text(forced)
     loss, logits = call_fused(
         return_logits,
         x2d,
@@ -407,9 +416,7 @@ def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> 
         FLCEConfig(**{**_fields_of(_DEFAULT_CONFIG), **items})  # validate
     else:
         return _checked_config_text(config)
-    if not items:
-        return ""
-    return "{" + ", ".join([_json_pair(name, items[name]) for name in sorted(items)]) + "}"
+    return _forced_text(items)
 
 
 def _fields_of(config: FLCEConfig) -> dict[str, Any]:
@@ -423,6 +430,16 @@ def _checked_config_text(config: Any) -> str:
     with unknown keys (the ValueError lists the valid ones)."""
     forced = config_overrides(config)
     return json.dumps(forced, sort_keys=True) if forced else ""
+
+
+def _forced_text(forced: Mapping[str, Any] | None) -> str:
+    """The op's ``config`` text of the fields ``forced`` (already validated): ``json.dumps``, or while Dynamo
+    traces the caller the same text by plain Python (``json.dumps`` would break the user's graph)."""
+    if not forced:
+        return ""
+    if torch.compiler.is_compiling():
+        return "{" + ", ".join([_json_pair(name, forced[name]) for name in sorted(forced)]) + "}"
+    return json.dumps(forced, sort_keys=True)
 
 
 def _json_pair(name: Any, value: Any) -> str:
@@ -513,7 +530,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             raise TypeError(f"unknown option(s) {sorted(unknown)}; valid options are {sorted(allowed)}")
         _validate_module_options(options)
         ce_weight = options.pop("ce_weight", None)
-        self.register_buffer("ce_weight", ce_weight, persistent=False)
+        self.register_buffer("ce_weight", ce_weight)  # saved with the module, as nn.CrossEntropyLoss's weight
         self.options = options
 
     def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -120,7 +120,9 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         first = int(target[bad][0])
         if ignore_index == NO_IGNORED_CLASS:  # the compiler's per-token log-prob gather
             raise ValueError(f"the log-prob gather's index holds class id {first}, outside [0, {vocab}) (gather "
-                             "ignores no label: mask them before the gather, e.g. labels.clamp(min=0))")
+                             "ignores no label: mask them before the gather, e.g. labels.clamp(min=0)); called "
+                             f"directly, ignore_index={NO_IGNORED_CLASS} is the gather's marker, which ignores no "
+                             "label: remap those labels to another ignore_index, such as -100")
         raise ValueError(
             f"target holds class id {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
             "fix the labels or pass the ignore_index they use"
@@ -707,6 +709,34 @@ def interception_free() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None
 
 
+def refuse_unsupported_autodiff(tensors: tuple) -> None:
+    """Raise for forward-mode AD and for torch.func's differentiating transforms, which the op does not support.
+
+    Forward-mode AD (dual tensors, ``torch.func.jvp``) through a ``torch.library`` op without a jvp rule gives
+    a tangent of 0 (torch 2.13), a silently wrong derivative; torch.func.grad / vjp / jacrev fail inside torch
+    with a message that names no op. vmap over the forward pass works and is let through."""
+    if torch.autograd.forward_ad._current_level >= 0 and any(
+            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters  # noqa: PLC0415 - rare path
+
+    for interpreter in retrieve_all_functorch_interpreters():
+        kind = interpreter.key()
+        if kind == torch._C._functorch.TransformType.Jvp:
+            raise _unsupported_autodiff("forward-mode AD (torch.func.jvp, jacfwd, hessian)")
+        if kind == torch._C._functorch.TransformType.Grad:
+            raise _unsupported_autodiff("torch.func.grad, vjp and jacrev")
+
+
+def _unsupported_autodiff(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fused_linear_cross_entropy does not support {what}: only reverse mode through torch.autograd "
+        "(loss.backward(), torch.autograd.grad). Use that, or compute this loss unfused, "
+        "F.cross_entropy(F.linear(input, weight, bias).float(), target), inside the transform")
+
+
 def _function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` without ``Function.apply``'s Python wrapper, which only unwraps functorch's dead
     wrappers (none on the direct path: ``direct_call_ok`` refuses functorch transforms) and costs ~3 us per call
@@ -726,6 +756,8 @@ def call_fused(return_logits: bool, *args) -> tuple[Tensor, Tensor | None]:
     profiler trace as the op would."""
     op = fused_linear_cross_entropy_with_logits_op if return_logits else fused_linear_cross_entropy_op
     if not direct_call_ok(*args[:5], *args[11:]):  # (and the softcap tensor, when there is one)
+        if not torch.compiler.is_compiling():
+            refuse_unsupported_autodiff(args[:5])
         out = op(*args)
     elif torch.autograd._profiler_enabled():  # a range named after the op, so traces look the same
         with torch.autograd.profiler.record_function(op._qualname):

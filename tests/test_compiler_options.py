@@ -188,6 +188,25 @@ def test_precise_precision_reaches_the_op():
     torch.testing.assert_close(gx, x_ref.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_explain_names_the_options_it_ran_under_and_each_sites_chunking():
+    """A review (2026-12-04) found explain's first line naming only flce.logits, flce.inner and flce.config, and
+    each site naming its strategy but not its config: the precision, budget and chunk size were missing."""
+    lm_head = nn.Linear(16, 100, bias=False)
+
+    def fn(x, t):
+        return F.cross_entropy(lm_head(x), t)
+
+    x, t = torch.randn(32, 16), torch.randint(0, 100, (32,))
+    plain = fc.explain(fn, x, t, options={"flce.inner": "aot_eager"})
+    assert "flce.precision" not in str(plain)  # defaults are not repeated
+    options = {"flce.inner": "aot_eager", "flce.precision": "compact", "flce.config": {"chunk_tokens": 8}}
+    report = fc.explain(fn, x, t, options=options)
+    first = str(report).splitlines()[0]
+    assert "flce.precision='compact'" in first and "flce.config={'chunk_tokens': 8}" in first
+    (site,) = report
+    assert site.strategy.endswith("chunk_tokens=8)") and "memory saved" in str(site) and "MiB" in str(site)
+
+
 def test_explain_follows_the_memory_budget(monkeypatch):
     """explain reports the config a memory budget makes the op run, and a budget no config fits as the error the
     backend raises, as an eager call does: left unfused, the loss would use more memory still (bf16 on the CPU:

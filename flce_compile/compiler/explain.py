@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..log import logger
+from ..plan.config import FLCEConfig
 from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
@@ -62,9 +63,9 @@ class SiteReport:
         text = (
             f"fused ({self.path}, strategy={self.strategy}) tokens~{self.tokens} V={self.vocab} H={self.hidden}"
             + (" " + " ".join(extra) if extra else "")
-            + f", est. memory saved {self.est_saved_bytes / 2**30:.3f} GiB"
+            + f", est. memory saved {_bytes_text(self.est_saved_bytes)}"
         )
-        kept = f"~{self.kept_logits_bytes / 2**30:.3f} GiB"
+        kept = f"~{_bytes_text(self.kept_logits_bytes)}"
         users = ", ".join(self.logits_users[:4]) + (", ..." if len(self.logits_users) > 4 else "")
         # "drop" frees only logits the graph returns, not logits its own ops read (a z-loss, a metric)
         why = f"the graph's own ops read them ({users})" if users else "they are returned"
@@ -92,8 +93,10 @@ class ExplainReport(list):
     def __str__(self) -> str:
         opts = self.options
         state = "" if opts.enabled else ", flce.enabled=False: nothing is rewritten"
-        lines = [f"flce explain (flce.logits={opts.logits!r}, flce.inner={opts.inner_name!r}"
-                 f"{', flce.config=' + repr(opts.config) if opts.config else ''}{state}): "
+        # The two options every report names, then each other one that is not at its default.
+        others = "".join(f", flce.{name}={getattr(opts, name)!r}" for name in _OTHER_OPTIONS
+                         if getattr(opts, name) != getattr(_DEFAULT_OPTIONS, name))
+        lines = [f"flce explain (flce.logits={opts.logits!r}, flce.inner={opts.inner_name!r}{others}{state}): "
                  f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s), "
                  f"{sum(r.fused for r in self)} of {len(self)} site(s) fused"]
         lines += ["  " + str(r) for r in self]
@@ -102,6 +105,24 @@ class ExplainReport(list):
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _bytes_text(n: float) -> str:
+    """A size in GiB, or in MiB below a tenth of one (a small model's would read 0.000 GiB)."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"
+
+
+_DEFAULT_OPTIONS = FLCEOptions()
+#: The options a report's first line names when they are not at their defaults (``enabled`` has its own words).
+_OTHER_OPTIONS = ("config", "precision", "memory_budget_gb", "causal_masks", "inner_failure")
+
+
+def _config_text(cfg: FLCEConfig, source: str) -> str:
+    """The strategy, its chunking, and where the config came from."""
+    chunks = f"chunk_tokens={cfg.chunk_tokens}"
+    if cfg.strategy == "recompute":
+        chunks += f", vocab_block={cfg.vocab_block}"
+    return f"{cfg.strategy} ({source}; {chunks})"
 
 
 def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
@@ -125,10 +146,10 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
         cfg, source = config_within_budget(forced, options.memory_budget_gb, *args,
                                            accum_dtype_for(options.precision, None, dtype),
                                            **_needs(res))
-        return f"{cfg.strategy} ({source})"
+        return _config_text(cfg, source)
     try:
         cfg, source = resolve_config(forced, *args)
-        return f"{cfg.strategy} ({source})"
+        return _config_text(cfg, source)
     except Exception as exc:  # noqa: BLE001 - reporting only
         return f"unknown ({exc!r})"
 

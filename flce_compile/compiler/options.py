@@ -150,7 +150,11 @@ def _check_backend_name(name: str) -> None:
 
     known = list_backends(exclude_tags=())
     if name not in known:
+        # torch's test-only backends are registered too: not worth offering
+        usable = sorted(b for b in known if b != "flce" and "TESTING" not in b.upper())
+        close = difflib.get_close_matches(name, usable, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(
-            f"options['flce.inner']={name!r} is not a registered torch.compile backend; "
-            f"use one of {sorted(b for b in known if b != 'flce')}"
+            f"options['flce.inner']={name!r} is not a registered torch.compile backend; {hint}use one of {usable}, "
+            "or pass a compiler function"
         )

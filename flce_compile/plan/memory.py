@@ -7,6 +7,7 @@ configs against a budget with it, the docs quote it, and the tests hold measured
 from __future__ import annotations
 
 import functools
+import numbers
 
 import sympy
 import torch
@@ -125,6 +126,9 @@ def peak_bytes(
     """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``. Memoised:
     a sympy evaluation takes about a millisecond, and a memory budget asks for the same bounds on every call
     of the op and every proposal of the tuner."""
+    for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+            raise ValueError(f"peak_bytes: {name}={value!r} must be an int >= {least}")
     return _peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw, need_db, softcap, need_dx,
                        registry.generation())
 

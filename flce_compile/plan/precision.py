@@ -74,7 +74,9 @@ def accum_dtype_for(precision: str, accum_dtype: torch.dtype | None, compute_dty
     if accum_dtype not in (torch.float32, compute_dtype):
         raise TypeError(
             f"accum_dtype={accum_dtype} is unsupported with {compute_dtype} weights: use torch.float32 (default) "
-            f"or the weight dtype ({compute_dtype}); an accumulator less precise than the weight only loses accuracy"
+            f"or the weight dtype ({compute_dtype}); "
+            + ("fp64 accumulators go with fp64 weights (pass those to accumulate in fp64)"
+               if accum_dtype == torch.float64 else "an accumulator less precise than the weight only loses accuracy")
         )
     return compute_dtype if compute_dtype == torch.float64 else accum_dtype
 

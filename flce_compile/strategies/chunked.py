@@ -298,6 +298,18 @@ def _reduction_scales(
     return torch.reciprocal(denom), z_scale
 
 
+def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor, p: LossParams,
+                        vocab: int) -> torch.Tensor:
+    """|ce_scale| * max |w[y]| over the counted rows: the largest CE factor of a row's gradient with class weights
+    (``_gradient_scales``' ``ce_bound``); over the rows' own classes, not all classes, so that an absent heavy class
+    does not shrink the others' fp16 gradients below eager's."""
+    if target.shape[0] == 0:  # (amax of nothing raises; with no row every factor is 0 anyway)
+        return torch.zeros_like(ce_scale)
+    valid = target != p.ignore_index
+    safe = torch.where(valid, target, 0).clamp_(0, vocab - 1)
+    return ce_scale.abs() * torch.where(valid, ce_weight[safe].abs(), 0.0).amax()
+
+
 class GradientScales(NamedTuple):
     """The reduction's factors for the gradient: ``ce`` and ``z`` go into the logit gradient (and the loss
     rows), ``post`` (0-dim: 1, or a power of two split out of an fp16 "mean"; 0 for a "mean" or "sum" without a
@@ -333,7 +345,7 @@ def keeps_power_of_two_apart(dtype: torch.dtype) -> bool:
 
 
 def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: str = "mean",
-                     split: bool = True) -> GradientScales:
+                     split: bool = True, ce_bound: torch.Tensor | None = None) -> GradientScales:
     """The mean's 1/count for the logit gradient: whole (``split=False``) or, for fp16, split into a power of two
     applied after the GEMMs.
 
@@ -345,6 +357,11 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
     (``keeps_power_of_two_apart``; their exponent range has no such flush); applying all of 1/count afterwards
     would round dX/dW a second time. With no valid token (z_scale = inf) every gradient factor is 0: the
     gradients come out exactly 0, never 0 * inf.
+
+    With class weights a row's CE factor is ce_scale * w[y], up to count times z_scale: one heavily weighted
+    token among 70000 made its fp16 gradient count * w[y] / sum(w) times (p - y) and overflowed, where eager's
+    stays within 1. ``ce_bound`` (|ce_scale| * max |w[y]|, the largest row factor) then sets the power of two
+    when it is the larger, so every row's factor stays within 2.
 
     For "sum" and "none" every factor is ``_reduction_scales``' one tensor (1, or for "sum" 0 without a counted
     token), no work. Without a valid token ``post`` is 0 for "mean" too (``output_factor``).
@@ -361,10 +378,13 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
             post=finite.to(z_scale.dtype),  # 1, or 0 without a valid token; storage of its own (it is grad_scale)
             ce_finite=finite if same else None,
         )
-    mantissa, _ = torch.frexp(z_scale)  # z_scale = m * 2^e with m in [0.5, 1)
-    two_m = mantissa * 2.0  # = z_scale / post, exactly
-    post = z_scale / two_m  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
-    z = torch.where(finite, two_m, 0.0)
+    base = z_scale
+    if ce_bound is not None:  # (a bound of inf or nan, from weights that sum to 0, leaves the split as it was)
+        base = torch.where(torch.isfinite(ce_bound), torch.maximum(z_scale, ce_bound), z_scale)
+    mantissa, _ = torch.frexp(base)  # base = m * 2^e with m in [0.5, 1)
+    two_m = mantissa * 2.0  # = base / post, exactly
+    post = base / two_m  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
+    z = torch.where(finite, two_m if base is z_scale else z_scale / post, 0.0)
     return GradientScales(
         ce=z if same else torch.where(finite, ce_scale / post, 0.0),
         z=z,
@@ -620,7 +640,9 @@ def fused_forward(
         ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
     else:
         ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
-        scales = _gradient_scales(ce_scale, z_scale, p.reduction, split)
+        ce_bound = (_largest_row_factor(ce_scale, ops.target, ops.ce_weight, p, vocab)
+                    if split and ops.ce_weight is not None and p.reduction == "mean" else None)
+        scales = _gradient_scales(ce_scale, z_scale, p.reduction, split, ce_bound)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"tune the {len(SHIPPED_SHAPES)} shipped (V, H) shapes, most important first")
     what.add_argument("--tokens", type=int, nargs="+",
                       help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set; "
-                           "also a filter for --list/--show")
+                           "also a filter for --list/--show; --which needs it")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="input dtype (default bf16; also a filter for --list/--show)")
     what.add_argument("--strategies", nargs="+", choices=registry.names(),
                       help="strategies to search (default all): " + "; ".join(
