@@ -536,5 +536,12 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
         return fused_linear_cross_entropy(input, weight, target, bias, ce_weight=self.ce_weight, **self.options)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        # Checkpoints from before ce_weight was saved lack it: keep the constructor's, rather than fail strict loads.
+        key = prefix + "ce_weight"
+        if self.ce_weight is not None and key not in state_dict:
+            state_dict = {**state_dict, key: self.ce_weight}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
