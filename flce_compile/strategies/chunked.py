@@ -293,9 +293,13 @@ def _reduction_scales(
     z_scale = torch.reciprocal(valid.sum(dtype=dtype))
     if ce_weight is None:
         return z_scale, z_scale  # the same tensor: _gradient_scales and _reduced_loss reuse its work
+    return torch.reciprocal(_counted_weights(target, valid, ce_weight, vocab).sum()), z_scale
+
+
+def _counted_weights(target: torch.Tensor, valid: torch.Tensor, ce_weight: torch.Tensor, vocab: int) -> torch.Tensor:
+    """w[y] of each row, 0 for the rows not counted (``valid`` False)."""
     safe = torch.where(valid, target, 0).clamp_(0, vocab - 1)
-    denom = torch.where(valid, ce_weight[safe], 0.0).sum()
-    return torch.reciprocal(denom), z_scale
+    return torch.where(valid, ce_weight[safe], 0.0)
 
 
 def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor, p: LossParams,
@@ -305,9 +309,7 @@ def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight:
     does not shrink the others' fp16 gradients below eager's."""
     if target.shape[0] == 0:  # (amax of nothing raises; with no row every factor is 0 anyway)
         return torch.zeros_like(ce_scale)
-    valid = target != p.ignore_index
-    safe = torch.where(valid, target, 0).clamp_(0, vocab - 1)
-    return ce_scale.abs() * torch.where(valid, ce_weight[safe].abs(), 0.0).amax()
+    return ce_scale.abs() * _counted_weights(target, target != p.ignore_index, ce_weight, vocab).abs().amax()
 
 
 class GradientScales(NamedTuple):
