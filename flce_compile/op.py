@@ -710,11 +710,14 @@ def interception_free() -> bool:
 
 
 def refuse_unsupported_autodiff(tensors: tuple) -> None:
-    """Raise for forward-mode AD and for torch.func's differentiating transforms, which the op does not support.
+    """Raise for forward-mode AD and for torch.func's differentiating transforms through the op's inputs, which
+    the op does not support.
 
     Forward-mode AD (dual tensors, ``torch.func.jvp``) through a ``torch.library`` op without a jvp rule gives
     a tangent of 0 (torch 2.13), a silently wrong derivative; torch.func.grad / vjp / jacrev fail inside torch
-    with a message that names no op. vmap over the forward pass works and is let through."""
+    with a message that names no op. Only inputs the transform differentiates count: a loss on tensors the
+    transform does not track (a frozen head scored inside ``torch.func.grad`` over something else) runs, and
+    vmap over the forward pass works."""
     if torch.autograd.forward_ad._current_level >= 0 and any(
             t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
@@ -722,12 +725,29 @@ def refuse_unsupported_autodiff(tensors: tuple) -> None:
         return
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters  # noqa: PLC0415 - rare path
 
-    for interpreter in retrieve_all_functorch_interpreters():
-        kind = interpreter.key()
-        if kind == torch._C._functorch.TransformType.Jvp:
-            raise _unsupported_autodiff("forward-mode AD (torch.func.jvp, jacfwd, hessian)")
-        if kind == torch._C._functorch.TransformType.Grad:
-            raise _unsupported_autodiff("torch.func.grad, vjp and jacrev")
+    kinds = {interpreter.level(): interpreter.key() for interpreter in retrieve_all_functorch_interpreters()}
+    for tensor in tensors:
+        what = _differentiated_by(tensor, kinds) if isinstance(tensor, Tensor) else None
+        if what is not None:
+            raise _unsupported_autodiff(what)
+
+
+def _differentiated_by(tensor: Tensor, kinds: dict) -> str | None:
+    """The differentiating functorch transform that tracks ``tensor`` at some level of its wrappers, named for
+    the error, or None. A grad level tracks a wrapper that requires grad; a jvp level one with a tangent (known
+    only at the outermost wrapper, so an inner jvp level counts any wrapper of its level)."""
+    functorch = torch._C._functorch
+    transform = functorch.TransformType
+    outermost = True
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        kind = kinds.get(functorch.maybe_get_level(tensor))
+        if kind == transform.Grad and tensor.requires_grad:
+            return "torch.func.grad, vjp and jacrev"
+        if kind == transform.Jvp and (
+                not outermost or torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None):
+            return "forward-mode AD (torch.func.jvp, jacfwd, hessian)"
+        tensor, outermost = functorch.get_unwrapped(tensor), False
+    return None
 
 
 def _unsupported_autodiff(what: str) -> NotImplementedError:
