@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flce_compile import fused_linear_cross_entropy
+
 
 def reference_loss(x, w, t, b=None, *, ce_weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                    softcap=None, logit_scale=1.0, z_loss=0.0, upcast=None):
@@ -41,3 +43,22 @@ def random_inputs(n=20, h=16, v=40, dtype=torch.float32, seed=0):
     w = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
     t = torch.randint(0, v, (n,), generator=g)
     return x, w, t
+
+
+def fp16_grad_errors(x0, w0, t, b0=None, config=None, **loss_kwargs):
+    """(ours, eager's) relative errors of each fp16 gradient (dX, dW, and db with a bias) against fp64, and
+    whether all of ours are finite."""
+    def grads(fn, dtype):
+        leaves = [a.to(dtype).detach().requires_grad_() for a in (x0, w0, b0) if a is not None]
+        fn(*leaves).backward()
+        return [a.grad.double() for a in leaves]
+
+    torch_kwargs = {("weight" if k == "ce_weight" else k): v for k, v in loss_kwargs.items()}
+    exact = grads(lambda a, b, c=None: F.cross_entropy(F.linear(a, b, c), t, **{
+        k: v.double() if torch.is_tensor(v) else v for k, v in torch_kwargs.items()}), torch.float64)
+    theirs = grads(lambda a, b, c=None: F.cross_entropy(F.linear(a, b, c).float(), t, **torch_kwargs), torch.float16)
+    ours = grads(lambda a, b, c=None: fused_linear_cross_entropy(a, b, t, bias=c, config=config, **loss_kwargs),
+                 torch.float16)
+    rel = [(float((o - r).norm() / r.norm()), float((e - r).norm() / r.norm()))
+           for o, e, r in zip(ours, theirs, exact)]
+    return rel, all(bool(torch.isfinite(o).all()) for o in ours)

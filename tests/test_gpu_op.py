@@ -15,7 +15,7 @@ import torch
 from flce_compile import FLCEConfig, fused_linear_cross_entropy
 from flce_compile.params import LossParams, encode_params
 from cuda_capture import plain_and_captured
-from flce_reference import reference_loss
+from flce_reference import fp16_grad_errors, reference_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -272,6 +272,27 @@ def test_fp16_loss_scaling_is_as_exact_as_eager(reduction):
         e_ours = (o.double() - r).norm() / r.norm()
         e_eager = (e.double() - r).norm() / r.norm()
         assert e_ours <= 1.25 * e_eager, (float(e_ours), float(e_eager))
+
+
+@pytest.mark.parametrize("config", [None, {"strategy": "triton", "chunk_tokens": 1024}], ids=["default", "chunks"])
+def test_fp16_mean_sums_and_smoothed_heavy_classes_stay_finite(config):
+    """The CPU cases of test_op_reliability on the GPU's paths (the loss-scales kernel, Triton CE, cuBLAS): dW
+    summed over 4096 tokens with a shared feature of 60, and label smoothing with an absent class weighted 1e6,
+    were inf in fp16 where eager's are finite."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 4096, 64, 256
+    x0 = torch.randn(n, h, device="cuda", generator=g)
+    x0[:, 0] = 60.0
+    w0 = torch.randn(v, h, device="cuda", generator=g) * 0.01
+    t = torch.randint(0, 2, (n,), device="cuda", generator=g)
+    rel, finite = fp16_grad_errors(x0.half(), w0.half(), t, config=config)
+    assert finite and all(ours <= 1.05 * eager for ours, eager in rel), rel
+    x0, w0 = torch.randn(n, h, device="cuda", generator=g), torch.randn(v, h, device="cuda", generator=g) / h**0.5
+    cw = torch.ones(v, device="cuda")
+    cw[0] = 1e6
+    t = torch.randint(1, v, (n,), device="cuda", generator=g)
+    rel, finite = fp16_grad_errors(x0.half(), w0.half(), t, config=config, ce_weight=cw, label_smoothing=0.1)
+    assert finite and all(ours <= 1.05 * eager for ours, eager in rel), rel
 
 
 def test_fp64_gradcheck_on_gpu():

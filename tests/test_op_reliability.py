@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from flce_compile import fused_linear_cross_entropy
 from flce_compile.params import LossParams, encode_params
 from flce_compile.kept_logits import kept_logits_cross_entropy
-from flce_reference import random_inputs, reference_loss
+from flce_reference import fp16_grad_errors, random_inputs, reference_loss
 
 STRATEGIES = ("torch", "triton")
 
@@ -229,6 +229,27 @@ def test_forward_mode_ad_and_func_grad_raise_rather_than_give_zero_tangents():
     torch.testing.assert_close(batched, reference_loss(x, w, t).expand(2))
 
 
+def test_func_transforms_over_other_tensors_let_the_loss_run():
+    """Only the op's differentiated inputs are refused: a loss on tensors a transform does not track (a frozen
+    head scored inside torch.func.grad over something else) ran before the refusal and still runs."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+    a = torch.randn(3)
+    expected = reference_loss(x, w, t)
+    grad, value = tf.grad_and_value(lambda p: (p * p).sum() + fused_linear_cross_entropy(x, w, t))(a)
+    torch.testing.assert_close(grad, 2 * a)
+    torch.testing.assert_close(value, (a * a).sum() + expected)
+    grad = tf.grad(lambda p, h: (p * p).sum() + fused_linear_cross_entropy(h, w, t), argnums=0)(a, x)
+    torch.testing.assert_close(grad, 2 * a)
+    _, tangent = tf.jvp(lambda p: p.sum() + fused_linear_cross_entropy(x, w, t), (a,), (torch.ones(3),))
+    torch.testing.assert_close(tangent, torch.tensor(3.0))
+    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+        tf.vmap(tf.grad(lambda h: fused_linear_cross_entropy(h, w, t)))(x.expand(2, *x.shape))
+    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+        tf.grad(lambda p: fused_linear_cross_entropy(x * p.sum(), w, t))(a)
+
+
 def test_fp64_inputs_stay_fp64_under_autocast():
     """autocast leaves fp64 alone (F.linear stays exact); the op cast them to bf16: 5.6e-4 relative loss error."""
     x, w, t = (a.double() if a.is_floating_point() else a for a in _inputs())
@@ -440,6 +461,41 @@ def test_fp16_mean_with_one_heavy_class_weight_stays_finite_and_as_exact_as_eage
     for o, e, r in zip(ours, eager, exact):
         assert torch.isfinite(o).all()
         assert float((o - r).norm() / r.norm()) <= 1.05 * float((e - r).norm() / r.norm())
+
+
+@pytest.mark.parametrize("chunk_tokens", [1024, 8192])
+def test_fp16_mean_sums_that_pass_fp16_range_once_divided_by_the_count_stay_finite(chunk_tokens):
+    """An fp16 "mean" stores its gradients divided by a power of two near 1/count (so small p/count do not
+    flush): dW and db sum over every token, so stored they were about count times the true ones and came out
+    inf at 4096 tokens whose dW reaches 32 (db at 40000 tokens near 1), where eager's are finite. One chunk
+    and several take different paths (dW straight from one GEMM, or summed in fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    n, h, v = 4096, 4, 8
+    x0 = torch.randn(n, h, generator=gen)
+    x0[:, 0] = 60.0  # a large shared feature: every token's gradient adds up in that column of dW
+    w0 = torch.randn(v, h, generator=gen) * 0.01
+    t = torch.randint(0, 2, (n,), generator=gen)
+    config = {"strategy": "torch", "chunk_tokens": chunk_tokens}
+    rel, finite = fp16_grad_errors(x0.half(), w0.half(), t, config=config)
+    assert finite and all(ours <= 1.05 * eager for ours, eager in rel), rel
+    n = 40000  # db: every token adds up to 1 to its class's row
+    x0, t = torch.randn(n, h, generator=gen) * 0.1, torch.zeros(n, dtype=torch.long)
+    b0 = torch.tensor([-2.0, 2.0, 0, 0, 0, 0, 0, 0])
+    rel, finite = fp16_grad_errors(x0.half(), w0.half(), t, b0.half(), config={"strategy": "torch"})
+    assert finite and all(ours <= 1.05 * eager for ours, eager in rel), rel
+
+
+def test_fp16_label_smoothing_with_a_heavy_absent_class_stays_finite_and_as_exact_as_eager():
+    """Label smoothing adds eps/V * (w . p - w[c]) to every row's logit gradient: a class weighted 1e6 that no
+    token has shrank no row factor's bound, and dX came out inf in fp16 (a review's case)."""
+    gen = torch.Generator().manual_seed(0)
+    n, h, v = 4096, 4, 3
+    x0, w0 = torch.randn(n, h, generator=gen).half(), torch.randn(v, h, generator=gen).half()
+    t = torch.randint(1, v, (n,), generator=gen)
+    for heavy in (1e3, 1e6):
+        rel, finite = fp16_grad_errors(x0, w0, t, config={"strategy": "torch", "chunk_tokens": 1024},
+                                                ce_weight=torch.tensor([heavy, 1.0, 1.0]), label_smoothing=0.1)
+        assert finite and all(ours <= 1.05 * eager for ours, eager in rel), (heavy, rel)
 
 
 def test_fp16_per_token_with_a_loss_scale_is_as_exact_as_eager():

@@ -149,7 +149,12 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
     wide = fp32_logits_on(config.fp32_logits, dtype)
     # One chunk (the loop's own test) writes dW in the weight dtype and has nothing to overlap (chunked.py).
     single_chunk = config.chunk_tokens >= num_tokens
-    separate_acc = need_dw and accum_dtype != dtype and not (single_chunk and not wide)
+    # An fp16 "mean" sums dW in fp32 whatever the chunking and accum_dtype (``chunked._fit_stored_sums``);
+    # counted for every fp16 reduction, an upper bound for "sum".
+    fp16_sums = need_dw and dtype == torch.float16
+    separate_acc = fp16_sums or (need_dw and accum_dtype != dtype and not (single_chunk and not wide))
+    if fp16_sums:
+        accum_dtype = torch.float32
     values = {
         BT: max(num_tokens, 1),
         V: vocab,

@@ -178,6 +178,12 @@ class _DwAccumulator:
         else:
             add_product(self.acc, grad_t, x, self.dw_path, overwrite=first)
 
+    def summed(self) -> torch.Tensor:
+        """The sums over every padded row, in the accumulator's dtype (0 when no chunk ran)."""
+        if not self.written:
+            self.acc.zero_()
+        return self.acc
+
     def result(self, rows: int) -> torch.Tensor:
         """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
         into the padded accumulator would keep the padding alive and is not a valid custom-op output. (The GEMMs
@@ -304,12 +310,20 @@ def _counted_weights(target: torch.Tensor, valid: torch.Tensor, ce_weight: torch
 
 def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor, p: LossParams,
                         vocab: int) -> torch.Tensor:
-    """|ce_scale| * max |w[y]| over the counted rows: the largest CE factor of a row's gradient with class weights
-    (``_gradient_scales``' ``ce_bound``); over the rows' own classes, not all classes, so that an absent heavy class
-    does not shrink the others' fp16 gradients below eager's."""
+    """A bound on a row's CE factor with class weights (``_gradient_scales``' ``ce_bound``): |ce_scale| * max
+    |w[y]| over the counted rows, their own classes rather than all classes, so that an absent heavy class does
+    not shrink the others' fp16 gradients below eager's. Label smoothing eps adds eps/V * (w . p - w[c]) to
+    every row's gradient, so there the bound grows by eps/V * (|sum w| + max |w|), which an absent heavy class
+    does reach (inf dX at a weight of 1e6 before)."""
     if target.shape[0] == 0:  # (amax of nothing raises; with no row every factor is 0 anyway)
         return torch.zeros_like(ce_scale)
-    return ce_scale.abs() * _counted_weights(target, target != p.ignore_index, ce_weight, vocab).abs().amax()
+    own = _counted_weights(target, target != p.ignore_index, ce_weight, vocab).abs().amax()
+    if not p.label_smoothing:
+        return ce_scale.abs() * own
+    eps = p.label_smoothing
+    weights = ce_weight.to(ce_scale.dtype)
+    smoothing = (eps / vocab) * (weights.sum().abs() + weights.abs().amax())
+    return ce_scale.abs() * ((1.0 - eps) * own + smoothing)
 
 
 class GradientScales(NamedTuple):
@@ -362,7 +376,7 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
 
     With class weights a row's CE factor is ce_scale * w[y], up to count times z_scale: one heavily weighted
     token among 70000 made its fp16 gradient count * w[y] / sum(w) times (p - y) and overflowed, where eager's
-    stays within 1. ``ce_bound`` (|ce_scale| * max |w[y]|, the largest row factor) / 2^11 then sets the power
+    stays within 1. ``ce_bound`` (``_largest_row_factor``, the largest row factor's bound) / 2^11 sets the power
     of two when it is the larger, so every row's factor stays within 2^12.
 
     For "sum" and "none" every factor is ``_reduction_scales``' one tensor (1, or for "sum" 0 without a counted
@@ -412,8 +426,12 @@ def _run_chunks(
     lse_in: torch.Tensor | None,
     logits_out: torch.Tensor | None = None,
     weight_sum: torch.Tensor | None = None,
+    raw_sums: bool = False,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
+
+    With ``raw_sums`` dW and db come back as their fp32 sums over the padded vocabulary, for
+    ``_fit_stored_sums`` to round.
 
     With aligned rows (V a multiple of 128 bytes) the logits GEMM writes straight into ``logits_out`` and the
     CE step writes each chunk's gradient into a chunk buffer of its own. Otherwise an unaligned leading
@@ -470,8 +488,8 @@ def _run_chunks(
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     # One chunk writes dW straight in the weight dtype; not with fp32 logits, whose true-class correction is
     # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice).
-    dw_acc = _DwAccumulator(weight, accum_dtype, config.dw_path, single_chunk=chunk >= n and not wide) \
-        if grads.dw else None
+    dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
+                            single_chunk=chunk >= n and not wide and not raw_sums) if grads.dw else None
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
     )
@@ -522,9 +540,45 @@ def _run_chunks(
         finally:
             if overlap is not None:
                 overlap.join()  # also on an error: the buffers are freed when this frame unwinds
+    if raw_sums:
+        return dx, dw_acc.summed() if dw_acc is not None else None, db_acc
     dw = dw_acc.result(vocab) if dw_acc is not None else None
     db = db_acc[:vocab].to(bias.dtype, copy=True) if db_acc is not None else None
     return dx, dw, db
+
+
+#: fp16's largest finite value is 65504 (~2^16): the sums are stored at most 2^14, leaving backward's rounding
+#: and a grad_output of up to 4 room.
+_STORED_SUM_LIMIT = 2.0**14
+
+
+def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_sum: torch.Tensor | None,
+                     post: torch.Tensor, vocab: int, dtypes: tuple[torch.dtype, torch.dtype | None],
+                     ) -> tuple[Grads, torch.Tensor]:
+    """((dx, dw, db), grad_scale) for an fp16 "mean" whose gradients are stored divided by ``post``.
+
+    dX rows are each within a few times the largest weight row, but dW and db sum over every token: divided by
+    post (about 1/count) they are about count times the true gradient and passed fp16's 65504 (dW inf at 20000
+    tokens with |dW| = 3.9, where eager's is finite). So when the fp32 sums' largest magnitude is above 2^14,
+    all three are divided by the power of two that brings it there, and grad_scale grows by as much: exact
+    (powers of two) except for dX values pushed below fp16's normal range. Costs one read of the fp32 sums and
+    one pass over dX, fp16 "mean" only. ``dtypes``: those of dW and db (the weight's and the bias')."""
+    sums = [t.abs().amax() for t in (dw_sum, db_sum) if t is not None and t.numel()]
+    if not sums:
+        return (dx, dw_sum, db_sum), post
+    largest = sums[0] if len(sums) == 1 else torch.maximum(*sums)
+    # 2^ceil(log2(largest / limit)), at least 1; inf or nan sums are left as they are (a nan loss's gradients)
+    _, exponent = torch.frexp(largest / _STORED_SUM_LIMIT)
+    shrink = torch.where(torch.isfinite(largest) & (largest > _STORED_SUM_LIMIT),
+                         torch.ldexp(torch.ones_like(largest), exponent), 1.0)
+    if dx is not None:
+        # By 1/shrink (2^-1 .. 2^-24 is exact in fp16; shrink itself as fp16, which CUDA's kernels convert a
+        # 0-dim factor to, is inf past 2^15): exact wherever the result stays normal.
+        dx.mul_(torch.reciprocal(shrink).to(dx.dtype))
+    # In place, then rounded: one V x H fp32 buffer, as the unfitted sums' rounding has.
+    dw = dw_sum.div_(shrink)[:vocab].to(dtypes[0]) if dw_sum is not None else None
+    db = db_sum.div_(shrink)[:vocab].to(dtypes[1]) if db_sum is not None else None
+    return (dx, dw, db), post * shrink
 
 
 def _weight_sum(ce_weight: torch.Tensor | None, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -651,14 +705,21 @@ def fused_forward(
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
+    # fp16 "mean": dW and db sum over all tokens divided by post, which can pass fp16's range (``_fit_stored_sums``)
+    fit_sums = split and p.reduction == "mean" and (grads.dw or (grads.db and ops.bias is not None))
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
-        weight_sum=weight_sum,
+        weight_sum=weight_sum, raw_sums=fit_sums,
     )
     if per_token:
         return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
-    return ForwardResult(_reduced_loss(loss_rows, ce_scale, scales, p), lse_rows, dx, dw, db, logits, scales.post)
+    loss = _reduced_loss(loss_rows, ce_scale, scales, p)
+    grad_scale = scales.post
+    if fit_sums:
+        (dx, dw, db), grad_scale = _fit_stored_sums(dx, dw, db, scales.post, vocab, (
+            ops.weight.dtype, ops.bias.dtype if ops.bias is not None else None))
+    return ForwardResult(loss, lse_rows, dx, dw, db, logits, grad_scale)
 
 
 def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: GradientScales,
