@@ -563,7 +563,9 @@ def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_su
     all three are divided by the power of two that brings it there, and grad_scale grows by as much: exact
     (powers of two) except for dX values pushed below fp16's normal range. Costs one read of the fp32 sums and
     one pass over dX, fp16 "mean" only. ``dtypes``: those of dW and db (the weight's and the bias')."""
-    sums = [t.abs().amax() for t in (dw_sum, db_sum) if t is not None and t.numel()]
+    # The inf norm is max |.| in one read, with no |.| temporary (abs().amax() writes one: 1.5 ms at 128256 x
+    # 4096 fp32 on an H200); it propagates nan.
+    sums = [torch.linalg.vector_norm(t, float("inf")) for t in (dw_sum, db_sum) if t is not None and t.numel()]
     if not sums:
         return (dx, dw_sum, db_sum), post
     largest = sums[0] if len(sums) == 1 else torch.maximum(*sums)
