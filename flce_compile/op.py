@@ -224,6 +224,8 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
                     config: str, softcap_value: Tensor | None = None) -> ForwardResult:
     """The fused forward's results (``lse`` set when backward forms the gradients, else dx/dw/db as asked),
     through a replayed CUDA graph where ``graph_replay`` takes the call."""
+    if torch.autograd.forward_ad._current_level >= 0:  # (one attribute read on the hot path)
+        refuse_forward_ad((input, weight, bias))
     params = runtime_params(params, softcap_value)
     p = decode_params(params)
     check_targets(target, weight.shape[0], p.ignore_index)
@@ -327,6 +329,8 @@ def _with_logits_body(
     buffer, and dX/dW are formed in forward (divided by grad_scale) as in ``fused_linear_cross_entropy``, so
     nothing of size N x V is saved for backward. The logits are contiguous.
     """
+    if torch.autograd.forward_ad._current_level >= 0:
+        refuse_forward_ad((input, weight, bias))
     p = decode_params(runtime_params(params, softcap_value))
     check_targets(target, weight.shape[0], p.ignore_index)
     with op_context(input.device):
@@ -718,9 +722,7 @@ def refuse_unsupported_autodiff(tensors: tuple) -> None:
     with a message that names no op. Only inputs the transform differentiates count: a loss on tensors the
     transform does not track (a frozen head scored inside ``torch.func.grad`` over something else) runs, and
     vmap over the forward pass works."""
-    if torch.autograd.forward_ad._current_level >= 0 and any(
-            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
-        raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
+    refuse_forward_ad(tensors)
     if torch._C._functorch.peek_interpreter_stack() is None:
         return
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters  # noqa: PLC0415 - rare path
@@ -730,6 +732,20 @@ def refuse_unsupported_autodiff(tensors: tuple) -> None:
         what = _differentiated_by(tensor, kinds) if isinstance(tensor, Tensor) else None
         if what is not None:
             raise _unsupported_autodiff(what)
+
+
+def refuse_forward_ad(tensors: tuple) -> None:
+    """Raise if a forward-mode AD level is open and one of ``tensors`` carries a tangent. Also asked in the op
+    bodies: a compiled graph runs the registered op below autograd, where torch's custom-op autograd dropped
+    the tangent without a word (torch.compile with aot_eager or Inductor, ``backend="flce"`` included)."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return
+    # Below autograd (the op bodies) unpack_dual asserts: read the tangents with autograd's keys dispatched again.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.Autograd, False), \
+            torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        dual = any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if dual:
+        raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
 
 
 def _differentiated_by(tensor: Tensor, kinds: dict) -> str | None:

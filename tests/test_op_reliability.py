@@ -229,6 +229,23 @@ def test_forward_mode_ad_and_func_grad_raise_rather_than_give_zero_tangents():
     torch.testing.assert_close(batched, reference_loss(x, w, t).expand(2))
 
 
+def test_forward_mode_ad_through_a_compiled_graph_raises():
+    """A compiled graph runs the registered op below autograd, where torch's custom-op autograd dropped the
+    tangent without a word (None, where unfused eager's is a number); the op body now refuses it too. The same
+    graph without a dual level, and a dual level whose tangents are elsewhere, give the loss."""
+    import torch.autograd.forward_ad as fwad
+
+    x, w, t = _inputs()
+    compiled = torch.compile(lambda a: fused_linear_cross_entropy(a, w, t), backend="aot_eager")
+    torch.testing.assert_close(compiled(x), reference_loss(x, w, t))
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            compiled(fwad.make_dual(x, torch.randn_like(x)))
+        fwad.make_dual(torch.zeros(2), torch.ones(2))
+        torch.testing.assert_close(compiled(x), reference_loss(x, w, t))
+    torch._dynamo.reset()
+
+
 def test_func_transforms_over_other_tensors_let_the_loss_run():
     """Only the op's differentiated inputs are refused: a loss on tensors a transform does not track (a frozen
     head scored inside torch.func.grad over something else) ran before the refusal and still runs."""
