@@ -124,7 +124,7 @@ def _check_number(name: str, value: Any, expected: str) -> None:
         if value.numel() != 1:
             raise ValueError(f"{name} as a tensor must hold one number, got shape {tuple(value.shape)}; pass a "
                              "float or a one-element tensor")
-        if value.requires_grad:
+        if value.requires_grad and torch.is_grad_enabled():  # (under no_grad no gradient is lost)
             raise TypeError(f"{name} is a tensor that requires grad, but the fused op takes it as a constant and "
                             f"would give it no gradient: pass {name}.detach()")
 
@@ -138,7 +138,7 @@ def _validate_softcap_tensor(softcap: Tensor) -> None:
             f"softcap as a tensor must be a 0-dim floating CPU tensor (read at run time), got shape "
             f"{tuple(softcap.shape)} {softcap.dtype} on {softcap.device}; pass a Python float otherwise"
         )
-    if softcap.requires_grad:
+    if softcap.requires_grad and torch.is_grad_enabled():
         raise TypeError("softcap is a tensor that requires grad, but the fused op reads it as a constant at run "
                         "time and would give it no gradient: pass softcap.detach()")
 
@@ -153,7 +153,7 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise TypeError(f"ignore_index={ignore_index!r} must be an int (a class id)") from None
     if not _INT64[0] <= index <= _INT64[1]:
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
-    if isinstance(logit_scale, Tensor) and logit_scale.requires_grad:
+    if isinstance(logit_scale, Tensor) and logit_scale.requires_grad and torch.is_grad_enabled():
         raise TypeError(
             "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "
             "no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale (and "

@@ -45,18 +45,25 @@ def random_inputs(n=20, h=16, v=40, dtype=torch.float32, seed=0):
     return x, w, t
 
 
-def fp16_grad_errors(x0, w0, t, b0=None, config=None, **loss_kwargs):
-    """(ours, eager's) relative errors of each fp16 gradient (dX, dW, and db with a bias) against fp64, and
-    whether all of ours are finite."""
+def fp16_grad_errors(x0, w0, t, b0=None, config=None, grad_output=1.0, **loss_kwargs):
+    """(ours, eager's) relative errors of each fp16 gradient (dX, dW, and db with a bias) of
+    ``grad_output * loss`` against fp64 on the same inputs, and whether all of ours are finite. ``loss_kwargs``
+    are the op's (ce_weight, reduction, label_smoothing, logit_scale)."""
     def grads(fn, dtype):
         leaves = [a.to(dtype).detach().requires_grad_() for a in (x0, w0, b0) if a is not None]
-        fn(*leaves).backward()
+        (fn(*leaves) * grad_output).backward()
         return [a.grad.double() for a in leaves]
 
     torch_kwargs = {("weight" if k == "ce_weight" else k): v for k, v in loss_kwargs.items()}
-    exact = grads(lambda a, b, c=None: F.cross_entropy(F.linear(a, b, c), t, **{
-        k: v.double() if torch.is_tensor(v) else v for k, v in torch_kwargs.items()}), torch.float64)
-    theirs = grads(lambda a, b, c=None: F.cross_entropy(F.linear(a, b, c).float(), t, **torch_kwargs), torch.float16)
+    scale = torch_kwargs.pop("logit_scale", 1.0)
+
+    def unfused(a, b, c, upcast):
+        logits = F.linear(a, b, c) * scale if scale != 1.0 else F.linear(a, b, c)
+        return F.cross_entropy(logits.to(upcast), t, **{k: v.to(upcast) if torch.is_tensor(v) else v
+                                                        for k, v in torch_kwargs.items()})
+
+    exact = grads(lambda a, b, c=None: unfused(a, b, c, torch.float64), torch.float64)
+    theirs = grads(lambda a, b, c=None: unfused(a, b, c, torch.float32), torch.float16)
     ours = grads(lambda a, b, c=None: fused_linear_cross_entropy(a, b, t, bias=c, config=config, **loss_kwargs),
                  torch.float16)
     rel = [(float((o - r).norm() / r.norm()), float((e - r).norm() / r.norm()))

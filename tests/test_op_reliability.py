@@ -208,6 +208,17 @@ def test_bad_scalar_options_name_the_argument(kwargs, exc, words):
         fused_linear_cross_entropy(x, w, t, **kwargs)
 
 
+def test_tensor_options_that_require_grad_are_taken_under_no_grad():
+    """The refusal is for a gradient the op would lose: under no_grad (an eval loop over a model whose learnable
+    logit scale is an option) there is none, and the loss is computed."""
+    x, w, t = _inputs()
+    options = {"logit_scale": 2.0, "label_smoothing": 0.1, "z_loss": 1e-3}
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, w, t, **{k: torch.tensor(v, requires_grad=True)
+                                                      for k, v in options.items()})
+    torch.testing.assert_close(loss, reference_loss(x, w, t, **options))
+
+
 def test_forward_mode_ad_and_func_grad_raise_rather_than_give_zero_tangents():
     """Through a torch.library op without a jvp rule forward-mode AD gave a tangent of 0 (eager's 1.09 here), a
     silently wrong derivative; torch.func.grad failed inside torch with a message naming no op."""
@@ -513,6 +524,45 @@ def test_fp16_label_smoothing_with_a_heavy_absent_class_stays_finite_and_as_exac
         rel, finite = fp16_grad_errors(x0, w0, t, config={"strategy": "torch", "chunk_tokens": 1024},
                                                 ce_weight=torch.tensor([heavy, 1.0, 1.0]), label_smoothing=0.1)
         assert finite and all(ours <= 1.05 * eager for ours, eager in rel), (heavy, rel)
+
+
+def _heavy_row_case(n=4096, h=16, v=32, heavy_class=1, heavy_weight=1e6):
+    """One row of a class weighted ``heavy_weight``, the rest of weight 1 (the review's cases, 2026-12-04)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen) / h**0.5
+    t = torch.randint(0, v, (n,), generator=gen)
+    t = torch.where(t == heavy_class, heavy_class + 1, t)
+    t[0] = heavy_class
+    cw = torch.ones(v)
+    cw[heavy_class] = heavy_weight
+    return x, w, t, cw
+
+
+@pytest.mark.parametrize("case", ["logit_scale", "large_weight_entries", "sum_small_grad_output",
+                                  "sum_heavy_class"])
+def test_fp16_bounds_cover_logit_scale_weight_entries_and_sums(case):
+    """Four fp16 cases a review found inf or nan where eager's gradients are finite: the class-weight bound
+    without logit_scale (20) or the weight's entries (near 25) in it, a "sum" whose dW passes fp16's range
+    before a grad_output of 1/count, and a "sum" whose heavy class (1e5) overflows its logit gradient."""
+    config = {"strategy": "torch", "chunk_tokens": 1024}
+    kwargs, grad_output = {}, 1.0
+    if case == "logit_scale":
+        x, w, t, cw = _heavy_row_case()
+        kwargs = {"ce_weight": cw, "logit_scale": 20.0}
+    elif case == "large_weight_entries":
+        x, w, t, cw = _heavy_row_case()
+        x, w, kwargs = x / 32, w * 32, {"ce_weight": cw}
+    elif case == "sum_small_grad_output":
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(4096, 16, generator=gen), torch.randn(64, 16, generator=gen) / 4
+        x[:, 0], w[:, 0] = 50.0, 0.0
+        t, grad_output, kwargs = torch.zeros(4096, dtype=torch.long), 2.0**-12, {"reduction": "sum"}
+    else:
+        x, w, t, cw = _heavy_row_case(n=64, heavy_class=3, heavy_weight=1e5)
+        t[:4] = 3
+        grad_output, kwargs = 2.0**-10, {"reduction": "sum", "ce_weight": cw}
+    rel, finite = fp16_grad_errors(x.half(), w.half(), t, config=config, grad_output=grad_output, **kwargs)
+    assert finite and all(ours <= 1.05 * eager for ours, eager in rel), rel
 
 
 def test_fp16_per_token_with_a_loss_scale_is_as_exact_as_eager():

@@ -309,21 +309,25 @@ def _counted_weights(target: torch.Tensor, valid: torch.Tensor, ce_weight: torch
 
 
 def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor, p: LossParams,
-                        vocab: int) -> torch.Tensor:
-    """A bound on a row's CE factor with class weights (``_gradient_scales``' ``ce_bound``): |ce_scale| * max
-    |w[y]| over the counted rows, their own classes rather than all classes, so that an absent heavy class does
-    not shrink the others' fp16 gradients below eager's. Label smoothing eps adds eps/V * (w . p - w[c]) to
-    every row's gradient, so there the bound grows by eps/V * (|sum w| + max |w|), which an absent heavy class
-    does reach (inf dX at a weight of 1e6 before)."""
+                        weight: torch.Tensor) -> torch.Tensor:
+    """A bound on a row's CE factor with class weights (``_gradient_scales``' ``ce_bound``), in units that also
+    bound the row's dX entries: |ce_scale| * max |w[y]| over the counted rows, their own classes rather than all
+    classes, so that an absent heavy class does not shrink the others' fp16 gradients below eager's. Label
+    smoothing eps adds eps/V * (w . p - w[c]) to every row's gradient, so there the bound grows by
+    eps/V * (|sum w| + max |w|), which an absent heavy class does reach. The CE step multiplies the gradient by
+    logit_scale, and dX sums it against rows of ``weight``: the bound takes |logit_scale| and max(1, max |W|)
+    too (a review found inf dX at a class weighted 1e6 with logit_scale 20, or with entries of W near 25)."""
+    vocab = weight.shape[0]
     if target.shape[0] == 0:  # (amax of nothing raises; with no row every factor is 0 anyway)
         return torch.zeros_like(ce_scale)
     own = _counted_weights(target, target != p.ignore_index, ce_weight, vocab).abs().amax()
-    if not p.label_smoothing:
-        return ce_scale.abs() * own
-    eps = p.label_smoothing
-    weights = ce_weight.to(ce_scale.dtype)
-    smoothing = (eps / vocab) * (weights.sum().abs() + weights.abs().amax())
-    return ce_scale.abs() * ((1.0 - eps) * own + smoothing)
+    if p.label_smoothing:
+        eps = p.label_smoothing
+        weights = ce_weight.to(ce_scale.dtype)
+        own = (1.0 - eps) * own + (eps / vocab) * (weights.sum().abs() + weights.abs().amax())
+    # in the weight's dtype (a max is exact there; dtype= would cast a V x H copy first)
+    largest_entry = torch.linalg.vector_norm(weight, float("inf")).to(ce_scale.dtype)
+    return ce_scale.abs() * own * abs(p.logit_scale) * torch.clamp(largest_entry, min=1.0)
 
 
 class GradientScales(NamedTuple):
@@ -340,6 +344,18 @@ class GradientScales(NamedTuple):
     #: What the loss rows' sum is multiplied by: post, or nan where the loss is nan (``kernels.scales``); None:
     #: ``_reduced_loss`` forms it.
     loss_factor: torch.Tensor | None = None
+
+
+def _split_sum(ce_scale: torch.Tensor, ce_bound: torch.Tensor) -> GradientScales:
+    """An fp16 "sum"'s factors with class weights: a row's gradient is w[y] * (p - y), which passed fp16's range
+    at a class weighted 1e5 (inf before backward's grad_output of, say, 1/count could bring it back, where
+    eager's folded factor stays finite). A power of two post >= 1 with ce_bound / post below 2^12 is split off
+    and applied after the GEMMs, as for the mean; ``ce_scale`` is 1, or 0 without a counted token."""
+    base = torch.where(torch.isfinite(ce_bound), torch.clamp(ce_bound * 2.0**-11, min=1.0), 1.0)
+    mantissa, _ = torch.frexp(base)
+    post = base / (mantissa * 2.0)  # 2^(e-1) for base = m * 2^e: a power of two, >= 1 as base is
+    factor = ce_scale / post
+    return GradientScales(ce=factor, z=factor, post=ce_scale * post)
 
 
 def output_factor(grad_output: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
@@ -380,9 +396,12 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
     of two when it is the larger, so every row's factor stays within 2^12.
 
     For "sum" and "none" every factor is ``_reduction_scales``' one tensor (1, or for "sum" 0 without a counted
-    token), no work. Without a valid token ``post`` is 0 for "mean" too (``output_factor``).
+    token), no work; except an fp16 "sum" with a ``ce_bound`` past 2^11, whose factor is split the same way
+    (``_split_sum``). Without a valid token ``post`` is 0 for "mean" too (``output_factor``).
     """
     if reduction != "mean":
+        if reduction == "sum" and split and ce_bound is not None:
+            return _split_sum(ce_scale, ce_bound)
         return GradientScales(ce=ce_scale, z=z_scale, post=z_scale)
     finite = torch.isfinite(z_scale)
     same = ce_scale is z_scale
@@ -555,14 +574,15 @@ _STORED_SUM_LIMIT = 2.0**14
 def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_sum: torch.Tensor | None,
                      post: torch.Tensor, vocab: int, dtypes: tuple[torch.dtype, torch.dtype | None],
                      ) -> tuple[Grads, torch.Tensor]:
-    """((dx, dw, db), grad_scale) for an fp16 "mean" whose gradients are stored divided by ``post``.
+    """((dx, dw, db), grad_scale) for an fp16 "mean" or "sum" whose gradients are stored divided by ``post``.
 
     dX rows are each within a few times the largest weight row, but dW and db sum over every token: divided by
     post (about 1/count) they are about count times the true gradient and passed fp16's 65504 (dW inf at 20000
-    tokens with |dW| = 3.9, where eager's is finite). So when the fp32 sums' largest magnitude is above 2^14,
-    all three are divided by the power of two that brings it there, and grad_scale grows by as much: exact
-    (powers of two) except for dX values pushed below fp16's normal range. Costs one read of the fp32 sums and
-    one pass over dX, fp16 "mean" only. ``dtypes``: those of dW and db (the weight's and the bias')."""
+    tokens with |dW| = 3.9, where eager's is finite); a "sum" meets the same before a grad_output of 1/count.
+    So when the fp32 sums' largest magnitude is above 2^14, all three are divided by the power of two that
+    brings it there, and grad_scale grows by as much: exact (powers of two) except for dX values pushed below
+    fp16's normal range. Costs one read of the fp32 sums and one pass over dX, fp16 only. ``dtypes``: those of
+    dW and db (the weight's and the bias')."""
     # The inf norm is max |.| in one read, with no |.| temporary (abs().amax() writes one: 1.5 ms at 128256 x
     # 4096 fp32 on an H200); it propagates nan.
     sums = [torch.linalg.vector_norm(t, float("inf")) for t in (dw_sum, db_sum) if t is not None and t.numel()]
@@ -701,14 +721,15 @@ def fused_forward(
         ce_scale, scales = None, GradientScales(ce=z, z=z, post=post, loss_factor=loss_factor)
     else:
         ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
-        ce_bound = (_largest_row_factor(ce_scale, ops.target, ops.ce_weight, p, vocab)
-                    if split and ops.ce_weight is not None and p.reduction == "mean" else None)
+        ce_bound = (_largest_row_factor(ce_scale, ops.target, ops.ce_weight, p, ops.weight)
+                    if split and ops.ce_weight is not None and not per_token else None)
         scales = _gradient_scales(ce_scale, z_scale, p.reduction, split, ce_bound)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
-    # fp16 "mean": dW and db sum over all tokens divided by post, which can pass fp16's range (``_fit_stored_sums``)
-    fit_sums = split and p.reduction == "mean" and (grads.dw or (grads.db and ops.bias is not None))
+    # fp16: dW and db sum over all tokens, divided by post for a "mean" and before grad_output (often 1/count
+    # after a "sum") in both, which can pass fp16's range (``_fit_stored_sums``)
+    fit_sums = split and not per_token and (grads.dw or (grads.db and ops.bias is not None))
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
