@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from . import eager_shortcut
 from .dtensor import refuse_dtensors
-from .op import RUNTIME_SOFTCAP, autocast_on, call_fused
+from .op import RUNTIME_SOFTCAP, autocast_on, call_fused, refuse_unsupported_autodiff
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
 from .plan.choose import budget_bytes, config_within_budget
 from .plan.config import FLCEConfig, config_overrides
@@ -124,6 +124,7 @@ def _check_number(name: str, value: Any, expected: str) -> None:
         if value.numel() != 1:
             raise ValueError(f"{name} as a tensor must hold one number, got shape {tuple(value.shape)}; pass a "
                              "float or a one-element tensor")
+        refuse_unsupported_autodiff((value,))  # a jvp / torch.func tangent on it would be lost the same way
         if value.requires_grad and torch.is_grad_enabled():  # (under no_grad no gradient is lost)
             raise TypeError(f"{name} is a tensor that requires grad, but the fused op takes it as a constant and "
                             f"would give it no gradient: pass {name}.detach()")
@@ -138,6 +139,7 @@ def _validate_softcap_tensor(softcap: Tensor) -> None:
             f"softcap as a tensor must be a 0-dim floating CPU tensor (read at run time), got shape "
             f"{tuple(softcap.shape)} {softcap.dtype} on {softcap.device}; pass a Python float otherwise"
         )
+    refuse_unsupported_autodiff((softcap,))
     if softcap.requires_grad and torch.is_grad_enabled():
         raise TypeError("softcap is a tensor that requires grad, but the fused op reads it as a constant at run "
                         "time and would give it no gradient: pass softcap.detach()")
@@ -153,6 +155,8 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise TypeError(f"ignore_index={ignore_index!r} must be an int (a class id)") from None
     if not _INT64[0] <= index <= _INT64[1]:
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
+    if isinstance(logit_scale, Tensor):
+        refuse_unsupported_autodiff((logit_scale,))
     if isinstance(logit_scale, Tensor) and logit_scale.requires_grad and torch.is_grad_enabled():
         raise TypeError(
             "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "

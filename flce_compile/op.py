@@ -735,34 +735,41 @@ def refuse_unsupported_autodiff(tensors: tuple) -> None:
 
 
 def refuse_forward_ad(tensors: tuple) -> None:
-    """Raise if a forward-mode AD level is open and one of ``tensors`` carries a tangent. Also asked in the op
-    bodies: a compiled graph runs the registered op below autograd, where torch's custom-op autograd dropped
-    the tangent without a word (torch.compile with aot_eager or Inductor, ``backend="flce"`` included)."""
+    """Raise if a forward-mode AD level is open and one of ``tensors`` (not functorch's wrappers, which
+    ``_differentiated_by`` reads) carries a dual tangent. Also asked in the op bodies: a compiled graph runs the
+    registered op below autograd, where torch's custom-op autograd dropped the tangent without a word
+    (torch.compile with aot_eager or Inductor, ``backend="flce"`` included)."""
     if torch.autograd.forward_ad._current_level < 0:
         return
-    # Below autograd (the op bodies) unpack_dual asserts: read the tangents with autograd's keys dispatched again.
+    # Read with autograd's keys dispatched again (below autograd, in the op bodies, unpack_dual asserts) and with
+    # functorch off (a torch.func transform above hides a plain dual's tangent).
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.Autograd, False), \
-            torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        dual = any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+            torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False), \
+            torch._C._DisableFuncTorch():
+        dual = any(t is not None and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+                   and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
     if dual:
         raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
 
 
 def _differentiated_by(tensor: Tensor, kinds: dict) -> str | None:
     """The differentiating functorch transform that tracks ``tensor`` at some level of its wrappers, named for
-    the error, or None. A grad level tracks a wrapper that requires grad; a jvp level one with a tangent (known
-    only at the outermost wrapper, so an inner jvp level counts any wrapper of its level)."""
+    the error, or None. A grad level tracks a wrapper that requires grad; a jvp level one with a tangent, which
+    can be read only where no grad or jvp level sits above it (a closure into an inner torch.func.grad hides
+    it: a jvp over such a loss gave a tangent of 0), so otherwise any wrapper of a jvp level counts."""
     functorch = torch._C._functorch
     transform = functorch.TransformType
-    outermost = True
+    differentiating = (transform.Grad, transform.Jvp)
     while functorch.is_functorch_wrapped_tensor(tensor):
-        kind = kinds.get(functorch.maybe_get_level(tensor))
+        level = functorch.maybe_get_level(tensor)
+        kind = kinds.get(level)
         if kind == transform.Grad and tensor.requires_grad:
             return "torch.func.grad, vjp and jacrev"
-        if kind == transform.Jvp and (
-                not outermost or torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None):
-            return "forward-mode AD (torch.func.jvp, jacfwd, hessian)"
-        tensor, outermost = functorch.get_unwrapped(tensor), False
+        if kind == transform.Jvp:
+            hidden = any(k in differentiating for above, k in kinds.items() if above > level)
+            if hidden or torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
+                return "forward-mode AD (torch.func.jvp, jacfwd, hessian)"
+        tensor = functorch.get_unwrapped(tensor)
     return None
 
 

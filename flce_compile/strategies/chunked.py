@@ -153,7 +153,8 @@ class _DwAccumulator:
     """Accumulates dW = sum over chunks of G_c^T X_c, in fp32 (``add_product``) or in the weight dtype.
 
     With ``single_chunk`` there is nothing to accumulate: the one GEMM sums over all tokens in fp32 inside
-    cuBLAS and writes dW in the weight dtype, rounded once, as eager's dW GEMM does. An fp32 accumulator there
+    cuBLAS and writes dW in the weight dtype, rounded once, as eager's dW GEMM does (not for fp16 gradients, whose
+    sums ``_run_chunks`` keeps in fp32 to fit them into fp16's range). An fp32 accumulator there
     would only add a V x H fp32 write, its read and a conversion (at GPT-2's 50304 x 768: 385 MB of traffic
     and a launch, in the calls that are bound by the host).
     """
@@ -313,10 +314,14 @@ def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight:
     """A bound on a row's CE factor with class weights (``_gradient_scales``' ``ce_bound``), in units that also
     bound the row's dX entries: |ce_scale| * max |w[y]| over the counted rows, their own classes rather than all
     classes, so that an absent heavy class does not shrink the others' fp16 gradients below eager's. Label
-    smoothing eps adds eps/V * (w . p - w[c]) to every row's gradient, so there the bound grows by
+    smoothing eps adds eps/V * (p[c] * sum w - w[c]) to every row's gradient, so there the bound grows by
     eps/V * (|sum w| + max |w|), which an absent heavy class does reach. The CE step multiplies the gradient by
-    logit_scale, and dX sums it against rows of ``weight``: the bound takes |logit_scale| and max(1, max |W|)
-    too (a review found inf dX at a class weighted 1e6 with logit_scale 20, or with entries of W near 25)."""
+    logit_scale (inf at a class weighted 1e6 with logit_scale 20, a review found), so the bound takes
+    |logit_scale|. dX sums the gradient (|.|_1 <= 2) against W's rows, up to 2 max |W| times it (inf dX with
+    entries of W near 25): max(1, max |W| / 4) keeps a row's dX within 2^15 at the 2^12 the headroom allows.
+    That factor shrinks every lighter row too (a second review: light-row dX 4x eager's error under a loss
+    scale with max |W| = 14 when it was max |W|), so it counts only from max |W| = 4 on; an lm_head's entries
+    are far below."""
     vocab = weight.shape[0]
     if target.shape[0] == 0:  # (amax of nothing raises; with no row every factor is 0 anyway)
         return torch.zeros_like(ce_scale)
@@ -327,7 +332,7 @@ def _largest_row_factor(ce_scale: torch.Tensor, target: torch.Tensor, ce_weight:
         own = (1.0 - eps) * own + (eps / vocab) * (weights.sum().abs() + weights.abs().amax())
     # in the weight's dtype (a max is exact there; dtype= would cast a V x H copy first)
     largest_entry = torch.linalg.vector_norm(weight, float("inf")).to(ce_scale.dtype)
-    return ce_scale.abs() * own * abs(p.logit_scale) * torch.clamp(largest_entry, min=1.0)
+    return ce_scale.abs() * own * abs(p.logit_scale) * torch.clamp(largest_entry * 0.25, min=1.0)
 
 
 class GradientScales(NamedTuple):
@@ -506,7 +511,8 @@ def _run_chunks(
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     # One chunk writes dW straight in the weight dtype; not with fp32 logits, whose true-class correction is
-    # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice).
+    # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice), nor with ``raw_sums``
+    # (fp16: the sums are fitted into fp16's range first, whatever accum_dtype; ``_fit_stored_sums``).
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
                             single_chunk=chunk >= n and not wide and not raw_sums) if grads.dw else None
     db_acc = (
@@ -571,6 +577,12 @@ def _run_chunks(
 _STORED_SUM_LIMIT = 2.0**14
 
 
+def _divided_into(sums: torch.Tensor, divisor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sums / divisor`` rounded to ``dtype``, in one read of ``sums``."""
+    out = torch.empty(sums.shape, dtype=dtype, device=sums.device)
+    return torch.div(sums, divisor, out=out)
+
+
 def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_sum: torch.Tensor | None,
                      post: torch.Tensor, vocab: int, dtypes: tuple[torch.dtype, torch.dtype | None],
                      ) -> tuple[Grads, torch.Tensor]:
@@ -589,7 +601,7 @@ def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_su
     if not sums:
         return (dx, dw_sum, db_sum), post
     largest = sums[0] if len(sums) == 1 else torch.maximum(*sums)
-    # 2^ceil(log2(largest / limit)), at least 1; inf or nan sums are left as they are (a nan loss's gradients)
+    # 2^(floor(log2(largest / limit)) + 1), at least 1; inf or nan sums are left as they are (a nan loss's gradients)
     _, exponent = torch.frexp(largest / _STORED_SUM_LIMIT)
     shrink = torch.where(torch.isfinite(largest) & (largest > _STORED_SUM_LIMIT),
                          torch.ldexp(torch.ones_like(largest), exponent), 1.0)
@@ -597,9 +609,9 @@ def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_su
         # By 1/shrink (2^-1 .. 2^-24 is exact in fp16; shrink itself as fp16, which CUDA's kernels convert a
         # 0-dim factor to, is inf past 2^15): exact wherever the result stays normal.
         dx.mul_(torch.reciprocal(shrink).to(dx.dtype))
-    # In place, then rounded: one V x H fp32 buffer, as the unfitted sums' rounding has.
-    dw = dw_sum.div_(shrink)[:vocab].to(dtypes[0]) if dw_sum is not None else None
-    db = db_sum.div_(shrink)[:vocab].to(dtypes[1]) if db_sum is not None else None
+    # Divided and rounded in one pass, into a tensor of its own (a view of the padded sums would keep them alive).
+    dw = _divided_into(dw_sum[:vocab], shrink, dtypes[0]) if dw_sum is not None else None
+    db = _divided_into(db_sum[:vocab], shrink, dtypes[1]) if db_sum is not None else None
     return (dx, dw, db), post * shrink
 
 
