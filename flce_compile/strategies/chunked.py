@@ -598,10 +598,11 @@ def _fit_stored_sums(dx: torch.Tensor | None, dw_sum: torch.Tensor | None, db_su
     # The inf norm is max |.| in one read, with no |.| temporary (abs().amax() writes one: 1.5 ms at 128256 x
     # 4096 fp32 on an H200); it propagates nan.
     sums = [torch.linalg.vector_norm(t, float("inf")) for t in (dw_sum, db_sum) if t is not None and t.numel()]
-    if not sums:
-        return (dx, dw_sum, db_sum), post
+    if not sums:  # (a hidden size of 0: nothing to fit, but the sums are still rounded below)
+        sums = [torch.zeros((), dtype=post.dtype, device=post.device)]
     largest = sums[0] if len(sums) == 1 else torch.maximum(*sums)
-    # 2^(floor(log2(largest / limit)) + 1), at least 1; inf or nan sums are left as they are (a nan loss's gradients)
+    # 2^(floor(log2(largest / limit)) + 1), at least 1; inf or nan sums are left as they are (a nan loss's
+    # gradients)
     _, exponent = torch.frexp(largest / _STORED_SUM_LIMIT)
     shrink = torch.where(torch.isfinite(largest) & (largest > _STORED_SUM_LIMIT),
                          torch.ldexp(torch.ones_like(largest), exponent), 1.0)
