@@ -37,10 +37,16 @@ def test_expression_names_its_symbols():
     (torch.bfloat16, torch.float32, 5.0, 8193, True, "precise", 64),
     (torch.bfloat16, torch.float32, None, 4096, False, "exact", 1024),  # one chunk: dW in bf16, no fp32 sums
     (torch.bfloat16, torch.float32, None, 8193, True, "exact", 2048),
+    # fp16 keeps fp32 dW sums whatever the chunking and accum_dtype, to fit them into fp16's range (dividing
+    # them in one pass into an fp16 tensor made the CPU write an fp32 temporary as large: 3.7 MB over the bound)
+    (torch.float16, torch.float32, None, 4096, False, "exact", 64),
+    (torch.float16, torch.float16, None, 4096, False, "exact", 64),
+    (torch.float16, torch.float32, None, 4096, False, "exact", 1024),
 ])
 def test_cpu_peak_within_bound(dtype, accum, softcap, v, pad, precision, chunk):
     n = 1024
-    h = 128 if pad else 64  # with pad, the weight copy (2.1 MB) outweighs the bound's 1 MB of slack
+    # with pad, the weight copy (2.1 MB) outweighs the bound's 1 MB of slack; fp16's V x H fp32 sums must too
+    h = 128 if pad else 256 if dtype == torch.float16 else 64
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
