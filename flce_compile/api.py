@@ -124,10 +124,23 @@ def _check_number(name: str, value: Any, expected: str) -> None:
         if value.numel() != 1:
             raise ValueError(f"{name} as a tensor must hold one number, got shape {tuple(value.shape)}; pass a "
                              "float or a one-element tensor")
-        refuse_unsupported_autodiff((value,))  # a jvp / torch.func tangent on it would be lost the same way
+        _refuse_transformed_option(name, value)
         if value.requires_grad and torch.is_grad_enabled():  # (under no_grad no gradient is lost)
             raise TypeError(f"{name} is a tensor that requires grad, but the fused op takes it as a constant and "
                             f"would give it no gradient: pass {name}.detach()")
+
+
+def _refuse_transformed_option(name: str, value: Tensor) -> None:
+    """A tensor option is read as one number per call: a jvp or torch.func tangent on it would be lost (a tangent
+    of 0), and vmap over it fails inside torch (.item() under vmap) with a message that names no option."""
+    refuse_unsupported_autodiff((value,))
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(value):
+        if functorch.is_batchedtensor(value):
+            raise NotImplementedError(
+                f"{name} is batched by torch.func.vmap, but the fused op reads it as one number per call: vmap over "
+                f"the inputs with {name} fixed, or compute this loss unfused inside vmap")
+        value = functorch.get_unwrapped(value)
 
 
 def _validate_softcap_tensor(softcap: Tensor) -> None:
@@ -139,7 +152,7 @@ def _validate_softcap_tensor(softcap: Tensor) -> None:
             f"softcap as a tensor must be a 0-dim floating CPU tensor (read at run time), got shape "
             f"{tuple(softcap.shape)} {softcap.dtype} on {softcap.device}; pass a Python float otherwise"
         )
-    refuse_unsupported_autodiff((softcap,))
+    _refuse_transformed_option("softcap", softcap)
     if softcap.requires_grad and torch.is_grad_enabled():
         raise TypeError("softcap is a tensor that requires grad, but the fused op reads it as a constant at run "
                         "time and would give it no gradient: pass softcap.detach()")
@@ -156,7 +169,7 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
     if not _INT64[0] <= index <= _INT64[1]:
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
     if isinstance(logit_scale, Tensor):
-        refuse_unsupported_autodiff((logit_scale,))
+        _refuse_transformed_option("logit_scale", logit_scale)
     if isinstance(logit_scale, Tensor) and logit_scale.requires_grad and torch.is_grad_enabled():
         raise TypeError(
             "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "

@@ -208,6 +208,20 @@ def test_bad_scalar_options_name_the_argument(kwargs, exc, words):
         fused_linear_cross_entropy(x, w, t, **kwargs)
 
 
+@pytest.mark.parametrize("option", ["logit_scale", "z_loss", "label_smoothing"])
+def test_vmap_over_a_tensor_option_names_the_option(option):
+    """vmap over an option failed inside torch ("calling .item() on a Tensor") naming no option; vmap over the
+    inputs with a tensor option fixed runs."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+    with pytest.raises(NotImplementedError, match=f"{option} is batched by torch.func.vmap"):
+        tf.vmap(lambda s: fused_linear_cross_entropy(x, w, t, **{option: s}))(torch.tensor([0.1, 0.2]))
+    fixed = torch.tensor(0.1)
+    batched = tf.vmap(lambda a: fused_linear_cross_entropy(a, w, t, **{option: fixed}))(x.expand(2, *x.shape))
+    torch.testing.assert_close(batched, reference_loss(x, w, t, **{option: 0.1}).expand(2))
+
+
 def test_tensor_options_that_require_grad_are_taken_under_no_grad():
     """The refusal is for a gradient the op would lose: under no_grad (an eval loop over a model whose learnable
     logit scale is an option) there is none, and the loss is computed."""
