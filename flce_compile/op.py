@@ -42,7 +42,7 @@ from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
 from .plan.memory import peak_bytes
 from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per_token, fused_forward
-from .strategies.chunked import output_factor
+from .strategies.chunked import LSE_DTYPE, output_factor
 from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
@@ -296,7 +296,7 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, par
     per_token, later = p.reduction == "none", grads_in_backward(p, config)
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
-    lse = input.new_empty((n,) if later else _EMPTY, dtype=dtype)
+    lse = input.new_empty((n,), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
     grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db)
     return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 

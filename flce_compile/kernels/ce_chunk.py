@@ -269,9 +269,14 @@ def ce_chunk_kernel(
     cols = tl.arange(0, BLOCK_V)
 
     if HAS_LSE_IN:
-        lse = tl.load(lse_in_ptr + row)
+        # An fp64 lse (the forward's, kept for backward) splits into its fp32 value and the rest, which the
+        # probabilities take as a factor: exp(z - lse) from the fp32 value alone lost a confident row's 1 - p.
+        # (An fp32 one has no rest; an infinite one keeps exp(z - lse).)
+        lse_full = tl.load(lse_in_ptr + row).to(tl.float64)
+        lse = lse_full.to(tl.float32)
+        rest = tl.where(lse_full - lse_full == 0.0, lse_full - lse.to(tl.float64), 0.0).to(tl.float32)
         weighted_z = 0.0
-        shift, inv_sum = lse, 1.0
+        shift, inv_sum = lse, tl.exp(-rest)
     else:
         if WRITE_LSE or WRITE_STATS:  # every row's statistics are outputs
             running_max, running_sum, weighted_z = _softmax_pass(
@@ -287,7 +292,8 @@ def ce_chunk_kernel(
                 running_max, running_sum, weighted_z = _softmax_pass(
                     row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
                     HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
-        lse = running_max + tl.log(running_sum)
+        log_sum = tl.log(running_sum)
+        lse = running_max + log_sum
         shift, inv_sum = running_max, 1.0 / running_sum
 
     if HAS_CE_WEIGHT:
@@ -302,7 +308,13 @@ def ce_chunk_kernel(
     if WRITE_LOSS:
         raw_y = tl.load(row_ptr + safe_target)
         z_y, _t = _transform(raw_y, logit_scale, softcap, HAS_SOFTCAP, SCALED)
-        ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
+        # lse - z_y as (max - z_y) + log(sum): no rounding of lse at the logits' magnitude (a confident row's
+        # loss is far below it)
+        if HAS_LSE_IN:
+            gap_y = lse - z_y
+        else:
+            gap_y = (running_max - z_y) + log_sum
+        ce = (1.0 - label_smoothing) * w_y * gap_y
         if HAS_SMOOTHING:
             ce += smooth_per_class * (weight_sum * lse - weighted_z)
         loss = ce * ce_scale
@@ -311,8 +323,11 @@ def ce_chunk_kernel(
         loss = tl.where(ignored, 0.0, loss)
         loss = tl.where(invalid, float("nan"), loss)
         tl.store(loss_ptr + row, loss)
-    if WRITE_LSE:
-        tl.store(lse_out_ptr + row, lse)
+    if WRITE_LSE:  # in the output's dtype: fp64 keeps max + log(sum) unrounded (``chunked.LSE_DTYPE``)
+        if HAS_LSE_IN:
+            tl.store(lse_out_ptr + row, lse)
+        else:
+            tl.store(lse_out_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
     if WRITE_STATS:
         here = (target_col >= 0) & (target_col < vocab)
         raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))

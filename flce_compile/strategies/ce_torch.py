@@ -51,26 +51,29 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     wants_sum = eps and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None
+    # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
+    # row is far below lse's rounding at the logits' magnitude), the kept lse and, from it, backward's p
     if args.lse_in is None:
-        lse, sums = _exp_shifted_(z)  # z is exp(z - max) from here on
+        lse, sums, lse_full = _exp_shifted_(z)  # z is exp(z - max) from here on
     else:
-        lse, sums = args.lse_in, None
+        lse_full, sums = args.lse_in, None
+        lse = lse_full.to(z.dtype)
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
     if args.stats_out is not None:
         _write_stats(args, p, lse, torch.where(here, z_y, 0.0), weighted_z)
     if args.loss_out is not None:
-        args.loss_out.copy_(row_loss(p, lse, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
+        args.loss_out.copy_(row_loss(p, lse_full, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
                                      ignored, invalid))
         if args.lse_out is not None:
-            args.lse_out.copy_(lse)
+            args.lse_out.copy_(lse_full)
 
     if not args.write_grad:
         return
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
     # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
-    g = z.div_(sums[:, None]) if sums is not None else z.sub_(lse[:, None]).exp_()
+    g = z.div_(sums[:, None]) if sums is not None else z.sub_(lse_full[:, None]).exp_()  # (the sub in fp64)
     coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
     if p.z_loss:
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
@@ -108,14 +111,16 @@ def _work_buffer(args: CEStepArgs) -> torch.Tensor:
     return logits.to(dtype, copy=True)
 
 
-def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's lse and sum of exp(z - rowmax).
+def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's lse, sum of exp(z - rowmax) and
+    lse again in fp64, max + log(sum) unrounded.
     As torch.logsumexp and the old exp(z - lse): a row of -inf gets lse -inf; a row holding +inf gets lse +inf,
     nan where z is +inf and 0 elsewhere (its shift is the largest finite value, so finite z do not overflow)."""
     peak = z.amax(dim=1)
     shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
     sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
-    return sums.log().add_(shift), sums
+    log_sums = sums.log()
+    return log_sums + shift, sums, log_sums.double().add_(shift.double())
 
 
 def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,

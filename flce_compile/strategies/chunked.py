@@ -692,11 +692,16 @@ def _accumulate_weight_grads(
         db_acc.add_(grad.sum(dim=0, dtype=db_acc.dtype))
 
 
+#: The dtype of the lse a forward keeps for backward: fp64, the fp32 max plus log(sum) without rounding them
+#: together (the loss and gradient math stays fp32).
+LSE_DTYPE = torch.float64
+
+
 class ForwardResult(NamedTuple):
     """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for "none"
     (its backward needs it); gradients only for mean/sum, divided by ``grad_scale`` and unscaled by grad_output
     (the true gradient is ``grad_scale * grad_output * dx``, see ``_gradient_scales``); logits (N, V) only when
-    asked to keep them, contiguous. The loss, lse and grad_scale are in ``math_dtype``."""
+    asked to keep them, contiguous. The loss and grad_scale are in ``math_dtype``, the lse in ``LSE_DTYPE``."""
 
     loss: torch.Tensor
     lse: torch.Tensor | None
@@ -739,7 +744,9 @@ def fused_forward(
                     if split and ops.ce_weight is not None and not per_token else None)
         scales = _gradient_scales(ce_scale, z_scale, p.reduction, split, ce_bound)
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
-    lse_rows = torch.empty(n, dtype=dtype, device=ops.x.device) if per_token or keep_lse else None
+    # fp64: backward forms p = exp(z - lse) from it, and an fp32 lse rounded at the logits' magnitude (2e-6 at
+    # 20) took a confident row's 1 - p with it (``LSE_DTYPE``)
+    lse_rows = torch.empty(n, dtype=LSE_DTYPE, device=ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     # fp16: dW and db sum over all tokens, divided by post for a "mean" and before grad_output (often 1/count
     # after a "sum") in both, which can pass fp16's range (``_fit_stored_sums``)

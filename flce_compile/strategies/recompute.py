@@ -91,7 +91,8 @@ def recompute_backward(
     offset, total = classes if classes is not None else (0, vocab)
     device, dtype = x.device, x.dtype
     ce_rows, z_rows = row_factors(ops, p, grad_output, total)
-    weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), float(total), dtype=lse.dtype,
+    math = math_dtype(dtype)  # (not the lse's: fp64, for its precision, beside fp32 math)
+    weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), float(total), dtype=math,
                                                                               device=device)
     chunk = max(1, min(config.chunk_tokens, n))
     block = max(1, min(config.vocab_block, vocab))
@@ -112,7 +113,7 @@ def recompute_backward(
     # One block's sums, allocated once and zeroed per block: a fresh tensor per block would be allocated
     # while the previous block's is still referenced, two blocks at the peak.
     dw_block = torch.empty(block, hidden, dtype=acc_dtype, device=device) if dw is not None else None
-    db_block = torch.empty(block, dtype=lse.dtype, device=device) if db is not None else None
+    db_block = torch.empty(block, dtype=math, device=device) if db is not None else None
     with full_precision_gemm_reductions(device):
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
