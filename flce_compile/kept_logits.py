@@ -22,6 +22,7 @@ from torch import Tensor
 from .op import check_targets, op_context
 from .params import LossParams, decode_params, encode_params, math_dtype
 from .plan.choose import kept_logits_config
+from .strategies.chunked import LSE_DTYPE
 from .strategies.kept import kept_backward, kept_forward
 
 
@@ -42,7 +43,7 @@ def _kept_logits_cross_entropy_fake(logits, target, ce_weight, params):
     n = target.shape[0]
     dtype = math_dtype(logits.dtype)
     loss = logits.new_empty((n,) if decode_params(params).reduction == "none" else (), dtype=dtype)
-    return loss, logits.new_empty((n,), dtype=dtype)
+    return loss, logits.new_empty((n,), dtype=LSE_DTYPE)
 
 
 @torch.library.custom_op("flce::kept_logits_cross_entropy_backward", mutates_args=())

@@ -654,6 +654,30 @@ def test_confident_rows_are_as_exact_as_eager(strategy, reduction):
             assert float((o - r).norm() / r.norm()) <= 1.35 * float((e - r).norm() / r.norm()), (margin, name)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_kept_logits_confident_rows_are_as_exact_as_eager(reduction):
+    """The kept-logits loss keeps its lse for backward as the fused op does, fp64: from an fp32 lse a confident
+    row's 1 - p lost the lse's rounding at the logits' magnitude (the kernel's and the torch step's shared path)."""
+    gen = torch.Generator().manual_seed(0)
+    n, v = 256, 64
+    t = torch.randint(0, v, (n,), generator=gen)
+    z0 = torch.randn(n, v, generator=gen) + 20.0
+    z0[torch.arange(n), t] += 12.0  # every logit near 20, the target 12 above the rest
+
+    def grads(fn, dtype):
+        z = _leaf(z0.to(dtype))
+        loss = fn(z)
+        loss.sum().backward()
+        return loss.detach().double(), z.grad.double()
+
+    exact = grads(lambda z: F.cross_entropy(z, t, reduction=reduction), torch.float64)
+    eager = grads(lambda z: F.cross_entropy(z, t, reduction=reduction), torch.float32)
+    ours = grads(lambda z: kept_logits_cross_entropy(z, t, reduction=reduction), torch.float32)
+    assert float((ours[0] - exact[0]).abs().max()) <= 4 * 2.0**-23
+    assert float((ours[1] - exact[1]).norm() / exact[1].norm()) <= 1.35 * float(
+        (eager[1] - exact[1]).norm() / exact[1].norm())
+
+
 # -- -inf logits ------------------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ class CEStepArgs:
         the per-token backward).
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass. The lse
         a forward keeps for backward is fp64 (``chunked.LSE_DTYPE``: max + log(sum) unrounded, which an fp32 lse
-        rounds at the logits' magnitude); an lse in the math dtype (kept logits, vocab-parallel) works too, with
+        rounds at the logits' magnitude); an lse in the math dtype (vocab-parallel's) works too, with
         that rounding in a confident row's 1 - p.
     grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =

@@ -17,7 +17,7 @@ import torch
 
 from ..params import LossParams, math_dtype
 from ..plan.config import FLCEConfig
-from .chunked import (_ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _StepRows, _weight_sum,
+from .chunked import (LSE_DTYPE, _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _StepRows, _weight_sum,
                       output_factor)
 
 
@@ -61,13 +61,14 @@ def _run_rows(logits: torch.Tensor, grad: torch.Tensor | None, p: LossParams, co
 def kept_forward(logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, p: LossParams,
                  config: FLCEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, lse) of the rows of ``logits`` (..., V) against ``target`` (N,) int64: the loss 0-dim for mean/sum,
-    (N,) for "none"; lse (N,), which backward needs. Both in ``math_dtype``; ``ce_weight`` is too."""
+    (N,) for "none"; lse (N,), which backward needs. The loss in ``math_dtype`` (``ce_weight`` is too), the lse
+    in ``chunked.LSE_DTYPE`` (fp64: a confident row's 1 - p survives it)."""
     dtype = math_dtype(logits.dtype)
     n = target.shape[0]
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, logits.shape[-1], dtype)
     scales = _gradient_scales(ce_scale, z_scale, p.reduction)
     loss_rows = torch.empty(n, dtype=dtype, device=logits.device)
-    lse = torch.empty(n, dtype=dtype, device=logits.device)
+    lse = torch.empty(n, dtype=LSE_DTYPE, device=logits.device)
     weight_sum = _weight_sum(ce_weight, logits.shape[-1], dtype, logits.device)
     _run_rows(logits, None, p, config, _StepRows(target, ce_weight, weight_sum, scales.ce, scales.z, loss_rows, lse))
     if p.reduction == "none":
