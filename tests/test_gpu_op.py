@@ -6,7 +6,6 @@ Numerics against fp64 run on the GPU through test_op_numerics.py (its device is 
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import pytest
