@@ -170,12 +170,12 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise ValueError(f"ignore_index={ignore_index} does not fit int64 (class ids are int64); use e.g. -100")
     if isinstance(logit_scale, Tensor):
         _refuse_transformed_option("logit_scale", logit_scale)
-    if isinstance(logit_scale, Tensor) and logit_scale.requires_grad and torch.is_grad_enabled():
-        raise TypeError(
-            "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give it "
-            "no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale (and "
-            "bias * logit_scale) so autograd reaches a learned one"
-        )
+        if logit_scale.requires_grad and torch.is_grad_enabled():
+            raise TypeError(
+                "logit_scale is a tensor that requires grad, but the fused op takes it as a constant and would give "
+                "it no gradient: pass float(logit_scale.detach()) for a fixed scale, or pass input * logit_scale "
+                "(and bias * logit_scale) so autograd reaches a learned one"
+            )
     _check_number("logit_scale", logit_scale, "a float")
     _check_number("z_loss", z_loss, "a float >= 0")
     if not z_loss >= 0:

@@ -54,10 +54,10 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
     # row is far below lse's rounding at the logits' magnitude), the kept lse and, from it, backward's p
     if args.lse_in is None:
-        lse, sums, lse_full = _exp_shifted_(z)  # z is exp(z - max) from here on
+        sums, lse_full = _exp_shifted_(z)  # z is exp(z - max) from here on
     else:
-        lse_full, sums = args.lse_in, None
-        lse = lse_full.to(z.dtype)
+        sums, lse_full = None, args.lse_in
+    lse = lse_full.to(z.dtype)  # (fp32 + fp32 is exact in fp64, so this is the fp32 sum's rounding)
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
@@ -111,16 +111,15 @@ def _work_buffer(args: CEStepArgs) -> torch.Tensor:
     return logits.to(dtype, copy=True)
 
 
-def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's lse, sum of exp(z - rowmax) and
-    lse again in fp64, max + log(sum) unrounded.
+def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's sum of exp(z - rowmax) and its lse
+    in fp64, max + log(sum) unrounded.
     As torch.logsumexp and the old exp(z - lse): a row of -inf gets lse -inf; a row holding +inf gets lse +inf,
     nan where z is +inf and 0 elsewhere (its shift is the largest finite value, so finite z do not overflow)."""
     peak = z.amax(dim=1)
     shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
     sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
-    log_sums = sums.log()
-    return log_sums + shift, sums, log_sums.double().add_(shift.double())
+    return sums, sums.log().double().add_(shift.double())
 
 
 def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,

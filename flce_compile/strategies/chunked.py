@@ -180,7 +180,7 @@ class _DwAccumulator:
             add_product(self.acc, grad_t, x, self.dw_path, overwrite=first)
 
     def summed(self) -> torch.Tensor:
-        """The sums over every padded row, in the accumulator's dtype (0 when no chunk ran)."""
+        """The sums over every padded row, in the accumulator's dtype (0 when no chunk ran: no tokens)."""
         if not self.written:
             self.acc.zero_()
         return self.acc
@@ -191,11 +191,10 @@ class _DwAccumulator:
         keep the padded rows: with only V rows, GPT-2's odd V = 50257 sent the dW GEMM to a slower cuBLAS kernel,
         GEMMs 1.42 against 1.20 ms per call on an H200, more than the 0.08 ms of copies it saved:
         ``kernel_breakdown_NVIDIA_H200_dw_rows.md``.)"""
-        if not self.written:  # no chunk ran (no tokens): dW is 0
-            self.acc.zero_()
+        acc = self.summed()
         if self.separate:
-            return self.acc[:rows].to(self.dtype)
-        return self.acc if rows == self.acc.shape[0] else self.acc[:rows].clone()
+            return acc[:rows].to(self.dtype)
+        return acc if rows == acc.shape[0] else acc[:rows].clone()
 
 
 #: The cuBLAS flags that let split-K GEMMs reduce in bf16/fp16 (torch.backends.cuda.matmul attributes).
@@ -351,14 +350,21 @@ class GradientScales(NamedTuple):
     loss_factor: torch.Tensor | None = None
 
 
+def _power_of_two_split(base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(post, two_m) with base = two_m * post, post a power of two and two_m in [1, 2), both exact: for
+    base = m * 2^e (m in [0.5, 1)), two_m = 2m and post = 2^(e-1), an IEEE division of a power-of-two ratio."""
+    mantissa, _ = torch.frexp(base)
+    two_m = mantissa * 2.0
+    return base / two_m, two_m
+
+
 def _split_sum(ce_scale: torch.Tensor, ce_bound: torch.Tensor) -> GradientScales:
     """An fp16 "sum"'s factors with class weights: a row's gradient is w[y] * (p - y), which passed fp16's range
     at a class weighted 1e5 (inf before backward's grad_output of, say, 1/count could bring it back, where
     eager's folded factor stays finite). A power of two post >= 1 with ce_bound / post below 2^12 is split off
     and applied after the GEMMs, as for the mean; ``ce_scale`` is 1, or 0 without a counted token."""
     base = torch.where(torch.isfinite(ce_bound), torch.clamp(ce_bound * 2.0**-11, min=1.0), 1.0)
-    mantissa, _ = torch.frexp(base)
-    post = base / (mantissa * 2.0)  # 2^(e-1) for base = m * 2^e: a power of two, >= 1 as base is
+    post, _ = _power_of_two_split(base)  # >= 1 as base is
     factor = ce_scale / post
     return GradientScales(ce=factor, z=factor, post=ce_scale * post)
 
@@ -424,9 +430,7 @@ def _gradient_scales(ce_scale: torch.Tensor, z_scale: torch.Tensor, reduction: s
         # passed 2 shrank every lighter row's gradient by max(w)/mean(w) and flushed it under a loss scale
         # (3.5x eager's dX error at one class weighted 1e3, found by a review).
         base = torch.where(torch.isfinite(ce_bound), torch.maximum(z_scale, ce_bound * 2.0**-11), z_scale)
-    mantissa, _ = torch.frexp(base)  # base = m * 2^e with m in [0.5, 1)
-    two_m = mantissa * 2.0  # = base / post, exactly
-    post = base / two_m  # 2^(e-1), exact: an IEEE division of a power-of-two ratio
+    post, two_m = _power_of_two_split(base)
     z = torch.where(finite, two_m if base is z_scale else z_scale / post, 0.0)
     return GradientScales(
         ce=z if same else torch.where(finite, ce_scale / post, 0.0),
