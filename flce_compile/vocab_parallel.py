@@ -8,10 +8,11 @@ Every rank holds the same input (N, H) and target (N,) and a contiguous slice of
 * Forward walks the tokens in chunks: the chunk's local logits (chunk x V_local), then the CE step in its
   "statistics" mode (``CEStepArgs.stats_out``) writes, per token, the slice's own lse of z, z at the target when
   the target lies in the slice (else 0) and the smoothing sum sum_c w_c z_c. After the loop one all-gather of
-  those 3 x N numbers gives every rank every slice's statistics; each rank combines them in the same order
-  (lse = logsumexp over ranks, the others summed), so the loss, formed by the CE step's own row formula
+  those 3 x N numbers (fp64: a slice's lse is max + log(sum) unrounded, which keeps a confident row's 1 - p, as
+  the single-device op's kept lse does) gives every rank every slice's statistics; each rank combines them in the
+  same order (lse = logsumexp over ranks, the others summed), so the loss, formed by the CE step's own row formula
   (``ce_torch.row_loss``, which covers class weights, label smoothing, z-loss), is bitwise identical on every
-  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse is saved.
+  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse (fp64) is saved.
 * Backward recomputes the local logits by vocabulary block and token chunk (``recompute_backward`` with the
   shard's class offset): the logit gradient of the slice from the saved global lse, dW and db of the shard's
   rows (kept local: they are this rank's gradient), and this slice's share of dX, summed over ranks with one
@@ -20,7 +21,7 @@ Every rank holds the same input (N, H) and target (N,) and a contiguous slice of
 Why gradients in backward (the "recompute" form, four GEMMs) rather than in forward with the row statistics
 all-reduced chunk by chunk: forming a chunk's gradient needs the global lse of its rows, so the forward form
 needs one (latency-bound) collective per chunk inside the loop, each stalling the GEMMs behind it, plus a
-V_local x H fp32 dW accumulator; here forward has a single collective of 12 bytes per token after the loop and
+V_local x H fp32 dW accumulator; here forward has a single collective of 24 bytes per token after the loop and
 backward one dX all-reduce, the same amount as the forward form's, and the dW buffer is one block's. The cost
 is a second logits GEMM, 1/world of the unsharded one on each rank. Reduction "none" (per-token grad_output)
 comes for free.
@@ -57,7 +58,8 @@ from .strategies import GradRequest, Operands
 from .strategies.ce_common import CEStepArgs
 from .strategies.ce_torch import row_loss
 from .strategies.chunked import (
-    _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _weight_sum, full_precision_gemm_reductions,
+    LSE_DTYPE, _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _weight_sum,
+    full_precision_gemm_reductions,
 )
 from .strategies.recompute import recompute_backward
 
@@ -144,13 +146,14 @@ def _tiling_problem(layouts: list[list[int]]) -> str | None:
 
 
 def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int, vocab_total: int) -> Tensor:
-    """(3, N + 1): this slice's lse, target z and smoothing sum per token (``CEStepArgs.stats_out``), chunk by
-    chunk, and in the last column this rank's first class, rows and classes in all (for ``_tiles``)."""
+    """(3, N + 1) in ``LSE_DTYPE``: this slice's lse, target z and smoothing sum per token
+    (``CEStepArgs.stats_out``), chunk by chunk, and in the last column this rank's first class, rows and classes
+    in all (for ``_tiles``)."""
     x, weight, bias = ops.x, ops.weight, ops.bias
     n = x.shape[0]
     v_local = weight.shape[0]
     dtype = math_dtype(x.dtype)
-    stats = torch.empty(3, n + 1, dtype=dtype, device=x.device)
+    stats = torch.empty(3, n + 1, dtype=LSE_DTYPE, device=x.device)
     for row, number in enumerate((vocab_start, v_local, vocab_total)):  # fills: no host memory, capturable
         stats[row, n].fill_(number)
     chunk = max(1, min(config.chunk_tokens, n))
@@ -192,7 +195,7 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     target, ce_weight = ops.target, ops.ce_weight
     stats = gathered[:, :, :-1]
     tiled = _tiles(gathered[:, :, -1], vocab_total)
-    dtype = stats.dtype
+    dtype = math_dtype(ops.x.dtype)  # the loss's and the scales'; the statistics and the lse stay fp64
     lse = torch.logsumexp(stats[:, 0], dim=0)
     lse = torch.where(tiled, lse, torch.full_like(lse, float("nan")))
     z_y = stats[:, 1].sum(dim=0)
@@ -200,11 +203,12 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     ignored = target == p.ignore_index
     invalid = ~ignored & ((target < 0) | (target >= vocab_total))
     safe = torch.where(ignored | invalid, torch.zeros_like(target), target)
-    w_y = ce_weight[safe] if ce_weight is not None else torch.ones_like(lse)
+    w_y = ce_weight[safe] if ce_weight is not None else torch.ones((), dtype=dtype, device=lse.device)
     weight_sum = _weight_sum(ce_weight, vocab_total, dtype, lse.device)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
     scales = _gradient_scales(ce_scale, z_scale, p.reduction)
-    rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored, invalid)
+    rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored,
+                    invalid).to(dtype)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
     return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), lse
 
@@ -246,7 +250,7 @@ def _vocab_parallel_fake(input, weight, target, bias, ce_weight, params, accum_d
     n = input.shape[0]
     dtype = math_dtype(input.dtype)
     per_token = decode_params(params).reduction == "none"
-    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((n,), dtype=dtype)
+    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((n,), dtype=LSE_DTYPE)
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy_backward", mutates_args=())

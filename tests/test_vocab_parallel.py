@@ -377,6 +377,33 @@ def _errors(mesh, group) -> dict:
     return out
 
 
+#: (reduction, margin) of the confident-rows runs: rows whose target takes all but 1e-5 .. 1e-8 of the softmax.
+CONFIDENT = [(reduction, margin) for reduction in ("mean", "none") for margin in (10.0, 16.0)]
+
+
+def _confident_inputs(margin: float):
+    """Unit-norm weight rows and hidden states ``margin`` along their target's row (as test_op_reliability's
+    confident rows), n = 256, h = 32, V = 64."""
+    g = torch.Generator().manual_seed(int(margin))
+    n, h, v = 256, 32, 64
+    w = torch.randn(v, h, generator=g)
+    w = w / w.norm(dim=1, keepdim=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    return w[t] * margin + torch.randn(n, h, generator=g) * 0.1, w, t
+
+
+def _run_confident(rank: int, world: int, group) -> dict:
+    out = {}
+    for reduction, margin in CONFIDENT:
+        x, w, t = _confident_inputs(margin)
+        xs, ws = x.clone().requires_grad_(), _shard(w, rank, world).requires_grad_()
+        loss = fc.vocab_parallel_linear_cross_entropy(xs, ws, t, group=group, reduction=reduction,
+                                                      config={"chunk_tokens": 128, "vocab_block": 16})
+        loss.sum().backward()
+        out[reduction, margin] = {"loss": loss.detach(), "dx": xs.grad, "dw": ws.grad}
+    return out
+
+
 def _run_with_a_mode_on_rank0(rank: int, world: int, group) -> dict:
     """The "mean" case with rank 0 alone under a dispatch mode (a FLOP counter, as rank-0-only logging does): the
     cross-rank checks must run, and pair their collectives, as without it."""
@@ -407,6 +434,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["mode_on_rank0"] = _run_with_a_mode_on_rank0(rank, world, group)
         results["tp_site"] = _run_tp_site(mesh)
         results["tp_fp32_head"] = _run_tp_fp32_head_under_autocast(mesh)
+        results["confident"] = _run_confident(rank, world, group)
     except Exception:  # noqa: BLE001 - reported by the test
         results["crash"] = traceback.format_exc()
     finally:
@@ -463,6 +491,29 @@ def _check(got_ranks: list[dict], ref: dict, sharded: bool = True) -> None:
 @pytest.mark.parametrize("case", [c for c in CASES if c != "all_ignored"])
 def test_matches_unsharded(ranks, case):
     _check([r[case] for r in ranks], _reference(case))
+
+
+@pytest.mark.parametrize("reduction, margin", CONFIDENT)
+def test_confident_rows_are_as_exact_as_eager(ranks, reduction, margin):
+    """Each rank's slice keeps its lse as max + log(sum) in fp64 and the ranks combine them in fp64: from fp32
+    slice lses, rounded at the logits' magnitude, a confident row lost 1 - p (in the loss, and in backward's p),
+    as the single-device op did before it kept an fp64 lse (test_op_reliability's confident rows)."""
+    x, w, t = _confident_inputs(margin)
+
+    def run(dtype):
+        a, b = x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+        loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(a, b), t, reduction=reduction)
+        loss.sum().backward()
+        return loss.detach().double(), a.grad.double(), b.grad.double()
+
+    exact, eager = run(torch.float64), run(torch.float32)
+    got = ranks[0]["confident"][reduction, margin]
+    ours = (got["loss"].double(), got["dx"].double(),
+            torch.cat([r["confident"][reduction, margin]["dw"] for r in ranks]).double())
+    # The loss within four ulps of 1 (an fp32 softmax sum's resolution; eager's CPU kernel sums in fp64).
+    assert float((ours[0] - exact[0]).abs().max()) <= 4 * 2.0**-23
+    for name, o, e, r in zip(("dX", "dW"), ours[1:], eager[1:], exact[1:]):
+        assert float((o - r).norm() / r.norm()) <= 1.35 * float((e - r).norm() / r.norm()), name
 
 
 def test_all_ignored_mean_is_nan_with_zero_gradients(ranks):
@@ -632,33 +683,61 @@ def test_a_softcap_tensor_is_refused(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_stats_step_triton_matches_torch():
-    """The CE kernel's statistics mode (TRITON_INTERPRET=1 on the CPU) against the torch step, on a slice."""
-    pytest.importorskip("triton")
-    from flce_compile.params import LossParams
+def _stats_of_both_steps(logits, target, ce_weight, p) -> list[torch.Tensor]:
+    """The fp64 statistics (3, rows) of a slice at classes [8, 8 + width) of 24, from the torch step and the CE
+    kernel (TRITON_INTERPRET=1 on the CPU)."""
     from flce_compile.plan.config import FLCEConfig
     from flce_compile.strategies.ce_common import CEStepArgs
     from flce_compile.strategies.ce_torch import ce_step_torch
     from flce_compile.strategies.ce_triton import ce_step_triton
 
+    outs = []
+    for step in (ce_step_torch, ce_step_triton):
+        stats = torch.full((3, logits.shape[0]), float("nan"), dtype=torch.float64)
+        one = torch.ones(())
+        weight_sum = ce_weight.sum() if ce_weight is not None else torch.full((), 24.0)
+        step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=weight_sum, ce_scale=one,
+                        z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False, class_offset=8,
+                        num_classes=24, stats_out=stats), p, FLCEConfig(block_v=4))
+        outs.append(stats)
+    return outs
+
+
+def test_stats_step_triton_matches_torch():
+    """The CE kernel's statistics mode against the torch step, on a slice."""
+    pytest.importorskip("triton")
+    from flce_compile.params import LossParams
+
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 9, generator=g)
     target = torch.tensor([0, 10, 14, 3, -100, 20])
     ce_weight = torch.rand(24, generator=g)
-    p = LossParams(label_smoothing=0.1, softcap=2.0, logit_scale=1.3)
-    outs = []
-    for step in (ce_step_torch, ce_step_triton):
-        stats = torch.full((3, 6), float("nan"))
-        one = torch.ones(())
-        step(CEStepArgs(logits=logits, target=target, ce_weight=ce_weight, weight_sum=ce_weight.sum(), ce_scale=one,
-                        z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False, class_offset=8,
-                        num_classes=24, stats_out=stats), p, FLCEConfig(block_v=4))
-        outs.append(stats)
+    outs = _stats_of_both_steps(logits, target, ce_weight, LossParams(label_smoothing=0.1, softcap=2.0,
+                                                                      logit_scale=1.3))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     z = 2.0 * torch.tanh(1.3 * logits / 2.0)
-    torch.testing.assert_close(outs[0][0], torch.logsumexp(z, 1))
+    torch.testing.assert_close(outs[0][0], torch.logsumexp(z.double(), 1))
     assert outs[0][1].tolist()[0] == 0.0 and outs[0][1][1] == z[1, 2]  # target 0 lies outside [8, 17)
-    torch.testing.assert_close(outs[0][2], z @ ce_weight[8:17])
+    torch.testing.assert_close(outs[0][2], (z @ ce_weight[8:17]).double())
+
+
+def test_stats_step_keeps_the_lse_unrounded():
+    """A slice's lse is max + log(sum) in fp64, from the kernel and the torch step, so lse - z keeps the fp32
+    sum's resolution (a few 1e-8): in fp32 the lse rounded at the logits' magnitude (4e-6 near 100), which took
+    a confident row's 1 - p with it once the ranks' lses were combined."""
+    pytest.importorskip("triton")
+    from flce_compile.params import LossParams
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 9, generator=g)
+    rows = torch.arange(4)
+    logits[rows, torch.tensor([0, 3, 5, 8])] = torch.tensor([100.0, 90.0, 75.0, 120.0])
+    logits[rows, torch.tensor([1, 4, 6, 7])] = torch.tensor([98.5, 89.0, 71.0, 119.25])
+    target = torch.tensor([8, 11, 13, 16])
+    max_z = logits.amax(1).double()
+    exact = torch.logsumexp(logits.double(), 1) - max_z
+    for got in _stats_of_both_steps(logits, target, None, LossParams()):
+        assert float((got[0] - max_z - exact).abs().max()) <= 4 * 2.0**-24
 
 
 def test_compiled_tensor_parallel_site_is_rewritten(ranks):
@@ -772,3 +851,36 @@ def test_two_gpus_match_the_single_device_op(tmp_path):
     for r in got:
         assert rel(r["dx"], x.grad.cpu()) < 1e-2
     assert rel(torch.cat([r["dw"] for r in got]), w.grad.cpu()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_one_gpu_confident_rows_are_as_exact_as_eager(monkeypatch, reduction):
+    """The Triton CE step's statistics (fp64 lse) and the recompute backward from them, on one GPU over NCCL
+    (world 1), at the confident rows of the CPU test: dX and dW within eager CUDA's error against fp64."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        for margin in (10.0, 16.0):
+            x, w, t = (a.cuda() for a in _confident_inputs(margin))
+
+            def run(dtype, fn):
+                a, b = x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+                fn(a, b).sum().backward()
+                return a.grad.double(), b.grad.double()
+
+            def eager(a, b):
+                return torch.nn.functional.cross_entropy(a @ b.t(), t, reduction=reduction)
+
+            exact, ref = run(torch.float64, eager), run(torch.float32, eager)
+            ours = run(torch.float32, lambda a, b: fc.vocab_parallel_linear_cross_entropy(
+                a, b, t, group=dist.group.WORLD, reduction=reduction, config={"chunk_tokens": 128}))
+            for name, o, e, r in zip(("dX", "dW"), ours, ref, exact):
+                assert float((o - r).norm() / r.norm()) <= 1.35 * float((e - r).norm() / r.norm()), (margin, name)
+    finally:
+        dist.destroy_process_group()

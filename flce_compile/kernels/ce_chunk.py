@@ -332,7 +332,8 @@ def ce_chunk_kernel(
         here = (target_col >= 0) & (target_col < vocab)
         raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))
         z_t, _t = _transform(raw_t, logit_scale, softcap, HAS_SOFTCAP, SCALED)
-        tl.store(stats_ptr + row, lse)
+        # (max + log(sum) in fp64, as the kept lse: an fp64 output keeps it unrounded)
+        tl.store(stats_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
         tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
         tl.store(stats_ptr + 2 * stats_stride + row, weighted_z)
 

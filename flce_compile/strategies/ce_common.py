@@ -24,14 +24,15 @@ class CEStepArgs:
         the per-token backward).
     loss_out, lse_out: (rows,) outputs or None; lse_in: a known lse (rows,) that skips the first pass. The lse
         a forward keeps for backward is fp64 (``chunked.LSE_DTYPE``: max + log(sum) unrounded, which an fp32 lse
-        rounds at the logits' magnitude); an lse in the math dtype (vocab-parallel's) works too, with
-        that rounding in a confident row's 1 - p.
+        rounds at the logits' magnitude); an lse in the math dtype works too, with that rounding in a confident
+        row's 1 - p.
     grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
         in place.
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
-    stats_out: (3, rows) in the math dtype, or None: a slice's partial statistics, for a caller that combines
-        the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the slice's own lse of z, row 1
+    stats_out: (3, rows), fp64 (``chunked.LSE_DTYPE``) or the math dtype, or None: a slice's partial statistics,
+        for a caller that combines the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the
+        slice's own lse of z (max + log(sum), unrounded in fp64: a confident row's 1 - p survives it), row 1
         z at the target when the target lies in the slice (else 0), row 2 the smoothing sum sum_c w_c z_c over
         the slice (w_c = 1 without class weights; 0 without label smoothing). Needs no ``lse_in``.
     padded: the caller owns each row's columns up to V rounded up to 16 in ``logits`` and ``grad_out`` (the padding

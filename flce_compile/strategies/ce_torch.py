@@ -62,7 +62,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
     if args.stats_out is not None:
-        _write_stats(args, p, lse, torch.where(here, z_y, 0.0), weighted_z)
+        _write_stats(args, p, lse_full, torch.where(here, z_y, 0.0), weighted_z)
     if args.loss_out is not None:
         args.loss_out.copy_(row_loss(p, lse_full, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
                                      ignored, invalid))
