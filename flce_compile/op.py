@@ -4,7 +4,7 @@
 grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
 grad_scale (1, or for an fp16 "mean" a power of two, 0 when fully masked: ``chunked._gradient_scales``), and
 backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and
-lse and backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by
+"lse", (2, N): each token's lse and its target's z (``chunked.kept_rows``), and backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by
 chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles. Through the dispatcher (compiled graphs),
@@ -296,7 +296,7 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, par
     per_token, later = p.reduction == "none", grads_in_backward(p, config)
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
-    lse = input.new_empty((n,), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
+    lse = input.new_empty((2, n), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
     grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db)
     return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 

@@ -12,9 +12,12 @@ Every rank holds the same input (N, H) and target (N,) and a contiguous slice of
   the single-device op's kept lse does) gives every rank every slice's statistics; each rank combines them in the
   same order (lse = logsumexp over ranks, the others summed), so the loss, formed by the CE step's own row formula
   (``ce_torch.row_loss``, which covers class weights, label smoothing, z-loss), is bitwise identical on every
-  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse (fp64) is saved.
+  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse and target z are saved
+  (``chunked.kept_rows``, fp64).
 * Backward recomputes the local logits by vocabulary block and token chunk (``recompute_backward`` with the
-  shard's class offset): the logit gradient of the slice from the saved global lse, dW and db of the shard's
+  shard's class offset): the logit gradient of the slice from the saved global lse (the target's probability from
+  the forward's target z: backward's vocabulary blocks are other GEMMs than forward's, whose roundings can
+  differ by more than a confident row's 1 - p), dW and db of the shard's
   rows (kept local: they are this rank's gradient), and this slice's share of dX, summed over ranks with one
   all-reduce (in fp32 by default, rounded once afterwards).
 
@@ -189,7 +192,8 @@ def _tiles(layouts: Tensor, vocab_total: int) -> Tensor:
 
 
 def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
-    """(loss, lse) from every rank's ``_slice_stats``, ``gathered`` (world, 3, N + 1), combined in rank order.
+    """(loss, kept) from every rank's ``_slice_stats``, ``gathered`` (world, 3, N + 1), combined in rank order:
+    kept (2, N) holds each token's lse and target z, for backward (``chunked.kept_rows``).
     When the ranks' layouts (the last column) do not tile the vocabulary, both are NaN: the guard of the calls
     whose layout ``_check_tiling`` did not read on the host."""
     target, ce_weight = ops.target, ops.ce_weight
@@ -210,7 +214,7 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored,
                     invalid).to(dtype)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
-    return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), lse
+    return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), torch.stack((lse, z_y))
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy", mutates_args=())
@@ -227,8 +231,9 @@ def vocab_parallel_cross_entropy_op(
     group_name: str,
     config: str,
 ) -> tuple[Tensor, Tensor]:
-    """(loss, lse) of this rank's shard ``weight`` (V_local, H), rows [vocab_start, +V_local) of ``vocab_total``,
-    over the group ``group_name``; see the module docstring. ``accum_dtype`` is for backward."""
+    """(loss, kept: each token's lse and target z) of this rank's shard ``weight`` (V_local, H), rows
+    [vocab_start, +V_local) of ``vocab_total``, over the group ``group_name``; see the module docstring.
+    ``accum_dtype`` is for backward."""
     group = _group(group_name)
     # First: a rank whose own checks raised while the others waited in a collective would hang them.
     _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device)
@@ -250,7 +255,7 @@ def _vocab_parallel_fake(input, weight, target, bias, ce_weight, params, accum_d
     n = input.shape[0]
     dtype = math_dtype(input.dtype)
     per_token = decode_params(params).reduction == "none"
-    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((n,), dtype=LSE_DTYPE)
+    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((2, n), dtype=LSE_DTYPE)
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy_backward", mutates_args=())

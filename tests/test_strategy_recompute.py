@@ -52,6 +52,47 @@ def test_slices_of_the_classes_match_the_whole_row(backend, options, weighted):
         torch.testing.assert_close(part, whole[:, start:stop], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", list(STEPS))
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "logit_scale": 1.1}])
+def test_the_targets_probability_comes_from_the_forwards_z(backend, options):
+    """Backward's logits, recomputed in other GEMMs, can round a few ulps apart from the forward's; at a confident
+    row's target that is more than its 1 - p. With the forward's target z (``target_z_out`` there,
+    ``target_z_in`` here) the target's gradient is the one of the forward's logits; from the logits at hand it
+    was off by the ulps (found 2026-12-04: dX 6-11x eager's error with vocabulary blocks that did not divide the
+    shard)."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 6, 40
+    logits = torch.randn(rows, vocab, generator=g)
+    target = torch.tensor([10, 20, 30, 39, 3, -100])
+    cols = torch.arange(5)
+    logits[cols, target[:5]] += 16.0  # confident rows: 1 - p about 1e-5
+    p = LossParams(softcap=options.get("softcap", 0.0), logit_scale=options.get("logit_scale", 1.0))
+    config = FLCEConfig(strategy=backend, block_v=16, num_warps=1)
+    step = STEPS[backend]
+    kept = torch.full((2, rows), float("nan"), dtype=torch.float64)  # as ``chunked.kept_rows``
+    forward = CEStepArgs(**{**_args(logits, target, None, None, None).__dict__, "write_grad": False,
+                            "loss_out": torch.empty(rows), "lse_out": kept[0], "target_z_out": kept[1]})
+    step(forward, p, config)
+    nudged = logits.clone()
+    for r in range(5):  # four ulps up at the target
+        for _ in range(4):
+            nudged[r, target[r]] = torch.nextafter(nudged[r, target[r]], torch.tensor(1e9))
+
+    def grad(lgts, target_z):
+        out = torch.empty(rows, vocab)
+        args = CEStepArgs(**{**_args(lgts, target, None, kept[0], out).__dict__, "target_z_in": target_z})
+        step(args, p, config)
+        return out
+
+    exact = grad(logits, None)  # from the forward's own logits
+    at_target = (cols, target[:5])
+    got = grad(nudged, kept[1])
+    torch.testing.assert_close(got[at_target], exact[at_target], rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-9)  # the rest: the nudged logits' relative change
+    lost = grad(nudged, None)[at_target] - exact[at_target]
+    assert float(lost.abs().max()) > 100 * float((got[at_target] - exact[at_target]).abs().max())
+
+
 def test_a_slice_needs_the_lse_and_has_no_loss():
     logits, target = torch.randn(3, 8), torch.randint(0, 16, (3,))
     args = _args(logits, target, None, None, None, offset=8, classes=16)

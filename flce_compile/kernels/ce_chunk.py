@@ -111,16 +111,19 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
 
 
 @triton.jit
-def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width, target_col, shift, inv_sum, coef,
-                    true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual,
+def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width, target_col, z_target, shift, inv_sum,
+                    coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual,
                     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
-                    WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, MASKED: tl.constexpr,
-                    PADDED: tl.constexpr, SCALED: tl.constexpr):
+                    HAS_TARGET_Z: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+                    MASKED: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr):
     """One block of pass 2: dloss/dlogits at ``offs`` stored to the gradient row (of a row that is not ignored:
     ``_zero_row`` writes those); returns the running residual. MASKED and ``width`` as in ``_softmax_block``;
-    with PADDED (``width`` > V) the columns past V get 0."""
+    with PADDED (``width`` > V) the columns past V get 0. HAS_TARGET_Z: the target's column takes ``z_target``,
+    the forward's z, for its probability (``CEStepArgs.target_z_in``)."""
     raw = _load_block(row_ptr, offs, width, MASKED)
     z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)
+    if HAS_TARGET_Z:
+        z = tl.where(offs == target_col, z_target, z)
     # p = exp(z - max) / sum, as eager's softmax, not exp(z - lse): lse rounded at the logits' magnitude (2e-6 at
     # 20) took 1 - p of a confident row's target with it (dX 5x eager's error at margins of 16, 8x at 24).
     g = coef * (tl.exp(z - shift) * inv_sum) - tl.where(offs == target_col, true_class, 0.0)
@@ -184,31 +187,33 @@ def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, log
 
 
 @triton.jit
-def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, shift, inv_sum,
-                   coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
+def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, z_target, shift,
+                   inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
                    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
-                   WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr, UNMASKED_BLOCKS: tl.constexpr,
-                   PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
+                   HAS_TARGET_Z: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
+                   UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 2 over a row that is not ignored: its gradient written; returns the true-class residual."""
     residual = 0.0
     if UNMASKED_BLOCKS:
         for start in range(0, vocab_full, BLOCK_V):
             residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, shift, inv_sum, coef,
-                true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING,
-                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=False, PADDED=False, SCALED=SCALED)
+                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, z_target, shift,
+                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
+                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=False,
+                PADDED=False, SCALED=SCALED)
         if vocab_full < vocab:
             residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, shift, inv_sum,
-                coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
-                HAS_SMOOTHING, HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED,
-                SCALED=SCALED)
+                row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, z_target, shift,
+                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
+                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
+                PADDED=PADDED, SCALED=SCALED)
     else:
         for start in range(0, width, BLOCK_V):
             residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, shift, inv_sum, coef,
-                true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING,
-                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
+                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, z_target, shift,
+                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
+                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
+                PADDED=PADDED, SCALED=SCALED)
     return residual
 
 
@@ -227,6 +232,8 @@ def ce_chunk_kernel(
     loss_ptr,
     lse_out_ptr,
     lse_in_ptr,
+    target_z_out_ptr,
+    target_z_in_ptr,
     stats_ptr,
     stats_stride,
     residual_ptr,
@@ -245,8 +252,10 @@ def ce_chunk_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_LSE_IN: tl.constexpr,
+    HAS_TARGET_Z_IN: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    WRITE_TARGET_Z: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     WRITE_STATS: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
@@ -328,6 +337,9 @@ def ce_chunk_kernel(
             tl.store(lse_out_ptr + row, lse)
         else:
             tl.store(lse_out_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
+    if WRITE_TARGET_Z:  # the target's z, for a backward that recomputes the logits (``CEStepArgs``)
+        z_kept, _t = _transform(tl.load(row_ptr + safe_target), logit_scale, softcap, HAS_SOFTCAP, SCALED)
+        tl.store(target_z_out_ptr + row, z_kept)
     if WRITE_STATS:
         here = (target_col >= 0) & (target_col < vocab)
         raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))
@@ -344,14 +356,19 @@ def ce_chunk_kernel(
         true_class = ce_scale * (1.0 - label_smoothing) * w_y
         # An invalid target makes the whole row nan: through its factor, not a select an element.
         coef = tl.where(invalid, float("nan"), coef)
+        if HAS_TARGET_Z_IN:
+            z_target = tl.load(target_z_in_ptr + row).to(tl.float32)
+        else:
+            z_target = 0.0
         grad_row_ptr = grad_ptr + row * grad_stride_row
         residual = 0.0
         if ignored:
             _zero_row(grad_row_ptr, cols, width, BLOCK_V)
         else:
             residual = _gradient_pass(
-                row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, target_col, shift,
-                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
-                HAS_CE_WEIGHT, WRITE_RESIDUAL, EMULATE_BF16_RTNE, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, target_col,
+                z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z_IN, WRITE_RESIDUAL, EMULATE_BF16_RTNE,
+                UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         if WRITE_RESIDUAL:
             tl.store(residual_ptr + row, residual)

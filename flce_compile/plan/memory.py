@@ -35,9 +35,9 @@ IN_PLACE = sympy.symbols("acc_in_place", integer=True, nonnegative=True)
 #: 0/1: fp32 logits (``FLCEConfig.fp32_logits`` with bf16/fp16 inputs, the "precise" policy).
 FP32L = sympy.symbols("fp32_logits", integer=True, nonnegative=True)
 
-#: Per-token vectors (fp32 loss rows, the fp64 lse kept for backward) and int64/bool masks of one chunk, bytes
-#: per token.
-PER_TOKEN_BYTES = 12
+#: Per-token vectors (fp32 loss rows, the fp64 lse and target z kept for backward: ``chunked.kept_rows``) and
+#: int64/bool masks of one chunk, bytes per token.
+PER_TOKEN_BYTES = 20
 PER_CHUNK_ROW_BYTES = 64
 #: Fixed slack for allocator rounding and small scalars.
 SLACK_BYTES = 1 << 20

@@ -26,6 +26,11 @@ class CEStepArgs:
         a forward keeps for backward is fp64 (``chunked.LSE_DTYPE``: max + log(sum) unrounded, which an fp32 lse
         rounds at the logits' magnitude); an lse in the math dtype works too, with that rounding in a confident
         row's 1 - p.
+    target_z_out, target_z_in: (rows,) fp64 or None. Out: each row's target z (after logit_scale and softcap),
+        with ``lse_out``, for a backward that recomputes the logits. In: with ``lse_in``, the target's
+        probability is formed from that z, not from the logits at hand: recomputed in another GEMM (a vocabulary
+        block, another rank's shard layout), a logit can round 1-2 ulps apart from the forward's, and at a
+        confident row's target that is more than its 1 - p (dX 6-11x eager's error, found 2026-12-04).
     grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
         in place.
@@ -56,6 +61,8 @@ class CEStepArgs:
     lse_in: torch.Tensor | None
     write_grad: bool
     grad_out: torch.Tensor | None = None
+    target_z_out: torch.Tensor | None = None
+    target_z_in: torch.Tensor | None = None
     #: The logits' columns are classes [class_offset, class_offset + columns) of num_classes (None: all of
     #: them). A slice needs ``lse_in`` for its gradient; its loss cannot be computed (``loss_out`` None).
     class_offset: int = 0

@@ -46,8 +46,15 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     here = (col >= 0) & (col < columns)
     col_index = torch.where(here, col, 0)[:, None]  # each row's target column in this slice (0 when elsewhere)
     # What the loss and the statistics read of z, taken before z turns into probabilities.
-    wants_stats = args.stats_out is not None or args.loss_out is not None
+    wants_stats = args.stats_out is not None or args.loss_out is not None or args.target_z_out is not None
     z_y = z.gather(1, col_index).squeeze(1) if wants_stats else None
+    if args.target_z_out is not None:
+        args.target_z_out.copy_(z_y)
+    if args.target_z_in is not None and args.lse_in is not None:
+        # The forward's target z in the target's column, where the target lies in this slice: the probability
+        # formed from it is the forward's, whatever rounding the recomputed logits got (``CEStepArgs``)
+        kept = torch.where(here, args.target_z_in.to(z.dtype), z.gather(1, col_index).squeeze(1))
+        z.scatter_(1, col_index, kept[:, None])
     wants_sum = eps and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None

@@ -450,13 +450,14 @@ def _run_chunks(
     ce_scale: torch.Tensor,
     z_scale: torch.Tensor,
     loss_rows: torch.Tensor | None,
-    lse_rows: torch.Tensor | None,
-    lse_in: torch.Tensor | None,
+    kept_out: torch.Tensor | None,
+    kept_in: torch.Tensor | None,
     logits_out: torch.Tensor | None = None,
     weight_sum: torch.Tensor | None = None,
     raw_sums: bool = False,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
+``kept_out`` receives, and ``kept_in`` gives, what a backward that recomputes the logits needs (``kept_rows``).
 
     With ``raw_sums`` dW and db come back as their fp32 sums over the padded vocabulary, for
     ``_fit_stored_sums`` to round.
@@ -478,7 +479,9 @@ def _run_chunks(
     ce_step = _ce_step(config)
     if weight_sum is None:
         weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
-    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, lse_in)
+    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows,
+                          *(kept_out.unbind(0) if kept_out is not None else (None, None)),
+                          *(kept_in.unbind(0) if kept_in is not None else (None, None)))
     chunk = max(1, min(config.chunk_tokens, n))
     # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
     # stream switch, two events and a second chunk buffer would be pure cost.
@@ -654,7 +657,9 @@ class _StepRows:
     z_scale: torch.Tensor
     loss_rows: torch.Tensor | None = None
     lse_rows: torch.Tensor | None = None
+    target_z_rows: torch.Tensor | None = None
     lse_in: torch.Tensor | None = None
+    target_z_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
               grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
@@ -669,6 +674,8 @@ class _StepRows:
             loss_out=_rows_of(self.loss_rows, rows),
             lse_out=_rows_of(self.lse_rows, rows),
             lse_in=_rows_of(self.lse_in, rows),
+            target_z_out=_rows_of(self.target_z_rows, rows),
+            target_z_in=_rows_of(self.target_z_in, rows),
             write_grad=write_grad,
             grad_out=grad_out,
             residual_out=residual_out,
@@ -701,9 +708,17 @@ def _accumulate_weight_grads(
 LSE_DTYPE = torch.float64
 
 
+def kept_rows(n: int, device: torch.device) -> torch.Tensor:
+    """What a forward keeps per token for a backward that recomputes the logits, (2, N) in ``LSE_DTYPE``: row 0
+    the lse, row 1 the target's z as the forward's logits had it, from which backward forms the target's
+    probability (``CEStepArgs.target_z_in``: recomputed logits can round apart from the forward's)."""
+    return torch.empty(2, n, dtype=LSE_DTYPE, device=device)
+
+
 class ForwardResult(NamedTuple):
-    """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse (N,) only for "none"
-    (its backward needs it); gradients only for mean/sum, divided by ``grad_scale`` and unscaled by grad_output
+    """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse, (2, N) from
+    ``kept_rows`` (the lse and the target's z), only for "none" or when asked (a backward that recomputes the
+    logits needs it); gradients only for mean/sum, divided by ``grad_scale`` and unscaled by grad_output
     (the true gradient is ``grad_scale * grad_output * dx``, see ``_gradient_scales``); logits (N, V) only when
     asked to keep them, contiguous. The loss and grad_scale are in ``math_dtype``, the lse in ``LSE_DTYPE``."""
 
@@ -750,24 +765,24 @@ def fused_forward(
     loss_rows = torch.empty(n, dtype=dtype, device=ops.x.device)
     # fp64: backward forms p = exp(z - lse) from it, and an fp32 lse rounded at the logits' magnitude (2e-6 at
     # 20) took a confident row's 1 - p with it (``LSE_DTYPE``)
-    lse_rows = torch.empty(n, dtype=LSE_DTYPE, device=ops.x.device) if per_token or keep_lse else None
+    kept = kept_rows(n, ops.x.device) if per_token or keep_lse else None
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     # fp16: dW and db sum over all tokens, divided by post for a "mean" and before grad_output (often 1/count
     # after a "sum") in both, which can pass fp16's range (``_fit_stored_sums``)
     fit_sums = split and not per_token and (grads.dw or (grads.db and ops.bias is not None))
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
-        ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, lse_rows=lse_rows, lse_in=None, logits_out=logits,
+        ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, kept_out=kept, kept_in=None, logits_out=logits,
         weight_sum=weight_sum, raw_sums=fit_sums,
     )
     if per_token:
-        return ForwardResult(loss_rows, lse_rows, None, None, None, logits, scales.post)
+        return ForwardResult(loss_rows, kept, None, None, None, logits, scales.post)
     loss = _reduced_loss(loss_rows, ce_scale, scales, p)
     grad_scale = scales.post
     if fit_sums:
         (dx, dw, db), grad_scale = _fit_stored_sums(dx, dw, db, scales.post, vocab, (
             ops.weight.dtype, ops.bias.dtype if ops.bias is not None else None))
-    return ForwardResult(loss, lse_rows, dx, dw, db, logits, grad_scale)
+    return ForwardResult(loss, kept, dx, dw, db, logits, grad_scale)
 
 
 def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: GradientScales,
@@ -786,7 +801,7 @@ def _reduced_loss(loss_rows: torch.Tensor, ce_scale: torch.Tensor, scales: Gradi
 
 def fused_backward_per_token(
     ops: Operands,
-    lse: torch.Tensor,
+    kept: torch.Tensor,
     grad_rows: torch.Tensor,
     p: LossParams,
     config: FLCEConfig,
@@ -794,12 +809,13 @@ def fused_backward_per_token(
     grads: GradRequest,
 ) -> Grads:
     """Gradients of sum_i grad_rows[i] * loss_i for reduction="none": recomputes each chunk's logits (a fourth
-    GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM.
+    GEMM) because dW = sum_i g_i G_i^T x_i needs the per-token factors before the dW GEMM. ``kept``: the
+    forward's ``kept_rows``.
 
     The per-token factors stay in the logit gradient, as eager's: a loss scale arrives with them, before the
     rounding to fp16 (at 2048 x 8192 fp16 with scale 65536, dX and dW are as exact as eager's)."""
     scale = grad_rows.to(math_dtype(ops.x.dtype)).contiguous()
     return _run_chunks(
         ops, p, config, accum_dtype, grads,
-        ce_scale=scale, z_scale=scale, loss_rows=None, lse_rows=None, lse_in=lse,
+        ce_scale=scale, z_scale=scale, loss_rows=None, kept_out=None, kept_in=kept,
     )

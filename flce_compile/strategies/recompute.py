@@ -1,8 +1,9 @@
 """The "recompute" strategy: the checkpointed LM head, for little memory at one more GEMM.
 
-Forward runs the chunk loop without gradients and keeps each token's log-sum-exp: N numbers. Backward
-recomputes the logits one block of vocabulary rows at a time; for each block it walks the token chunks,
-forms the logit gradient from the saved lse (the CE step over a slice of the classes), adds the block's share
+Forward runs the chunk loop without gradients and keeps each token's log-sum-exp and its target's z: 2N numbers
+(``chunked.kept_rows``). Backward recomputes the logits one block of vocabulary rows at a time; for each block it
+walks the token chunks, forms the logit gradient from the saved lse (the CE step over a slice of the classes; the
+target's probability from the forward's z, as recomputed logits can round apart from the forward's), adds the block's share
 of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32, which are rounded once when the
 block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
 the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
@@ -46,7 +47,7 @@ def ce_step(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
 
 
 def recompute_forward(ops: Operands, p: LossParams, config: FLCEConfig, accum_dtype: torch.dtype) -> ForwardResult:
-    """The loss and each token's lse (kept for backward); no gradients, no logits kept."""
+    """The loss and what backward needs of each token (``chunked.kept_rows``); no gradients, no logits kept."""
     return fused_forward(ops, p, config, accum_dtype, GradRequest(), keep_lse=True)
 
 
@@ -67,7 +68,7 @@ def row_factors(ops: Operands, p: LossParams, grad_output: torch.Tensor,
 
 def recompute_backward(
     ops: Operands,
-    lse: torch.Tensor,
+    kept: torch.Tensor,
     grad_output: torch.Tensor,
     p: LossParams,
     config: FLCEConfig,
@@ -77,7 +78,8 @@ def recompute_backward(
     classes: tuple[int, int] | None = None,
     round_dx: bool = True,
 ) -> Grads:
-    """dX, dW and db of the loss (times ``grad_output``: 0-dim, or per row for "none") from the saved lse.
+    """dX, dW and db of the loss (times ``grad_output``: 0-dim, or per row for "none") from what the forward kept,
+    ``kept`` (``chunked.kept_rows``: each token's lse and its target's z).
 
     ``accum_dtype`` sets the dX sum and the dW blocks' dtype (fp32 by default; the weight dtype saves the N x H
     fp32 sum at the usual accuracy cost). ``classes`` = (offset, total): the weight's rows are classes
@@ -110,6 +112,7 @@ def recompute_backward(
     residual = torch.empty(chunk, dtype=torch.float32, device=device) if wide is not None else None
     ce_step = _ce_step(config)
     per_row = ce_rows.dim() == 1
+    lse, target_z = kept.unbind(0)
     # One block's sums, allocated once and zeroed per block: a fresh tensor per block would be allocated
     # while the previous block's is still referenced, two blocks at the peak.
     dw_block = torch.empty(block, hidden, dtype=acc_dtype, device=device) if dw is not None else None
@@ -136,6 +139,7 @@ def recompute_backward(
                     logits=wide_logits if wide is not None else logits, target=target[rows], ce_weight=ce_weight,
                     weight_sum=weight_sum, ce_scale=ce_rows[rows] if per_row else ce_rows,
                     z_scale=z_rows[rows] if per_row else z_rows, loss_out=None, lse_out=None, lse_in=lse[rows],
+                    target_z_in=target_z[rows],
                     write_grad=True, grad_out=logits if wide is not None else None, class_offset=offset + v0,
                     num_classes=total, residual_out=residual[: t1 - t0] if residual is not None else None,
                 ), p)
