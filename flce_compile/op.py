@@ -4,8 +4,8 @@
 grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
 grad_scale (1, or for an fp16 "mean" a power of two, 0 when fully masked: ``chunked._gradient_scales``), and
 backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and
-"lse", (2, N): each token's lse and its target's z (``chunked.kept_rows``), and backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by
-chunk (a fourth GEMM).
+"lse", (2, N): each token's lse and its target's z (``chunked.kept_rows``), and backward calls
+``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles. Through the dispatcher (compiled graphs),
 the CPU and CUDA kernels are the bodies themselves (``_KERNELS``). In eager mode ``call_fused`` runs the same

@@ -1,11 +1,11 @@
 """The "recompute" strategy: the checkpointed LM head, for little memory at one more GEMM.
 
-Forward runs the chunk loop without gradients and keeps each token's log-sum-exp and its target's z: 2N numbers
-(``chunked.kept_rows``). Backward recomputes the logits one block of vocabulary rows at a time; for each block it
-walks the token chunks, forms the logit gradient from the saved lse (the CE step over a slice of the classes; the
-target's probability from the forward's z, as recomputed logits can round apart from the forward's), adds the block's share
-of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32, which are rounded once when the
-block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
+Forward runs the chunk loop without gradients and keeps each token's log-sum-exp and its target's z: 2N
+numbers (``chunked.kept_rows``). Backward recomputes the logits one block of vocabulary rows at a time; for each
+block it walks the token chunks, forms the logit gradient from the saved lse (the CE step over a slice of the
+classes; the target's probability from the forward's z, as recomputed logits can round apart from the
+forward's), adds the block's share of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32,
+which are rounded once when the block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
 the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
 four GEMMs instead of three: the logits twice, then dX and dW. With ``FLCEConfig.fp32_logits`` (the "precise"
 policy) both logits GEMMs write fp32 (the forward through the chunk loop, the backward into an fp32 chunk x
