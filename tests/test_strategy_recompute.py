@@ -98,6 +98,11 @@ def test_a_slice_needs_the_lse_and_has_no_loss():
     args = _args(logits, target, None, None, None, offset=8, classes=16)
     with pytest.raises(ValueError, match="lse_in"):
         ce_step_torch(args, LossParams())
+    # the target z a forward keeps is a whole row's: a slice may not hold the target
+    args = CEStepArgs(**{**_args(logits, target, None, torch.zeros(3), None, offset=8, classes=16).__dict__,
+                         "target_z_out": torch.empty(3, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="target_z_out"):
+        ce_step_torch(args, LossParams())
 
 
 def test_recompute_keeps_no_vocab_sized_buffer():

@@ -337,7 +337,7 @@ def ce_chunk_kernel(
             tl.store(lse_out_ptr + row, lse)
         else:
             tl.store(lse_out_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
-    if WRITE_TARGET_Z:  # the target's z, for a backward that recomputes the logits (``CEStepArgs``)
+    if WRITE_TARGET_Z:  # the target's z, for a backward that recomputes the logits (a whole row: ``CEStepArgs``)
         z_kept, _t = _transform(tl.load(row_ptr + safe_target), logit_scale, softcap, HAS_SOFTCAP, SCALED)
         tl.store(target_z_out_ptr + row, z_kept)
     if WRITE_STATS:

@@ -80,8 +80,9 @@ class CEStepArgs:
         """A slice of the classes has no loss of its own: the call must bring the lse (or ask for the slice's
         statistics only) and ask for no loss."""
         if self.classes() != self.logits.shape[1] or self.class_offset:
-            if (self.lse_in is None and self.stats_out is None) or self.loss_out is not None:
+            if ((self.lse_in is None and self.stats_out is None) or self.loss_out is not None
+                    or self.target_z_out is not None):
                 raise ValueError("a CE step over a slice of the classes needs lse_in (or stats_out) and computes "
-                                 "no loss_out")
+                                 "no loss_out or target_z_out")
             if self.stats_out is not None and (self.lse_in is not None or self.write_grad):
                 raise ValueError("a CE step writing a slice's stats_out takes no lse_in and writes no gradient")

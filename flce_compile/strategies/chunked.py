@@ -457,7 +457,7 @@ def _run_chunks(
     raw_sums: bool = False,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
-``kept_out`` receives, and ``kept_in`` gives, what a backward that recomputes the logits needs (``kept_rows``).
+    ``kept_out`` receives, and ``kept_in`` gives, what a backward that recomputes the logits needs (``kept_rows``).
 
     With ``raw_sums`` dW and db come back as their fp32 sums over the padded vocabulary, for
     ``_fit_stored_sums`` to round.
