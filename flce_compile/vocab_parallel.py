@@ -194,8 +194,8 @@ def _tiles(layouts: Tensor, vocab_total: int) -> Tensor:
 def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
     """(loss, kept) from every rank's ``_slice_stats``, ``gathered`` (world, 3, N + 1), combined in rank order:
     kept (2, N) holds each token's lse and target z, for backward (``chunked.kept_rows``).
-    When the ranks' layouts (the last column) do not tile the vocabulary, both are NaN: the guard of the calls
-    whose layout ``_check_tiling`` did not read on the host."""
+    When the ranks' layouts (the last column) do not tile the vocabulary, the loss and the lse are NaN: the
+    guard of the calls whose layout ``_check_tiling`` did not read on the host."""
     target, ce_weight = ops.target, ops.ce_weight
     stats = gathered[:, :, :-1]
     tiled = _tiles(gathered[:, :, -1], vocab_total)

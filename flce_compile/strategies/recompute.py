@@ -5,12 +5,12 @@ numbers (``chunked.kept_rows``). Backward recomputes the logits one block of voc
 block it walks the token chunks, forms the logit gradient from the saved lse (the CE step over a slice of the
 classes; the target's probability from the forward's z, as recomputed logits can round apart from the
 forward's), adds the block's share of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32,
-which are rounded once when the block is done. So there is no V x H fp32 buffer (the chunked strategies' dW accumulator): the extra memory is
-the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer of logits. The matrix work is
-four GEMMs instead of three: the logits twice, then dX and dW. With ``FLCEConfig.fp32_logits`` (the "precise"
-policy) both logits GEMMs write fp32 (the forward through the chunk loop, the backward into an fp32 chunk x
-block buffer beside the gradient's) and each row's true-class rounding goes back into the fp32 sums
-(``true_class``), at no extra GEMM.
+which are rounded once when the block is done. So there is no V x H fp32 buffer (the chunked strategies' dW
+accumulator): the extra memory is the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer
+of logits. The matrix work is four GEMMs instead of three: the logits twice, then dX and dW. With
+``FLCEConfig.fp32_logits`` (the "precise" policy) both logits GEMMs write fp32 (the forward through the chunk
+loop, the backward into an fp32 chunk x block buffer beside the gradient's) and each row's true-class rounding
+goes back into the fp32 sums (``true_class``), at no extra GEMM.
 
 Every factor of the gradient (the reduction's scales and grad_output) goes into the logit gradient before its
 one rounding, as in eager PyTorch, so a loss scale reaches fp16 gradients before any underflow.
