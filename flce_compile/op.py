@@ -728,8 +728,11 @@ def refuse_unsupported_autodiff(tensors: tuple) -> None:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters  # noqa: PLC0415 - rare path
 
     kinds = {interpreter.level(): interpreter.key() for interpreter in retrieve_all_functorch_interpreters()}
+    # Under no_grad no grad level records the op, inner or outer (its result is a constant to all of them, as an
+    # unfused loss's is); jvp levels still see tangents.
+    grad_enabled = torch.is_grad_enabled()
     for tensor in tensors:
-        what = _differentiated_by(tensor, kinds) if isinstance(tensor, Tensor) else None
+        what = _differentiated_by(tensor, kinds, grad_enabled) if isinstance(tensor, Tensor) else None
         if what is not None:
             raise _unsupported_autodiff(what)
 
@@ -752,9 +755,10 @@ def refuse_forward_ad(tensors: tuple) -> None:
         raise _unsupported_autodiff("forward-mode AD (dual tensors or torch.func.jvp)")
 
 
-def _differentiated_by(tensor: Tensor, kinds: dict) -> str | None:
+def _differentiated_by(tensor: Tensor, kinds: dict, grad_enabled: bool = True) -> str | None:
     """The differentiating functorch transform that tracks ``tensor`` at some level of its wrappers, named for
-    the error, or None. A grad level tracks a wrapper that requires grad; a jvp level one with a tangent, which
+    the error, or None. A grad level tracks a wrapper that requires grad, with grad mode on; a jvp level one with
+    a tangent, which
     can be read only where no grad or jvp level sits above it (a closure into an inner torch.func.grad hides
     it: a jvp over such a loss gave a tangent of 0), so otherwise any wrapper of a jvp level counts."""
     functorch = torch._C._functorch
@@ -763,7 +767,7 @@ def _differentiated_by(tensor: Tensor, kinds: dict) -> str | None:
     while functorch.is_functorch_wrapped_tensor(tensor):
         level = functorch.maybe_get_level(tensor)
         kind = kinds.get(level)
-        if kind == transform.Grad and tensor.requires_grad:
+        if kind == transform.Grad and tensor.requires_grad and grad_enabled:
             return "torch.func.grad, vjp and jacrev"
         if kind == transform.Jvp:
             hidden = any(k in differentiating for above, k in kinds.items() if above > level)

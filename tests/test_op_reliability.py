@@ -292,6 +292,41 @@ def test_func_transforms_over_other_tensors_let_the_loss_run():
         tf.grad(lambda p: fused_linear_cross_entropy(x * p.sum(), w, t))(a)
 
 
+def test_the_loss_under_no_grad_inside_func_grad_runs_as_a_constant():
+    """Under no_grad no grad level records the op, inner or outer, so inside torch.func.grad the loss is a
+    constant, as the unfused loss is there (an eval metric in a functional training step); it was refused.
+    Forward-mode AD ignores no_grad, so jvp is still refused."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+
+    def scored(h, loss_of):
+        with torch.no_grad():
+            loss = loss_of(h)
+        return (h * h).sum() + loss
+
+    for kwargs in ({}, {"reduction": "none"}, {"config": {"strategy": "recompute"}}):
+        def ours(h, kwargs=kwargs):
+            loss = fused_linear_cross_entropy(h, w, t, **kwargs)
+            return loss.sum() if loss.dim() else loss
+
+        grad, value = tf.grad_and_value(lambda h: scored(h, ours))(x)
+        torch.testing.assert_close(grad, 2 * x)
+        expected = reference_loss(x, w, t, **{k: v for k, v in kwargs.items() if k == "reduction"})
+        torch.testing.assert_close(value, (x * x).sum() + expected.sum())
+
+    def nested(wp):  # an outer grad over the weight, the loss under no_grad inside an inner grad
+        def inner(h):
+            with torch.no_grad():
+                loss = fused_linear_cross_entropy(h, wp, t)
+            return (h * h).sum() + loss
+        return tf.grad_and_value(inner)(x)[1]
+
+    assert float(tf.grad(nested)(w).abs().sum()) == 0.0  # (as eager's)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        tf.jvp(lambda h: scored(h, lambda a: fused_linear_cross_entropy(a, w, t)), (x,), (torch.ones_like(x),))
+
+
 @pytest.mark.parametrize("case", ["jvp_over_inner_grad", "jacfwd_over_inner_grad", "jvp_over_inner_vjp",
                                   "jvp_option", "dual_option"])
 def test_transforms_that_reach_the_loss_another_way_raise(case):
