@@ -758,9 +758,9 @@ def refuse_forward_ad(tensors: tuple) -> None:
 def _differentiated_by(tensor: Tensor, kinds: dict, grad_enabled: bool = True) -> str | None:
     """The differentiating functorch transform that tracks ``tensor`` at some level of its wrappers, named for
     the error, or None. A grad level tracks a wrapper that requires grad, with grad mode on; a jvp level one with
-    a tangent, which
-    can be read only where no grad or jvp level sits above it (a closure into an inner torch.func.grad hides
-    it: a jvp over such a loss gave a tangent of 0), so otherwise any wrapper of a jvp level counts."""
+    a tangent, which can be read only where no grad or jvp level sits above it (a closure into an inner
+    torch.func.grad hides it: a jvp over such a loss gave a tangent of 0), so otherwise any wrapper of a jvp level
+    counts."""
     functorch = torch._C._functorch
     transform = functorch.TransformType
     differentiating = (transform.Grad, transform.Jvp)

@@ -479,9 +479,10 @@ def _run_chunks(
     ce_step = _ce_step(config)
     if weight_sum is None:
         weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
-    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows,
-                          *(kept_out.unbind(0) if kept_out is not None else (None, None)),
-                          *(kept_in.unbind(0) if kept_in is not None else (None, None)))
+    lse_rows, target_z_rows = kept_out.unbind(0) if kept_out is not None else (None, None)
+    lse_in, target_z_in = kept_in.unbind(0) if kept_in is not None else (None, None)
+    step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, target_z_rows,
+                          lse_in, target_z_in)
     chunk = max(1, min(config.chunk_tokens, n))
     # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
     # stream switch, two events and a second chunk buffer would be pure cost.
