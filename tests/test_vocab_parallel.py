@@ -383,15 +383,14 @@ CONFIDENT = [(reduction, margin, block) for reduction in ("mean", "none") for ma
              for block in (16, 12)]
 
 
-def _confident_inputs(margin: float):
+def _confident_inputs(margin: float, n: int = 256, h: int = 32, v: int = 64, device: str = "cpu"):
     """Unit-norm weight rows and hidden states ``margin`` along their target's row (as test_op_reliability's
-    confident rows), n = 256, h = 32, V = 64."""
-    g = torch.Generator().manual_seed(int(margin))
-    n, h, v = 256, 32, 64
-    w = torch.randn(v, h, generator=g)
+    confident rows), drawn on ``device`` from a generator seeded with the margin."""
+    g = torch.Generator(device=device).manual_seed(int(margin))
+    w = torch.randn(v, h, device=device, generator=g)
     w = w / w.norm(dim=1, keepdim=True)
-    t = torch.randint(0, v, (n,), generator=g)
-    return w[t] * margin + torch.randn(n, h, generator=g) * 0.1, w, t
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    return w[t] * margin + torch.randn(n, h, device=device, generator=g) * 0.1, w, t
 
 
 def _run_confident(rank: int, world: int, group) -> dict:
@@ -862,12 +861,7 @@ def _confident_gpu_inputs(shape: str, margin: float):
     1000 round the logits apart from forward's one GEMM (the review's case, 2026-12-04)."""
     if shape == "small":
         return (a.cuda() for a in _confident_inputs(margin))
-    g = torch.Generator(device="cuda").manual_seed(int(margin))
-    n, h, v = 2048, 1024, 16384
-    w = torch.randn(v, h, device="cuda", generator=g)
-    w = w / w.norm(dim=1, keepdim=True)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    return w[t] * margin + torch.randn(n, h, device="cuda", generator=g) * 0.1, w, t
+    return _confident_inputs(margin, 2048, 1024, 16384, device="cuda")
 
 
 @pytest.mark.gpu
