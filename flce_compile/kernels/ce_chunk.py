@@ -314,9 +314,11 @@ def ce_chunk_kernel(
     weight_sum = tl.load(weight_sum_ptr)
     smooth_per_class = label_smoothing / num_classes
 
+    if WRITE_LOSS or WRITE_TARGET_Z:  # the target's z: the loss's, and the one a recomputing backward keeps
+        z_y, _t = _transform(tl.load(row_ptr + safe_target), logit_scale, softcap, HAS_SOFTCAP, SCALED)
+    if (WRITE_LSE and not HAS_LSE_IN) or WRITE_STATS:  # max + log(sum) in fp64: an fp64 output keeps it unrounded
+        lse_exact = running_max.to(tl.float64) + log_sum.to(tl.float64)
     if WRITE_LOSS:
-        raw_y = tl.load(row_ptr + safe_target)
-        z_y, _t = _transform(raw_y, logit_scale, softcap, HAS_SOFTCAP, SCALED)
         # lse - z_y as (max - z_y) + log(sum): no rounding of lse at the logits' magnitude (a confident row's
         # loss is far below it)
         if HAS_LSE_IN:
@@ -336,16 +338,14 @@ def ce_chunk_kernel(
         if HAS_LSE_IN:
             tl.store(lse_out_ptr + row, lse)
         else:
-            tl.store(lse_out_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
+            tl.store(lse_out_ptr + row, lse_exact)
     if WRITE_TARGET_Z:  # the target's z, for a backward that recomputes the logits (a whole row: ``CEStepArgs``)
-        z_kept, _t = _transform(tl.load(row_ptr + safe_target), logit_scale, softcap, HAS_SOFTCAP, SCALED)
-        tl.store(target_z_out_ptr + row, z_kept)
+        tl.store(target_z_out_ptr + row, z_y)
     if WRITE_STATS:
         here = (target_col >= 0) & (target_col < vocab)
         raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))
         z_t, _t = _transform(raw_t, logit_scale, softcap, HAS_SOFTCAP, SCALED)
-        # (max + log(sum) in fp64, as the kept lse: an fp64 output keeps it unrounded)
-        tl.store(stats_ptr + row, running_max.to(tl.float64) + log_sum.to(tl.float64))
+        tl.store(stats_ptr + row, lse_exact)
         tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
         tl.store(stats_ptr + 2 * stats_stride + row, weighted_z)
 
