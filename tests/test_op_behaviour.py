@@ -374,9 +374,10 @@ def test_module_form_and_option_check():
         FusedLinearCrossEntropyLoss(smoothing=0.1)
 
 
-@pytest.mark.parametrize("config", ["", '{"chunk_tokens": 8, "pad_vocab": true}'])
+@pytest.mark.parametrize("config", ["", '{"chunk_tokens": 8, "pad_vocab": true}', '{"pad_vocab": true}'])
 def test_custom_op_is_registered(config):
-    """opcheck, also with pad_vocab (V=40 fp32 pads to 64 rows), whose dW must not be a view of the padding."""
+    """opcheck, also with pad_vocab (V=40 fp32 pads to 64 rows), whose dW must not be a view of the padding: over
+    chunks, and in one chunk (dW's V rows in two GEMMs, ``chunked._DwAccumulator``)."""
     assert hasattr(torch.ops.flce, "fused_linear_cross_entropy")
     assert hasattr(torch.ops.flce, "fused_linear_cross_entropy_backward")
     x, w, t = _inputs()

@@ -69,8 +69,9 @@ def _grads(loss, inputs, grad_out):
 
 
 def check_case(shape_name: str, dtype: torch.dtype, reduction: str, option: str, strategy: str,
-               pad_vocab: bool = False, precision: str = "exact") -> None:
-    x, w, t, b, opts, chunk = make_case(shape_name, dtype, option)
+               pad_vocab: bool = False, precision: str = "exact", chunk: int | None = None) -> None:
+    x, w, t, b, opts, shape_chunk = make_case(shape_name, dtype, option)
+    chunk = chunk or shape_chunk
     leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()] + (
         [b.detach().requires_grad_()] if b is not None else [])
     bias_arg = leaves[2] if b is not None else None
@@ -143,6 +144,15 @@ def test_triton_kernel_shapes(shape_name):
 def test_padded_vocab(strategy, reduction, option):
     """pad_vocab (zero rows appended to the weight, V=123 -> 128) is as exact as eager, bias gradient included."""
     check_case("odd_chunks", torch.bfloat16, reduction, option, strategy, pad_vocab=True)
+
+
+@pytest.mark.parametrize("option", ["plain", "bias", "label_smoothing"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", ["torch", "triton"])
+def test_padded_vocab_one_chunk(strategy, dtype, option):
+    """pad_vocab in one chunk (V=123 pads to 128), where dW's V rows come from two GEMMs, the aligned head and the
+    odd tail (``chunked._DwAccumulator``), with no padded dW: as exact as eager."""
+    check_case("odd_chunks", DTYPES[dtype], "mean", option, strategy, pad_vocab=True, chunk=64)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))

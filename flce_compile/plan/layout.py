@@ -18,6 +18,14 @@ def padded_row_elements(vocab: int, itemsize: int) -> int:
     return per_row // itemsize
 
 
+def aligned_head_rows(vocab: int, itemsize: int) -> int:
+    """The most leading rows of a (V, ...) operand whose count is a multiple of ROW_ALIGN_BYTES of elements: a
+    GEMM over them alone runs at the padded GEMM's speed, with the odd rest in a small GEMM of its own (the
+    single-chunk dW of an odd V, ``chunked._DwAccumulator``)."""
+    per_align = max(1, ROW_ALIGN_BYTES // itemsize)
+    return vocab // per_align * per_align
+
+
 def vocab_needs_padding(vocab: int, itemsize: int) -> bool:
     """Whether ``pad_vocab`` changes anything for this V: its rows are not already a multiple of the padded
     row (GPT-2's 50257 is not; 128256 is)."""

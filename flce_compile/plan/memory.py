@@ -71,8 +71,8 @@ def peak_bytes_expr() -> sympy.Expr:
     dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
     db_accumulator = NEED_DB * V * 4
     # With pad_vocab: the padded weight and bias copies, the padding rows of the dW/db accumulators, and, when dW
-    # accumulates in the weight dtype (acc = 0), the whole padded accumulator next to the unpadded dW it is
-    # copied into at the end.
+    # accumulates over chunks in the weight dtype (acc_in_place = 1), the whole padded accumulator next to the
+    # unpadded dW it is copied into at the end (a single chunk writes dW's V rows straight).
     padding = PAD * (
         row_bytes * H + row_bytes + pad_rows * (NEED_DW * H * (ACC + DW_TMP * S) + NEED_DB * 4)
         + NEED_DW * IN_PLACE * row_bytes * H
@@ -169,7 +169,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         K32: registry.get(config.strategy).fp32_temporaries(softcap),
         BUFFERS: 2 if config.streams and not single_chunk else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
-        IN_PLACE: int(need_dw and not separate_acc),
+        IN_PLACE: int(need_dw and not separate_acc and not (single_chunk and not wide)),
         FP32L: int(wide),
     }
     return int(peak_bytes_expr().subs(values))

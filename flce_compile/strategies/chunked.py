@@ -21,7 +21,7 @@ from ..log import logger
 from ..params import LossParams, math_dtype
 from ..plan import registry
 from ..plan.config import FLCEConfig
-from ..plan.layout import padded_row_elements
+from ..plan.layout import aligned_head_rows, padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
 from . import true_class
@@ -157,21 +157,39 @@ class _DwAccumulator:
     sums ``_run_chunks`` keeps in fp32 to fit them into fp16's range). An fp32 accumulator there
     would only add a V x H fp32 write, its read and a conversion (at GPT-2's 50304 x 768: 385 MB of traffic
     and a launch, in the calls that are bound by the host).
+
+    ``rows``: the vocabulary's V when ``weight`` has pad_vocab's zero rows below it. A single chunk then writes
+    dW's V rows straight, in two GEMMs: the aligned head (``layout.aligned_head_rows``) and the odd tail, each
+    row summed as in one GEMM. At 4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and
+    spared the 45 us copy of V rows out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
     """
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
-                 single_chunk: bool = False) -> None:
+                 single_chunk: bool = False, rows: int | None = None) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype and not single_chunk
+        shape = weight.shape
+        # (head rows, V): the single chunk's two GEMMs, or None for one GEMM over every row of ``weight``
+        self.split = None
+        if single_chunk and rows is not None and rows != shape[0]:
+            self.split = (aligned_head_rows(rows, weight.element_size()), rows)
+            shape = (rows, *shape[1:])
         # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
         # (154 MB in fp32 at GPT-2's 50304 x 768), GPU time and one more launch.
-        self.acc = torch.empty(weight.shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
+        self.acc = torch.empty(shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
         self.written = False
         self.dw_path = dw_path
 
     def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
         first, self.written = not self.written, True
-        if not self.separate:
+        if self.split is not None:  # the V rows of a padded weight, in the aligned head and the odd tail
+            head, rows = self.split
+            for acc, g in ((self.acc[:head], grad_t[:head]), (self.acc[head:], grad_t[head:rows])):
+                if first:
+                    torch.mm(g, x, out=acc)
+                else:
+                    acc.addmm_(g, x)
+        elif not self.separate:
             if first:
                 torch.mm(grad_t, x, out=self.acc)
             else:
@@ -187,10 +205,10 @@ class _DwAccumulator:
 
     def result(self, rows: int) -> torch.Tensor:
         """dW for the first ``rows`` rows (the rest are pad_vocab's zero rows), as a tensor of its own: a view
-        into the padded accumulator would keep the padding alive and is not a valid custom-op output. (The GEMMs
-        keep the padded rows: with only V rows, GPT-2's odd V = 50257 sent the dW GEMM to a slower cuBLAS kernel,
-        GEMMs 1.42 against 1.20 ms per call on an H200, more than the 0.08 ms of copies it saved:
-        ``kernel_breakdown_NVIDIA_H200_dw_rows.md``.)"""
+        into the padded accumulator would keep the padding alive and is not a valid custom-op output. (The chunks'
+        GEMMs keep the padded rows: with only V rows, GPT-2's odd V = 50257 sent the dW GEMM to a slower cuBLAS
+        kernel, GEMMs 1.42 against 1.20 ms per call on an H200, more than the 0.08 ms of copies it saved:
+        ``kernel_breakdown_NVIDIA_H200_dw_rows.md``. A single chunk splits its GEMM instead: ``split``.)"""
         acc = self.summed()
         if self.separate:
             return acc[:rows].to(self.dtype)
@@ -522,7 +540,7 @@ def _run_chunks(
     # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice), nor with ``raw_sums``
     # (fp16: the sums are fitted into fp16's range first, whatever accum_dtype; ``_fit_stored_sums``).
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
-                            single_chunk=chunk >= n and not wide and not raw_sums) if grads.dw else None
+                            single_chunk=chunk >= n and not wide and not raw_sums, rows=vocab) if grads.dw else None
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
     )
