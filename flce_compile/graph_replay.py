@@ -18,7 +18,7 @@ global math settings (``math_settings``). A graph reads the weight where it was 
 makes that the caller's live weight (an optimizer updates it in place, so a training loop keeps one key).
 
 Outputs. The graph writes dX, dW, db and the gradient scale into memory it owns; a call hands out aliases of
-them (the loss is copied out). Autograd adopts a handed-out dW as ``weight.grad``, so backward needs no copy.
+them (the loss goes to a ring of slots, one per replay: ``LossRing``). Autograd adopts a handed-out dW as ``weight.grad``, so backward needs no copy.
 An instance is only replayed when no alias of its outputs is alive anywhere (the storages' use counts, and the
 Python references to their storage objects, are back to what the graph alone holds): a second forward before the
 first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
@@ -194,6 +194,74 @@ def _python_refs(objects: tuple) -> tuple[int, ...]:
     return tuple(map(sys.getrefcount, objects))  # (no Python frame per object: this runs on every call)
 
 
+#: Slots of a forward graph's loss ring: a caller may keep this many losses (a training loop keeps one) before a
+#: slot it still holds comes round, which is then replaced (``LossRing.next_slot``).
+LOSS_SLOTS = 8
+
+
+class LossRing:
+    """Where a forward graph's replays put their losses: ``LOSS_SLOTS`` separate 0-dim tensors, written in turn
+    by a kernel captured at the end of the graph (``kernels.loss_ring``), so that a replayed call hands out the
+    slot its replay wrote instead of launching a copy of the graph's loss (15-20 us of host time on the H200
+    while the graph runs, issue #13). The device counts the replays and picks the slot; the host counts them too
+    (``next_slot``, called once before each replay), so each knows the slot without asking the other.
+
+    A slot still held by anyone when its turn comes (an alias, a view, its storage object: as ``_Graph.free``
+    asks of the outputs) is replaced by a fresh tensor first, its address written into the device's table (one
+    small launch, only then): nothing a caller holds is overwritten. The slots, table and counter are ordinary
+    allocations made before the capture, not the graph's pool."""
+
+    __slots__ = ("slots", "table", "counter", "next")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.slots = [_RingSlot(torch.empty((), dtype=dtype, device=device)) for _ in range(LOSS_SLOTS)]
+        self.table = torch.tensor([s.tensor.data_ptr() for s in self.slots], dtype=torch.int64, device=device)
+        self.counter = torch.zeros((), dtype=torch.int64, device=device)
+        self.next = 0
+        self.store(self.slots[0].tensor)  # compiled and loaded now, not inside the capture (counts reset after it)
+
+    def store(self, loss: torch.Tensor) -> None:
+        """Captured at the end of the forward graph: the loss into the counter's slot, the counter advanced."""
+        from .kernels.loss_ring import store_in_ring  # triton, on first capture only
+
+        dtype = self.slots[0].tensor.dtype
+        if loss.dtype != dtype or loss.dim() != 0:
+            raise RuntimeError(f"the loss ring holds 0-dim {dtype} losses, got {loss.dtype} of shape "
+                               f"{tuple(loss.shape)}")
+        store_in_ring(loss, self.table, self.counter)
+
+    def reset(self) -> None:
+        """After the capture: both counts at 0 (a stand-in capture on the CPU runs the graph's body once)."""
+        self.counter.zero_()
+        self.next = 0
+
+    def next_slot(self) -> torch.Tensor:
+        """The slot the next replay writes (called right before it, once per replay), replaced first if anyone
+        still holds it."""
+        i = self.next
+        self.next = (i + 1) % LOSS_SLOTS
+        slot = self.slots[i]
+        if _storage_uses(slot.storage) != slot.base_uses or sys.getrefcount(slot.storage_object) != slot.base_refs:
+            slot = self.slots[i] = _RingSlot(torch.empty_like(slot.tensor))
+            self.table[i] = slot.tensor.data_ptr()  # on the stream the replay runs on, before it
+        return slot.tensor
+
+
+class _RingSlot:
+    """One slot of a ``LossRing``: the tensor, and what tells whether anyone else holds it (as ``_Graph`` reads
+    its outputs: the storage's use count and its storage object's Python references, taken when only the slot
+    holds them)."""
+
+    __slots__ = ("tensor", "storage_object", "storage", "base_uses", "base_refs")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.storage_object = tensor.untyped_storage()  # made once: it counts as a use from then on
+        self.storage = self.storage_object._cdata
+        self.base_uses = _storage_uses(self.storage)
+        self.base_refs = sys.getrefcount(self.storage_object)
+
+
 @dataclass(repr=False)  # the generated repr would print every element of the outputs' storages
 class _Graph:
     """One captured forward: the graph, its input buffers and its outputs (with their storages' use counts and
@@ -233,6 +301,7 @@ class _Graph:
     run: Callable[[Operands], ForwardResult] | None = None
     bound_at: tuple | None = None  # where the hidden states and targets the graph reads lie
     last_at: tuple | None = None  # where the last call's lay
+    ring: LossRing | None = None  # where each replay's loss goes (the graph's own ``out.loss`` is overwritten)
 
     def __repr__(self) -> str:
         return (f"_Graph(bound_at={self.bound_at}, held_bytes={self.held_bytes}, backwards={self.backwards}, "
@@ -244,7 +313,7 @@ class _Graph:
         instance is never replayed again, and never stays in the cache (its ``free`` would read storages that are
         gone). Its scaling graphs' small pools are not reused: the replacement's take new ones."""
         self.out = self.handed = self.storage_objects = self.x = self.target = self.scale_in = None
-        self.scale_graph = self.direct_graph = None
+        self.scale_graph = self.direct_graph = self.ring = None
 
     def free(self) -> bool:
         """Whether nothing outside holds the outputs (so replaying cannot overwrite anything held)."""
@@ -256,12 +325,12 @@ class _Graph:
         if self.bound_at is None:
             self.x.copy_(x)
             self.target.copy_(target)
+        loss = self.ring.next_slot()
         self.graph.replay()
         out = self.out
         grad_scale = _alias(out.grad_scale)
         grad_scale._flce_graph = self  # how backward finds the graph that owns these outputs (``scaled_by_graph``)
-        return ForwardResult(out.loss.clone(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None,
-                             grad_scale)
+        return ForwardResult(loss.detach(), None, _alias(out.dx), _alias(out.dw), _alias(out.db), None, grad_scale)
 
     def replay_unbiased(self, x: torch.Tensor, target: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -271,10 +340,11 @@ class _Graph:
         if self.bound_at is None:
             self.x.copy_(x)
             self.target.copy_(target)
+        loss = self.ring.next_slot()
         self.graph.replay()
         out = self.out
         dx, dw = out.dx, out.dw
-        return (out.loss.clone(), dx.detach() if dx is not None else None, dw.detach() if dw is not None else None,
+        return (loss.detach(), dx.detach() if dx is not None else None, dw.detach() if dw is not None else None,
                 out.grad_scale.detach())
 
     def scale_grads(self, grad_output: torch.Tensor, scale: Callable[[tuple, torch.Tensor, torch.Tensor], None]
@@ -869,8 +939,16 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
         x, target = torch.empty_like(ops.x), torch.empty_like(ops.target)
         static = dataclasses.replace(ops, x=x, target=target)
     pool = pool_of.graph.pool() if pool_of is not None else None
+    ring = LossRing(ops.x.device, torch.float32)  # (graphs take bf16/fp16/fp32 inputs: an fp32 loss)
+
+    def body() -> ForwardResult:
+        result = run(static)
+        ring.store(result.loss)
+        return result
+
     with torch.no_grad():  # a shortcut captures again outside the op's autograd Function
-        graph, out, pool_bytes = _captured(lambda: run(static), ops.x.device, stream, pool=pool)
+        graph, out, pool_bytes = _captured(body, ops.x.device, stream, pool=pool)
+    ring.reset()
     if pool_of is not None:
         pool_bytes += pool_of.pool_bytes
     if out.lse is not None or out.logits is not None:
@@ -882,7 +960,7 @@ def _capture(ops: Operands, run: Callable[[Operands], ForwardResult], stream: An
     at = _addresses(ops.x, ops.target)
     g = _Graph(graph, x, target, out, handed, storages, tuple(map(_storage_uses, storages)), storage_objects, (),
                pool_bytes + buffers, pool_bytes=pool_bytes, target_dtype=ops.target.dtype, run=run,
-               bound_at=at if bind else None, last_at=at)
+               bound_at=at if bind else None, last_at=at, ring=ring)
     g.base_refs = _python_refs(g.storage_objects)  # read as ``free`` reads them, from where it reads them
     return g
 

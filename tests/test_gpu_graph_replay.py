@@ -170,6 +170,27 @@ def test_outputs_held_by_the_caller_are_never_overwritten():
     assert torch.equal(w.grad, w_ref.grad)
 
 
+def test_every_kept_loss_keeps_its_value_past_the_loss_rings_length():
+    """A loop that keeps each step's loss (for a later mean) past ``LOSS_SLOTS`` steps: the ring's held slots are
+    swapped for fresh ones on the device's table, and every kept loss is the uncaptured op's, bit for bit. A loop
+    that keeps only the last loss reads its losses from slots the kernel wrote (not the graph's own loss)."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    batches = [_inputs(s)[::2] for s in range(1, 3 * graph_replay.LOSS_SLOTS)]
+    kept = []
+    for x, t in batches:
+        loss = fused_linear_cross_entropy(x, w, t)
+        loss.backward()
+        w.grad = None
+        kept.append(loss.detach())
+    (instance,) = [g for graphs in graph_replay._cache.graphs.values() for g in graphs]
+    assert kept[-1].data_ptr() in {slot.tensor.data_ptr() for slot in instance.ring.slots}
+    assert kept[-1].data_ptr() != instance.out.loss.data_ptr()
+    set_cuda_graphs("off")
+    for loss, (x, t) in zip(kept, batches):
+        assert torch.equal(loss, fused_linear_cross_entropy(x, w.detach(), t))
+
+
 def test_no_replay_inside_a_callers_capture():
     x, w, t = _inputs(0, n=1024)
     args = (x, w, t)

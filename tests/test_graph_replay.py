@@ -119,6 +119,55 @@ def test_a_kept_storage_object_alone_holds_the_outputs(cpu_graphs):
         assert torch.empty(0).set_(storage, 0, dw.shape).equal(dw)  # nothing kept was overwritten
 
 
+def _ring_of_the_only_graph():
+    (instance,) = [g for graphs in graph_replay._cache.graphs.values() for g in graphs]
+    return instance.ring
+
+
+def test_losses_come_from_the_ring_and_a_loop_keeping_one_replaces_no_slot(cpu_graphs):
+    """A replayed call hands out the ring slot its replay wrote (no copy of the graph's loss); a loop that keeps
+    only its last loss never finds a slot held when the slot's turn comes back."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    loss = None
+    steps = 3 * graph_replay.LOSS_SLOTS
+    for seed in range(steps):
+        x, _, t = _inputs(seed + 1)
+        loss = fused_linear_cross_entropy(x, w, t)  # the last step's loss is still held here, as in a loop
+        loss.backward()
+        w.grad = None
+        if seed == 2:
+            ring = _ring_of_the_only_graph()
+            first_slots = [slot.tensor for slot in ring.slots]
+    ring = _ring_of_the_only_graph()
+    assert [slot.tensor for slot in ring.slots] == first_slots  # (identity: no slot replaced)
+    assert loss.data_ptr() in {slot.tensor.data_ptr() for slot in ring.slots}  # a slot, not a copy of one
+    set_cuda_graphs("off")
+    x, _, t = _inputs(steps)
+    torch.testing.assert_close(loss.detach(), fused_linear_cross_entropy(x, w.detach(), t), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keep", ["tensor", "storage object"])
+def test_kept_losses_are_never_overwritten_when_their_slot_comes_round(cpu_graphs, keep):
+    """Keeping every loss (a list for a later mean), or only a loss's storage object, past the ring's length: the
+    held slots are replaced before their turn, and every kept value is the uncaptured op's."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    kept, inputs = [], []
+    for seed in range(3 * graph_replay.LOSS_SLOTS):
+        x, _, t = _inputs(seed + 1)
+        loss = fused_linear_cross_entropy(x, w, t)
+        loss.backward()
+        w.grad = None
+        kept.append(loss.detach() if keep == "tensor" else loss.untyped_storage())
+        inputs.append((x, t))
+        del loss
+    set_cuda_graphs("off")
+    for held, (x, t) in zip(kept, inputs):
+        value = held if keep == "tensor" else torch.empty(0).set_(held, 0, ())
+        torch.testing.assert_close(value, fused_linear_cross_entropy(x, w.detach(), t), rtol=0, atol=0)
+
+
 def test_a_new_weight_is_a_new_key(cpu_graphs):
     x, w, t = _inputs(0)
     for _ in range(2):
