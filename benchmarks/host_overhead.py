@@ -23,7 +23,8 @@ fp32 logits), compile (that, torch.compile'd), flce-in-compile (our op called in
 flce-backend (eager's code compiled with backend="flce", which rewrites it into our op), unless
 --no-reduce-overhead on CUDA the compiled ones with mode="reduce-overhead" (Inductor's CUDA graphs), and
 autograd-floor: an autograd.Function that only replays a one-node CUDA graph each way and hands out a copied loss
-and ready gradients, as a replayed call of our op does (``_FloorFunction``): the least any op called through
+and ready gradients, as a replayed call of our op did until its loss ring (867a23f; kept so that the runs compare
+across sessions; ``_FloorFunction``): the least any op called through
 torch's autograd pays on this host, in the same turns; and (CUDA) autograd-floor-busy: the same Function whose
 forward graph also keeps the GPU busy, with one sleep kernel, as long as one call of our op keeps it (no memory
 traffic, one node): the least any op with our op's GPU time pays. On the lent H200's host a call costs more while
@@ -585,8 +586,9 @@ def table(result: dict[str, Any]) -> str:
                   "differs between machine starts, and this ratio reads the target apart from it."]
     if "autograd-floor" in result["timings"]:
         lines += ["", "autograd-floor: an autograd.Function that replays a one-node graph in forward and in backward, "
-                  "and hands out a copied loss and ready gradients, as a replayed call of our op does: the least an "
-                  "op called through torch's autograd costs this host."]
+                  "and hands out a copied loss and ready gradients, as a replayed call of our op did until its loss "
+                  "ring (it hands out a slot the graph wrote, with no copy): the least an op called through torch's "
+                  "autograd costs this host."]
     if "autograd-floor-busy" in result["timings"]:
         lines += ["", "autograd-floor-busy: the same, its forward graph also sleeping on the GPU as long as one call "
                   "of our op keeps the GPU busy (one kernel, no memory traffic; its e2e column shows the match): the "
