@@ -18,7 +18,8 @@ global math settings (``math_settings``). A graph reads the weight where it was 
 makes that the caller's live weight (an optimizer updates it in place, so a training loop keeps one key).
 
 Outputs. The graph writes dX, dW, db and the gradient scale into memory it owns; a call hands out aliases of
-them (the loss goes to a ring of slots, one per replay: ``LossRing``). Autograd adopts a handed-out dW as ``weight.grad``, so backward needs no copy.
+them, and the slot of a ring its replay wrote the loss into (``LossRing``). Autograd adopts a handed-out dW as
+``weight.grad``, so backward needs no copy.
 An instance is only replayed when no alias of its outputs is alive anywhere (the storages' use counts, and the
 Python references to their storage objects, are back to what the graph alone holds): a second forward before the
 first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
