@@ -24,7 +24,8 @@ An instance is only replayed when no alias of its outputs is alive anywhere (the
 Python references to their storage objects, are back to what the graph alone holds): a second forward before the
 first one's backward, or gradients kept across micro-batches, captures a second instance (``MAX_INSTANCES``),
 and beyond that a call runs uncaptured. Nothing a caller holds is ever overwritten. As with the caching
-allocator, a consumer on another stream must be ordered after its own use before it drops the tensor. A capture
+allocator, a consumer on another stream must be ordered after its own use before it drops the tensor; for these
+outputs ``record_stream`` does not do it (a dropped loss goes back to the ring, not to the allocator). A capture
 (the forward's, once per key and instance and again when its inputs settle or move; the backward scaling's, a few
 times per instance) puts torch's default CUDA generator into capture mode while it lasts: another thread drawing
 CUDA random numbers in that moment gets an error from torch ("off" avoids it: then nothing is captured, in forward
@@ -205,7 +206,7 @@ class LossRing:
     by a kernel captured at the end of the graph (``kernels.loss_ring``), so that a replayed call hands out the
     slot its replay wrote instead of launching a copy of the graph's loss (15-20 us of host time on the H200
     while the graph runs, issue #13). The device counts the replays and picks the slot; the host counts them too
-    (``next_slot``, called once before each replay), so each knows the slot without asking the other.
+    (``next_slot`` before each replay, ``replayed`` after it), so each knows the slot without asking the other.
 
     A slot still held by anyone when its turn comes (an alias, a view, its storage object: as ``_Graph.free``
     asks of the outputs) is replaced by a fresh tensor first, its address written into the device's table (one
@@ -237,15 +238,21 @@ class LossRing:
         self.next = 0
 
     def next_slot(self) -> torch.Tensor:
-        """The slot the next replay writes (called right before it, once per replay), replaced first if anyone
-        still holds it."""
+        """The slot the next replay writes (called right before it), replaced first if anyone still holds it.
+        Counted only by ``replayed``: a call that fails before its replay ran (an out-of-memory error for the fresh
+        slot, say) leaves both counts where they were, and the table and the host's slot agree whichever step
+        raised (the fresh slot is the host's only once the table holds it)."""
         i = self.next
-        self.next = (i + 1) % LOSS_SLOTS
         slot = self.slots[i]
         if _storage_uses(slot.storage) != slot.base_uses or sys.getrefcount(slot.storage_object) != slot.base_refs:
-            slot = self.slots[i] = _RingSlot(torch.empty_like(slot.tensor))
-            self.table[i] = slot.tensor.data_ptr()  # on the stream the replay runs on, before it
+            fresh = _RingSlot(torch.empty_like(slot.tensor))
+            self.table[i] = fresh.tensor.data_ptr()  # on the stream the replay runs on, before it
+            slot = self.slots[i] = fresh
         return slot.tensor
+
+    def replayed(self) -> None:
+        """After a replay ran: the device's counter moved on, and so does the host's."""
+        self.next = (self.next + 1) % LOSS_SLOTS
 
 
 class _RingSlot:
@@ -328,6 +335,7 @@ class _Graph:
             self.target.copy_(target)
         loss = self.ring.next_slot()
         self.graph.replay()
+        self.ring.replayed()
         out = self.out
         grad_scale = _alias(out.grad_scale)
         grad_scale._flce_graph = self  # how backward finds the graph that owns these outputs (``scaled_by_graph``)
@@ -343,6 +351,7 @@ class _Graph:
             self.target.copy_(target)
         loss = self.ring.next_slot()
         self.graph.replay()
+        self.ring.replayed()
         out = self.out
         dx, dw = out.dx, out.dw
         return (loss.detach(), dx.detach() if dx is not None else None, dw.detach() if dw is not None else None,

@@ -140,7 +140,7 @@ def test_losses_come_from_the_ring_and_a_loop_keeping_one_replaces_no_slot(cpu_g
             ring = _ring_of_the_only_graph()
             first_slots = [slot.tensor for slot in ring.slots]
     ring = _ring_of_the_only_graph()
-    assert [slot.tensor for slot in ring.slots] == first_slots  # (identity: no slot replaced)
+    assert all(slot.tensor is first for slot, first in zip(ring.slots, first_slots))  # no slot replaced
     assert loss.data_ptr() in {slot.tensor.data_ptr() for slot in ring.slots}  # a slot, not a copy of one
     set_cuda_graphs("off")
     x, _, t = _inputs(steps)
@@ -166,6 +166,42 @@ def test_kept_losses_are_never_overwritten_when_their_slot_comes_round(cpu_graph
     for held, (x, t) in zip(kept, inputs):
         value = held if keep == "tensor" else torch.empty(0).set_(held, 0, ())
         torch.testing.assert_close(value, fused_linear_cross_entropy(x, w.detach(), t), rtol=0, atol=0)
+
+
+def test_a_slot_swap_that_fails_leaves_the_ring_in_step(cpu_graphs, monkeypatch):
+    """A fresh slot that cannot be allocated (an out-of-memory error) fails that call before its replay; a loop
+    that skips the batch and goes on keeps every later loss right, and no kept loss is overwritten: the host's
+    count and the device's stay together."""
+    _, w, _ = _inputs(0)
+    w.requires_grad_()
+    real_slot, failing = graph_replay._RingSlot, [False]
+
+    def slot(tensor):
+        if failing[0]:
+            failing[0] = False
+            raise torch.OutOfMemoryError("a stand-in for the allocator's")
+        return real_slot(tensor)
+
+    monkeypatch.setattr(graph_replay, "_RingSlot", slot)
+    kept, inputs, failed = [], [], 0
+    for seed in range(3 * graph_replay.LOSS_SLOTS):
+        x, _, t = _inputs(seed + 1)
+        failing[0] = seed == graph_replay.LOSS_SLOTS + 4  # slots are held (all losses kept): this call swaps one
+        try:
+            loss = fused_linear_cross_entropy(x, w, t)
+        except torch.OutOfMemoryError:
+            failed += 1
+            continue
+        loss.backward()
+        w.grad = None
+        kept.append(loss.detach())
+        inputs.append((x, t))
+    assert failed == 1
+    (instance,) = [g for graphs in graph_replay._cache.graphs.values() for g in graphs]
+    assert instance.ring.next == int(instance.ring.counter) % graph_replay.LOSS_SLOTS
+    set_cuda_graphs("off")
+    for held, (x, t) in zip(kept, inputs):
+        torch.testing.assert_close(held, fused_linear_cross_entropy(x, w.detach(), t), rtol=0, atol=0)
 
 
 def test_a_new_weight_is_a_new_key(cpu_graphs):

@@ -149,10 +149,12 @@ def test_padded_vocab(strategy, reduction, option):
 @pytest.mark.parametrize("option", ["plain", "bias", "label_smoothing"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["torch", "triton"])
-def test_padded_vocab_one_chunk(strategy, dtype, option):
-    """pad_vocab in one chunk (V=123 pads to 128), where dW's V rows come from two GEMMs, the aligned head and the
-    odd tail (``chunked._DwAccumulator``), with no padded dW: as exact as eager."""
-    check_case("odd_chunks", DTYPES[dtype], "mean", option, strategy, pad_vocab=True, chunk=64)
+@pytest.mark.parametrize("shape_name", ["odd_chunks", "noncontig"])
+def test_padded_vocab_one_chunk(shape_name, strategy, dtype, option):
+    """pad_vocab in one chunk, where dW's V rows come from two GEMMs, the aligned head and the odd tail
+    (``chunked._DwAccumulator``), with no padded dW: as exact as eager. V=123 pads to 128 (a head of 64 bf16
+    rows, 96 fp32); V=50 to 64 (a head of 32 fp32 rows; in bf16 no head, all of it tail)."""
+    check_case(shape_name, DTYPES[dtype], "mean", option, strategy, pad_vocab=True, chunk=64)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
