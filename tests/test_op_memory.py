@@ -97,6 +97,34 @@ def test_one_chunk_keeps_no_fp32_dw_sums():
                                                                                    torch.bfloat16)
 
 
+def test_one_chunk_over_a_padded_vocabulary_holds_no_padded_dw():
+    """pad_vocab in one chunk writes dW's V rows straight (``chunked._DwAccumulator``): the padding costs the peak
+    the zero-padded weight copy and the wider chunk, not also a padded dW beside the dW copied out of it; dW is
+    the same either way. (Few tokens and a wide H, so that the end of the call, where the old code held both, is
+    the peak.)"""
+    n, h, v = 16, 512, 8193
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    peaks, grads = {}, {}
+    for pad in (False, True):
+        config = FLCEConfig(strategy="torch", chunk_tokens=n, pad_vocab=pad)
+
+        def step():
+            fused_linear_cross_entropy(x, w, t, config=config).backward()
+
+        step()
+        x.grad = w.grad = None
+        peaks[pad] = cpu_peak_bytes(step)
+        grads[pad] = w.grad
+        x.grad = w.grad = None
+    vp = padded_row_elements(v, 2)
+    weight_copy, wider_chunk = vp * h * 2, n * (vp - v) * (2 + 4)  # (the chunk and the CE step's fp32 rows)
+    assert peaks[True] - peaks[False] <= weight_copy + wider_chunk + 64 * 1024
+    assert torch.equal(grads[True], grads[False])
+
+
 @pytest.mark.parametrize("in_place, softcap, dtype", [
     (True, 0.0, torch.float32), (False, 0.0, torch.float32), (True, 30.0, torch.float32),
     (False, 0.0, torch.bfloat16),
