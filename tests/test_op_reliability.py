@@ -739,6 +739,25 @@ def test_classes_masked_through_the_bias(strategy, masked):
     torch.testing.assert_close(x.grad, xr.grad)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_a_row_holding_a_plus_inf_logit_is_nan_as_in_eager(strategy, label_smoothing):
+    """A row whose logits hold +inf has no softmax: its loss is nan, as eager's log_softmax gives it, on both
+    strategies (the torch step took torch.logsumexp's +inf and gave inf, where the kernel gave nan). The other
+    rows, which hold -inf in that class, keep eager's finite losses."""
+    x, w, t = _inputs()
+    w[5, 0] = math.inf
+    x[:, 0] = -1.0
+    x[3, 0] = 1.0  # row 3: +inf at class 5; the others -inf there
+    t = torch.where(t == 5, 6, t)
+    ours = fused_linear_cross_entropy(x, w, t, config=_config(strategy), reduction="none",
+                                      label_smoothing=label_smoothing)
+    eager = F.cross_entropy(F.linear(x, w), t, reduction="none", label_smoothing=label_smoothing)
+    assert torch.equal(torch.isnan(ours), torch.isnan(eager)) and bool(torch.isnan(eager[3]))
+    keep = ~torch.isnan(eager)
+    torch.testing.assert_close(ours[keep], eager[keep])
+
+
 # -- cuBLAS reduction flags -------------------------------------------------------------------------------------
 
 

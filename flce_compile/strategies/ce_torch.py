@@ -121,11 +121,14 @@ def _work_buffer(args: CEStepArgs) -> torch.Tensor:
 def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's sum of exp(z - rowmax) and its lse
     in fp64, max + log(sum) unrounded.
-    As torch.logsumexp and the old exp(z - lse): a row of -inf gets lse -inf; a row holding +inf gets lse +inf,
-    nan where z is +inf and 0 elsewhere (its shift is the largest finite value, so finite z do not overflow)."""
+    A row of -inf gets lse -inf. A row holding +inf has no softmax: its sum, and so its lse, loss and
+    probabilities, is nan, as eager's log_softmax and the Triton kernel give it (torch.logsumexp's +inf gave
+    this step a loss of inf there: the same call read inf on the CPU and nan on a GPU). Its shift is the largest
+    finite value, so finite z do not overflow."""
     peak = z.amax(dim=1)
     shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
     sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
+    sums.masked_fill_(peak == float("inf"), float("nan"))
     return sums, sums.log().double().add_(shift.double())
 
 
