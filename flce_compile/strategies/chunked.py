@@ -182,13 +182,10 @@ class _DwAccumulator:
 
     def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
         first, self.written = not self.written, True
-        if self.split is not None:  # the V rows of a padded weight, in the aligned head and the odd tail
+        if self.split is not None:  # one chunk, one call: the V rows of a padded weight, aligned head and odd tail
             head, rows = self.split
-            for acc, g in ((self.acc[:head], grad_t[:head]), (self.acc[head:], grad_t[head:rows])):
-                if first:
-                    torch.mm(g, x, out=acc)
-                else:
-                    acc.addmm_(g, x)
+            torch.mm(grad_t[:head], x, out=self.acc[:head])
+            torch.mm(grad_t[head:rows], x, out=self.acc[head:])
         elif not self.separate:
             if first:
                 torch.mm(grad_t, x, out=self.acc)
