@@ -145,8 +145,8 @@ def time_against_floor(fn, x, w, t, turns: int = 1) -> dict[str, Any]:
     """A variant's ms, peak GB and ratio to the floor, with the floor timed right before the variant in each of
     ``turns`` rounds. Timed once before all of a shape's variants, the floor left torch.compile's ratio (its code
     unchanged) up to 3.3% apart between two commands (at bcd8e04 and a6470cd, 2026-12-04), more than issue #13's
-    targets leave; timings taken back to back are less exposed to the GPU's drift within a command. ms, floor_ms and x_floor are medians over the
-    rounds, x_floor of the rounds' own ratios."""
+    targets leave; timings taken back to back are less exposed to the GPU's drift within a command. ms, floor_ms
+    and x_floor are medians over the rounds, x_floor of the rounds' own ratios."""
     if turns < 1:
         raise ValueError(f"turns={turns} must be at least 1")
     times, floors, ratios, gbs = [], [], [], []
@@ -161,6 +161,22 @@ def time_against_floor(fn, x, w, t, turns: int = 1) -> dict[str, Any]:
     # graphs are keyed on the weight's address, and each round times fresh copies), read as negative extra GB.
     return {"ms": statistics.median(times), "gb": gbs[0], "floor_ms": statistics.median(floors),
             "x_floor": statistics.median(ratios), "turns": turns, "round_ratios": ratios}
+
+
+def time_shape(shape: str, fns: dict[str, Callable], x, w, t, turns: int) -> dict[str, Any]:
+    """One shape's row: each variant against its own floor (``time_against_floor``), an OOM noted as the
+    variant's result; the row's floor_ms is the median of the variants' floors (the table's floor column)."""
+    row: dict[str, Any] = {"shape": shape, "floor_ms": None, "results": {}}
+    for name, fn in fns.items():
+        try:
+            row["results"][name] = time_against_floor(fn, x, w, t, turns)
+        except torch.OutOfMemoryError:
+            row["results"][name] = {"error": "OOM"}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    floors = [r["floor_ms"] for r in row["results"].values() if "floor_ms" in r]
+    row["floor_ms"] = statistics.median(floors) if floors else time_floor(x, w)
+    return row
 
 
 def errors(fns: dict[str, Callable]) -> dict[str, dict[str, float]]:
@@ -223,17 +239,8 @@ def main() -> None:
     for shape in args.shapes:
         n, h, v = (int(s) for s in shape.split("x"))
         x, w, t = make_inputs(n, h, v)
-        row = {"shape": shape, "floor_ms": None, "results": {}}
-        for name, fn in fns.items():
-            if n > args.skip_eager_above and name in ("eager", "torch.compile"):
-                continue
-            try:
-                row["results"][name] = time_against_floor(fn, x, w, t, args.turns)
-            except torch.OutOfMemoryError:
-                row["results"][name] = {"error": "OOM"}
-            torch.cuda.empty_cache()
-        floors = [r["floor_ms"] for r in row["results"].values() if "floor_ms" in r]
-        row["floor_ms"] = statistics.median(floors) if floors else time_floor(x, w)
+        skip = ("eager", "torch.compile") if n > args.skip_eager_above else ()
+        row = time_shape(shape, {k: f for k, f in fns.items() if k not in skip}, x, w, t, args.turns)
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_results(stem, env, list(fns), rows, {})  # after every shape: a cut-short run keeps its rows

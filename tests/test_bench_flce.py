@@ -3,6 +3,9 @@ round (CPU: the GPU timers are replaced by scripted ones)."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 pytest.importorskip("triton")  # bench_flce imports triton.testing
@@ -21,7 +24,8 @@ def _scripted(monkeypatch, floors, variants):
 
     def time_fwd_bwd(fn, x, w, t):
         calls.append("variant")
-        return next(variants), 0.5 if calls.count("variant") == 1 else -0.1  # later rounds: leftovers in the base
+        # Later rounds' GB differs either way (leftovers of earlier rounds in the base): only the first is the call's.
+        return next(variants), 0.5 if calls.count("variant") == 1 else 0.7
 
     monkeypatch.setattr(bench, "time_floor", time_floor)
     monkeypatch.setattr(bench, "time_fwd_bwd", time_fwd_bwd)
@@ -59,3 +63,20 @@ def test_one_turn_is_one_pair(monkeypatch):
 def test_zero_turns_is_an_error_that_names_the_argument():
     with pytest.raises(ValueError, match="turns=0"):
         bench.time_against_floor(None, None, None, None, turns=0)
+
+
+def test_main_passes_the_turns_and_the_row_floor_is_the_median_of_the_variants_floors(tmp_path, monkeypatch):
+    # Three variants, three turns each; each variant's floors read 10, 30 and 20 ms.
+    floors = [10.0] * 3 + [30.0] * 3 + [20.0] * 3
+    _scripted(monkeypatch, floors, [11.0] * 9)
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench_flce.py"))
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "GPU", "torch": "2.x", "triton": "3.x", "date": "today"})
+    monkeypatch.setattr(bench, "make_inputs", lambda n, h, v: (None, None, None))
+    monkeypatch.setattr(sys, "argv", ["bench_flce.py", "--shapes", "8x4x16", "--variants", "flce", "flce-bf16acc",
+                                      "flce-streams", "--turns", "3", "--no-host", "--no-errors", "--tag", "_t"])
+    bench.main()
+    row = json.loads((tmp_path / "results" / "bench_flce_GPU_t.json").read_text())["rows"][0]
+    assert [r["turns"] for r in row["results"].values()] == [3, 3, 3]
+    assert [r["floor_ms"] for r in row["results"].values()] == [10.0, 30.0, 20.0]
+    assert row["floor_ms"] == 20.0  # the median, not the first variant's
