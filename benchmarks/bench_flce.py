@@ -157,8 +157,8 @@ def time_against_floor(fn, x, w, t, turns: int = 1) -> dict[str, Any]:
         floors.append(floor)
         ratios.append(ms / floor)
         gbs.append(gb)
-    # GB of the first round: a later round's base holds what the earlier rounds' calls left cached (flce's CUDA
-    # graphs are keyed on the weight's address, and each round times fresh copies), read as negative extra GB.
+    # GB of the first round: a later round's baseline can hold what earlier rounds left cached (flce's CUDA graphs
+    # of their fresh weight copies, say); a turns run read -0.083 GB from its last round at GPT-2's shape.
     return {"ms": statistics.median(times), "gb": gbs[0], "floor_ms": statistics.median(floors),
             "x_floor": statistics.median(ratios), "turns": turns, "round_ratios": ratios}
 
