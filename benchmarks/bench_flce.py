@@ -172,8 +172,7 @@ def time_shape(shape: str, fns: dict[str, Callable], x, w, t, turns: int) -> dic
             row["results"][name] = time_against_floor(fn, x, w, t, turns)
         except torch.OutOfMemoryError:
             row["results"][name] = {"error": "OOM"}
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     floors = [r["floor_ms"] for r in row["results"].values() if "floor_ms" in r]
     row["floor_ms"] = statistics.median(floors) if floors else time_floor(x, w)
     return row
