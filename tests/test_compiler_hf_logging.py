@@ -41,7 +41,9 @@ def unlisted():
     listed = method in functions
     functions.discard(method)
     yield functions, method
-    (functions.add if listed else functions.discard)(method)
+    functions.discard(method)
+    if listed:
+        functions.add(hf_logging.ListedWarning(method))
 
 
 @needs_listing
@@ -102,7 +104,7 @@ def test_the_backend_imported_before_transformers_and_compiles_in_other_threads(
 
 def test_where_the_warning_is_not_ignored_the_backend_warns_and_explain_names_the_fix(gpt2, caplog, monkeypatch,
                                                                                       unlisted):
-    """Turned off (FLCE_IGNORE_HF_LOSS_WARNING=0, and so under torch 2.11, which cannot list it): the break
+    """Turned off (FLCE_IGNORE_HF_LOSS_WARNING=0, or a torch that cannot list it): the break
     stands, the backend says so at WARNING (once a process; INFO would go unseen), explain names the fix, and with
     the type set the one site is fused."""
     model, ids, labels = gpt2
@@ -153,20 +155,42 @@ def test_explain_leaves_the_compile_start_callback_registered(gpt2):
     assert hf_logging._on_compile_start in hf_logging._start_callbacks()
 
 
+def test_the_listing_survives_what_writes_dynamos_config_out(unlisted):
+    """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics (sorted, as
+    here), and the bound method there made each compile log an error, so GPT-2 kept its break. The listed entry is a
+    string to that writer, to deepcopy (Dynamo copies its config to log it) and to pickle (its plain text), and
+    still equal to the method, so Dynamo's membership test finds it."""
+    import copy
+    import pickle
+
+    functions, method = unlisted
+    assert hf_logging.keep_loss_in_graph() is True
+    listed = next(f for f in functions if f == method)
+    assert isinstance(listed, hf_logging.ListedWarning) and listed is not method
+    assert method in functions and hash(listed) == hash(method) and method == listed and not listed != method
+    written = json.loads(json.dumps(sorted({listed, "another.logger.warning"})))
+    assert written == ["another.logger.warning", f"{hf_logging.HF_LOGGER}.warning_once"]
+    assert copy.deepcopy(functions) == functions and copy.deepcopy(listed) is listed and copy.copy(listed) is listed
+    unpickled = pickle.loads(pickle.dumps(functions, protocol=2))
+    assert unpickled == {str(listed)} and type(next(iter(unpickled))) is str and method not in unpickled
+    assert hf_logging.ListedWarning(method) == listed and listed != hf_logging.ListedWarning(print)
+
+
 def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch, unlisted):
-    """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics, and a
-    method there makes each compile log an error: there nothing is listed, and the set is as it was. A writer that
-    fails for a reason of its own does not count against the listing. The verdict is this torch's: kept, the
-    config not written again on the next compile."""
+    """A torch whose compile metrics cannot write even the listed string (a writer that takes plain strings only,
+    here): nothing is listed, and the set is as it was. A writer that fails for a reason of its own does not count
+    against the listing. The verdict is this torch's: kept, the config not written again on the next compile."""
     from torch._dynamo import utils as dynamo_utils
 
     functions, method = unlisted
     before = set(functions)
     writes = []
 
-    def metrics_json() -> str:  # as 2.11's: a method is no JSON
+    def metrics_json() -> str:  # strict: anything but a plain str is no JSON to it
         writes.append(1)
-        return json.dumps(sorted(functions, key=repr))
+        if any(type(f) is not str for f in functions):
+            raise TypeError("Object of type ListedWarning is not JSON serializable")
+        return json.dumps(sorted(functions))
 
     monkeypatch.setattr(hf_logging, "_metrics_refuse", False)
     monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", metrics_json)

@@ -111,8 +111,9 @@ def meta_value(node: Any) -> Any:
 #: on logging calls unless told to ignore that one (``hf_logging``, which the backend does where torch and
 #: transformers let it); with the type set, the head and the loss share one graph and are fused.
 HF_LOSS_TYPE_HINT = ("when the break is at the warning a Hugging Face causal LM with no loss_type (GPT-2, say) "
-                     "logs in its loss, where Dynamo could not be told to ignore it (torch 2.11, or "
-                     "FLCE_IGNORE_HF_LOSS_WARNING=0), set model.loss_type = 'ForCausalLM' before compiling")
+                     "logs in its loss, where Dynamo could not be told to ignore it "
+                     "(FLCE_IGNORE_HF_LOSS_WARNING=0, or a torch whose compile metrics cannot write the listed "
+                     "warning), set model.loss_type = 'ForCausalLM' before compiling")
 #: Why a scale or softcap read from a Python float blocks fusion under ``dynamic=True``, and the fix: Dynamo
 #: leaves such floats symbolic there, and the pass folds constants only, except a softcap ``c * tanh(s / c)``
 #: on the fused paths, whose ``c`` the op reads at run time (Gemma-2's ``final_logit_softcapping``).
