@@ -56,8 +56,17 @@ def test_gpt2_as_it_comes_is_fused_in_one_graph(gpt2):
         graphs.append(gm)
         return gm.forward
 
-    torch._dynamo.reset()
-    out = torch.compile(model, backend="flce", options={"flce.inner": capture})(input_ids=ids, labels=labels)
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())
+    dynamo_logger = logging.getLogger("torch._dynamo")  # (Dynamo's loggers do not pass records up to the root)
+    dynamo_logger.addHandler(handler)
+    try:
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="flce", options={"flce.inner": capture})(input_ids=ids, labels=labels)
+    finally:
+        dynamo_logger.removeHandler(handler)
+    assert errors == []  # torch 2.11's "Unexpected exception logging compilation metrics" for a listed method
     ref = model(input_ids=ids, labels=labels)
     assert len(graphs) == 1
     assert [n.target for n in graphs[0].graph.nodes].count(flce_fused_loss) == 1
@@ -155,25 +164,37 @@ def test_explain_leaves_the_compile_start_callback_registered(gpt2):
     assert hf_logging._on_compile_start in hf_logging._start_callbacks()
 
 
-def test_the_listing_survives_what_writes_dynamos_config_out(unlisted):
-    """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics (sorted, as
-    here), and the bound method there made each compile log an error, so GPT-2 kept its break. The listed entry is a
-    string to that writer, to deepcopy (Dynamo copies its config to log it) and to pickle (its plain text), and
-    still equal to the method, so Dynamo's membership test finds it."""
+def test_the_listed_warning_is_text_to_the_config_writers_and_the_method_to_dynamo(unlisted):
+    """Torch 2.11 writes the set of ignored logging functions into the JSON of every compile's metrics (sorted), and
+    the bound method there made each compile log an error, so GPT-2 kept its break. The listed entry is a string to
+    that writer (this torch's own, and 2.11's way of writing it), equal to the method, itself under deepcopy (Dynamo
+    copies its config to log it), and the same listing after Dynamo's config is saved and loaded again."""
     import copy
     import pickle
+
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import utils as dynamo_utils
 
     functions, method = unlisted
     assert hf_logging.keep_loss_in_graph() is True
     listed = next(f for f in functions if f == method)
     assert isinstance(listed, hf_logging.ListedWarning) and listed is not method
     assert method in functions and hash(listed) == hash(method) and method == listed and not listed != method
-    written = json.loads(json.dumps(sorted({listed, "another.logger.warning"})))
-    assert written == ["another.logger.warning", f"{hf_logging.HF_LOGGER}.warning_once"]
-    assert copy.deepcopy(functions) == functions and copy.deepcopy(listed) is listed and copy.copy(listed) is listed
-    unpickled = pickle.loads(pickle.dumps(functions, protocol=2))
-    assert unpickled == {str(listed)} and type(next(iter(unpickled))) is str and method not in unpickled
     assert hf_logging.ListedWarning(method) == listed and listed != hf_logging.ListedWarning(print)
+    written = json.loads(json.dumps(sorted({listed, "another.logger.warning"})))  # 2.11's writer
+    assert written == ["another.logger.warning", f"{hf_logging.HF_LOGGER}.warning_once"]
+    if hasattr(dynamo_utils, "_get_dynamo_config_for_logging"):
+        json.loads(dynamo_utils._get_dynamo_config_for_logging())
+    assert copy.deepcopy(functions) == functions and copy.deepcopy(listed) is listed and copy.copy(listed) is listed
+    again = pickle.loads(pickle.dumps(listed, protocol=2))
+    assert type(again) is hf_logging.ListedWarning and again == method and str(again) == str(listed)
+    saved = dynamo_config.save_config()
+    name = next(n for n in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, n))
+    with dynamo_config.patch({name: set()}):  # (restores this thread's set on exit)
+        assert method not in hf_logging._ignored_logging_functions()
+        dynamo_config.load_config(saved)
+        assert method in hf_logging._ignored_logging_functions()
+    assert hf_logging._ignored_logging_functions() is functions
 
 
 def test_nothing_is_listed_where_it_would_break_the_compile_metrics(monkeypatch, unlisted):

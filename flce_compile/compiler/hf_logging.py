@@ -65,8 +65,8 @@ def _ignored_logging_functions() -> set | None:
 class ListedWarning(str):
     """transformers' loss warning as listed in Dynamo's ignored logging functions: hashed as the bound method and
     equal to it, so Dynamo's membership test finds it; a ``str`` (its logger and method name) to the compile
-    metrics' JSON. Copied, it is itself (Dynamo deep-copies its config to log it); pickled (Inductor hands its
-    config to compile workers that way), it is its plain text, which lists nothing there."""
+    metrics' JSON. Copied, it is itself (Dynamo deep-copies its config to log it); pickled (``save_config``), it
+    comes back as a ``ListedWarning`` of the same method, so a config saved and loaded again still lists it."""
 
     method: Any
 
@@ -90,8 +90,8 @@ class ListedWarning(str):
     def __deepcopy__(self, memo: dict) -> "ListedWarning":
         return self
 
-    def __reduce__(self) -> tuple:
-        return str, (str(self),)
+    def __getnewargs__(self) -> tuple:  # (pickle rebuilds it from the method, not from its text)
+        return (self.method,)
 
 
 def _metrics_json_ok() -> bool:
