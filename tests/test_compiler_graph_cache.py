@@ -87,20 +87,24 @@ def test_the_graph_functions_are_marked_cacheable_keyed_on_the_source_and_the_st
     config = torch._inductor.config
     if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
         pytest.skip("this torch has no unsafe_marked_cacheable_functions")
-    monkeypatch.setattr(config, "unsafe_marked_cacheable_functions", {"user.fn": "1"})
-    graph_cache.mark_graph_functions_cacheable()
-    marked = config.unsafe_marked_cacheable_functions
-    names = [f"{fn.__module__}.{fn.__name__}" for fn in graph_cache.GRAPH_FUNCTIONS]
-    key = marked[names[0]]
-    assert marked["user.fn"] == "1"
-    assert {marked[n] for n in names} == {key} and key.startswith(graph_cache.source_key() + "-")
-    recompute = registry.get("recompute")
-    monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "mine": dataclasses.replace(recompute,
-                                                                                                  name="mine")})
-    graph_cache.mark_graph_functions_cacheable()
-    mine_recompute = config.unsafe_marked_cacheable_functions[names[0]]
-    monkeypatch.setitem(registry._REGISTRY, "mine", dataclasses.replace(recompute, name="mine", loop="chunked"))
-    graph_cache.mark_graph_functions_cacheable()
-    mine_chunked = config.unsafe_marked_cacheable_functions[names[0]]
-    assert len({key, mine_recompute, mine_chunked}) == 3
-    assert config.unsafe_marked_cacheable_functions["user.fn"] == "1"
+    # Set through the config's own patch, not monkeypatch: pytest 9.2's undo deletes an attribute that lives
+    # outside the module's __dict__, and torch 2.11's config then hides the setting (every later Inductor
+    # compile in the process failed with "unsafe_marked_cacheable_functions does not exist").
+    with config.patch(unsafe_marked_cacheable_functions={"user.fn": "1"}):
+        graph_cache.mark_graph_functions_cacheable()
+        marked = config.unsafe_marked_cacheable_functions
+        names = [f"{fn.__module__}.{fn.__name__}" for fn in graph_cache.GRAPH_FUNCTIONS]
+        key = marked[names[0]]
+        assert marked["user.fn"] == "1"
+        assert {marked[n] for n in names} == {key} and key.startswith(graph_cache.source_key() + "-")
+        recompute = registry.get("recompute")
+        mine = dataclasses.replace(recompute, name="mine")
+        monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "mine": mine})
+        graph_cache.mark_graph_functions_cacheable()
+        mine_recompute = config.unsafe_marked_cacheable_functions[names[0]]
+        monkeypatch.setitem(registry._REGISTRY, "mine", dataclasses.replace(recompute, name="mine", loop="chunked"))
+        graph_cache.mark_graph_functions_cacheable()
+        mine_chunked = config.unsafe_marked_cacheable_functions[names[0]]
+        assert len({key, mine_recompute, mine_chunked}) == 3
+        assert config.unsafe_marked_cacheable_functions["user.fn"] == "1"
+    assert isinstance(config.unsafe_marked_cacheable_functions, dict)  # still a setting for later compiles
