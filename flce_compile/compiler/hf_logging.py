@@ -19,7 +19,7 @@ imports transformers. ``FLCE_IGNORE_HF_LOSS_WARNING=0`` turns it off (then set t
 
 What is listed is ``ListedWarning``: equal to the bound method (so Dynamo's ``method in ignore_set`` finds it) and a
 string to whatever writes Dynamo's config out. Torch 2.11 puts the set into the JSON it logs for every compile (2.13
-leaves it out), and a method there made each compile log an error: the method itself was not listed there, and
+leaves it out), and a method there made each compile log an error; so nothing was listed there before this, and
 GPT-2 as transformers builds it kept its break (5.73 GB against 1.54 at 16384 tokens on an H200). A torch whose
 metrics cannot write even the string is still left unlisted (``breaks_compile_metrics``), where the break stands
 and the backend's warning and ``explain`` name the fix.
