@@ -95,8 +95,10 @@ class _BigAllocations(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def compiled_models():
-    """One compile per (inner, softcap, extra), shared by the tests."""
-    cache = {}
+    """One compile per (inner, softcap, extra, logits), shared by the tests. Each new compile resets Dynamo, so an
+    earlier model compiles again at its next call: its captured graphs are dropped then, and the tests see one
+    compile's graphs whatever order they run in."""
+    cache, resets = {}, [0]
 
     def get(inner, softcap=None, extra=False, logits="keep"):
         key = (inner, softcap, extra, logits)
@@ -105,9 +107,14 @@ def compiled_models():
             model = LM(softcap, extra)
             cap = _Capture(inner)
             torch._dynamo.reset()
-            cache[key] = (model, torch.compile(model, backend="flce", options={"flce.inner": cap,
-                                                                                "flce.logits": logits}), cap)
-        return cache[key]
+            resets[0] += 1
+            compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": logits})
+            cache[key] = [model, compiled, cap, resets[0]]
+        model, compiled, cap, at = cache[key]
+        if at != resets[0]:  # reset since: the next call traces it again
+            cap.graphs.clear()
+            cache[key][3] = resets[0]
+        return model, compiled, cap
 
     return get
 
