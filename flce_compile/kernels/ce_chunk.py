@@ -198,7 +198,7 @@ def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_f
     The blocks go from the row's end back to its start: the blocks pass 1 read last are the likeliest to be in L2
     still (on an H200, a chunk's step 2-5% faster at each shape's best tile, V = 32000-256000)."""
     residual = 0.0
-    if UNMASKED_BLOCKS:
+    if UNMASKED_BLOCKS:  # the partial last block first, masked; then the whole blocks without a mask
         if vocab_full < vocab:
             residual = _gradient_block(
                 row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, z_target, shift,
@@ -206,20 +206,14 @@ def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_f
                 HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
                 PADDED=PADDED, SCALED=SCALED)
         blocks = vocab_full // BLOCK_V
-        for index in range(0, blocks):
-            residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
-                target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
-                softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
-                EMULATE_BF16_RTNE, MASKED=False, PADDED=False, SCALED=SCALED)
-    else:
+    else:  # every block masked up to width
         blocks = tl.cdiv(width, BLOCK_V)
-        for index in range(0, blocks):
-            residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
-                target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
-                softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
-                EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
+    for index in range(0, blocks):
+        residual = _gradient_block(
+            row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
+            target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
+            softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
+            EMULATE_BF16_RTNE, MASKED=not UNMASKED_BLOCKS, PADDED=PADDED and not UNMASKED_BLOCKS, SCALED=SCALED)
     return residual
 
 
