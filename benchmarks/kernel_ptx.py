@@ -39,10 +39,17 @@ POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64", "c
             "lse_out_ptr": "*fp64", "lse_in_ptr": "*fp64", "target_z_out_ptr": "*fp32", "target_z_in_ptr": "*fp32",
             "stats_ptr": "*fp64", "residual_ptr": "*fp32"}
 FLOATS = ("label_smoothing", "softcap", "logit_scale", "z_loss")
-#: Integer arguments the op passes as multiples of 16 (padded rows), which Triton specializes on.
-ALIGNED = ("stride_row", "grad_stride_row", "width")
 
-LAYOUTS = {"padded": {"PADDED": True}, "odd V": {"UNMASKED_BLOCKS": True}, "V % 16 == 0": {}}
+#: Row layouts: the kernel's flags and the integer arguments of a representative launch (GPT-2's V padded to
+#: 128-byte rows, or unpadded; Llama 3's V). Triton's launcher specializes an integer on its value (a multiple of
+#: 16 is marked divisible, 1 becomes a constant), so these values decide the PTX as much as the flags do.
+LAYOUTS: dict[str, tuple[dict[str, bool], dict[str, int]]] = {
+    "padded": ({"PADDED": True}, {"vocab": 50257, "width": 50272, "stride_row": 50304}),
+    "odd V": ({"UNMASKED_BLOCKS": True}, {"vocab": 50257, "width": 50257, "stride_row": 50257}),
+    "V % 16 == 0": ({}, {"vocab": 128256, "width": 128256, "stride_row": 128256}),
+}
+#: The other integer arguments, as a "mean" call over one chunk of 4096 rows launches them.
+OTHER_INTS = {"class_offset": 0, "ignore_index": -100, "scale_stride": 0, "stats_stride": 4096}
 CASES = {
     "loss + grad": {"WRITE_LOSS": True, "WRITE_GRAD": True},
     "smoothing + class weights": {"WRITE_LOSS": True, "WRITE_GRAD": True, "HAS_SMOOTHING": True,
@@ -75,8 +82,18 @@ def kernel_at(rev: str) -> Path:
     return Path(name)
 
 
-def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> tuple[str, int, int]:
-    """(PTX without its debug sections, registers per thread, spill store bytes) of one launch configuration."""
+def int_arguments(layout: str, block_v: int) -> dict[str, int]:
+    """The integer arguments of a launch in ``layout`` at ``block_v``, as ``ce_step_triton`` passes them."""
+    ints = dict(LAYOUTS[layout][1], **OTHER_INTS)
+    vocab = ints["vocab"]
+    ints.update(grad_stride_row=ints["stride_row"], num_classes=vocab, vocab_full=vocab - vocab % block_v)
+    return ints
+
+
+def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int,
+                     ints: dict[str, int]) -> tuple[str, int, int]:
+    """(PTX without its debug sections, registers per thread, spill store bytes) of one launch configuration.
+    Pointers are 16-byte aligned, as torch allocates them; ``ints`` are specialized as Triton's launcher does."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -84,17 +101,23 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int) ->
 
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    constants = dict(constexprs)
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in POINTERS:
             signature[name] = POINTERS[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        elif ints[name] == 1:  # the launcher makes a 1 a constant
+            signature[name] = "constexpr"
+            constants[name] = 1
         else:
-            signature[name] = "fp32" if name in FLOATS else "i32"
-            if name in ALIGNED:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32),
                               options={"num_warps": num_warps, "num_stages": 1})
     ptx = compiled.asm["ptx"]
@@ -117,7 +140,7 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int) ->
 def launches(names: list[str], layouts: list[str] | None = None,
              cases: list[str] | None = None) -> Iterator[tuple[str, str, dict[str, bool]]]:
     """(layout, case, constexpr flags) for the combinations asked (default all); flags not named are False."""
-    for layout, layout_flags in LAYOUTS.items():
+    for layout, (layout_flags, _ints) in LAYOUTS.items():
         if layouts and layout not in layouts:
             continue
         for case, case_flags in CASES.items():
@@ -149,11 +172,12 @@ def run(tiles: list[tuple[int, int]], against: str | None, layouts: list[str] | 
     for layout, case, flags in launches(names, layouts, cases):
         for block_v, num_warps in tiles:
             constexprs = {**flags, "BLOCK_V": block_v}
-            ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps)
+            ints = int_arguments(layout, block_v)
+            ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps, ints)
             row = {"layout": layout, "case": case, "tile": f"{block_v}:{num_warps}", "registers": registers,
                    "spill_bytes": spills}
             if theirs is not None:
-                row["same_ptx"] = compile_for_sm90(theirs, constexprs, num_warps)[0] == ptx
+                row["same_ptx"] = compile_for_sm90(theirs, constexprs, num_warps, ints)[0] == ptx
             rows.append(row)
     return rows
 

@@ -70,16 +70,34 @@ def test_under_the_interpreter_it_says_to_run_without_it(monkeypatch):
         kernel_ptx.main(ONE)
 
 
-def test_every_flag_of_a_launch_is_a_kernel_constexpr():
+def _kernel_parameters() -> tuple[list[str], list[str]]:
+    """(constexpr flags but BLOCK_V, runtime arguments) of ce_chunk_kernel, read from its source."""
     source = (kernel_ptx.REPO / kernel_ptx.KERNEL).read_text()
-    signature = source[source.index("def ce_chunk_kernel("):]
-    names = [line.strip().split(":")[0] for line in signature.splitlines() if "tl.constexpr" in line]
-    flags = [n for n in names if n != "BLOCK_V"]
+    signature = source[source.index("def ce_chunk_kernel("):source.index("):", source.index("def ce_chunk_kernel("))]
+    names = [line.strip().rstrip(",") for line in signature.splitlines()[1:] if line.strip()]
+    flags = [n.split(":")[0] for n in names if "tl.constexpr" in n and not n.startswith("BLOCK_V")]
+    return flags, [n for n in names if ":" not in n]
+
+
+def test_every_flag_of_a_launch_is_a_kernel_constexpr():
+    flags, _arguments = _kernel_parameters()
     assert len(flags) > 10
     for _layout, _case, launch in kernel_ptx.launches(flags):
         assert set(launch) == set(flags)
-    for given in (*kernel_ptx.LAYOUTS.values(), *kernel_ptx.CASES.values()):
+    for given in (*(f for f, _ints in kernel_ptx.LAYOUTS.values()), *kernel_ptx.CASES.values()):
         assert set(given) <= set(flags)  # a renamed flag would otherwise be compiled as an int argument
+
+
+def test_every_runtime_argument_has_a_type_or_a_value():
+    # A new argument of the kernel must be typed here (pointer, float) or given a representative value (int)
+    _flags, arguments = _kernel_parameters()
+    assert len(arguments) > 20
+    for layout in kernel_ptx.LAYOUTS:
+        ints = kernel_ptx.int_arguments(layout, 4096)
+        typed = {*kernel_ptx.POINTERS, *kernel_ptx.FLOATS, *ints}
+        untyped = [a for a in arguments if a not in typed]
+        assert not untyped, untyped
+    assert kernel_ptx.int_arguments("padded", 4096)["vocab_full"] == 49152  # 50257 less its partial block
 
 
 def test_bad_tiles_are_a_usage_error():
