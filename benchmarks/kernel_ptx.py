@@ -60,6 +60,8 @@ CASES = {
     "forward only": {"WRITE_LOSS": True, "WRITE_LSE": True, "WRITE_TARGET_Z": True},
     "vocab-parallel stats": {"WRITE_STATS": True},
 }
+#: Pointer types a case launches otherwise: the residual comes with the "precise" policy's fp32 logits.
+CASE_POINTERS = {"z-loss + residual": {"logits_ptr": "*fp32"}}
 
 
 def load_kernel(path: Path, name: str) -> Any:
@@ -90,10 +92,12 @@ def int_arguments(layout: str, block_v: int) -> dict[str, int]:
     return ints
 
 
-def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int,
-                     ints: dict[str, int]) -> tuple[str, int, int]:
+def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int, ints: dict[str, int],
+                     pointers: dict[str, str] | None = None) -> tuple[str, int, int]:
     """(PTX without its debug sections, registers per thread, spill store bytes) of one launch configuration.
-    Pointers are 16-byte aligned, as torch allocates them; ``ints`` are specialized as Triton's launcher does."""
+    Pointers are 16-byte aligned, as torch allocates them, of ``POINTERS``' types unless ``pointers`` says
+    otherwise; ``ints`` are specialized as Triton's launcher does."""
+    types = {**POINTERS, **(pointers or {})}
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -105,8 +109,8 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int,
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in POINTERS:
-            signature[name] = POINTERS[name]
+        elif name in types:
+            signature[name] = types[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
             signature[name] = "fp32"
@@ -173,11 +177,12 @@ def run(tiles: list[tuple[int, int]], against: str | None, layouts: list[str] | 
         for block_v, num_warps in tiles:
             constexprs = {**flags, "BLOCK_V": block_v}
             ints = int_arguments(layout, block_v)
-            ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps, ints)
+            pointers = CASE_POINTERS.get(case)
+            ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps, ints, pointers)
             row = {"layout": layout, "case": case, "tile": f"{block_v}:{num_warps}", "registers": registers,
                    "spill_bytes": spills}
             if theirs is not None:
-                row["same_ptx"] = compile_for_sm90(theirs, constexprs, num_warps, ints)[0] == ptx
+                row["same_ptx"] = compile_for_sm90(theirs, constexprs, num_warps, ints, pointers)[0] == ptx
             rows.append(row)
     return rows
 
