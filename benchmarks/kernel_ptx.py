@@ -97,12 +97,12 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int, in
     """(PTX without its debug sections, registers per thread, spill store bytes) of one launch configuration.
     Pointers are 16-byte aligned, as torch allocates them, of ``POINTERS``' types unless ``pointers`` says
     otherwise; ``ints`` are specialized as Triton's launcher does."""
-    types = {**POINTERS, **(pointers or {})}
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
+    types = {**POINTERS, **(pointers or {})}
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     constants = dict(constexprs)
@@ -199,10 +199,12 @@ def table(rows: list[dict[str, Any]], against: str | None) -> str:
 
 
 def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """'4096:8,16384:32' -> [(4096, 8), (16384, 32)]."""
     try:
         return [(int(b), int(w)) for b, w in (item.split(":") for item in text.split(","))]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--tiles {text!r}: give block_v:num_warps pairs, e.g. 4096:8,16384:32")
+        raise argparse.ArgumentTypeError(
+            f"--tiles {text!r}: give block_v:num_warps pairs, e.g. 4096:8,16384:32") from None
 
 
 def main(argv: list[str] | None = None) -> int:
