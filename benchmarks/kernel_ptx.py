@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks._common import save_results  # noqa: E402
+from benchmarks.ce_kernel_tiles import parse_tile  # noqa: E402
 KERNEL = "flce_compile/kernels/ce_chunk.py"
 ARCH = 90
 
@@ -171,7 +174,7 @@ def run(tiles: list[tuple[int, int]], against: str | None, layouts: list[str] | 
                 theirs = load_kernel(path, "ce_chunk_" + re.sub(r"\W", "_", against))
             finally:
                 path.unlink()
-    names = [n for n in ours.arg_names if n.isupper() and n != "BLOCK_V"]
+    names = [ours.arg_names[i] for i in ours.constexprs if ours.arg_names[i] != "BLOCK_V"]  # the kernel's flags
     rows = []
     for layout, case, flags in launches(names, layouts, cases):
         for block_v, num_warps in tiles:
@@ -198,19 +201,10 @@ def table(rows: list[dict[str, Any]], against: str | None) -> str:
     return "\n".join(lines)
 
 
-def parse_tiles(text: str) -> list[tuple[int, int]]:
-    """'4096:8,16384:32' -> [(4096, 8), (16384, 32)]."""
-    try:
-        return [(int(b), int(w)) for b, w in (item.split(":") for item in text.split(","))]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--tiles {text!r}: give block_v:num_warps pairs, e.g. 4096:8,16384:32") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiles", type=parse_tiles, default=[(4096, 8), (16384, 32)],
-                        help="block_v:num_warps pairs, comma-separated (default 4096:8,16384:32)")
+    parser.add_argument("--tiles", type=parse_tile, nargs="+", default=[(4096, 8), (16384, 32)],
+                        help="BLOCK_V:NUM_WARPS pairs (default 4096:8 16384:32)")
     parser.add_argument("--against", metavar="REV", help="compare each PTX with the kernel of this git revision "
                         "(or in this file)")
     parser.add_argument("--layout", action="append", choices=list(LAYOUTS), help="only this layout (repeatable)")
@@ -221,9 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's own library would be the interpreter's
         raise SystemExit("kernel_ptx compiles for the GPU: run it without TRITON_INTERPRET=1")
     import triton
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks._common import save_results
 
     rows = run(args.tiles, args.against, args.layout, args.case)
     md = (f"# ce_chunk_kernel compiled for sm_{ARCH} (no GPU), triton {triton.__version__}, "
