@@ -455,8 +455,9 @@ def test_explain_reports_the_attention_rewrite(llama):
 
 def test_explain_names_the_checkpoint_side_effect_fix_when_kernels_is_loaded(llama, monkeypatch):
     """transformers 5.25 requires ``kernels``, whose hook made a checkpointed Llama compile in five pieces (CI's
-    clean clone, 2026-12-03): explain says so and names the Dynamo flag, only for a checkpointed model with the
-    package loaded and the flag off."""
+    clean clone, 2026-12-03): explain says so and names the fix, only for a checkpointed model with the package
+    loaded, the flag off and ``flce.checkpoint_side_effects="replay"``; with the default it reports the one graph
+    the backend gets."""
     import sys
     import types
 
@@ -467,22 +468,32 @@ def test_explain_names_the_checkpoint_side_effect_fix_when_kernels_is_loaded(lla
     if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         pytest.skip("this torch has no such flag")
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    hooked = "kernels" in sys.modules  # the real package, whose hook transformers 5.25 puts in each layer
     monkeypatch.setitem(sys.modules, "kernels", sys.modules.get("kernels") or types.ModuleType("kernels"))
     flag = "skip_fwd_side_effects_in_bwd_under_checkpoint = True"
 
-    def noted() -> bool:
-        with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
-            return any(flag in note for note in flce_compile.explain(llama, input_ids=ids, labels=ids).notes)
+    replay = {"flce.checkpoint_side_effects": "replay"}
 
-    assert not noted()  # not checkpointed
+    def explained(options=None):
+        with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            return flce_compile.explain(llama, input_ids=ids, labels=ids, options=options)
+
+    def noted(report) -> bool:
+        return any(flag in note for note in report.notes)
+
+    assert not noted(explained(replay))  # not checkpointed
     llama.gradient_checkpointing_enable()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert noted()
+            pieces = explained(replay)
+        assert noted(pieces) and (pieces.graph_count > 1 or not hooked)
         # (transformers 5.25 renamed the property it reads, and warns on the old name)
         assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+        default = explained()  # the backend's default turns the flag on for its compiles: one graph, no note
+        assert not noted(default) and default.graph_count == 1
         with checkpoint_side_effects_allowed():
-            assert not any(flag in n for n in flce_compile.explain(llama, input_ids=ids, labels=ids).notes)
+            assert not any(flag in n for n in flce_compile.explain(llama, input_ids=ids, labels=ids,
+                                                                  options=replay).notes)
     finally:
         llama.gradient_checkpointing_disable()

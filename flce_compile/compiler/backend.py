@@ -16,6 +16,7 @@ from torch import fx
 from .. import graph_replay
 from ..log import logger
 from ..plan.choose import BudgetError
+from . import checkpoint_side_effects
 from .hf_logging import keep_loss_in_graph
 from .inner import compile_graph, inner_compiler, no_cuda_graphs_of_its_own
 from .options import PREFIX, FLCEOptions, split_options
@@ -40,6 +41,7 @@ def flce_backend(
     inner = inner_compiler(opts, mode, inner_options, kwargs)
     if opts.enabled:
         keep_loss_in_graph()  # for frames traced from now on, should transformers have come after this module
+    checkpoint_side_effects.install(backend_options)  # again after a torch._dynamo.reset(), for later compiles
     wrap, fused = None, False
     if opts.enabled and opts.causal_masks:
         _drop_causal_masks(gm)
@@ -119,14 +121,26 @@ def compiled_options(model: Any) -> FLCEOptions | None:
     Reads torch.compile's own record of the backend and its options (the wrapper Dynamo keeps on the compiled
     object); nothing is stored on the model.
     """
-    wrapper = _compile_wrapper(model)
-    if wrapper is None:
-        return None
-    fn, kwargs = getattr(wrapper, "compiler_fn", None), getattr(wrapper, "kwargs", None) or {}
-    bound = getattr(fn, "flce_options", None)
-    if fn is not flce_backend and bound is None:
-        return None
-    return split_options({**(bound or {}), **(kwargs.get("options") or {})})[0]
+    return backend_options(getattr(_dynamo_context(model), "callback", None))
+
+
+def backend_options(backend: Any) -> FLCEOptions | None:
+    """The ``flce.*`` options of a backend as Dynamo holds it (its callback, or the ``compiler_fn`` of a compile
+    under way: torch.compile's wrapper, holding the backend and its options, inside Dynamo's own wrappers), or
+    None when the backend is not this package's."""
+    for _ in range(8):  # Dynamo's wrappers around the backend, outermost first
+        if backend is None:
+            return None
+        if hasattr(backend, "compiler_fn") and hasattr(backend, "kwargs"):  # torch.compile's wrapper
+            fn, kwargs = backend.compiler_fn, backend.kwargs or {}
+            bound = getattr(fn, "flce_options", None)
+            if fn is not flce_backend and bound is None:
+                return None
+            return split_options({**(bound or {}), **(kwargs.get("options") or {})})[0]
+        if backend is flce_backend or hasattr(backend, "flce_options"):  # passed to Dynamo without torch.compile
+            return split_options(getattr(backend, "flce_options", None))[0]
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+    return None
 
 
 def compiled_dynamic(model: Any) -> bool | None:
@@ -142,16 +156,6 @@ def _dynamo_context(model: Any) -> Any:
         cells = getattr(fn, "__closure__", None) or ()
         ctx = next((c.cell_contents for c in cells if hasattr(_cell(c), "callback")), None)
     return ctx
-
-
-def _compile_wrapper(model: Any) -> Any:
-    """torch.compile's backend wrapper (an object with ``compiler_fn`` and ``kwargs``) behind a compiled model."""
-    backend = getattr(_dynamo_context(model), "callback", None)
-    for _ in range(8):  # Dynamo's wrappers around the backend, outermost first
-        if backend is None or hasattr(backend, "compiler_fn") and hasattr(backend, "kwargs"):
-            return backend
-        backend = getattr(backend, "_torchdynamo_orig_backend", None)
-    return None
 
 
 def _cell(cell: Any) -> Any:
@@ -185,4 +189,5 @@ def register() -> None:
 
 
 register()
+checkpoint_side_effects.install(backend_options)
 keep_loss_in_graph()  # (hf_logging) transformers is usually imported by now: backend="flce" imports this module

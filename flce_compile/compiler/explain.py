@@ -18,7 +18,8 @@ from torch import fx, nn
 
 from ..log import logger
 from ..plan.config import FLCEConfig
-from .backend import compiled_dynamic, compiled_options
+from . import checkpoint_side_effects
+from .backend import backend_options, compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, SiteResult, analyze, lone_heads
@@ -232,7 +233,10 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     opts = split_options(options)[0] if options is not None else compiled_options(model) or FLCEOptions()
     if opts.enabled:
         keep_loss_in_graph()  # as the backend does (``hf_logging``): the graphs it would get
-    with _dynamic_as(compiled_dynamic(model)):  # the graphs the compiled model gets (floats left symbolic, say)
+    # The graphs the compiled model gets: floats left symbolic (say), checkpointed side effects run once.
+    side_effects_once = checkpoint_side_effects.wanted(opts) and checkpoint_side_effects.flag_supported()
+    with _dynamic_as(compiled_dynamic(model)), \
+            checkpoint_side_effects.flag_on() if side_effects_once else contextlib.nullcontext():
         out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
     report = ExplainReport()
     report.options = opts
@@ -254,7 +258,8 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     if opts.enabled:
         keep_loss_in_graph()  # the reset dropped its compile-start callback
-    hint = _checkpoint_side_effect_hint(model)
+    checkpoint_side_effects.install(backend_options)  # and these
+    hint = None if side_effects_once else _checkpoint_side_effect_hint(model)
     if hint is not None:
         report.notes.append(hint)
     logger.info("%s", report)
@@ -279,8 +284,10 @@ def _checkpoint_side_effect_hint(model: Any) -> str | None:
         return None
     return ("the model is checkpointed and the `kernels` package (which transformers 5.25 requires) is loaded: its "
             "layer hook sets a context variable inside each checkpointed forward, a side effect Dynamo refuses "
-            "there, so the layers may run outside these graphs with their attention masks; set "
-            "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling")
+            "there, so the layers may run outside these graphs with their attention masks; "
+            "flce.checkpoint_side_effects='once' (the default, where this torch has the flag) or "
+            "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling gives one "
+            "graph")
 
 
 def _dynamic_as(dynamic: bool | None) -> contextlib.AbstractContextManager:

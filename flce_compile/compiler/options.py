@@ -32,9 +32,13 @@ VALID_KEYS: dict[str, str] = {
     "flce.inner_failure": '"traced" (default: a graph with a fused site that the inner compiler fails on with an '
                           'error torch.compile answers with a graph break runs as traced, its loss fused) or "dynamo" '
                           '(left to torch.compile: the head and its loss run uncompiled and unfused)',
+    "flce.checkpoint_side_effects": '"once" (default: a side effect in a checkpointed forward, as transformers '
+                                    '5.25\'s layer hook has, runs in the forward only, so the model stays one '
+                                    'graph) or "replay" (Dynamo\'s default: the graph breaks at such a checkpoint)',
 }
 LOGITS_MODES = ("keep", "materialize", "drop")
 INNER_FAILURE_MODES = ("traced", "dynamo")
+CHECKPOINT_SIDE_EFFECT_MODES = ("once", "replay")  # see checkpoint_side_effects
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class FLCEOptions:
     memory_budget_gb: float | None = None
     causal_masks: bool = True  # see causal_mask.drop_causal_masks
     inner_failure: str = "traced"  # see inner.compile_graph
+    checkpoint_side_effects: str = "once"  # see checkpoint_side_effects
 
     @property
     def inner_name(self) -> str:
@@ -135,6 +140,10 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     if inner_failure not in INNER_FAILURE_MODES:
         raise ValueError(f"options['flce.inner_failure']={inner_failure!r} is not valid; use one of "
                          f"{INNER_FAILURE_MODES}")
+    side_effects = raw.get("checkpoint_side_effects", "once")
+    if side_effects not in CHECKPOINT_SIDE_EFFECT_MODES:
+        raise ValueError(f"options['flce.checkpoint_side_effects']={side_effects!r} is not valid; use one of "
+                         f"{CHECKPOINT_SIDE_EFFECT_MODES}")
     precision = check_precision(raw.get("precision", "exact"), "options['flce.precision']")
     budget = raw.get("memory_budget_gb")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
@@ -142,7 +151,7 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
         raise ValueError(f"options['flce.memory_budget_gb']={budget!r} must be a positive number of GiB, or None")
     return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled, precision=precision,
                        memory_budget_gb=float(budget) if budget is not None else None,
-                       causal_masks=causal_masks, inner_failure=inner_failure)
+                       causal_masks=causal_masks, inner_failure=inner_failure, checkpoint_side_effects=side_effects)
 
 
 def _check_backend_name(name: str) -> None:
