@@ -9,7 +9,9 @@ no options: the logits the model returns are kept, computed when first read, whi
 flce-drop (``options={"flce.logits": "drop"}``) and liger-flce (eager + Liger's fused linear cross-entropy
 only). Also available: aot_eager, dynamo-eager (``backend="eager"``), flce-materialize (the logits computed in
 the forward), flce-aot_eager / flce-eager (drop, with that inner compiler), flce-drop-chunk1024,
-flce-inner-dynamo (a graph Inductor fails on left to torch.compile, ``flce.inner_failure="dynamo"``) and liger
+flce-inner-dynamo (a graph Inductor fails on left to torch.compile, ``flce.inner_failure="dynamo"``),
+flce-replay (checkpointed side effects left to Dynamo's default, ``flce.checkpoint_side_effects="replay"``: with
+transformers 5.25 the model then compiles in pieces, as under Inductor alone) and liger
 (Liger's default patch, which also swaps RMSNorm, SwiGLU and RoPE).
 
 ``--mask`` (default ``both``): first the rows as users run them, with the installed transformers and nothing
@@ -47,7 +49,8 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce", "dynamo-eager", "aot_eager", "liger",
-            "flce-materialize", "flce-aot_eager", "flce-eager", "flce-drop-chunk1024", "flce-inner-dynamo")
+            "flce-materialize", "flce-aot_eager", "flce-eager", "flce-drop-chunk1024", "flce-inner-dynamo",
+            "flce-replay")
 DEFAULT_VARIANTS = ("eager", "inductor", "flce", "flce-drop", "liger-flce")
 #: Variants that do not go through Dynamo: the mask patch cannot change them.
 UNCOMPILED = ("eager", "liger-flce", "liger")
@@ -57,7 +60,8 @@ UNCOMPILED = ("eager", "liger-flce", "liger")
 LIGER_VARIANTS = {"liger-flce": {"rope": False, "rms_norm": False, "swiglu": False}, "liger": {}}
 #: Each flce variant and the same inner compiler without the pass.
 BASELINES = {"flce": "inductor", "flce-drop": "inductor", "flce-aot_eager": "aot_eager", "flce-eager": "dynamo-eager",
-             "flce-drop-chunk1024": "inductor", "flce-materialize": "inductor", "flce-inner-dynamo": "inductor"}
+             "flce-drop-chunk1024": "inductor", "flce-materialize": "inductor", "flce-inner-dynamo": "inductor",
+             "flce-replay": "inductor"}
 #: The options of each flce variant (None: none at all, as users call it).
 FLCE_OPTIONS = {
     "flce": None,
@@ -67,6 +71,7 @@ FLCE_OPTIONS = {
     "flce-eager": {"flce.logits": "drop", "flce.inner": "eager"},
     "flce-drop-chunk1024": {"flce.logits": "drop", "flce.config": {"chunk_tokens": 1024}},
     "flce-inner-dynamo": {"flce.inner_failure": "dynamo"},
+    "flce-replay": {"flce.checkpoint_side_effects": "replay"},
 }
 PRECISIONS = {False: "bf16", True: "fp32 weights under bf16 autocast"}
 MASK_MODES = {"as-is": "as users run it: installed transformers, nothing patched",
