@@ -96,6 +96,7 @@ def _on_compile_start(_args: Any) -> None:
 
 @torch.compiler.disable
 def _on_compile_end(_args: Any) -> None:
+    """Put the flag back after a compile whose start turned it on."""
     restore = getattr(_state, "restore", None)
     _state.restore = None
     if restore is not None:
