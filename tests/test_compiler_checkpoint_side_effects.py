@@ -138,3 +138,14 @@ def test_a_bad_mode_names_the_option_and_its_values():
         split_options({"flce.checkpoint_side_effects": "twice"})
     assert split_options({"flce.checkpoint_side_effects": "replay"})[0].checkpoint_side_effects == "replay"
     assert split_options(None)[0].checkpoint_side_effects == "once"
+
+
+def test_callbacks_registered_twice_still_put_the_flag_back(monkeypatch):
+    monkeypatch.setattr(checkpoint_side_effects, "compiling_backend", lambda: flce.flce_backend)
+    with dynamo_config.patch(**{FLAG: False}):
+        for _ in range(2):
+            checkpoint_side_effects._on_compile_start(None)
+        assert getattr(dynamo_config, FLAG) is True
+        for _ in range(2):
+            checkpoint_side_effects._on_compile_end(None)
+        assert getattr(dynamo_config, FLAG) is False

@@ -84,7 +84,8 @@ def flag_on() -> Any:
 @torch.compiler.disable
 def _on_compile_start(_args: Any) -> None:
     """Turn the flag on for a compile of this package's backend. Never traced (see ``hf_logging``)."""
-    _state.restore = None
+    if getattr(_state, "restore", None) is not None:  # registered twice: the first call turned it on
+        return
     try:
         if _options_of is None or getattr(dynamo_config, FLAG) or not wanted(_options_of(compiling_backend())):
             return
