@@ -56,10 +56,11 @@ class _Model(nn.Module):
 IDS = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
-def _step(backend_for) -> tuple[list, torch.Tensor, list, bool, int]:
+def _step(backend_for, wrap=None) -> tuple[list, torch.Tensor, list, bool, int]:
     """(the graphs the inner compiler got, loss, gradients, the flag after the step, the block's runs) of one
-    compiled step;
-    ``backend_for(inner)``: (torch.compile's backend, its other keyword arguments) around the inner compiler."""
+    compiled step, right after a bare ``torch._dynamo.reset()`` (which clears Dynamo's callbacks: ours come back);
+    ``backend_for(inner)``: (torch.compile's backend, its other keyword arguments) around the inner compiler;
+    ``wrap``: a module wrapper (DDP)."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -68,10 +69,9 @@ def _step(backend_for) -> tuple[list, torch.Tensor, list, bool, int]:
 
     model = _Model()
     torch._dynamo.reset()
-    flce.checkpoint_side_effects.install(flce.backend_options)  # the reset dropped Dynamo's callbacks
     backend, kwargs = backend_for(counting)
     before = RUNS.count
-    loss = torch.compile(model, backend=backend, **kwargs)(IDS, IDS)
+    loss = torch.compile(wrap(model) if wrap else model, backend=backend, **kwargs)(IDS, IDS)
     loss.backward()
     flag_after = getattr(dynamo_config, FLAG)
     torch._dynamo.reset()
@@ -129,10 +129,6 @@ def test_a_flag_the_user_turned_on_stays_on():
     assert len(graphs) == 1 and flag_after is True and runs == 1
 
 
-def test_no_backend_is_compiling_outside_a_compile():
-    assert checkpoint_side_effects.compiling_backend() is None
-
-
 def test_a_bad_mode_names_the_option_and_its_values():
     with pytest.raises(ValueError, match=r"flce.checkpoint_side_effects.*'twice'.*\('once', 'replay'\)"):
         split_options({"flce.checkpoint_side_effects": "twice"})
@@ -140,12 +136,32 @@ def test_a_bad_mode_names_the_option_and_its_values():
     assert split_options(None)[0].checkpoint_side_effects == "once"
 
 
-def test_callbacks_registered_twice_still_put_the_flag_back(monkeypatch):
-    monkeypatch.setattr(checkpoint_side_effects, "compiling_backend", lambda: flce.flce_backend)
+def test_a_flag_left_on_by_a_compile_without_its_end_is_put_back_at_the_next_start(monkeypatch):
+    """Dynamo runs the callbacks when its count of compiles under way (one for all threads) leaves and returns to
+    0: a compile that overlaps another thread's sees no end. Registered twice, the callbacks run twice."""
+    backend = {"now": flce.flce_backend}
+    monkeypatch.setattr(checkpoint_side_effects, "compiling_backend", lambda: backend["now"])
     with dynamo_config.patch(**{FLAG: False}):
         for _ in range(2):
             checkpoint_side_effects._on_compile_start(None)
-        assert getattr(dynamo_config, FLAG) is True
+            assert getattr(dynamo_config, FLAG) is True
         for _ in range(2):
             checkpoint_side_effects._on_compile_end(None)
+            assert getattr(dynamo_config, FLAG) is False
+        checkpoint_side_effects._on_compile_start(None)  # ... and this compile's end never comes
+        backend["now"] = lambda gm, example_inputs: gm.forward
+        checkpoint_side_effects._on_compile_start(None)  # another backend's compile
         assert getattr(dynamo_config, FLAG) is False
+
+
+def test_under_ddp_the_backend_is_found_inside_ddps_graph_splitter(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        graphs, loss, grads, flag_after, runs = _step(_flce("options"), wrap=DistributedDataParallel)
+    finally:
+        dist.destroy_process_group()
+    assert _fused(graphs) == 1 and runs == 1 and flag_after is False
+    _assert_as_eager(loss, grads)

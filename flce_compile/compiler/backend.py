@@ -139,7 +139,8 @@ def backend_options(backend: Any) -> FLCEOptions | None:
             return split_options({**(bound or {}), **(kwargs.get("options") or {})})[0]
         if backend is flce_backend or hasattr(backend, "flce_options"):  # passed to Dynamo without torch.compile
             return split_options(getattr(backend, "flce_options", None))[0]
-        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        ddp = getattr(getattr(backend, "__self__", None), "backend_compile_fn", None)  # DDPOptimizer.compile_fn
+        backend = ddp if ddp is not None else getattr(backend, "_torchdynamo_orig_backend", None)
     return None
 
 

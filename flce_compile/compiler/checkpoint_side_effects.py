@@ -16,7 +16,8 @@ the flag back. What it changes: a side effect in a checkpointed forward runs onc
 run again in the backward's recompute (eager checkpointing runs it twice; the kernels hook sets and resets its
 variable, so for it both are the same). ``"replay"`` leaves Dynamo's default: the graph breaks at such a
 checkpoint and the region runs as in eager. A compile of another backend, or a Dynamo without these callbacks
-or this flag, is left alone.
+or this flag, is left alone. Under DDP, Dynamo compiles with DDP's graph splitter, which holds the backend.
+``torch._dynamo.reset()`` clears Dynamo's callbacks; these come back at once (``install``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from torch._dynamo import config as dynamo_config
 from ..log import logger
 
 FLAG = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-_state = threading.local()  # .restore: the flag's value before this package set it, for the compile under way
+_state = threading.local()  # .turned_on: this package turned the flag on for the compile under way in this thread
 _options_of: Callable[[Any], Any] | None = None  # backend.backend_options, set by ``install`` (no import cycle)
+_warned_no_frame = False
 
 
 def flag_supported() -> bool:
@@ -42,19 +44,33 @@ def flag_supported() -> bool:
 
 
 def install(options_of: Callable[[Any], Any]) -> None:
-    """Register the compile-start and compile-end callbacks once (again after ``torch._dynamo.reset()``, which
-    drops them). ``options_of(backend)``: the ``FLCEOptions`` of a Dynamo backend object, None when it is not
-    this package's."""
+    """Register the compile-start and compile-end callbacks once, and again whenever Dynamo clears its callbacks
+    (``torch._dynamo.reset()`` does, before the next compile, which would otherwise trace without them).
+    ``options_of(backend)``: the ``FLCEOptions`` of a Dynamo backend object, None when it is not this package's."""
     global _options_of
     _options_of = options_of
-    start, end = (getattr(dynamo_callback, name, None) for name in ("on_compile_start", "on_compile_end"))
-    if not flag_supported() or start is None or end is None:
-        return
     handler = getattr(dynamo_callback, "callback_handler", None)
-    if _on_compile_start not in getattr(handler, "start_callbacks", []):
-        start(_on_compile_start)
-    if _on_compile_end not in getattr(handler, "end_callbacks", []):
-        end(_on_compile_end)
+    parts = [(handler, "start_callbacks"), (handler, "end_callbacks"), (handler, "clear"),
+             (dynamo_callback, "on_compile_start"), (dynamo_callback, "on_compile_end")]
+    if not flag_supported() or not all(hasattr(owner, name) for owner, name in parts):
+        return
+    _register(handler)
+    if not getattr(handler.clear, "registers_flce_callbacks", False):
+        clear = handler.clear
+
+        def clear_then_register() -> None:  # (an attribute of this one handler object, not of its class)
+            clear()
+            _register(handler)
+
+        clear_then_register.registers_flce_callbacks = True  # type: ignore[attr-defined]
+        handler.clear = clear_then_register
+
+
+def _register(handler: Any) -> None:
+    if _on_compile_start not in handler.start_callbacks:
+        dynamo_callback.on_compile_start(_on_compile_start)
+    if _on_compile_end not in handler.end_callbacks:
+        dynamo_callback.on_compile_end(_on_compile_end)
 
 
 def compiling_backend() -> Any | None:
@@ -81,16 +97,34 @@ def flag_on() -> Any:
     return dynamo_config.patch(**{FLAG: True})
 
 
+def _put_back() -> None:
+    """Turn the flag off again in this thread if this package turned it on."""
+    if getattr(_state, "turned_on", False):
+        _state.turned_on = False
+        setattr(dynamo_config, FLAG, False)
+
+
 @torch.compiler.disable
-def _on_compile_start(_args: Any) -> None:
-    """Turn the flag on for a compile of this package's backend. Never traced (see ``hf_logging``)."""
-    if getattr(_state, "restore", None) is not None:  # registered twice: the first call turned it on
-        return
+def _on_compile_start(args: Any) -> None:
+    """Turn the flag on for a Dynamo compile of this package's backend. Never traced (see ``hf_logging``).
+
+    Dynamo runs these callbacks when its count of compiles under way, one for all threads, leaves and returns to
+    0, so a compile that overlaps another thread's may see no end here: a flag still on from one is put back
+    first (as from these callbacks registered twice)."""
+    global _warned_no_frame
+    _put_back()
     try:
-        if _options_of is None or getattr(dynamo_config, FLAG) or not wanted(_options_of(compiling_backend())):
+        backend = compiling_backend()
+        if backend is None:
+            if getattr(getattr(args, "callback_trigger", None), "name", None) == "DYNAMO" and not _warned_no_frame:
+                _warned_no_frame = True  # a torch whose Dynamo moved its internals: say why models may break
+                logger.info("flce: no Dynamo _compile frame found for a compile under way: side effects in "
+                            "checkpointed forwards are left to Dynamo's default (see flce.checkpoint_side_effects)")
             return
-        _state.restore = False
+        if _options_of is None or getattr(dynamo_config, FLAG) or not wanted(_options_of(backend)):
+            return
         setattr(dynamo_config, FLAG, True)
+        _state.turned_on = True
     except Exception as exc:  # noqa: BLE001 - a compile must never fail here
         logger.debug("flce: could not allow side effects in checkpointed forwards: %r", exc)
 
@@ -98,7 +132,4 @@ def _on_compile_start(_args: Any) -> None:
 @torch.compiler.disable
 def _on_compile_end(_args: Any) -> None:
     """Put the flag back after a compile whose start turned it on."""
-    restore = getattr(_state, "restore", None)
-    _state.restore = None
-    if restore is not None:
-        setattr(dynamo_config, FLAG, restore)
+    _put_back()

@@ -285,7 +285,7 @@ def _checkpoint_side_effect_hint(model: Any) -> str | None:
     return ("the model is checkpointed and the `kernels` package (which transformers 5.25 requires) is loaded: its "
             "layer hook sets a context variable inside each checkpointed forward, a side effect Dynamo refuses "
             "there, so the layers may run outside these graphs with their attention masks; "
-            "flce.checkpoint_side_effects='once' (the default, where this torch has the flag) or "
+            "flce.checkpoint_side_effects='once' (the default, with flce.enabled) or "
             "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before compiling gives one "
             "graph")
 
