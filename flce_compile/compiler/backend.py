@@ -41,7 +41,6 @@ def flce_backend(
     inner = inner_compiler(opts, mode, inner_options, kwargs)
     if opts.enabled:
         keep_loss_in_graph()  # for frames traced from now on, should transformers have come after this module
-    checkpoint_side_effects.install(backend_options)  # again after a torch._dynamo.reset(), for later compiles
     wrap, fused = None, False
     if opts.enabled and opts.causal_masks:
         _drop_causal_masks(gm)
@@ -190,5 +189,5 @@ def register() -> None:
 
 
 register()
-checkpoint_side_effects.install(backend_options)
+checkpoint_side_effects.install(backend_options)  # (kept across torch._dynamo.reset())
 keep_loss_in_graph()  # (hf_logging) transformers is usually imported by now: backend="flce" imports this module

@@ -67,6 +67,7 @@ def install(options_of: Callable[[Any], Any]) -> None:
 
 
 def _register(handler: Any) -> None:
+    """Add the two callbacks to Dynamo's lists, each unless it is there."""
     if _on_compile_start not in handler.start_callbacks:
         dynamo_callback.on_compile_start(_on_compile_start)
     if _on_compile_end not in handler.end_callbacks:

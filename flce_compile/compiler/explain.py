@@ -19,7 +19,7 @@ from torch import fx, nn
 from ..log import logger
 from ..plan.config import FLCEConfig
 from . import checkpoint_side_effects
-from .backend import backend_options, compiled_dynamic, compiled_options
+from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, SiteResult, analyze, lone_heads
@@ -258,7 +258,6 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     torch._dynamo.reset()  # explain's captured frames should not linger in the code cache
     if opts.enabled:
         keep_loss_in_graph()  # the reset dropped its compile-start callback
-    checkpoint_side_effects.install(backend_options)  # and these
     hint = None if side_effects_once else _checkpoint_side_effect_hint(model)
     if hint is not None:
         report.notes.append(hint)
