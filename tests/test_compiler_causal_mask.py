@@ -57,14 +57,15 @@ def llama():
 
 
 def checkpoint_side_effects_allowed():
-    """What users of transformers 5.25 need for a checkpointed model to compile in one graph (docs/backend.md):
-    its ``kernels`` dependency sets a context variable in each layer's forward, a side effect Dynamo refuses inside
-    the checkpoint (it compiled the Llama in five pieces, the layers left out). Nothing on older releases."""
-    import torch._dynamo.config as dynamo_config
+    """The Dynamo flag ``backend="flce"`` turns on for its own compiles (``compiler/checkpoint_side_effects.py``),
+    for captures with a backend of these tests: transformers 5.25's ``kernels`` dependency sets a context variable
+    in each layer's forward, a side effect Dynamo refuses inside the checkpoint (it compiled the Llama in five
+    pieces, the layers left out). Nothing on a torch without the flag."""
+    from flce_compile.compiler import checkpoint_side_effects
 
-    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    if not checkpoint_side_effects.flag_supported():
         return contextlib.nullcontext()
-    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return checkpoint_side_effects.flag_on()
 
 
 @pytest.fixture(scope="module")

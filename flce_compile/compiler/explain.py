@@ -274,12 +274,13 @@ def _checkpoint_side_effect_hint(model: Any) -> str | None:
 
     import torch._dynamo.config as dynamo_config
 
+    from .checkpoint_side_effects import FLAG
+
     module = getattr(model, "_orig_mod", model)
     # transformers 5.25 renamed the property and warns on the old name (read only where the new one is missing).
     checkpointed = (module.is_activation_checkpointing if hasattr(type(module), "is_activation_checkpointing")
                     else getattr(module, "is_gradient_checkpointing", False))
-    if "kernels" not in sys.modules or checkpointed is not True or getattr(
-            dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True):
+    if "kernels" not in sys.modules or checkpointed is not True or getattr(dynamo_config, FLAG, True):
         return None
     return ("the model is checkpointed and the `kernels` package (which transformers 5.25 requires) is loaded: its "
             "layer hook sets a context variable inside each checkpointed forward, a side effect Dynamo refuses "

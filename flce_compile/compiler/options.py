@@ -36,6 +36,7 @@ VALID_KEYS: dict[str, str] = {
                                     '5.25\'s layer hook has, runs in the forward only, so the model stays one '
                                     'graph) or "replay" (Dynamo\'s default: the graph breaks at such a checkpoint)',
 }
+# The choices of each option that has some, its default first.
 LOGITS_MODES = ("keep", "materialize", "drop")
 INNER_FAILURE_MODES = ("traced", "dynamo")
 CHECKPOINT_SIDE_EFFECT_MODES = ("once", "replay")  # see checkpoint_side_effects
@@ -123,9 +124,7 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     elif not callable(inner):
         raise TypeError(f"options['flce.inner'] must be a backend name or a callable, got {type(inner).__name__}")
 
-    logits = raw.get("logits", "keep")
-    if logits not in LOGITS_MODES:
-        raise ValueError(f"options['flce.logits']={logits!r} is not valid; use one of {LOGITS_MODES}")
+    logits = _one_of(raw, "logits", LOGITS_MODES)
 
     try:
         config = config_overrides(raw.get("config"))
@@ -136,14 +135,8 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     for key, flag in (("enabled", enabled), ("causal_masks", causal_masks)):
         if not isinstance(flag, bool):
             raise TypeError(f"options['flce.{key}'] must be True or False, got {flag!r}")
-    inner_failure = raw.get("inner_failure", "traced")
-    if inner_failure not in INNER_FAILURE_MODES:
-        raise ValueError(f"options['flce.inner_failure']={inner_failure!r} is not valid; use one of "
-                         f"{INNER_FAILURE_MODES}")
-    side_effects = raw.get("checkpoint_side_effects", "once")
-    if side_effects not in CHECKPOINT_SIDE_EFFECT_MODES:
-        raise ValueError(f"options['flce.checkpoint_side_effects']={side_effects!r} is not valid; use one of "
-                         f"{CHECKPOINT_SIDE_EFFECT_MODES}")
+    inner_failure = _one_of(raw, "inner_failure", INNER_FAILURE_MODES)
+    side_effects = _one_of(raw, "checkpoint_side_effects", CHECKPOINT_SIDE_EFFECT_MODES)
     precision = check_precision(raw.get("precision", "exact"), "options['flce.precision']")
     budget = raw.get("memory_budget_gb")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
@@ -152,6 +145,14 @@ def _validate(raw: dict[str, Any]) -> FLCEOptions:
     return FLCEOptions(inner=inner, logits=logits, config=config, enabled=enabled, precision=precision,
                        memory_budget_gb=float(budget) if budget is not None else None,
                        causal_masks=causal_masks, inner_failure=inner_failure, checkpoint_side_effects=side_effects)
+
+
+def _one_of(raw: dict[str, Any], key: str, modes: tuple[str, ...]) -> str:
+    """``raw[key]`` (default ``modes[0]``), which must be one of ``modes``."""
+    value = raw.get(key, modes[0])
+    if value not in modes:
+        raise ValueError(f"options['flce.{key}']={value!r} is not valid; use one of {modes}")
+    return value
 
 
 def _check_backend_name(name: str) -> None:
