@@ -93,7 +93,24 @@ FORMS = {
     "log_prob_shift_after": lambda m, x, t: m.lm_head(x).float().log_softmax(-1)[:, :-1].gather(
         -1, t[:, 1:, None]).squeeze(-1),
     "log_prob_prefix": lambda m, x, t: m.lm_head(x).log_softmax(-1).gather(-1, t[:, :3, None]),
+    # log-probs as the picked logit minus the logsumexp (no log_softmax tensor), squeezed or with keepdim, cast and
+    # shifted; and the reverse difference, the per-token cross-entropy
+    "log_prob_difference": lambda m, x, t: _pick_minus_lse(m.lm_head(x)[:, :-1].float(), t[:, 1:]),
+    "log_prob_difference_keepdim": lambda m, x, t: _pick_minus_lse_keepdim(m.lm_head(x), t),
+    "ce_difference": lambda m, x, t: _lse_minus_pick(m.lm_head(x) * 0.5, t),
 }
+
+
+def _pick_minus_lse(logits, t):
+    return logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+def _pick_minus_lse_keepdim(logits, t):
+    return torch.gather(logits, -1, t[..., None]) - torch.logsumexp(logits, -1, keepdim=True)
+
+
+def _lse_minus_pick(logits, t):
+    return torch.logsumexp(logits, dim=[-1]) - torch.gather(logits, 2, t[..., None]).squeeze(dim=-1)
 
 
 def _data(seq=6):
@@ -151,17 +168,21 @@ def test_form_is_fused_and_exact(form, bias):
 
 
 class Escaping(nn.Module):
-    """nanoGPT that returns its logits too (the kept-logits path), and one whose logits feed argmax."""
+    """nanoGPT that returns its logits too (the kept-logits path), and one whose logits feed argmax; its loss a
+    cross-entropy or the mean of log-probs written as the picked logit minus the logsumexp."""
 
-    def __init__(self, extra_use=False):
+    def __init__(self, extra_use=False, difference=False):
         super().__init__()
         self.emb = nn.Embedding(V, H)
         self.lm_head = nn.Linear(H, V, bias=False)
-        self.extra_use = extra_use
+        self.extra_use, self.difference = extra_use, difference
 
     def forward(self, idx, t):
         logits = self.lm_head(self.emb(idx))
-        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), t[:, 1:].reshape(-1), label_smoothing=0.1)
+        if self.difference:
+            loss = -_pick_minus_lse(logits[:, :-1].float(), t[:, 1:]).mean()
+        else:
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), t[:, 1:].reshape(-1), label_smoothing=0.1)
         if self.extra_use:
             return loss, (logits.argmax(-1) == t).float().mean()
         return loss, logits
@@ -169,9 +190,10 @@ class Escaping(nn.Module):
 
 @pytest.mark.parametrize("mode", ["keep", "materialize", "drop"])
 @pytest.mark.parametrize("extra_use", [False, True], ids=["returned", "argmax"])
-def test_escaping_logits(mode, extra_use):
+@pytest.mark.parametrize("difference", [False, True], ids=["ce", "log_prob_difference"])
+def test_escaping_logits(mode, extra_use, difference):
     torch.manual_seed(0)
-    model = Escaping(extra_use)
+    model = Escaping(extra_use, difference)
     idx, t = _data()
     t = t.clamp_min(0)
     model.zero_grad()
@@ -191,6 +213,9 @@ def test_escaping_logits(mode, extra_use):
     elif mode == "keep" and not extra_use:  # computed when read, outside the graph
         assert targets.count(flce_fused_loss) == 1 and torch._C._nn.linear not in targets
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    elif difference:  # per-token log-probs ('none'): taken from the logits the graph keeps, as a log_softmax's are
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+        assert targets.count(flce_kept_logits_loss) == 1 and "logsumexp" not in str(graphs[0].code)
     else:
         torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
         assert targets.count(flce_fused_loss_keep) == 1  # logits from the op itself: one GEMM, exact
@@ -391,14 +416,33 @@ UNSAFE = {
     # take_along_dim broadcasts an index with one row over the log-probs' rows (a gather would read one row)
     "log_prob_take_along_broadcast": lambda m, x, t: torch.take_along_dim(F.log_softmax(m.lm_head(x), -1),
                                                                           t[:1, :, None], dim=-1),
+    # a pick minus a logsumexp: with one row's index (the difference broadcasts it over the rows), with a
+    # logsumexp that keeps its dim against a squeezed pick, and with the logsumexp also returned
+    "difference_broadcast_index": lambda m, x, t: _broadcast_pick(m.lm_head(x), t),
+    "difference_lse_read_elsewhere": lambda m, x, t: _difference_and_lse(m.lm_head(x), t),
 }
 
 
-@pytest.mark.parametrize("form", list(UNSAFE))
+def _broadcast_pick(logits, t):
+    return logits.gather(-1, t[:1, :, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _dims_differ(logits, t):
+    return logits.gather(-1, t[..., None]).squeeze(-1) - logits.logsumexp(-1, keepdim=True)
+
+
+def _difference_and_lse(logits, t):
+    lse = logits.logsumexp(-1)
+    return (logits.gather(-1, t[..., None]).squeeze(-1) - lse) + 0.0 * lse
+
+
+@pytest.mark.parametrize("form", [*UNSAFE, "difference_dims_differ"])
 def test_unsafe_sites_left_alone(form, caplog):
     torch.manual_seed(0)
-    model = Head(UNSAFE[form])
-    idx, t = _data()
+    if form == "difference_dims_differ":  # a squeezed pick minus a logsumexp that keeps its dim: as many tokens as
+        model, (idx, t) = Head(lambda m, x, t: _dims_differ(m.lm_head(x), t)), _data(seq=2)  # rows, so it broadcasts
+    else:
+        model, (idx, t) = Head(UNSAFE[form]), _data()
     t = t.clamp_min(0)
     ref, _ = _run(model, model, idx, t)
     compiled, graphs = _compile(model)

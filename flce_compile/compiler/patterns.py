@@ -39,6 +39,9 @@ _LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
 _DROPOUT_FNS = {F.dropout}
 _GATHER_FNS = {torch.gather, torch.Tensor.gather}
 _TAKE_ALONG_FNS = {torch.take_along_dim, torch.Tensor.take_along_dim}
+_LOGSUMEXP_FNS = {torch.logsumexp, torch.Tensor.logsumexp}
+_SUB_FNS = {operator.sub, torch.sub, torch.Tensor.sub}
+_SQUEEZE_FNS = {torch.squeeze, torch.Tensor.squeeze}
 _TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
 _MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul}
 _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
@@ -277,6 +280,14 @@ class LossMatch:
     # A log-prob gather's token dims where its index may cover fewer rows than the log-probs (gather reads a
     # prefix of each; sizes Dynamo left symbolic need not be known equal): the rewrite narrows them to the index's.
     narrow_dims: tuple[int, ...] = ()
+    # A log-prob written as the picked logit minus the logsumexp (``match_log_prob_difference``): the input is the
+    # logits, with no log_softmax in the chain; ``negated`` False for the per-token loss (logsumexp minus the
+    # pick); ``squeezed``: the difference drops the index's last dim; ``inner``: the gather, squeeze and logsumexp
+    # nodes, which read the logits but belong to the loss.
+    implicit_log_softmax: bool = False
+    negated: bool = True
+    squeezed: bool = False
+    inner: tuple[fx.Node, ...] = ()
 
 
 @dataclass
@@ -315,7 +326,7 @@ class Site:
     def escapes(self, ignore_output: bool = False) -> dict[fx.Node, list[fx.Node]]:
         """Chain nodes used outside the chain (e.g. logits returned by the graph) -> those users."""
         chain = self.chain
-        inside = set(chain) | {self.loss_node}
+        inside = set(chain) | {self.loss_node} | set(self.loss.inner if self.loss else ())
         out: dict[fx.Node, list[fx.Node]] = {}
         for n in chain:
             users = [u for u in n.users if u not in inside and not (ignore_output and u.op == "output")]
@@ -337,7 +348,8 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
     elif _is_fn(node, _NLL_FNS) or isinstance(mod, nn.NLLLoss):
         kind = "nll_loss"
     else:
-        return match_log_prob_gather(node)
+        gathered = match_log_prob_gather(node)
+        return gathered if gathered is not None else match_log_prob_difference(node)
     if mod is not None:  # module call: options live on the module
         inp, target = _arg(node, 0, "input"), _arg(node, 1, "target")
         weight = getattr(mod, "weight", None)
@@ -417,6 +429,80 @@ def match_log_prob_gather(node: fx.Node) -> LossMatch | str | None:
                      ignore_index=NO_IGNORED_CLASS, reduction="none",
                      form=f"{node.op} {getattr(node.target, '__name__', node.target)} of log_softmax",
                      narrow_dims=shorter)
+
+
+def match_log_prob_difference(node: fx.Node) -> LossMatch | str | None:
+    """Per-token log-probs written without a log_softmax: the target's logit picked with ``gather`` minus the
+    logsumexp over the vocab (``logits.gather(-1, t[..., None]).squeeze(-1) - logits.logsumexp(-1)``, or with
+    ``keepdim=True`` and no squeeze), as RL code writes them to spare the log-softmax tensor; or the reverse
+    difference, the per-token cross-entropy. Both sides must read the same logits tensor and nothing else may read
+    the pick or the logsumexp. None for any other node; a str says why such a difference can't be used."""
+    if not (_is_fn(node, _SUB_FNS) or _is_method(node, ("sub", "__sub__"))) or len(node.args) != 2 or node.kwargs:
+        return None
+    first, second = node.args
+    for pick_side, lse_side, negated in ((first, second, True), (second, first, False)):
+        pick, lse = _logit_pick(pick_side), _last_dim_logsumexp(lse_side)
+        if pick is not None and lse is not None:
+            break
+    else:
+        return None
+    (gather, squeeze, logits, dim, index), (lse_node, lse_logits, keepdim) = pick, lse
+    if logits is not lse_logits:
+        return None  # a pick of one tensor minus another's logsumexp: not a log-prob
+    lv, idx = meta_value(logits), meta_value(index)
+    if not (isinstance(lv, torch.Tensor) and isinstance(idx, torch.Tensor) and isinstance(index, fx.Node)):
+        return "the picked logits or their index carry no shape information"
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim % max(lv.dim(), 1) != lv.dim() - 1:
+        return "the logits are picked over a dim other than the last"
+    if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() != lv.dim() or _static_int(idx.shape[-1]) != 1:
+        return "the gather index is not one integer class id per row (shape (..., 1))"
+    if (squeeze is None) == (not keepdim):
+        return "the pick and the logsumexp keep different dims (one has the index's last dim, the other not)"
+    if not all(statically_known_true(a == b) for a, b in zip(idx.shape[:-1], lv.shape[:-1])):
+        return "the gather index is not known to cover every row of the logits (the difference would broadcast)"
+    inner = (gather, lse_node) + ((squeeze,) if squeeze is not None else ())
+    ends = {gather: {squeeze or node}, lse_node: {node}, **({squeeze: {node}} if squeeze is not None else {})}
+    if any(set(n.users) != want for n, want in ends.items()):
+        return "the picked logits or their logsumexp are read elsewhere too"
+    name = "gather minus logsumexp" if negated else "logsumexp minus gather"
+    return LossMatch(node=node, kind="log_prob_gather", input=logits, target=index,
+                     ignore_index=NO_IGNORED_CLASS, reduction="none", form=f"{node.op} {name}",
+                     implicit_log_softmax=True, negated=negated, squeezed=squeeze is not None, inner=inner)
+
+
+def _logit_pick(node: Any) -> tuple[fx.Node, fx.Node | None, Any, Any, Any] | None:
+    """``node`` as ``gather(logits, dim, index)``, squeezed over the last dim or not: (gather, squeeze or None,
+    logits, dim, index); None otherwise."""
+    if not isinstance(node, fx.Node):
+        return None
+    squeeze = None
+    if _is_fn(node, _SQUEEZE_FNS) or _is_method(node, ("squeeze",)):
+        squeeze_dim = _arg(node, 1, "dim")
+        source = _arg(node, 0, "input")
+        if not isinstance(source, fx.Node) or squeeze_dim not in (-1, _rank(source) - 1):
+            return None
+        squeeze, node = node, source
+    if not (_is_fn(node, _GATHER_FNS) or _is_method(node, ("gather",))):
+        return None
+    return node, squeeze, _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "index")
+
+
+def _last_dim_logsumexp(node: Any) -> tuple[fx.Node, Any, bool] | None:
+    """``node`` as a logsumexp over the last dim: (node, its input, keepdim); None otherwise."""
+    if not isinstance(node, fx.Node) or not (_is_fn(node, _LOGSUMEXP_FNS) or _is_method(node, ("logsumexp",))):
+        return None
+    source, dim, keepdim = _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(source, fx.Node) or not isinstance(keepdim, bool) or dim not in (-1, _rank(source) - 1):
+        return None
+    return node, source, keepdim
+
+
+def _rank(node: fx.Node) -> int:
+    """The rank of ``node``'s recorded value; 0 when unknown (its last dim is then only spelled -1)."""
+    val = meta_value(node)
+    return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 def _after_log_softmax(node: Any) -> bool:
@@ -883,7 +969,7 @@ def fold_steps(site: Site, start: int) -> Plan | str:
         return "nll_loss on logits that are not log_softmax'ed"
     ndim_in = len(order)
     if site.loss.kind == "log_prob_gather":  # gathered over the last dim (``match_log_prob_gather``)
-        if not log_softmax_seen:  # the kept log-probs: a gather of them is no cross-entropy of them
+        if not (log_softmax_seen or site.loss.implicit_log_softmax):  # a gather of kept log-probs is no CE of them
             return "the gather reads log-probs the graph keeps (read or written by other ops), not their log_softmax"
         if class_dim != ndim_in - 1:
             return "the log-probs are gathered over a dim other than the vocab"

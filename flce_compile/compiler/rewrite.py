@@ -417,8 +417,10 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     if res.logits_outputs and not attach:
                         res.logits_outputs, res.note = {}, "the graph's outputs are not a flat tuple"
                     graph_logits = new.add("call_method", "detach", (logits,)) if attach else logits
-            if loss.kind == "log_prob_gather":  # the per-token loss, shaped like the index, is the negated log-prob
-                result = new.add("call_function", operator.neg, (result,))
+            if loss.kind == "log_prob_gather" and loss.negated:  # the per-token loss, shaped like the index, is
+                result = new.add("call_function", operator.neg, (result,))  # the negated log-prob
+            if loss.squeezed:  # a difference of the pick, squeezed, and the logsumexp (``match_log_prob_difference``)
+                result = new.add("call_method", "squeeze", (result, -1))
         _propagate_meta(gm, new.nodes, fake_mode)
     except Exception:
         new.rollback()
