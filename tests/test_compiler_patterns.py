@@ -98,7 +98,14 @@ FORMS = {
     "log_prob_difference": lambda m, x, t: _pick_minus_lse(m.lm_head(x)[:, :-1].float(), t[:, 1:]),
     "log_prob_difference_keepdim": lambda m, x, t: _pick_minus_lse_keepdim(m.lm_head(x), t),
     "ce_difference": lambda m, x, t: _lse_minus_pick(m.lm_head(x) * 0.5, t),
+    # TRL's selective_log_softmax in fp32: the logsumexp a row at a time, stacked (Dynamo unrolls the loop)
+    "log_prob_rows_stacked": lambda m, x, t: _trl_selective_log_softmax(m.lm_head(x).float(), t),
 }
+
+
+def _trl_selective_log_softmax(logits, index):
+    selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+    return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
 
 
 def _pick_minus_lse(logits, t):
@@ -451,6 +458,27 @@ def test_unsafe_sites_left_alone(form, caplog):
     assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
     assert "not fused" in caplog.text and "rewriting loss" not in caplog.text  # rejected by the analysis
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stack_of_row_logsumexps_in_another_order_is_no_log_prob():
+    """The rows' logsumexps stacked in another order than the rows (here reversed) are not the logsumexp of the
+    logits: the difference is left as it is, and gives eager's numbers."""
+    def reversed_rows(m, x, t):
+        logits = m.lm_head(x)
+        lse = torch.stack([torch.logsumexp(logits[i], -1) for i in reversed(range(logits.shape[0]))])
+        return logits.gather(-1, t[..., None]).squeeze(-1) - lse
+
+    torch.manual_seed(0)
+    model = Head(reversed_rows)
+    idx, t = _data()
+    t = t.clamp_min(0)
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    got, got_g = _run(model, compiled, idx, t)
+    assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-5, atol=1e-6)
 
 
 class Mutating(nn.Module):

@@ -42,6 +42,7 @@ _TAKE_ALONG_FNS = {torch.take_along_dim, torch.Tensor.take_along_dim}
 _LOGSUMEXP_FNS = {torch.logsumexp, torch.Tensor.logsumexp}
 _SUB_FNS = {operator.sub, torch.sub, torch.Tensor.sub}
 _SQUEEZE_FNS = {torch.squeeze, torch.Tensor.squeeze}
+_STACK_FNS = {torch.stack}
 _TANH_FNS = {torch.tanh, F.tanh, torch.Tensor.tanh}
 _MUL_FNS = {operator.mul, torch.mul, torch.Tensor.mul}
 _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}
@@ -446,7 +447,7 @@ def match_log_prob_difference(node: fx.Node) -> LossMatch | str | None:
             break
     else:
         return None
-    (gather, squeeze, logits, dim, index), (lse_node, lse_logits, keepdim) = pick, lse
+    (gather, squeeze, logits, dim, index), (lse_logits, keepdim, lse_nodes) = pick, lse
     if logits is not lse_logits:
         return None  # a pick of one tensor minus another's logsumexp: not a log-prob
     lv, idx = meta_value(logits), meta_value(index)
@@ -460,9 +461,11 @@ def match_log_prob_difference(node: fx.Node) -> LossMatch | str | None:
         return "the pick and the logsumexp keep different dims (one has the index's last dim, the other not)"
     if not all(statically_known_true(a == b) for a, b in zip(idx.shape[:-1], lv.shape[:-1])):
         return "the gather index is not known to cover every row of the logits (the difference would broadcast)"
-    inner = (gather, lse_node) + ((squeeze,) if squeeze is not None else ())
-    ends = {gather: {squeeze or node}, lse_node: {node}, **({squeeze: {node}} if squeeze is not None else {})}
-    if any(set(n.users) != want for n, want in ends.items()):
+    inner = (gather, *lse_nodes) + ((squeeze,) if squeeze is not None else ())
+    ends = {gather: {squeeze or node}, **({squeeze: {node}} if squeeze is not None else {})}
+    # The logsumexp's nodes: the last one read by the difference, each other one by one node among them.
+    if (any(set(n.users) != want for n, want in ends.items()) or set(lse_nodes[0].users) != {node}
+            or any(len(n.users) != 1 or next(iter(n.users)) not in lse_nodes for n in lse_nodes[1:])):
         return "the picked logits or their logsumexp are read elsewhere too"
     name = "gather minus logsumexp" if negated else "logsumexp minus gather"
     return LossMatch(node=node, kind="log_prob_gather", input=logits, target=index,
@@ -487,8 +490,29 @@ def _logit_pick(node: Any) -> tuple[fx.Node, fx.Node | None, Any, Any, Any] | No
     return node, squeeze, _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "index")
 
 
-def _last_dim_logsumexp(node: Any) -> tuple[fx.Node, Any, bool] | None:
-    """``node`` as a logsumexp over the last dim: (node, its input, keepdim); None otherwise."""
+def _last_dim_logsumexp(node: Any) -> tuple[Any, bool, tuple[fx.Node, ...]] | None:
+    """``node`` as a logsumexp over the last dim: (its input, keepdim, the nodes that form it); or as the
+    logsumexp of each row stacked again, ``torch.stack([torch.logsumexp(row, -1) for row in logits])`` (TRL's
+    ``selective_log_softmax`` in fp32, which Dynamo unrolls into one ``logits[i]`` and logsumexp a row): the
+    same, of ``logits``. None otherwise."""
+    if isinstance(node, fx.Node) and _is_fn(node, _STACK_FNS):
+        items, dim = _arg(node, 0, "tensors"), _arg(node, 1, "dim", 0)
+        if dim != 0 or not isinstance(items, (list, tuple)) or not items:
+            return None
+        source, inner = None, [node]
+        for i, item in enumerate(items):
+            row = _last_dim_logsumexp(item) if not _is_fn(item, _STACK_FNS) else None
+            if row is None or row[1] or not _is_fn(row[0], {operator.getitem}) or row[0].args[1] != i:
+                return None
+            if source is None:
+                source = row[0].args[0]
+            if row[0].args[0] is not source:
+                return None
+            inner += [*row[2], row[0]]
+        rows = meta_value(source)
+        if not isinstance(rows, torch.Tensor) or rows.dim() < 2 or _static_int(rows.shape[0]) != len(items):
+            return None
+        return source, False, tuple(inner)
     if not isinstance(node, fx.Node) or not (_is_fn(node, _LOGSUMEXP_FNS) or _is_method(node, ("logsumexp",))):
         return None
     source, dim, keepdim = _arg(node, 0, "input"), _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
@@ -496,7 +520,7 @@ def _last_dim_logsumexp(node: Any) -> tuple[fx.Node, Any, bool] | None:
         dim = dim[0]
     if not isinstance(source, fx.Node) or not isinstance(keepdim, bool) or dim not in (-1, _rank(source) - 1):
         return None
-    return node, source, keepdim
+    return source, keepdim, (node,)
 
 
 def _rank(node: fx.Node) -> int:
