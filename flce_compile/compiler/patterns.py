@@ -463,7 +463,8 @@ def match_log_prob_difference(node: fx.Node) -> LossMatch | str | None:
         return "the gather index is not known to cover every row of the logits (the difference would broadcast)"
     inner = (gather, *lse_nodes) + ((squeeze,) if squeeze is not None else ())
     ends = {gather: {squeeze or node}, **({squeeze: {node}} if squeeze is not None else {})}
-    # The logsumexp's nodes: the last one read by the difference, each other one by one node among them.
+    # The logsumexp's nodes: the first (the stack, or the one logsumexp) read by the difference alone, each other
+    # one (a row's logsumexp or its row) by one node among them.
     if (any(set(n.users) != want for n, want in ends.items()) or set(lse_nodes[0].users) != {node}
             or any(len(n.users) != 1 or next(iter(n.users)) not in lse_nodes for n in lse_nodes[1:])):
         return "the picked logits or their logsumexp are read elsewhere too"
@@ -501,7 +502,7 @@ def _last_dim_logsumexp(node: Any) -> tuple[Any, bool, tuple[fx.Node, ...]] | No
             return None
         source, inner = None, [node]
         for i, item in enumerate(items):
-            row = _last_dim_logsumexp(item) if not _is_fn(item, _STACK_FNS) else None
+            row = _last_dim_logsumexp(item) if isinstance(item, fx.Node) and not _is_fn(item, _STACK_FNS) else None
             if row is None or row[1] or not _is_fn(row[0], {operator.getitem}) or row[0].args[1] != i:
                 return None
             if source is None:
