@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import save_results, versions  # noqa: E402
+from benchmarks._common import median_ms, save_results, versions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the usual Hopper tiles of Triton's matmul.
@@ -101,20 +100,10 @@ def combined_lse(tile_max: torch.Tensor, tile_sum: torch.Tensor) -> torch.Tensor
     return row_max + torch.log((tile_sum * torch.exp(tile_max - row_max[:, None])).sum(1))
 
 
-def _ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5, before: Callable[[], object] | None = None) -> float:
-    """Median ms of ``fn`` by CUDA events; ``before`` runs untimed ahead of each run (a refill)."""
-    times = []
-    for i in range(warmup + reps):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _ms(fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """Median ms of 30 runs of ``fn`` after 5 untimed ones (``median_ms``; ``before`` refills, untimed)."""
+    median_ms(fn, 5, "cuda", before)  # warm-up: compiles and autotunes outside the timed runs
+    return median_ms(fn, 30, "cuda", before)
 
 
 def run_shape(shape: str, ce_tile: tuple[int, int]) -> tuple[list[str], dict[str, Any]]:
