@@ -8,6 +8,8 @@ and if the epilogue costs less than the pass it saves. Per shape (one chunk, bf1
 
 * cuBLAS: ``torch.mm`` into the padded logits buffer, as the op runs it;
 * a Triton GEMM (pointer loads, ``tl.dot``, grouped tile order) per tile config, without and with the epilogue;
+* the same persistent, with TMA tensor descriptors and optionally warp specialization (Triton's fastest Hopper
+  matmul form), without and with the epilogue; a variant this Triton cannot compile is listed as failed;
 * the CE step as shipped (two passes, the shipped tile) and its pass 2 alone (the lse given, as the epilogue's
   statistics would give it): their difference is what the fusion could save.
 
@@ -35,24 +37,46 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the usual Hopper tiles of Triton's matmul.
 CONFIGS = ((128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
            (256, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3), (64, 256, 64, 8, 4, 4))
+#: The persistent TMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, warp_specialize): the
+#: tile of Triton's persistent Hopper matmul (128x256x64, 8 warps, 3 stages), with 4 stages, and the two fastest of
+#: ``CONFIGS`` with the pointer kernel on the H200 (2026-12-05), each without and with warp specialization.
+TMA_CONFIGS = tuple((bm, bn, bk, 8, warps, stages, ws) for bm, bn, bk, warps, stages in
+                    ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4))
+                    for ws in (False, True))
 #: rows x H x V -> the CE tile the shipped H200 entries carry at that V (block_v, num_warps).
 SHAPES = {"4096x768x50257": (4096, 8), "4096x4096x128256": (8192, 8)}
+
+
+@triton.jit
+def _tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the ``tile``-th output tile: GROUP_M row tiles walk the N tiles together, so W's
+    tiles stay in L2 while they are read."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + ((tile % in_group) % size_m), (tile % in_group) // size_m
+
+
+@triton.jit
+def _tile_statistics(out, offs_m, offs_n, pid_n, M, V, max_ptr, sum_ptr, n_tiles):
+    """Each row's max and sum of exp(z - max) over this tile's columns below V, of the rounded logits (as the CE
+    step reads them), at [row, tile] of max_ptr / sum_ptr."""
+    z = tl.where(offs_n[None, :] < V, out.to(tl.float32), -float("inf"))
+    row_max = tl.max(z, 1)
+    row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
+    tl.store(max_ptr + offs_m * n_tiles + pid_n, row_max, mask=offs_m < M)
+    tl.store(sum_ptr + offs_m * n_tiles + pid_n, row_sum, mask=offs_m < M)
 
 
 @triton.jit
 def logits_gemm_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, stride_xm, stride_wn, stride_om, n_tiles,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        STATS: tl.constexpr):
-    """out = x @ w^T (x: M x K, w: N x K, K a multiple of BLOCK_K); with STATS each row's max and sum of
-    exp(z - max) over this program's N tile (columns below V), at [row, tile] of max_ptr / sum_ptr."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n  # GROUP_M row tiles walk the N tiles together: W's tiles stay in L2
-    first_m = (pid // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % size_m)
-    pid_n = (pid % in_group) // size_m
+    """out = x @ w^T (x: M x K, w: N x K, K a multiple of BLOCK_K), one program a tile, pointer loads; with STATS
+    the tile's statistics (``_tile_statistics``)."""
+    pid_m, pid_n = _tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -68,12 +92,37 @@ def logits_gemm_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, stri
     out = acc.to(out_ptr.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    if STATS:  # of the rounded logits, as the CE step reads them
-        z = tl.where(offs_n[None, :] < V, out.to(tl.float32), -float("inf"))
-        row_max = tl.max(z, 1)
-        row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
-        tl.store(max_ptr + offs_m * n_tiles + pid_n, row_max, mask=offs_m < M)
-        tl.store(sum_ptr + offs_m * n_tiles + pid_n, row_sum, mask=offs_m < M)
+    if STATS:
+        _tile_statistics(out, offs_m, offs_n, pid_n, M, V, max_ptr, sum_ptr, n_tiles)
+
+
+@triton.jit
+def logits_gemm_tma_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, stride_om, n_tiles,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STATS: tl.constexpr,
+                           WARP_SPECIALIZE: tl.constexpr):
+    """The same product, persistent (NUM_PROGRAMS programs walk the tiles) with TMA tensor descriptors for the
+    loads and the store (x, w contiguous; partial tiles are filled with zeros on load and clipped on store), and
+    optionally warp-specialized (producer warps load while consumer warps multiply): the form Triton's own
+    Hopper matmul takes to approach cuBLAS."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_position(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        out = acc.to(out_ptr.dtype.element_ty)
+        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
+        if STATS:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _tile_statistics(out, offs_m, offs_n, pid_n, M, V, max_ptr, sum_ptr, n_tiles)
 
 
 def logits_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: int, config: tuple[int, ...],
@@ -91,6 +140,33 @@ def logits_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: int,
     logits_gemm_kernel[grid](x, w, out, tile_max, tile_sum, m, n, k, vocab, x.stride(0), w.stride(0), out.stride(0),
                              n_tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                              STATS=stats, num_warps=warps, num_stages=stages)
+    return (tile_max, tile_sum) if stats else None
+
+
+def logits_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: int, config: tuple[int, ...],
+                    stats: bool, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Launch ``logits_gemm_tma_kernel`` with ``config`` (a ``TMA_CONFIGS`` tuple) on ``programs`` programs (the
+    GPU's SM count by default, at most one a tile); with ``stats`` return the per-tile (max, sum) it wrote."""
+    block_m, block_n, block_k, group_m, warps, stages, warp_specialize = config
+    m, k = x.shape
+    n = w.shape[0]
+    if not (x.is_contiguous() and w.is_contiguous() and out.stride(1) == 1):
+        raise ValueError("x and w must be contiguous and out's rows contiguous (TMA descriptors)")
+    if (out.stride(0) * out.element_size()) % 16 or (k * x.element_size()) % 16:
+        raise ValueError(f"out's row stride ({out.stride(0)}) and H={k} must be multiples of 16 bytes (TMA)")
+    n_tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(m, block_m) * n_tiles
+    if programs is None:
+        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = min(programs, tiles)
+    if x.is_cuda:  # device-side descriptors take their scratch from this allocator
+        triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8, device=x.device))
+    tile_max = torch.empty(m, n_tiles, device=x.device) if stats else out
+    tile_sum = torch.empty(m, n_tiles, device=x.device) if stats else out
+    logits_gemm_tma_kernel[(programs,)](
+        x, w, out, tile_max, tile_sum, m, n, k, vocab, out.stride(0), n_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=group_m, NUM_PROGRAMS=programs, STATS=stats, WARP_SPECIALIZE=warp_specialize,
+        num_warps=warps, num_stages=stages)
     return (tile_max, tile_sum) if stats else None
 
 
@@ -126,21 +202,27 @@ def run_shape(shape: str, ce_tile: tuple[int, int]) -> tuple[list[str], dict[str
     lines = [f"| {shape} | cuBLAS (torch.mm) | {cublas:.4f} | 1.000 | |"]
     data: dict[str, Any] = {"shape": shape, "cublas_ms": cublas, "triton": []}
     out = torch.empty_like(ref)
-    for config in CONFIGS:
+    variants = [(f"Triton {bm}x{bn}x{bk} group {gm}, {warps} warps, {stages} stages", logits_gemm, config)
+                for config in CONFIGS for bm, bn, bk, gm, warps, stages in [config]]
+    variants += [(f"Triton TMA persistent {bm}x{bn}x{bk} group {gm}, {warps} warps, {stages} stages, warp "
+                  f"specialization {'on' if ws else 'off'}", logits_gemm_tma, config)
+                 for config in TMA_CONFIGS for bm, bn, bk, gm, warps, stages, ws in [config]]
+    for label, launch, config in variants:
         for stats in (False, True):
             try:
-                ms = _ms(lambda: logits_gemm(x, w, out, vocab, config, stats))
-            except triton.runtime.errors.OutOfResources as err:  # a tile this GPU cannot hold: reported
-                lines.append(f"| {shape} | {config} epilogue={stats} | failed: {err} | | |")
+                ms = _ms(lambda: launch(x, w, out, vocab, config, stats))
+            except Exception as err:  # a tile this GPU cannot hold, a form this Triton cannot compile: listed
+                lines.append(f"| {shape} | {label}, epilogue {'on' if stats else 'off'} | failed: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0][:120]} | | |")
+                data["triton"].append({"variant": label, "config": config, "epilogue": stats, "failed": str(err)})
                 continue
-            tiles = logits_gemm(x, w, out, vocab, config, stats)
-            note = f"logits max diff to cuBLAS {(out.float() - ref.float()).abs().max().item():.1e}"
+            tiles = launch(x, w, out, vocab, config, stats)
+            note = f"logits diff {(out.float() - ref.float()).abs().max().item():.1e}"
             if tiles is not None:
-                note += f", lse max diff {(combined_lse(*tiles) - lse_ref).abs().max().item():.1e}"
-            bm, bn, bk, gm, warps, stages = config
-            lines.append(f"| {shape} | Triton {bm}x{bn}x{bk} group {gm}, {warps} warps, {stages} stages, "
-                         f"epilogue {'on' if stats else 'off'} | {ms:.4f} | {ms / cublas:.3f} | {note} |")
-            data["triton"].append({"config": config, "epilogue": stats, "ms": ms, "note": note})
+                note += f", lse diff {(combined_lse(*tiles) - lse_ref).abs().max().item():.1e}"
+            lines.append(f"| {shape} | {label}, epilogue {'on' if stats else 'off'} | {ms:.4f} | {ms / cublas:.3f} "
+                         f"| {note} |")
+            data["triton"].append({"variant": label, "config": config, "epilogue": stats, "ms": ms, "note": note})
     # The CE step on the cuBLAS logits (refilled before each run): as shipped, and pass 2 alone (lse given).
     target = torch.randint(0, vocab, (rows,), device=dev, generator=gen)
     scale = torch.full((), 1.0 / rows, device=dev)

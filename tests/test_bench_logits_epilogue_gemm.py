@@ -36,3 +36,33 @@ def test_hidden_must_fill_whole_k_blocks():
 
     with pytest.raises(ValueError, match="BLOCK_K"):
         logits_gemm(torch.zeros(4, 24), torch.zeros(8, 24), torch.zeros(4, 8), 8, (16, 32, 16, 2, 4, 1), False)
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "warp_specialized"])
+@pytest.mark.parametrize("stats", [False, True], ids=["gemm", "epilogue"])
+def test_persistent_tma_gemm_and_its_statistics(stats: bool, warp_specialize: bool):
+    """The persistent TMA kernel: 3 programs walk 8 tiles (so each takes several, the last ones partial in M and
+    N; the descriptors zero-fill the loads past the edges and clip the stores), out's rows padded past N."""
+    from benchmarks.logits_epilogue_gemm import combined_lse, logits_gemm_tma
+
+    rows, hidden, vocab, width = 20, 32, 54, 56
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, hidden, generator=gen)
+    w = torch.zeros(width, hidden)
+    w[:vocab] = torch.randn(vocab, hidden, generator=gen)
+    out = torch.full((rows, 64), float("nan"))  # 64 columns: a row stride of 256 bytes, past the 56 written
+    tiles = logits_gemm_tma(x, w, out, vocab, (16, 16, 16, 4, 4, 1, warp_specialize), stats, programs=3)
+    torch.testing.assert_close(out[:, :width], x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert out[:, width:].isnan().all()  # the store is clipped to N columns
+    if stats:
+        torch.testing.assert_close(combined_lse(*tiles), torch.logsumexp(out[:, :vocab], 1), rtol=1e-6, atol=1e-6)
+    else:
+        assert tiles is None
+
+
+def test_tma_gemm_needs_16_byte_rows():
+    from benchmarks.logits_epilogue_gemm import logits_gemm_tma
+
+    with pytest.raises(ValueError, match="16 bytes"):
+        logits_gemm_tma(torch.zeros(4, 16), torch.zeros(8, 16), torch.zeros(4, 9)[:, :8], 8,
+                        (16, 16, 16, 2, 4, 1, False), False, programs=1)
