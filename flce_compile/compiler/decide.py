@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .mutations import AliasMap, describe, nodes_between
+from .mutations import AliasMap, describe, draws_random, grad_mode_switch, nodes_between
 from .outputs import flat_outputs, output_node
 from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear,
                        meta_value, output_transform, runtime_softcap, symbolic_softcap_refused)
@@ -181,7 +181,7 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
         return False
     # Logits the head formed under another grad mode than the one they are read in later would be computed with
     # the reader's (a reference model's logits under no_grad would require grad when read outside it).
-    if _grad_mode_switch(site.linear.start, output_node(site.loss_node.graph)) is not None:
+    if grad_mode_switch(site.linear.start, output_node(site.loss_node.graph)) is not None:
         return False
     if any(isinstance(output_transform(site, chain_node), str) for chain_node in returned.values()):
         return False
@@ -301,7 +301,7 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     write = aliases.first_write(site.linear.start, site.loss_node, aliases.roots_of(site.chain))
     if write is not None:
         return f"{describe(write)} may write the logits between the lm_head and the loss"
-    switch = _grad_mode_switch(site.linear.start, site.loss_node)
+    switch = grad_mode_switch(site.linear.start, site.loss_node)
     if switch is not None:
         return f"{switch.name} changes grad mode between the lm_head and the loss"
     also = [plan.softcap] if runtime_softcap(plan) else []
@@ -334,13 +334,6 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
         return None
     res.logits_outputs = transforms
     return None
-
-
-def _grad_mode_switch(start: fx.Node, stop: fx.Node) -> fx.Node | None:
-    """The first node strictly between ``start`` and ``stop`` that sets grad mode (``torch.no_grad()`` or
-    ``enable_grad()`` as Dynamo records them), or None."""
-    return next((node for node in nodes_between(start, stop) if node.op == "call_function"
-                 and getattr(node.target, "__name__", "") == "_set_grad_enabled"), None)
 
 
 def _takes_no_gradient(node: fx.Node) -> bool:
@@ -417,7 +410,15 @@ def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[
     write = aliases.first_write(lin.start, site.loss_node, aliases.roots_of(read))
     if write is not None:
         return f"{describe(write)} may write the target or class weights between the lm_head and the loss"
-    return sorted(prelude, key=aliases.position.__getitem__)
+    moved = sorted(prelude, key=aliases.position.__getitem__)
+    drawn = [n for n in moved if draws_random(aliases.gm, n)]
+    if drawn:  # moved before the lm_head, it would draw before random nodes that drew first in eager
+        first = next((n for n in nodes_between(lin.start, drawn[-1])
+                      if n not in prelude and draws_random(aliases.gm, n)), None)
+        if first is not None:
+            return (f"the target or class weights are drawn at random ({drawn[-1].name}) after {first.name} draws "
+                    "random numbers too; moved before the lm_head, each would draw other numbers than eager's")
+    return moved
 
 
 def _users(escapes: dict[fx.Node, list[fx.Node]]) -> str:

@@ -22,8 +22,9 @@ from . import checkpoint_side_effects
 from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, SiteResult, analyze, lone_heads
+from .decide import LONE_HEAD_REASON, SiteResult, lone_heads
 from .hf_logging import keep_loss_in_graph
+from .lora_head import analyze_with_folded_heads
 from .options import FLCEOptions, split_options
 from .patterns import Plan, meta_value
 from .tensor_parallel import LONE_HEAD
@@ -192,7 +193,7 @@ def _saved_bytes(res: SiteResult) -> int:
 def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCEOptions()) -> list[SiteReport]:
     """Site reports for one Dynamo graph under ``options`` (no rewrite)."""
     reports: list[SiteReport] = []
-    results = analyze(gm, options.logits)
+    results = analyze_with_folded_heads(gm, options.logits)
     for res in results:
         site = res.site
         plan = res.plan

@@ -251,6 +251,43 @@ def nodes_between(start: fx.Node, stop: fx.Node) -> Iterator[fx.Node]:
         node = node.next
 
 
+#: torch.nn.functional's random functions whose names are no ATen op's (``F.dropout2d`` runs ``feature_dropout``).
+_RANDOM_FUNCTIONS = frozenset({"dropout1d", "dropout2d", "dropout3d"})
+
+
+@functools.cache
+def _aten_random(name: str) -> bool:
+    """Whether the ATen op ``name`` draws from a random generator (an overload tagged nondeterministic_seeded)."""
+    packet = getattr(torch.ops.aten, name, None)
+    return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags for overload in packet.overloads())
+
+
+def draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` draws from torch's random generator (``torch.rand``, ``randint``, a dropout, ...): such nodes
+    must keep their order, or each draws other numbers than eager's. Calls the ``effect`` rules treat as unknown
+    (user code) are refused for their writes before this is asked."""
+    if node.op == "call_module":
+        try:
+            mod = gm.get_submodule(node.target)
+        except AttributeError:
+            return True
+        return isinstance(mod, (nn.modules.dropout._DropoutNd, nn.RReLU))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in node.target.tags
+    name = _name(node.target)
+    return name in _RANDOM_FUNCTIONS or _aten_random(name)
+
+
+def grad_mode_switch(start: fx.Node, stop: fx.Node) -> fx.Node | None:
+    """The first node strictly between ``start`` and ``stop`` that sets grad mode (``torch.no_grad()`` or
+    ``enable_grad()`` as Dynamo records them), or None."""
+    return next((node for node in nodes_between(start, stop) if node.op == "call_function"
+                 and getattr(node.target, "__name__", "") == "_set_grad_enabled"), None)
+
+
 def describe(node: fx.Node) -> str:
     """A short, user-facing name of a writing node: ``h[...] = ...``, ``x.copy_(...)``, ``F.relu(..., inplace=True)``."""
     name = _name(node.target)

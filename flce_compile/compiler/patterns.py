@@ -378,6 +378,8 @@ def match_loss(gm: fx.GraphModule, node: fx.Node) -> LossMatch | str | None:
         return "loss input or target is not a graph tensor"
     if not isinstance(lm.ignore_index, int) or isinstance(lm.ignore_index, bool):
         return f"ignore_index={lm.ignore_index!r} is not a constant int"
+    if lm.ignore_index == NO_IGNORED_CLASS:  # the op would read it as a gather's "no class ignored"
+        return f"ignore_index={NO_IGNORED_CLASS} is the fused op's marker of a loss that ignores no class"
     if lm.reduction not in ("mean", "sum", "none"):
         return f"reduction={lm.reduction!r} is not a constant 'mean'/'sum'/'none'"
     if _symbolic_float(lm.label_smoothing):  # an nn.CrossEntropyLoss's attribute under dynamic=True
@@ -652,34 +654,133 @@ def _unfolded_bias(gm: fx.GraphModule, node: fx.Node) -> str | None:
                  if (why := _bias_refused(gm, lin, out, b)) is not None), None)
 
 
-def _low_rank_addend(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """Why ``node`` = ``head(x) + s * B(A(x))`` is not fused: a low-rank adapter on the lm_head (peft's LoRA with
-    ``"lm_head"`` among its ``target_modules``); None for other nodes."""
-    if not _is_addition(node) or len(node.args) != 2:
+#: How ``match_low_rank_head`` and the fold pass (``lora_head``) name an lm_head with a low-rank adapter.
+LOW_RANK_HEAD = ("a low-rank adapter's output is added to the logits (LoRA on the lm_head: peft's target_modules "
+                 "holds 'lm_head')")
+#: The two ways to fuse the loss of such a head when it cannot be folded into one GEMM.
+LOW_RANK_FIX = ("to fuse the loss, leave lm_head out of the adapter, or merge the adapter into the weight first "
+                "(peft's merge_and_unload)")
+_CAST_METHODS = {"float", "double", "half", "bfloat16", "to", "type"}
+
+
+@dataclass
+class LowRankHead:
+    """An lm_head with a low-rank adapter, ``logits = head(x) + scale * up(low)`` with ``low = down(dropout(x))``
+    (peft's LoRA ``Linear`` with "lm_head" among its target_modules): ``node`` is the logits, the sum or its cast
+    back to the head's dtype (peft sums a bf16 head and an fp32 adapter in fp32, then casts)."""
+
+    node: fx.Node
+    base: LinearMatch  # the head's own GEMM: F.linear or nn.Linear, nothing added to it
+    up_weight: Any  # the up-projection's (V, r) weight: a node, or a get_attr target (nn.Linear forms)
+    low: fx.Node  # the adapter's low-rank activations (..., r): dropout and down-projection applied
+    scale: float
+    #: the nodes the folded GEMM replaces: the head's GEMM, the up-projection, the scalings, the sum, the cast
+    replaced: tuple[fx.Node, ...]
+
+
+def _cast_source(node: Any) -> fx.Node | None:
+    """The input of ``node`` when it is a dtype cast of it (``.to(dtype)``, ``.float()``, ...), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CAST_METHODS
+            and node.args and isinstance(node.args[0], fx.Node)):
         return None
-    for head, other in (node.args, node.args[::-1]):
-        lin = match_linear(gm, head) if isinstance(head, fx.Node) and isinstance(other, fx.Node) else None
-        if lin is None:
+    val, src = meta_value(node), meta_value(node.args[0])
+    if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.shape == src.shape
+            and val.device == src.device and val.is_floating_point()):
+        return None
+    return node.args[0]
+
+
+def _adapter_source(gm: fx.GraphModule, node: Any) -> Any:
+    """What a down-projection reads, before its dropout and dtype casts (peft casts the head's input to the
+    adapter's dtype, then applies ``lora_dropout``)."""
+    while isinstance(node, fx.Node):
+        if _is_fn(node, _DROPOUT_FNS) or isinstance(_module(gm, node), nn.Dropout):
+            node = _arg(node, 0, "input")
+        elif (src := _cast_source(node)) is not None:
+            node = src
+        else:
+            break
+    return node
+
+
+def _low_rank_branch(other: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
+    """``other`` without its constant scalings and dtype casts: (what they apply to, the scalings' product, the
+    scaling and cast nodes)."""
+    scale, steps = 1.0, []
+    while True:
+        if (src := _cast_source(other)) is not None:
+            steps.append(other)
+            other = src
             continue
-        while _is_multiplication(other) and any(_is_number(a) for a in other.args):  # the adapter's scaling
-            other = next(a for a in other.args if isinstance(a, fx.Node))
-        up = match_linear(gm, other)
+        if not (_is_multiplication(other) and len(other.args) == 2 and not other.kwargs):
+            break
+        a, b = other.args
+        factor, inner = (b, a) if isinstance(a, fx.Node) else (a, b)
+        if not (isinstance(inner, fx.Node) and _is_number(factor)):
+            break
+        steps.append(other)
+        scale *= float(factor)
+        other = inner
+    return other, scale, steps
+
+
+def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str | None:
+    """The sum ``total`` as the logits of an lm_head with a low-rank adapter (``LowRankHead``; with the cast that
+    is its one user, if any); a string saying why such a head cannot be folded into one GEMM (``lora_head``); None
+    when ``total`` is no such sum."""
+    if not _is_addition(total) or len(total.args) != 2 or total.kwargs:
+        return None
+    users = list(total.users)
+    node = users[0] if len(users) == 1 and _cast_source(users[0]) is total else total
+    for head, other in (total.args, total.args[::-1]):
+        if not (isinstance(head, fx.Node) and isinstance(other, fx.Node)):
+            continue
+        lin = match_linear(gm, head)
+        inner, scale, scalings = _low_rank_branch(other)
+        up = match_linear(gm, inner)
         down = match_linear(gm, up.input) if up is not None else None
-        source = down.input if down is not None else None
-        if isinstance(source, fx.Node) and (_is_fn(source, _DROPOUT_FNS)
-                                            or isinstance(_module(gm, source), nn.Dropout)):  # lora_dropout
-            source = _arg(source, 0, "input")
-        if source is None or source is not lin.input:
+        if lin is None or down is None or _adapter_source(gm, down.input) is not _adapter_source(gm, lin.input):
             continue
-        out, low = meta_value(head), meta_value(up.input)
-        if not (isinstance(out, torch.Tensor) and isinstance(low, torch.Tensor)):
+        out, low, value = meta_value(head), meta_value(up.input), meta_value(node)
+        if not all(isinstance(t, torch.Tensor) for t in (out, low, value)):
             continue
         rank, vocab = _static_int(low.shape[-1]), _static_int(out.shape[-1])
-        if rank is not None and vocab is not None and 2 * rank < vocab:
-            return ("a low-rank adapter's output is added to the logits (LoRA on the lm_head: peft's target_modules "
-                    "holds 'lm_head'); the fused op takes the head's one weight: leave lm_head out of the "
-                    "adapter, or merge the adapter into the weight first (peft's merge_and_unload)")
+        if rank is None or vocab is None or 2 * rank >= vocab:
+            continue
+        forms = ("F.linear", "nn.Linear")
+        if lin.form not in forms or up.form not in forms:
+            return f"the head or the adapter's up-projection is {lin.form if lin.form not in forms else up.form}"
+        if own_bias(gm, up) is not None:
+            return "the adapter's up-projection has a bias (peft's lora_bias)"
+        inside = [head, inner, *scalings] + ([total] if total is not node else [])
+        if any(len(n.users) != 1 for n in inside):
+            return "the head's or the adapter's output is read elsewhere too"
+        wide = meta_value(inner).dtype
+        if wide != out.dtype:  # eager's adapter branch is wider than one GEMM in the head's dtype could be
+            return (f"the adapter computes in {wide} where the head computes in {out.dtype}: one {out.dtype} GEMM "
+                    f"would round its activations and weight, for gradients about twice as far from fp64 as "
+                    f"eager's (under torch.autocast, or with the adapter in {out.dtype}, peft's "
+                    f"autocast_adapter_dtype=False, it is folded)")
+        if value.dtype != out.dtype:
+            return f"the sum is {value.dtype} where the head computed {out.dtype}"
+        weight = f"{up.module_target}.weight" if up.module_target else up.weight
+        return LowRankHead(node, lin, weight, up.input, scale, (head, inner, *scalings, total)
+                           + ((node,) if node is not total else ()))
     return None
+
+
+def _low_rank_addend(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Why ``node`` = ``head(x) + s * B(A(x))`` is not fused: an lm_head with a low-rank adapter that the fold pass
+    left alone (``lora_head`` records its reason on the sum); None for other nodes."""
+    got = match_low_rank_head(gm, node)
+    if got is None:
+        return None
+    why = got if isinstance(got, str) else node.meta.get(LOW_RANK_REASON, "it was not folded into one GEMM")
+    return f"{LOW_RANK_HEAD}, and {why}; {LOW_RANK_FIX}"
+
+
+#: The node meta key under which ``lora_head`` records why it left an lm_head with an adapter unfolded.
+LOW_RANK_REASON = "flce_low_rank_reason"
 
 
 def _einsum_head(node: fx.Node) -> LinearMatch | None:
@@ -738,6 +839,8 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return f".{node.target}() to a non-floating dtype"
         return Step("identity", node, first), first
     if _is_fn(node, _RESHAPE_FNS) or _is_method(node, _RESHAPE_METHODS):
+        if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+            return f"{node.op} {name} to a dtype, which reinterprets the logits' bits"
         return Step("reshape", node, first), first
     if _is_fn(node, _TRANSPOSE_FNS) or _is_method(node, _TRANSPOSE_METHODS):
         val, src = meta_value(node), meta_value(first)

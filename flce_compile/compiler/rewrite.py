@@ -25,8 +25,10 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, analyze, lone_heads
+from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, lone_heads
+from .graph_meta import graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
+from .lora_head import analyze_with_folded_heads
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, own_bias, runtime_softcap
@@ -199,10 +201,10 @@ def run_pass(
                 _log_unfused(res)
         else:
             logger.info("flce: %s", region)
-    results = analyze(gm, logits)
+    fake_mode = graph_fake_mode(gm, example_inputs)
+    results = analyze_with_folded_heads(gm, logits, fake_mode)
     for head in lone_heads(gm, results):
         _log_lone_head(head)
-    fake_mode = _fake_mode(gm, example_inputs)
     fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
     for res in results:
@@ -305,17 +307,6 @@ def _log_rewrite(res: SiteResult) -> None:
             "the logits.",
             res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
         )
-
-
-def _fake_mode(gm: fx.GraphModule, example_inputs: Any) -> Any:
-    # The mode of the graph's own example values (the tensors new nodes are computed from) comes first.
-    for node in gm.graph.nodes:
-        val = meta_value(node)
-        if isinstance(val, torch._subclasses.FakeTensor):
-            return val.fake_mode
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode(example_inputs) if example_inputs is not None else None
 
 
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
@@ -421,7 +412,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 result = new.add("call_function", operator.neg, (result,))  # the negated log-prob
             if loss.squeezed:  # a difference of the pick, squeezed, and the logsumexp (``match_log_prob_difference``)
                 result = new.add("call_method", "squeeze", (result, -1))
-        _propagate_meta(gm, new.nodes, fake_mode)
+        propagate_meta(gm, new.nodes, fake_mode)
     except Exception:
         new.rollback()
         raise
@@ -512,23 +503,3 @@ def _head_operands(gm: fx.GraphModule, lin: Any, new: _NewNodes) -> tuple[fx.Nod
             added = new.add("call_method", "to", (added, cast_to))
         bias = added if bias is None else new.add("call_function", operator.add, (bias, added))
     return weight, bias
-
-
-def _propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any) -> None:
-    """Give new nodes the ``example_value`` Dynamo gives its own (some inner-compiler passes read it)."""
-    if fake_mode is None:  # not a Dynamo graph (e.g. symbolic_trace + ShapeProp): nothing reads example_value
-        return
-    with fake_mode:
-        for n in nodes:
-            if n.op == "get_attr":
-                val = gm
-                for part in str(n.target).split("."):
-                    val = getattr(val, part)
-                n.meta["example_value"] = fake_mode.from_tensor(val)
-                continue
-            args = fx.node.map_arg(n.args, meta_value)
-            kwargs = fx.node.map_arg(n.kwargs, meta_value)
-            if n.op == "call_method":
-                n.meta["example_value"] = getattr(args[0], n.target)(*args[1:], **kwargs)
-            else:
-                n.meta["example_value"] = n.target(*args, **kwargs)

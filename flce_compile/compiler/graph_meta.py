@@ -1,0 +1,47 @@
+"""The traced values of nodes a pass adds to a Dynamo graph: computed as Dynamo computes its own, from the
+example values of their inputs, under the graph's fake mode (later passes and the inner compiler read them)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import fx
+
+from .patterns import meta_value
+
+
+def graph_fake_mode(gm: fx.GraphModule, example_inputs: Any = None) -> Any:
+    """The fake mode of the graph's own example values (the tensors new nodes are computed from), else the one
+    ``example_inputs`` carry, else None (a graph not traced by Dynamo)."""
+    for node in gm.graph.nodes:
+        val = meta_value(node)
+        if isinstance(val, torch._subclasses.FakeTensor):
+            return val.fake_mode
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(example_inputs) if example_inputs is not None else None
+
+
+def propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any, on_meta: bool = False) -> None:
+    """Give new nodes the ``example_value`` Dynamo gives its own. Without a fake mode (a graph from
+    ``symbolic_trace`` + ShapeProp) nothing reads them, unless ``on_meta``: then they are computed on meta
+    tensors, for a pass whose analysis reads the new nodes' shapes and dtypes."""
+    if fake_mode is None and not on_meta:
+        return
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        for n in nodes:
+            if n.op == "get_attr":
+                val = gm
+                for part in str(n.target).split("."):
+                    val = getattr(val, part)
+                n.meta["example_value"] = (fake_mode.from_tensor(val) if fake_mode is not None
+                                           else torch.empty_like(val, device="meta"))
+                continue
+            args = fx.node.map_arg(n.args, meta_value)
+            kwargs = fx.node.map_arg(n.kwargs, meta_value)
+            if n.op == "call_method":
+                n.meta["example_value"] = getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                n.meta["example_value"] = n.target(*args, **kwargs)

@@ -1,0 +1,165 @@
+"""A low-rank adapter on the lm_head, folded into one GEMM the fused op takes.
+
+peft's LoRA with "lm_head" among its target_modules computes ``logits = x @ W.T + s * (u @ B.T)`` with
+``u = A(dropout(x))``, the adapter's (..., r) activations. That is one GEMM over concatenated operands,
+``[x, s*u] @ [W, B].T``: the fused op takes it as it takes any lm_head, so the logits are never formed, and the
+gradients reach x, W and B (and, through ``u``, A and the dropout) by autograd through the concatenations. ``u`` is
+computed in the graph as before, once (the dropout's mask included).
+
+What the fold costs beside the fused op: the concatenated weight, V x (H + r) in the head's dtype, formed at each
+call, and the op's dW of all of it, the head's part included (dropped when W is frozen, as peft freezes it): one
+GEMM of the head's size more than eager's head, and the op's fp32 accumulator for it. Eager formed the logits
+instead, and in peft's bf16-head, fp32-adapter layout an fp32 copy of them too.
+
+Numerics: one GEMM in the head's dtype with fp32 accumulation, where eager (a bf16 head, an fp32 adapter) rounds
+the head's GEMM to bf16, adds the fp32 adapter term and rounds the sum again; ``s * u`` and B are rounded to the
+head's dtype first. The loss and the gradients of x, A and B come out at least as close to fp64 as eager's
+(``tests/test_compiler_lora_head.py``). The returned logits, computed when read, are the folded GEMM's values:
+not bit-equal to eager's.
+
+The pass runs before the analysis (``analyze_with_folded_heads``): each such head becomes ``F.linear(cat(x, s*u),
+cat(W, B))`` in place of its logits. A fold whose loss the analysis then fuses on the head's operands stays (the
+GEMMs it replaced are erased); the others are undone and the graph analyzed again, so a head the pass leaves
+unfused computes as eager did, and the reason says what stopped it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ..log import logger
+from .decide import SiteResult, analyze
+from .graph_meta import graph_fake_mode, propagate_meta
+from .mutations import AliasMap, describe, erase_dead, grad_mode_switch
+from .patterns import LOW_RANK_REASON, LowRankHead, match_low_rank_head, meta_value, own_bias
+
+#: The analysis paths on which the fused op reads the head's operands (the folded GEMM's), not kept logits.
+OPERAND_PATHS = ("fused", "fused_lazy", "fused_keep")
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+@dataclass
+class Fold:
+    """One folded head: ``linear`` (the GEMM over the concatenations) stands in for ``head.node``."""
+
+    head: LowRankHead
+    total: fx.Node  # the sum of the head and the adapter, where an undone fold's reason is recorded
+    linear: fx.Node
+    created: list[fx.Node]  # every node the fold added, ``linear`` last
+
+    def keep(self, gm: fx.GraphModule) -> None:
+        """The fold stays: the head's GEMM, the adapter's up-projection and the sum, now unused, go."""
+        erase_dead(gm, list(self.head.replaced))
+
+    def undo(self, gm: fx.GraphModule, why: str) -> None:
+        """The graph as it was, with ``why`` recorded for the analysis's reason (``patterns._low_rank_addend``)."""
+        self.linear.replace_all_uses_with(self.head.node)
+        for node in reversed(self.created):
+            gm.graph.erase_node(node)
+        self.total.meta[LOW_RANK_REASON] = why
+
+
+def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mode: Any = None) -> list[SiteResult]:
+    """``decide.analyze`` of ``gm`` with its lm_heads' low-rank adapters folded where that lets the loss fuse;
+    changes ``gm`` only there."""
+    folds = fold_low_rank_heads(gm, fake_mode if fake_mode is not None else graph_fake_mode(gm))
+    results = analyze(gm, logits)
+    if not folds:
+        return results
+    by_linear = {r.site.linear.node: r for r in results if r.site.linear is not None}
+    undone = False
+    for fold in folds:
+        res = by_linear.get(fold.linear)
+        if res is not None and res.path in OPERAND_PATHS:
+            fold.keep(gm)
+            logger.info("flce: the low-rank adapter on the lm_head at %s folded into one GEMM (rank %d, scale %g)",
+                        fold.total.name, meta_value(fold.head.low).shape[-1], fold.head.scale)
+            continue
+        if res is None:
+            why = "no loss in this graph reads its logits"
+        else:
+            why = res.reason or f"its loss would be computed from kept logits ({res.path})"
+        fold.undo(gm, f"folded into one GEMM its loss is not fused either ({why})")
+        undone = True
+    return analyze(gm, logits) if undone else results
+
+
+def fold_low_rank_heads(gm: fx.GraphModule, fake_mode: Any) -> list[Fold]:
+    """Fold every lm_head with a low-rank adapter in ``gm`` (``patterns.match_low_rank_head``) that reads its
+    operands unchanged; the others get their reason recorded on their sum."""
+    folds = []
+    for node in list(gm.graph.nodes):
+        got = match_low_rank_head(gm, node)
+        if got is None:
+            continue
+        why = got if isinstance(got, str) else _unfoldable(gm, got)
+        if why is None:
+            try:
+                folds.append(_fold(gm, node, got, fake_mode))
+                continue
+            except Exception as exc:  # noqa: BLE001 - an unexpected graph: the head stays as it was
+                why = f"folding it failed ({exc!r})"
+        node.meta[LOW_RANK_REASON] = why
+        logger.info("flce: the low-rank adapter on the lm_head at %s not folded: %s", node.name, why)
+    return folds
+
+
+def _unfoldable(gm: fx.GraphModule, head: LowRankHead) -> str | None:
+    """Why the folded GEMM, reading its operands where the logits were formed, could read other values or run
+    under another grad mode than the head's GEMM did; None when it cannot."""
+    lin = head.base
+    aliases = AliasMap(gm)  # built per head: folds before this one added nodes
+    attrs = [a for a in (f"{lin.module_target}.weight", f"{lin.module_target}.bias") if lin.module_target]
+    attrs += [head.up_weight] if isinstance(head.up_weight, str) else []
+    roots = aliases.roots_of([lin.input, lin.weight, lin.bias, head.low, head.up_weight], attrs)
+    write = aliases.first_write(lin.start, head.node, roots)
+    if write is not None:
+        return f"{describe(write)} writes to its operands between the head's GEMM and the sum"
+    switch = grad_mode_switch(lin.start, head.node)
+    if switch is not None:
+        return f"grad mode changes between the head's GEMM and the sum ({switch.name})"
+    return None
+
+
+def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any) -> Fold:
+    """Put ``F.linear(cat(x, s*u), cat(W, B), b)`` in place of the head's logits (all users of ``head.node``)."""
+    graph, lin, created = gm.graph, head.base, []
+
+    def add(op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        created.append(graph.create_node(op, target, args, kwargs or {}))
+        return created[-1]
+
+    def cast(node: fx.Node, like: Any) -> fx.Node:
+        dtype = meta_value(like).dtype
+        return node if meta_value(node).dtype == dtype else add("call_method", "to", (node, dtype))
+
+    try:
+        with graph.inserting_before(head.node):
+            low = head.low if head.scale == 1.0 else add("call_function", operator.mul, (head.low, head.scale))
+            if low is not head.low:
+                propagate_meta(gm, created, fake_mode, on_meta=True)
+            hidden = add("call_function", torch.cat, ([lin.input, cast(low, lin.input)], -1))
+            weight = add("get_attr", f"{lin.module_target}.weight", ()) if lin.module_target else lin.weight
+            up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight
+            propagate_meta(gm, [n for n in created if "example_value" not in n.meta], fake_mode, on_meta=True)
+            both = add("call_function", torch.cat, ([weight, cast(up, weight)], 1))
+            bias = own_bias(gm, lin)
+            if lin.module_target and bias is not None:
+                bias = add("get_attr", f"{lin.module_target}.bias", ())
+            propagate_meta(gm, [n for n in created if "example_value" not in n.meta], fake_mode, on_meta=True)
+            linear = add("call_function", F.linear, (hidden, both, bias))
+    except Exception:
+        for node in reversed(created):
+            graph.erase_node(node)
+        raise
+    # The traced logits' value: their shape, the dtype the head computed in (autocast's), whether they need grad.
+    linear.meta["example_value"] = meta_value(head.node)
+    linear.meta.update({k: v for k, v in head.node.meta.items() if k in _META_KEYS})
+    head.node.replace_all_uses_with(linear)
+    return Fold(head, total, linear, created)

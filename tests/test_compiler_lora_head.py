@@ -1,0 +1,247 @@
+"""A low-rank adapter on the lm_head (peft's LoRA with "lm_head" among its target_modules), folded into one GEMM
+over ``[x, s*u]`` and ``[W, B]`` that the fused op takes (``flce_compile/compiler/lora_head.py``): fused and exact
+against eager (fp32) and against fp64 (a bf16 head with an fp32 adapter, peft's layout), the logits never formed
+in the graph, the dropout's mask kept; heads the fold refuses, or whose loss is not fused once folded, compute as
+eager did and say why; and a real peft model, when peft is installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flce_compile.compiler as fc
+from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep
+
+V, H, R = 96, 16, 4
+
+
+class LoraHead(nn.Module):
+    """An lm_head with a low-rank adapter laid out as peft's LoRA ``Linear`` computes it: the head in ``dtype``, the
+    adapter in fp32 reading the head's input cast to the adapter's dtype (then dropout ``p``), the fp32 sum cast back.
+    ``loss_form(logits, t)`` gives the loss; ``up_bias``: peft's lora_bias; ``widen``: the adapter's output cast
+    to fp32 and the sum left so; ``source``: what the adapter reads, ``"x"`` or ``"tanh"`` (something else)."""
+
+    def __init__(self, dtype=torch.float32, p=0.0, up_bias=False, widen=False, source="x", loss_form=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, H).to(dtype)
+        self.lm_head = nn.Linear(H, V, bias=False).to(dtype)
+        self.lora_a = nn.Linear(H, R, bias=False)
+        self.lora_b = nn.Linear(R, V, bias=up_bias)
+        nn.init.normal_(self.lora_b.weight, std=0.2)  # peft starts it at zero: a trained adapter's is not
+        self.p, self.widen, self.source = p, widen, source
+        self.loss_form = loss_form or (lambda logits, t: F.cross_entropy(logits.float().view(-1, V), t.view(-1)))
+
+    def logits(self, x):
+        head = self.lm_head(x)
+        read = x if self.source == "x" else torch.tanh(x)
+        low = F.dropout(read.to(self.lora_a.weight.dtype), self.p, self.training)  # peft's cast
+        branch = self.lora_b(self.lora_a(low)) * 2.0
+        return head + branch.float() if self.widen else (head + branch).to(head.dtype)
+
+    def forward(self, idx, t):
+        x = self.emb(idx)
+        logits = self.logits(x)
+        return self.loss_form(logits, t), logits
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (2, 8), generator=g), torch.randint(0, V, (2, 8), generator=g)
+
+
+def _grads(model, fn, *args, seed=None):
+    model.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    loss, logits = fn(*args)
+    loss.backward()
+    return loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _Graphs:
+    """An inner compiler that records the graphs it gets and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [n.target for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _compiled(model, **options):
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    return torch.compile(model, backend="flce", options={"flce.inner": graphs, **options}), graphs
+
+
+def _vocab_sized(gm) -> list[str]:
+    """Nodes of ``gm`` whose traced value has the vocabulary as its last dimension (logits-sized, or W / B)."""
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("example_value")
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == V:
+            out.append(n.name)
+    return out
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+def test_fused_and_exact_in_fp32(p):
+    """Fused: the graph holds the fused op and forms no logits; the loss, every gradient (the head's, the
+    adapter's A and B, the embedding's) and the returned logits (computed when read) match eager's. With dropout
+    the mask is eager's under the same seed: the adapter's activations are computed in the graph as before."""
+    torch.manual_seed(0)
+    model = LoraHead(p=p).train()
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t)
+    assert report.fused and report.path == "fused_lazy" and report.hidden == H + R, report
+    ref_loss, ref_logits, ref = _grads(model, model, idx, t, seed=1)
+    compiled, graphs = _compiled(model)
+    loss, logits, got = _grads(model, compiled, idx, t, seed=1)
+    assert flce_fused_loss in graphs.targets()
+    assert not any(_vocab_sized(gm) for gm in graphs.graphs)  # no logits, no adapter output of V columns
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys() == {"emb.weight", "lm_head.weight", "lora_a.weight", "lora_b.weight"}
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _errors(model, fn, ref, idx, t, autocast):
+    """Absolute errors of the loss and the norms of the errors of the gradients of the hidden states (the
+    embedding's), A and B against ``ref``, the same quantities in fp64."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, _, grads = _grads(model, fn, idx, t)
+    got = [loss.double()] + [grads[n].double() for n in ("emb.weight", "lora_a.weight", "lora_b.weight")]
+    return [(a - b).norm().item() for a, b in zip(got, ref)]
+
+
+@pytest.mark.parametrize("adapter, autocast", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16_adapter", "fp32_adapter_autocast"])
+def test_bf16_head_is_at_least_as_exact_as_eager(adapter, autocast):
+    """A bf16 head with a bf16 adapter, and with peft's fp32 adapter under autocast (the Trainer's bf16): the folded
+    GEMM rounds the logits once where eager rounds the head's GEMM, the adapter's and their sum, so the gradients
+    of the hidden states, A and B are no further from fp64 than eager's (plus a sliver); the loss, a mean of
+    per-token roundings, is within an ulp of the logits over the square root of the token count."""
+    torch.manual_seed(0)
+    model = LoraHead(dtype=torch.bfloat16)
+    model.lora_a.to(adapter), model.lora_b.to(adapter)
+    idx, t = torch.randint(0, V, (8, 64)), torch.randint(0, V, (8, 64))
+    exact = LoraHead(dtype=torch.float64)
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    exact.lora_a.double(), exact.lora_b.double()
+    loss, _, grads = _grads(exact, exact, idx, t)
+    ref = [loss] + [grads[n] for n in ("emb.weight", "lora_a.weight", "lora_b.weight")]
+    eager = _errors(model, model, ref, idx, t, autocast)
+    compiled, graphs = _compiled(model)
+    fused = _errors(model, compiled, ref, idx, t, autocast)
+    assert flce_fused_loss in graphs.targets()
+    assert fused[0] <= eager[0] + 2.0**-8 * (loss.abs().item() + 1.0) / idx.numel() ** 0.5, (fused[0], eager[0])
+    for name, ours, theirs, r in zip(("dX", "dA", "dB"), fused[1:], eager[1:], ref[1:]):
+        assert ours <= theirs + 4e-4 * r.norm().item(), f"{name}: {ours:.3e} against eager's {theirs:.3e}"
+
+
+def test_logits_read_in_the_graph_come_from_the_fused_op():
+    """A loss on the logits beside the cross-entropy (a z-loss) keeps them in the graph: the op returns the folded
+    GEMM's logits (``fused_keep``), and the gradients still match eager's."""
+    torch.manual_seed(0)
+    zloss = lambda logits, t: (F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+                               + 1e-2 * logits.logsumexp(-1).pow(2).mean())
+    model = LoraHead(loss_form=zloss)
+    idx, t = _data()
+    ref_loss, _, ref = _grads(model, model, idx, t)
+    compiled, graphs = _compiled(model)
+    loss, _, got = _grads(model, compiled, idx, t)
+    assert flce_fused_loss_keep in graphs.targets()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("up_bias", "the adapter's up-projection has a bias"),
+    ("fp32_adapter", "the adapter computes in torch.float32 where the head computes in torch.bfloat16"),
+    ("fp32_sum", "the sum is torch.float32 where the head computed torch.bfloat16"),
+    ("in_place", "writes to its operands between the head's GEMM and the sum"),
+])
+def test_heads_the_fold_refuses_are_named(case, reason):
+    """An adapter with a bias on its up-projection, an fp32 adapter beside a bf16 head without autocast (one bf16
+    GEMM would be less exact than eager's fp32 branch), a sum left wider than the head (its logits are, in eager)
+    and a write to the head's input between its GEMM and the sum are not folded: the reason names the adapter,
+    why, and the two ways to fuse."""
+    model = {"up_bias": lambda: LoraHead(up_bias=True),
+             "fp32_adapter": lambda: LoraHead(dtype=torch.bfloat16),
+             "fp32_sum": lambda: LoraHead(dtype=torch.bfloat16, widen=True).to(torch.bfloat16),
+             "in_place": lambda: InPlaceLoraHead()}[case]()
+    (report,) = fc.explain(model, *_data())
+    assert not report.fused and "low-rank adapter's output is added to the logits" in report.reason
+    assert reason in report.reason and "merge_and_unload" in report.reason, report.reason
+
+
+class InPlaceLoraHead(LoraHead):
+    """The head's input written (in place) after the head's GEMM and before the adapter reads it."""
+
+    def logits(self, x):
+        x = x * 1.0
+        head = self.lm_head(x)
+        x.mul_(0.5)
+        return head + self.lora_b(self.lora_a(x)) * 2.0
+
+
+def test_a_fold_whose_loss_is_not_fused_is_undone():
+    """Folded, the loss still is not fused (the logits are written in place before it): the fold is undone, the
+    graph computes the head and the adapter as eager did (no concatenated weight), and the reason says both."""
+    def in_place_loss(logits, t):
+        logits = logits * 1.0
+        logits.add_(1.0)
+        return F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+    torch.manual_seed(0)
+    model = LoraHead(loss_form=in_place_loss)
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t)
+    assert not report.fused and "folded into one GEMM its loss is not fused either" in report.reason, report.reason
+    ref_loss, _, ref = _grads(model, model, idx, t)
+    compiled, graphs = _compiled(model)
+    loss, _, got = _grads(model, compiled, idx, t)
+    assert torch.cat not in graphs.targets() and flce_fused_loss not in graphs.targets()
+    assert loss == ref_loss and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_an_adapter_reading_something_else_is_no_lora_head():
+    """A low-rank branch that reads something other than the head's input is not called an adapter."""
+    (report,) = fc.explain(LoraHead(source="tanh"), *_data())
+    assert not report.fused and "adapter" not in report.reason and "call_function add" in report.reason
+
+
+def test_peft_llama_with_lora_on_the_lm_head():
+    """A real peft model (Llama, LoRA on q_proj and lm_head, dropout 0.1): the head fused, one graph; loss and
+    gradients as eager's under the same seed, the returned logits as eager's (fp32)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), peft.LoraConfig(
+        r=R, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "lm_head"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    ids = _data()[0]
+    call = lambda fn: (lambda: (lambda out: (out.loss, out.logits))(fn(input_ids=ids, labels=ids)))  # noqa: E731
+    (report,) = fc.explain(model, input_ids=ids, labels=ids)
+    assert report.fused and report.hidden == 32 + R, report
+    ref_loss, ref_logits, ref = _grads(model, call(model), seed=3)
+    compiled, graphs = _compiled(model)
+    loss, logits, got = _grads(model, call(compiled), seed=3)
+    assert len(graphs.graphs) == 1 and flce_fused_loss in graphs.targets()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
