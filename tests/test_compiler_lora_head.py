@@ -21,16 +21,19 @@ class LoraHead(nn.Module):
     """An lm_head with a low-rank adapter laid out as peft's LoRA ``Linear`` computes it: the head in ``dtype``, the
     adapter in fp32 reading the head's input cast to the adapter's dtype (then dropout ``p``), the fp32 sum cast back.
     ``loss_form(logits, t)`` gives the loss; ``up_bias``: peft's lora_bias; ``widen``: the adapter's output cast
-    to fp32 and the sum left so; ``source``: what the adapter reads, ``"x"`` or ``"tanh"`` (something else)."""
+    to fp32 and the sum left so; ``cast_back=False``: the sum not cast back (plain code, not peft); ``source``: what
+    the adapter reads, ``"x"`` or ``"tanh"`` (something else); ``return_logits=False``: only the loss returned."""
 
-    def __init__(self, dtype=torch.float32, p=0.0, up_bias=False, widen=False, source="x", loss_form=None):
+    def __init__(self, dtype=torch.float32, p=0.0, up_bias=False, widen=False, source="x", loss_form=None,
+                 cast_back=True, return_logits=True):
         super().__init__()
         self.emb = nn.Embedding(V, H).to(dtype)
         self.lm_head = nn.Linear(H, V, bias=False).to(dtype)
         self.lora_a = nn.Linear(H, R, bias=False)
         self.lora_b = nn.Linear(R, V, bias=up_bias)
         nn.init.normal_(self.lora_b.weight, std=0.2)  # peft starts it at zero: a trained adapter's is not
-        self.p, self.widen, self.source = p, widen, source
+        self.p, self.widen, self.source, self.cast_back = p, widen, source, cast_back
+        self.return_logits = return_logits
         self.loss_form = loss_form or (lambda logits, t: F.cross_entropy(logits.float().view(-1, V), t.view(-1)))
 
     def logits(self, x):
@@ -38,12 +41,14 @@ class LoraHead(nn.Module):
         read = x if self.source == "x" else torch.tanh(x)
         low = F.dropout(read.to(self.lora_a.weight.dtype), self.p, self.training)  # peft's cast
         branch = self.lora_b(self.lora_a(low)) * 2.0
-        return head + branch.float() if self.widen else (head + branch).to(head.dtype)
+        if self.widen:
+            return head + branch.float()
+        return (head + branch).to(head.dtype) if self.cast_back else head + branch
 
     def forward(self, idx, t):
         x = self.emb(idx)
         logits = self.logits(x)
-        return self.loss_form(logits, t), logits
+        return self.loss_form(logits, t), logits if self.return_logits else None
 
 
 def _data(seed=0):
@@ -74,10 +79,10 @@ class _Graphs:
         return [n.target for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def _compiled(model, **options):
+def _compiled(model, dynamic=None, **options):
     torch._dynamo.reset()
     graphs = _Graphs()
-    return torch.compile(model, backend="flce", options={"flce.inner": graphs, **options}), graphs
+    return torch.compile(model, backend="flce", dynamic=dynamic, options={"flce.inner": graphs, **options}), graphs
 
 
 def _vocab_sized(gm) -> list[str]:
@@ -90,13 +95,16 @@ def _vocab_sized(gm) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
-def test_fused_and_exact_in_fp32(p):
+@pytest.mark.parametrize("p, cast_back", [(0.0, True), (0.3, True), (0.0, False)],
+                         ids=["no_dropout", "dropout", "no_cast_back"])
+def test_fused_and_exact_in_fp32(p, cast_back):
     """Fused: the graph holds the fused op and forms no logits; the loss, every gradient (the head's, the
     adapter's A and B, the embedding's) and the returned logits (computed when read) match eager's. With dropout
-    the mask is eager's under the same seed: the adapter's activations are computed in the graph as before."""
+    the mask is eager's under the same seed: the adapter's activations are computed in the graph as before.
+    Without peft's cast back, the loss's own upcast (``logits.float()``) is no cast back of the sum (it was taken
+    for one, and the head refused as "wider than the head")."""
     torch.manual_seed(0)
-    model = LoraHead(p=p).train()
+    model = LoraHead(p=p, cast_back=cast_back).train()
     idx, t = _data()
     (report,) = fc.explain(model, idx, t)
     assert report.fused and report.path == "fused_lazy" and report.hidden == H + R, report
@@ -121,15 +129,17 @@ def _errors(model, fn, ref, idx, t, autocast):
     return [(a - b).norm().item() for a, b in zip(got, ref)]
 
 
-@pytest.mark.parametrize("adapter, autocast", [(torch.bfloat16, False), (torch.float32, True)],
-                         ids=["bf16_adapter", "fp32_adapter_autocast"])
-def test_bf16_head_is_at_least_as_exact_as_eager(adapter, autocast):
+@pytest.mark.parametrize("adapter, autocast, cast_back", [(torch.bfloat16, False, True), (torch.float32, True, True),
+                                                      (torch.bfloat16, False, False)],
+                         ids=["bf16_adapter", "fp32_adapter_autocast", "bf16_adapter_no_cast_back"])
+def test_bf16_head_is_at_least_as_exact_as_eager(adapter, autocast, cast_back):
     """A bf16 head with a bf16 adapter, and with peft's fp32 adapter under autocast (the Trainer's bf16): the folded
     GEMM rounds the logits once where eager rounds the head's GEMM, the adapter's and their sum, so the gradients
     of the hidden states, A and B are no further from fp64 than eager's (plus a sliver); the loss, a mean of
-    per-token roundings, is within an ulp of the logits over the square root of the token count."""
+    per-token roundings, is within an ulp of the logits over the square root of the token count. Without peft's
+    cast back (plain code), the loss's ``logits.float()`` is not taken for one (the head was refused as wider)."""
     torch.manual_seed(0)
-    model = LoraHead(dtype=torch.bfloat16)
+    model = LoraHead(dtype=torch.bfloat16, cast_back=cast_back, return_logits=cast_back)  # the sum's one user
     model.lora_a.to(adapter), model.lora_b.to(adapter)
     idx, t = torch.randint(0, V, (8, 64)), torch.randint(0, V, (8, 64))
     exact = LoraHead(dtype=torch.float64)
@@ -167,7 +177,10 @@ def test_logits_read_in_the_graph_come_from_the_fused_op():
     ("up_bias", "the adapter's up-projection has a bias"),
     ("fp32_adapter", "the adapter computes in torch.float32 where the head computes in torch.bfloat16"),
     ("fp32_sum", "the sum is torch.float32 where the head computed torch.bfloat16"),
-    ("in_place", "writes to its operands between the head's GEMM and the sum"),
+    ("in_place", "writes to its operands between the head's and the adapter's GEMMs and the sum"),
+    ("write_between", "writes to its operands between the head's and the adapter's GEMMs and the sum"),
+    ("adapter_no_grad", "grad mode changes between the head's and the adapter's GEMMs and the sum"),
+    ("two_adapters", "several low-rank adapters are added to the logits"),
 ])
 def test_heads_the_fold_refuses_are_named(case, reason):
     """An adapter with a bias on its up-projection, an fp32 adapter beside a bf16 head without autocast (one bf16
@@ -177,7 +190,8 @@ def test_heads_the_fold_refuses_are_named(case, reason):
     model = {"up_bias": lambda: LoraHead(up_bias=True),
              "fp32_adapter": lambda: LoraHead(dtype=torch.bfloat16),
              "fp32_sum": lambda: LoraHead(dtype=torch.bfloat16, widen=True).to(torch.bfloat16),
-             "in_place": lambda: InPlaceLoraHead()}[case]()
+             "in_place": lambda: InPlaceLoraHead(), "write_between": lambda: WriteBetweenLoraHead(),
+             "adapter_no_grad": lambda: NoGradAdapterHead(), "two_adapters": lambda: TwoAdapterHead()}[case]()
     (report,) = fc.explain(model, *_data())
     assert not report.fused and "low-rank adapter's output is added to the logits" in report.reason
     assert reason in report.reason and "merge_and_unload" in report.reason, report.reason
@@ -191,6 +205,60 @@ class InPlaceLoraHead(LoraHead):
         head = self.lm_head(x)
         x.mul_(0.5)
         return head + self.lora_b(self.lora_a(x)) * 2.0
+
+
+class WriteBetweenLoraHead(LoraHead):
+    """The adapter's activations written in place after its up-projection and before the head's GEMM: the sum
+    reads the up-projection's output, computed before the write (found by a review: the fold read them after)."""
+
+    def logits(self, x):
+        u = self.lora_a(x)
+        branch = self.lora_b(u)
+        u.mul_(0.5)
+        return self.lm_head(x) + branch * 2.0
+
+
+class NoGradAdapterHead(LoraHead):
+    """The adapter run under no_grad before the head: B gets no gradient in eager (the fold gave it one)."""
+
+    def logits(self, x):
+        with torch.no_grad():
+            branch = self.lora_b(self.lora_a(x))
+        return self.lm_head(x) + branch * 2.0
+
+
+class TwoAdapterHead(LoraHead):
+    """Two adapters on the head (peft with two active adapters): one sum after the other."""
+
+    def logits(self, x):
+        return self.lm_head(x) + self.lora_b(self.lora_a(x)) * 2.0 + self.lora_b(self.lora_a(x)) * 3.0
+
+
+def test_an_adapter_under_no_grad_gets_no_gradient():
+    """The review's case compiled: B's gradient stays None, as in eager."""
+    model = NoGradAdapterHead()
+    idx, t = _data()
+    _, _, ref = _grads(model, model, idx, t)
+    compiled, _ = _compiled(model)
+    _, _, got = _grads(model, compiled, idx, t)
+    assert "lora_b.weight" not in ref and got.keys() == ref.keys()
+
+
+def test_a_narrowing_cast_in_the_adapter_branch_is_no_adapter():
+    """``(B(A(x)) * s).half().float()`` rounds the adapter's output to fp16 (inf past its range): not stripped as a
+    cast, so the branch is not taken for an adapter, and the loss is eager's (it was folded, the rounding dropped)."""
+    class Narrowing(LoraHead):
+        def logits(self, x):
+            return self.lm_head(x) + (self.lora_b(self.lora_a(x)) * 0.7).half().float()
+
+    model = Narrowing()
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t)
+    assert not report.fused and "adapter" not in report.reason, report.reason
+    ref_loss, _, _ = _grads(model, model, idx, t)
+    compiled, _ = _compiled(model)
+    loss, _, _ = _grads(model, compiled, idx, t)
+    assert loss == ref_loss
 
 
 def test_a_fold_whose_loss_is_not_fused_is_undone():
@@ -219,9 +287,11 @@ def test_an_adapter_reading_something_else_is_no_lora_head():
     assert not report.fused and "adapter" not in report.reason and "call_function add" in report.reason
 
 
-def test_peft_llama_with_lora_on_the_lm_head():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_peft_llama_with_lora_on_the_lm_head(dynamic):
     """A real peft model (Llama, LoRA on q_proj and lm_head, dropout 0.1): the head fused, one graph; loss and
-    gradients as eager's under the same seed, the returned logits as eager's (fp32)."""
+    gradients as eager's under the same seed, the returned logits as eager's (fp32). Under ``dynamic=True`` peft's
+    ``scaling`` is a float Dynamo leaves symbolic: the fold multiplies by it in the graph (it was not matched)."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -234,10 +304,11 @@ def test_peft_llama_with_lora_on_the_lm_head():
             nn.init.normal_(p, std=0.1)
     ids = _data()[0]
     call = lambda fn: (lambda: (lambda out: (out.loss, out.logits))(fn(input_ids=ids, labels=ids)))  # noqa: E731
-    (report,) = fc.explain(model, input_ids=ids, labels=ids)
+    explained = torch.compile(model, backend="flce", dynamic=True) if dynamic else model  # explain traces as compiled
+    (report,) = fc.explain(explained, input_ids=ids, labels=ids)
     assert report.fused and report.hidden == 32 + R, report
     ref_loss, ref_logits, ref = _grads(model, call(model), seed=3)
-    compiled, graphs = _compiled(model)
+    compiled, graphs = _compiled(model, dynamic=dynamic)
     loss, logits, got = _grads(model, call(compiled), seed=3)
     assert len(graphs.graphs) == 1 and flce_fused_loss in graphs.targets()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)

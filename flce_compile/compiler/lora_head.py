@@ -9,13 +9,14 @@ computed in the graph as before, once (the dropout's mask included).
 What the fold costs beside the fused op: the concatenated weight, V x (H + r) in the head's dtype, formed at each
 call, and the op's dW of all of it, the head's part included (dropped when W is frozen, as peft freezes it): one
 GEMM of the head's size more than eager's head, and the op's fp32 accumulator for it. Eager formed the logits
-instead, and in peft's bf16-head, fp32-adapter layout an fp32 copy of them too.
+instead, with their fp32 copy and gradient for the loss (`benchmarks/lora_head.py` measures both).
 
-Numerics: one GEMM in the head's dtype with fp32 accumulation, where eager (a bf16 head, an fp32 adapter) rounds
-the head's GEMM to bf16, adds the fp32 adapter term and rounds the sum again; ``s * u`` and B are rounded to the
-head's dtype first. The loss and the gradients of x, A and B come out at least as close to fp64 as eager's
-(``tests/test_compiler_lora_head.py``). The returned logits, computed when read, are the folded GEMM's values:
-not bit-equal to eager's.
+Numerics: one GEMM in the head's dtype with fp32 accumulation, where eager rounds the head's GEMM, the adapter's
+and their sum. An adapter that computes wider than the head (peft's fp32 adapter beside a bf16 head, outside
+autocast) is not folded: one bf16 GEMM would round its activations and weight, for A and B gradients about twice
+as far from fp64 as eager's. Folded, the loss and the gradients of x, A and B come out at least as close to fp64
+as eager's (``tests/test_compiler_lora_head.py``). The returned logits, computed when read, are the folded GEMM's
+values: not bit-equal to eager's.
 
 The pass runs before the analysis (``analyze_with_folded_heads``): each such head becomes ``F.linear(cat(x, s*u),
 cat(W, B))`` in place of its logits. A fold whose loss the analysis then fuses on the head's operands stays (the
@@ -112,18 +113,20 @@ def fold_low_rank_heads(gm: fx.GraphModule, fake_mode: Any) -> list[Fold]:
 
 def _unfoldable(gm: fx.GraphModule, head: LowRankHead) -> str | None:
     """Why the folded GEMM, reading its operands where the logits were formed, could read other values or run
-    under another grad mode than the head's GEMM did; None when it cannot."""
+    under another grad mode than the head's and the adapter's GEMMs did; None when it cannot."""
     lin = head.base
     aliases = AliasMap(gm)  # built per head: folds before this one added nodes
     attrs = [a for a in (f"{lin.module_target}.weight", f"{lin.module_target}.bias") if lin.module_target]
     attrs += [head.up_weight] if isinstance(head.up_weight, str) else []
     roots = aliases.roots_of([lin.input, lin.weight, lin.bias, head.low, head.up_weight], attrs)
-    write = aliases.first_write(lin.start, head.node, roots)
+    # From the first of the head's and the adapter's GEMMs (either may come first) to the sum, where the fold reads.
+    first = min(head.replaced, key=aliases.position.__getitem__)
+    write = aliases.first_write(first, head.node, roots)
     if write is not None:
-        return f"{describe(write)} writes to its operands between the head's GEMM and the sum"
-    switch = grad_mode_switch(lin.start, head.node)
+        return f"{describe(write)} writes to its operands between the head's and the adapter's GEMMs and the sum"
+    switch = grad_mode_switch(first, head.node)
     if switch is not None:
-        return f"grad mode changes between the head's GEMM and the sum ({switch.name})"
+        return f"grad mode changes between the head's and the adapter's GEMMs and the sum ({switch.name})"
     return None
 
 
@@ -142,8 +145,9 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
     try:
         with graph.inserting_before(head.node):
             low = head.low if head.scale == 1.0 else add("call_function", operator.mul, (head.low, head.scale))
-            if low is not head.low:
-                propagate_meta(gm, created, fake_mode, on_meta=True)
+            for factor in head.symbols:
+                low = add("call_function", operator.mul, (low, factor))
+            propagate_meta(gm, created, fake_mode, on_meta=True)
             hidden = add("call_function", torch.cat, ([lin.input, cast(low, lin.input)], -1))
             weight = add("get_attr", f"{lin.module_target}.weight", ()) if lin.module_target else lin.weight
             up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight

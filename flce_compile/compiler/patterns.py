@@ -674,6 +674,7 @@ class LowRankHead:
     up_weight: Any  # the up-projection's (V, r) weight: a node, or a get_attr target (nn.Linear forms)
     low: fx.Node  # the adapter's low-rank activations (..., r): dropout and down-projection applied
     scale: float
+    symbols: tuple[fx.Node, ...]  # factors of the scale Dynamo left symbolic (peft's scaling under dynamic=True)
     #: the nodes the folded GEMM replaces: the head's GEMM, the up-projection, the scalings, the sum, the cast
     replaced: tuple[fx.Node, ...]
 
@@ -703,56 +704,77 @@ def _adapter_source(gm: fx.GraphModule, node: Any) -> Any:
     return node
 
 
-def _low_rank_branch(other: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
-    """``other`` without its constant scalings and dtype casts: (what they apply to, the scalings' product, the
+def _widening_cast_source(node: Any) -> fx.Node | None:
+    """The input of ``node`` when it is a dtype cast of it to a dtype that holds every value of the input's (fp16 or
+    bf16 to fp32, or to the same dtype); None for narrowing casts, which round."""
+    src = _cast_source(node)
+    if src is None:
+        return None
+    wide, narrow = meta_value(node).dtype, meta_value(src).dtype
+    return src if torch.promote_types(narrow, wide) == wide else None
+
+
+def _low_rank_branch(other: fx.Node) -> tuple[fx.Node, float, list[fx.Node], list[fx.Node]]:
+    """``other`` without its constant scalings, scalings by a float Dynamo left symbolic (peft's ``scaling`` under
+    ``dynamic=True``) and widening casts: (what they apply to, the constants' product, the symbolic factors, the
     scaling and cast nodes)."""
-    scale, steps = 1.0, []
+    scale, symbols, steps = 1.0, [], []
     while True:
-        if (src := _cast_source(other)) is not None:
+        if (src := _widening_cast_source(other)) is not None:
             steps.append(other)
             other = src
             continue
         if not (_is_multiplication(other) and len(other.args) == 2 and not other.kwargs):
             break
         a, b = other.args
-        factor, inner = (b, a) if isinstance(a, fx.Node) else (a, b)
-        if not (isinstance(inner, fx.Node) and _is_number(factor)):
+        factor, inner = (a, b) if isinstance(meta_value(b), torch.Tensor) else (b, a)
+        if not (isinstance(inner, fx.Node) and isinstance(meta_value(inner), torch.Tensor)):
+            break
+        if _is_number(factor):
+            scale *= float(factor)
+        elif isinstance(factor, fx.Node) and isinstance(meta_value(factor), (torch.SymFloat, torch.SymInt)):
+            symbols.append(factor)
+        else:
             break
         steps.append(other)
-        scale *= float(factor)
         other = inner
-    return other, scale, steps
+    return other, scale, symbols, steps
 
 
 def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str | None:
-    """The sum ``total`` as the logits of an lm_head with a low-rank adapter (``LowRankHead``; with the cast that
-    is its one user, if any); a string saying why such a head cannot be folded into one GEMM (``lora_head``); None
-    when ``total`` is no such sum."""
+    """The sum ``total`` as the logits of an lm_head with a low-rank adapter (``LowRankHead``; ``node`` the cast back
+    to the head's dtype that is the sum's one user, when the sum is wider); a string saying why such a head cannot
+    be folded into one GEMM (``lora_head``); None when ``total`` is no such sum."""
     if not _is_addition(total) or len(total.args) != 2 or total.kwargs:
         return None
     users = list(total.users)
-    node = users[0] if len(users) == 1 and _cast_source(users[0]) is total else total
+    cast = users[0] if len(users) == 1 and _cast_source(users[0]) is total else None
     for head, other in (total.args, total.args[::-1]):
         if not (isinstance(head, fx.Node) and isinstance(other, fx.Node)):
             continue
-        lin = match_linear(gm, head)
-        inner, scale, scalings = _low_rank_branch(other)
+        inner, scale, symbols, steps = _low_rank_branch(other)
         up = match_linear(gm, inner)
         down = match_linear(gm, up.input) if up is not None else None
-        if lin is None or down is None or _adapter_source(gm, down.input) is not _adapter_source(gm, lin.input):
+        if down is None:
             continue
-        out, low, value = meta_value(head), meta_value(up.input), meta_value(node)
-        if not all(isinstance(t, torch.Tensor) for t in (out, low, value)):
+        lin = match_linear(gm, head)
+        if lin is None and match_low_rank_head(gm, head) is not None:
+            return "several low-rank adapters are added to the logits (peft with more than one active adapter)"
+        if lin is None or _adapter_source(gm, down.input) is not _adapter_source(gm, lin.input):
+            continue
+        out, low, summed = meta_value(head), meta_value(up.input), meta_value(total)
+        if not all(isinstance(t, torch.Tensor) for t in (out, low, summed)):
             continue
         rank, vocab = _static_int(low.shape[-1]), _static_int(out.shape[-1])
         if rank is None or vocab is None or 2 * rank >= vocab:
             continue
+        node = cast if cast is not None and summed.dtype != out.dtype else total  # peft's cast back
         forms = ("F.linear", "nn.Linear")
         if lin.form not in forms or up.form not in forms:
             return f"the head or the adapter's up-projection is {lin.form if lin.form not in forms else up.form}"
         if own_bias(gm, up) is not None:
             return "the adapter's up-projection has a bias (peft's lora_bias)"
-        inside = [head, inner, *scalings] + ([total] if total is not node else [])
+        inside = [head, inner, *steps] + ([total] if total is not node else [])
         if any(len(n.users) != 1 for n in inside):
             return "the head's or the adapter's output is read elsewhere too"
         wide = meta_value(inner).dtype
@@ -761,10 +783,10 @@ def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str
                     f"would round its activations and weight, for gradients about twice as far from fp64 as "
                     f"eager's (under torch.autocast, or with the adapter in {out.dtype}, peft's "
                     f"autocast_adapter_dtype=False, it is folded)")
-        if value.dtype != out.dtype:
-            return f"the sum is {value.dtype} where the head computed {out.dtype}"
+        if meta_value(node).dtype != out.dtype:
+            return f"the sum is {meta_value(node).dtype} where the head computed {out.dtype}"
         weight = f"{up.module_target}.weight" if up.module_target else up.weight
-        return LowRankHead(node, lin, weight, up.input, scale, (head, inner, *scalings, total)
+        return LowRankHead(node, lin, weight, up.input, scale, tuple(symbols), (head, inner, *steps, total)
                            + ((node,) if node is not total else ()))
     return None
 
