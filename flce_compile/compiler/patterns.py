@@ -660,6 +660,8 @@ LOW_RANK_HEAD = ("a low-rank adapter's output is added to the logits (LoRA on th
 #: The two ways to fuse the loss of such a head when it cannot be folded into one GEMM.
 LOW_RANK_FIX = ("to fuse the loss, leave lm_head out of the adapter, or merge the adapter into the weight first "
                 "(peft's merge_and_unload)")
+#: The node meta key under which ``lora_head`` records why it left an lm_head with an adapter unfolded.
+LOW_RANK_REASON = "flce_low_rank_reason"
 _CAST_METHODS = {"float", "double", "half", "bfloat16", "to", "type"}
 
 
@@ -799,10 +801,6 @@ def _low_rank_addend(gm: fx.GraphModule, node: fx.Node) -> str | None:
         return None
     why = got if isinstance(got, str) else node.meta.get(LOW_RANK_REASON, "it was not folded into one GEMM")
     return f"{LOW_RANK_HEAD}, and {why}; {LOW_RANK_FIX}"
-
-
-#: The node meta key under which ``lora_head`` records why it left an lm_head with an adapter unfolded.
-LOW_RANK_REASON = "flce_low_rank_reason"
 
 
 def _einsum_head(node: fx.Node) -> LinearMatch | None:
