@@ -552,6 +552,48 @@ def test_a_returned_dtype_view_of_the_logits_is_no_lazy_reshape():
     assert torch.equal(view.view(torch.int16), ref_view.view(torch.int16))
 
 
+def test_lazy_logits_read_through_dlpack_shared_memory_and_data_ptr(compiled_models):
+    """Reads that reach a tensor's memory without the dispatcher (DLPack, share_memory_, data_ptr) see the values
+    (they read the storage-less wrapper: garbage from NumPy's DLPack, a segfault from torch's, found by a review);
+    NumPy's ``copy`` is taken; DLPack refuses logits that require grad, as for any tensor."""
+    import warnings
+
+    import numpy as np
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        outs = [compiled(idx, labels)[1] for _ in range(4)]
+    torch.testing.assert_close(torch.from_numpy(np.from_dlpack(outs[0]).copy()), ref, rtol=0, atol=0)
+    torch.testing.assert_close(torch.from_dlpack(outs[1]).clone(), ref, rtol=0, atol=0)
+    assert outs[2].share_memory_() is outs[2] and outs[2].is_shared()
+    torch.testing.assert_close(outs[2], ref, rtol=0, atol=0)
+    assert outs[3].data_ptr() == outs[3].compute().data_ptr() != 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # NumPy 2's, for an __array__ without ``copy``
+        assert np.array(outs[3], copy=True).tolist() == np.asarray(outs[3]).tolist() == ref.tolist()
+    _, logits = compiled(idx, labels)
+    with pytest.raises(BufferError, match="require gradient"):
+        torch.from_dlpack(logits)
+
+
+def test_lazy_logits_first_read_under_inference_mode_stay_writable(compiled_models):
+    """A metric read under ``torch.inference_mode()`` computes the values outside it: a write into the logits
+    afterwards works, as on eager's logits (it raised "Cannot set version_counter for inference tensor")."""
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        _, logits = compiled(idx, labels)
+    with torch.inference_mode():
+        top = logits.argmax(-1)
+    torch.testing.assert_close(top, ref.argmax(-1), rtol=0, atol=0)
+    logits[..., 0] = 0.0
+    ref[..., 0] = 0.0
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+
+
 def test_lazy_logits_read_under_autocast_and_made_under_inference_mode(compiled_models):
     """A read inside an autocast region gets the forward's dtype and values; under inference mode (whose tensors
     keep no version counter to check) the logits are computed at once, a plain tensor."""

@@ -109,8 +109,10 @@ def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, .
 
 def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
             gemm_dtype: torch.dtype | None = None) -> Tensor:
-    """The returned logits' values, without autograd history, with autocast off (the forward's values)."""
-    with torch.no_grad(), _no_autocast(x):
+    """The returned logits' values, without autograd history, with autocast off (the forward's values), and
+    outside inference mode: values first read under ``torch.inference_mode()`` (a metric) stay writable afterwards,
+    as eager's logits, made before it, are."""
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast(x):  # (in that order: the first enables grad)
         return replay(_head(x, weight, bias, dtype, gemm_dtype))
 
 
@@ -212,8 +214,28 @@ class LazyLogits(Tensor):
                                "instead.")
         return self.compute().numpy(force=force)
 
-    def __array__(self, dtype: Any = None) -> Any:
-        return self.compute().__array__(dtype)
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        array = self.compute().__array__(dtype)  # (NumPy 2 passes ``copy``, which Tensor.__array__ does not take)
+        return array.copy() if copy else array
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.requires_grad:  # as torch's own, for any tensor that requires grad
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        return self.compute().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.compute().__dlpack_device__()
+
+    def data_ptr(self) -> int:
+        return self.compute().data_ptr()
+
+    def share_memory_(self) -> LazyLogits:
+        self.compute().share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return self.compute().is_shared()
+
 
 
 #: Logits made and not yet computed or secured, by id: an optimizer's step secures them (``_secure_pending``).
