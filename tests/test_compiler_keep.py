@@ -803,23 +803,32 @@ def test_target_written_after_the_head(mode):
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_dropped_logits_under_ddp_optimizer():
+@pytest.mark.parametrize("mode", ["drop", "keep"])
+def test_logits_under_ddp_optimizer(mode):
     """DDPOptimizer splits the graph into one submodule per gradient bucket and compiles each with our
-    backend; a dropped logits output must not reach AOT as a None output (#14)."""
+    backend; a dropped logits output must not reach AOT as a None output (#14), and kept ones are made while the
+    splitter runs each piece on fake tensors too (they read the fake weight's memory and crashed: any model over
+    DDP's 25 MB bucket hit it, found by a review); at run time they are lazy, eager's values."""
     from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from flce_compile import LazyLogits
 
     torch.manual_seed(0)
     model = LM()
     idx, labels = _data()
-    ref_loss, _, ref_grads = _reference(model, idx, labels)
-    flce = fc.with_options(logits="drop", inner="aot_eager")
+    ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+    flce = fc.with_options(logits=mode, inner="aot_eager")
     ddp_opt = DDPOptimizer(bucket_bytes_cap=V * H * 4, backend_compile_fn=flce, first_bucket_cap=1)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=ddp_opt.compile_fn)
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
     loss.backward()
-    assert logits is None
+    if mode == "drop":
+        assert logits is None
+    else:
+        assert isinstance(logits, LazyLogits) and not logits.computed
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)

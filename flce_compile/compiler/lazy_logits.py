@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
@@ -288,9 +289,14 @@ def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, 
     """The LazyLogits standing for ``replay(F.linear(x, weight, bias))`` in ``dtype`` (``_head``: with
     ``gemm_dtype``, ``replay(F.linear(x, weight) + bias)``, the GEMM in ``gemm_dtype``); ``like`` (a meta tensor)
     gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad.
-    Under inference mode, the logits themselves (computed now)."""
+    Under inference mode, the logits themselves (computed now). On fake or meta tensors (a compile-time run: DDP's
+    graph splitter runs each piece on fake tensors), a tensor shaped as the logits, computed as the graph would,
+    with autograd (such tensors hold no memory to read later, nor a version to check)."""
     global _step_hook
     operands = _operands(x, weight, bias)
+    if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in operands):
+        with _no_autocast(x):
+            return replay(_head(x, weight, bias, dtype, gemm_dtype))
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
         return _values(x, weight, bias, replay, dtype, gemm_dtype)
     if _step_hook is None:
