@@ -578,6 +578,27 @@ def test_lazy_logits_read_through_dlpack_shared_memory_and_data_ptr(compiled_mod
         torch.from_dlpack(logits)
 
 
+def test_a_deepcopy_of_lazy_logits_keeps_views_grad_and_attributes(compiled_models):
+    """``copy.deepcopy`` of logits and a view of them in one call: the copies alias as eager's do; a leaf made to
+    require grad stays so, and a caller's attribute comes along (each was lost, found by a review)."""
+    import copy
+
+    model, compiled, _ = compiled_models("aot_eager")
+    idx, labels = _data()
+    with torch.no_grad():
+        ref = model(idx, labels)[1]
+        _, logits = compiled(idx, labels)
+    logits.requires_grad_()
+    logits.tag = "step 3"
+    last = logits[:, -1].detach()
+    copied, copied_last = copy.deepcopy([logits, last])
+    assert copied.requires_grad and copied.is_leaf and copied.tag == "step 3"
+    torch.testing.assert_close(copied.detach(), ref, rtol=0, atol=0)
+    with torch.no_grad():
+        copied[:, -1] = 3.0
+    assert torch.all(copied_last == 3.0)
+
+
 def test_lazy_logits_first_read_under_inference_mode_stay_writable(compiled_models):
     """A metric read under ``torch.inference_mode()`` computes the values outside it: a write into the logits
     afterwards works, as on eager's logits (it raised "Cannot set version_counter for inference tensor")."""

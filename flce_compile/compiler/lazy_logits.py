@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from copy import deepcopy
 from typing import Any, Callable
 
 import torch
@@ -204,7 +205,12 @@ class LazyLogits(Tensor):
         if self.grad_fn is not None:  # as for any tensor autograd made
             raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
                                "protocol at the moment; LazyLogits.detach() is a plain copyable tensor")
-        return self.compute().clone()
+        # Through ``memo``, by the values' storage: views of them copied in the same call stay views of the copy.
+        copied = deepcopy(self.compute(), memo).requires_grad_(self.requires_grad)
+        for name, attribute in self.__dict__.items():  # a caller's attributes, as Tensor.__deepcopy__ copies them
+            if name not in ("_source", "_value"):
+                setattr(copied, name, deepcopy(attribute, memo))
+        return copied
 
     def tolist(self) -> Any:
         return self.compute().tolist()
