@@ -89,6 +89,8 @@ class ExplainReport(list):
 
     graph_count: int = 0
     graph_breaks: list[str]
+    #: Dynamo's count of graph breaks, which can exceed its reasons (``graph_breaks``): some breaks come with none
+    graph_break_count: int = 0
     notes: list[str]  # e.g. checkpointed regions moved out of their checkpoint
     options: FLCEOptions = FLCEOptions()
 
@@ -99,11 +101,15 @@ class ExplainReport(list):
         others = "".join(f", flce.{name}={getattr(opts, name)!r}" for name in _OTHER_OPTIONS
                          if getattr(opts, name) != getattr(_DEFAULT_OPTIONS, name))
         lines = [f"flce explain (flce.logits={opts.logits!r}, flce.inner={opts.inner_name!r}{others}{state}): "
-                 f"{self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s), "
-                 f"{sum(r.fused for r in self)} of {len(self)} site(s) fused"]
+                 f"{self.graph_count} graph(s), {max(self.graph_break_count, len(self.graph_breaks))} graph "
+                 f"break(s), {sum(r.fused for r in self)} of {len(self)} site(s) fused"]
         lines += ["  " + str(r) for r in self]
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  graph break: {b}" for b in self.graph_breaks]
+        unnamed = self.graph_break_count - len(self.graph_breaks)
+        if unnamed > 0:
+            lines.append(f"  graph break: {unnamed} more that Dynamo gave no reason for (TORCH_LOGS=\"graph_breaks\" "
+                         "names each)")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -243,6 +249,7 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     report.options = opts
     report.graph_count = out.graph_count
     report.graph_breaks = [_break_text(b) for b in out.break_reasons]
+    report.graph_break_count = int(getattr(out, "graph_break_count", len(report.graph_breaks)))
     report.notes = []
     for i, gm in enumerate(out.graphs):
         # As the passes do; explain's captured graphs are its own, so changing them is harmless.
