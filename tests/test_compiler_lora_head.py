@@ -1,8 +1,9 @@
 """A low-rank adapter on the lm_head (peft's LoRA with "lm_head" among its target_modules), folded into one GEMM
 over ``[x, s*u]`` and ``[W, B]`` that the fused op takes (``flce_compile/compiler/lora_head.py``): fused and exact
-against eager (fp32) and against fp64 (a bf16 head with an fp32 adapter, peft's layout), the logits never formed
-in the graph, the dropout's mask kept; heads the fold refuses, or whose loss is not fused once folded, compute as
-eager did and say why; and a real peft model, when peft is installed."""
+against eager (fp32) and against fp64 (a bf16 head with a bf16 adapter, and with peft's fp32 adapter under
+autocast), the logits never formed in the graph, the dropout's mask kept; heads the fold refuses (peft's fp32
+adapter beside a bf16 head outside autocast among them), or whose loss is not fused once folded, compute as eager
+did and say why; and a real peft model, when peft is installed."""
 
 from __future__ import annotations
 
