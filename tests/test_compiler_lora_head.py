@@ -317,3 +317,29 @@ def test_peft_llama_with_lora_on_the_lm_head(dynamic):
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_head_of_call_module_nodes_folds():
+    """A graph not made by Dynamo (``symbolic_trace``): the head and the adapter are call_module nodes, whose
+    weights the fold reads as get_attr nodes; it folds, fuses, and matches the module, with its bias too."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from flce_compile.compiler.rewrite import run_pass
+
+    class Biased(LoraHead):
+        def __init__(self):
+            super().__init__(cast_back=False)  # (traced, ``.to(head.dtype)`` reads the head's output: a second user)
+            self.lm_head = nn.Linear(H, V, bias=True)
+
+        def forward(self, idx, t):
+            return self.loss_form(self.logits(self.emb(idx)), t)
+
+    torch.manual_seed(0)
+    model = Biased()
+    gm = torch.fx.symbolic_trace(model)
+    idx, t = _data()
+    ShapeProp(gm).propagate(idx, t)
+    (result,) = run_pass(gm, [idx, t]).sites
+    assert result.path == "fused" and result.site.hidden == H + R
+    assert not any(n.op == "call_module" and "lm_head" in str(n.target) for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(idx, t), model(idx, t), rtol=1e-5, atol=1e-6)

@@ -30,7 +30,8 @@ from torch import fx
 from .mutations import AliasMap, describe, draws_random, grad_mode_switch, nodes_between
 from .outputs import flat_outputs, output_node
 from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear,
-                       meta_value, output_transform, runtime_softcap, symbolic_softcap_refused)
+                       meta_value, output_transform, reinterprets_bits, runtime_softcap,
+                       symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -211,8 +212,8 @@ _RETURNED_METHODS = frozenset({"float", "to", "contiguous", "view", "reshape", "
 
 def _off_chain_step(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` is a cast or reshape of ``node`` alone (``_RETURNED_METHODS``, constants otherwise)."""
-    if user.target == "view" and any(isinstance(a, torch.dtype) for a in (*user.args, *user.kwargs.values())):
-        return False  # ``view(dtype)`` reinterprets the bits: no gradient flows through it, as the lazy head's would
+    if user.target == "view" and reinterprets_bits(user):
+        return False  # no gradient flows through ``view(dtype)``, as the lazy head's would
     return user.op == "call_method" and user.target in _RETURNED_METHODS and user.all_input_nodes == [node]
 
 

@@ -24,6 +24,15 @@ def graph_fake_mode(gm: fx.GraphModule, example_inputs: Any = None) -> Any:
     return detect_fake_mode(example_inputs) if example_inputs is not None else None
 
 
+#: Where a node came from in the user's code, as Dynamo records it (stack traces and module paths in logs).
+_SOURCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def copy_source_meta(node: fx.Node, new: fx.Node) -> None:
+    """Give ``new``, which stands for ``node`` in the graph, ``node``'s record of where it came from."""
+    new.meta.update({k: v for k, v in node.meta.items() if k in _SOURCE_KEYS})
+
+
 def propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any, on_meta: bool = False) -> None:
     """Give new nodes the ``example_value`` Dynamo gives its own. Without a fake mode (a graph from
     ``symbolic_trace`` + ShapeProp) nothing reads them, unless ``on_meta``: then they are computed on meta

@@ -36,13 +36,12 @@ from torch import fx
 
 from ..log import logger
 from .decide import SiteResult, analyze
-from .graph_meta import graph_fake_mode, propagate_meta
+from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .mutations import AliasMap, describe, erase_dead, grad_mode_switch
 from .patterns import LOW_RANK_REASON, LowRankHead, match_low_rank_head, meta_value, own_bias
 
 #: The analysis paths on which the fused op reads the head's operands (the folded GEMM's), not kept logits.
 OPERAND_PATHS = ("fused", "fused_lazy", "fused_keep")
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 @dataclass
@@ -138,32 +137,35 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
         created.append(graph.create_node(op, target, args, kwargs or {}))
         return created[-1]
 
-    def cast(node: fx.Node, like: Any) -> fx.Node:
-        dtype = meta_value(like).dtype
-        return node if meta_value(node).dtype == dtype else add("call_method", "to", (node, dtype))
+    def value(operand: Any) -> Any:  # a node's traced value, or the parameter a get_attr target names
+        return gm.get_parameter(operand) if isinstance(operand, str) else meta_value(operand)
 
+    def cast(node: fx.Node, dtype: torch.dtype, to: torch.dtype) -> fx.Node:
+        return node if dtype == to else add("call_method", "to", (node, to))
+
+    weight_of_head = f"{lin.module_target}.weight" if lin.module_target else lin.weight
+    x_dtype, w_dtype = meta_value(lin.input).dtype, value(weight_of_head).dtype
     try:
         with graph.inserting_before(head.node):
-            low = head.low if head.scale == 1.0 else add("call_function", operator.mul, (head.low, head.scale))
-            for factor in head.symbols:
+            low = head.low  # scaled as the adapter's output was (a number and symbolic factors keep its dtype)
+            for factor in ((head.scale,) if head.scale != 1.0 else ()) + head.symbols:
                 low = add("call_function", operator.mul, (low, factor))
-            propagate_meta(gm, created, fake_mode, on_meta=True)
-            hidden = add("call_function", torch.cat, ([lin.input, cast(low, lin.input)], -1))
-            weight = add("get_attr", f"{lin.module_target}.weight", ()) if lin.module_target else lin.weight
+            hidden = add("call_function", torch.cat,
+                         ([lin.input, cast(low, meta_value(head.low).dtype, x_dtype)], -1))
+            weight = add("get_attr", weight_of_head, ()) if lin.module_target else lin.weight
             up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight
-            propagate_meta(gm, [n for n in created if "example_value" not in n.meta], fake_mode, on_meta=True)
-            both = add("call_function", torch.cat, ([weight, cast(up, weight)], 1))
+            both = add("call_function", torch.cat, ([weight, cast(up, value(head.up_weight).dtype, w_dtype)], 1))
             bias = own_bias(gm, lin)
             if lin.module_target and bias is not None:
                 bias = add("get_attr", f"{lin.module_target}.bias", ())
-            propagate_meta(gm, [n for n in created if "example_value" not in n.meta], fake_mode, on_meta=True)
             linear = add("call_function", F.linear, (hidden, both, bias))
+        propagate_meta(gm, created[:-1], fake_mode, on_meta=True)
     except Exception:
         for node in reversed(created):
             graph.erase_node(node)
         raise
     # The traced logits' value: their shape, the dtype the head computed in (autocast's), whether they need grad.
     linear.meta["example_value"] = meta_value(head.node)
-    linear.meta.update({k: v for k, v in head.node.meta.items() if k in _META_KEYS})
+    copy_source_meta(head.node, linear)
     head.node.replace_all_uses_with(linear)
     return Fold(head, total, linear, created)

@@ -859,7 +859,7 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return f".{node.target}() to a non-floating dtype"
         return Step("identity", node, first), first
     if _is_fn(node, _RESHAPE_FNS) or _is_method(node, _RESHAPE_METHODS):
-        if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        if reinterprets_bits(node):
             return f"{node.op} {name} to a dtype, which reinterprets the logits' bits"
         return Step("reshape", node, first), first
     if _is_fn(node, _TRANSPOSE_FNS) or _is_method(node, _TRANSPOSE_METHODS):
@@ -915,6 +915,12 @@ def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
             return "log_softmax without a constant dim"
         return Step("log_softmax", node, first, index=dim), first
     return f"{node.op} {name}"
+
+
+def reinterprets_bits(node: fx.Node) -> bool:
+    """Whether the view or reshape ``node`` takes a dtype (``logits.view(torch.int32)``): a reading of the same bits
+    as another dtype, not a reshape, and no gradient flows through it."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _is_addition(node: fx.Node) -> bool:

@@ -26,7 +26,7 @@ from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, lone_heads
-from .graph_meta import graph_fake_mode, propagate_meta
+from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import analyze_with_folded_heads
 from .mutations import erase_dead
@@ -309,9 +309,6 @@ def _log_rewrite(res: SiteResult) -> None:
         )
 
 
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
-
-
 class _NewNodes:
     """The nodes one rewrite creates; erased again when the rewrite fails before it commits."""
 
@@ -417,7 +414,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         new.rollback()
         raise
     # Commit: nothing below can fail halfway in a way that leaves a broken graph.
-    result.meta.update({k: v for k, v in loss.node.meta.items() if k in _META_KEYS})
+    copy_source_meta(loss.node, result)
     maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes)
     if res.path == "fused_keep":
         lin.node.replace_all_uses_with(graph_logits)
