@@ -144,6 +144,19 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
+def step_peak_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes one call of ``step`` allocates beyond what was allocated before it: the CUDA allocator's peak on
+    a GPU, the profiler's allocation records elsewhere (``cpu_peak_bytes``)."""
+    if device.type != "cuda":
+        return cpu_peak_bytes(step)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def cuda_events(prof) -> list:
     """The GPU activity (kernels, memcpys, memsets) a finished ``torch.profiler.profile`` recorded, each with a
     positive duration; raises when there is none (an idle share or a breakdown of nothing would mean nothing)."""

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cpu_peak_bytes, make_inputs, median_ms, versions  # noqa: E402
+from benchmarks._common import make_inputs, median_ms, step_peak_bytes, versions  # noqa: E402
 
 VARIANTS = ("flce-vp", "loss_parallel", "flce-1gpu")
 GB = 1e9
@@ -96,21 +96,11 @@ def _measure(step, device: torch.device, iters: int, warmup: int) -> dict:
     """Median ms of ``step`` and its peak GB above inputs and gradients."""
     for _ in range(warmup):
         loss = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for leaf in step.leaves:
-            leaf.grad = None
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss = step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base - _grad_bytes(step.leaves)
-    else:
-        for leaf in step.leaves:
-            leaf.grad = None
-        out: list[torch.Tensor] = []
-        peak = cpu_peak_bytes(lambda: out.append(step())) - _grad_bytes(step.leaves)
-        loss = out[0]
+    for leaf in step.leaves:
+        leaf.grad = None
+    out: list[torch.Tensor] = []
+    peak = step_peak_bytes(lambda: out.append(step()), device) - _grad_bytes(step.leaves)
+    loss = out[0]
     return {"ms": median_ms(step, iters, device.type), "gb": peak / GB, "loss": float(loss)}
 
 

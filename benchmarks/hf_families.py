@@ -260,9 +260,7 @@ def check_family(name: str, inner: str, device: str = "cpu", autocast: torch.dty
         if grads.keys() != ref_grads.keys():
             mode["error"] = f"gradients of {sorted(grads.keys() ^ ref_grads.keys())} differ in presence"
         else:
-            mode["loss"] = (out.loss - ref.loss).abs().item()
-            mode["grads"] = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
-            mode["logits"] = (out.logits - ref.logits).abs().max().item() if out.logits is not None else None
+            mode.update(_differences(out, grads, ref, ref_grads))
         row[logits] = mode
     if max((m.get(k) or 0.0) for m in (row["keep"], row["drop"]) for k in ("loss", "grads", "logits")) > ATTRIBUTE:
         # Past rounding: the same compile with the pass off says whether torch.compile alone differs as much.
@@ -270,11 +268,18 @@ def check_family(name: str, inner: str, device: str = "cpu", autocast: torch.dty
         alone = torch.compile(model, backend="flce", options={"flce.inner": inner, "flce.enabled": False})
         with _autocast(device, autocast):
             out, grads = train_step(model, alone, ids, labels)
-        row["pass_off"] = {"loss": (out.loss - ref.loss).abs().item(),
-                           "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
-                           "logits": (out.logits - ref.logits).abs().max().item()}
+        row["pass_off"] = _differences(out, grads, ref, ref_grads)
     row["status"] = "ok"
     return row
+
+
+def _differences(out: Any, grads: dict[str, torch.Tensor], ref: Any, ref_grads: dict[str, torch.Tensor]
+                 ) -> dict[str, float | None]:
+    """The largest absolute differences of a step's loss, gradients and returned logits (None when dropped) to the
+    model run as is."""
+    return {"loss": (out.loss - ref.loss).abs().item(),
+            "grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads),
+            "logits": (out.logits - ref.logits).abs().max().item() if out.logits is not None else None}
 
 
 def table(result: dict[str, Any]) -> str:

@@ -125,6 +125,13 @@ def logits_gemm_tma_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, 
             _tile_statistics(out, offs_m, offs_n, pid_n, M, V, max_ptr, sum_ptr, n_tiles)
 
 
+def _statistics_buffers(rows: int, n_tiles: int, out: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-(row, N tile) max and sum of exp the epilogue writes; without it, ``out`` twice (never written)."""
+    if not stats:
+        return out, out
+    return torch.empty(rows, n_tiles, device=out.device), torch.empty(rows, n_tiles, device=out.device)
+
+
 def logits_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: int, config: tuple[int, ...],
                 stats: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Launch ``logits_gemm_kernel`` with ``config``; with ``stats`` return the per-tile (max, sum) it wrote."""
@@ -134,8 +141,7 @@ def logits_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: int,
     if k % block_k:
         raise ValueError(f"H={k} must be a multiple of BLOCK_K={block_k}")
     n_tiles = triton.cdiv(n, block_n)
-    tile_max = torch.empty(m, n_tiles, device=x.device) if stats else out
-    tile_sum = torch.empty(m, n_tiles, device=x.device) if stats else out
+    tile_max, tile_sum = _statistics_buffers(m, n_tiles, out, stats)
     grid = (triton.cdiv(m, block_m) * n_tiles,)
     logits_gemm_kernel[grid](x, w, out, tile_max, tile_sum, m, n, k, vocab, x.stride(0), w.stride(0), out.stride(0),
                              n_tiles, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
@@ -161,8 +167,7 @@ def logits_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, vocab: 
     programs = min(programs, tiles)
     if x.is_cuda:  # device-side descriptors take their scratch from this allocator
         triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8, device=x.device))
-    tile_max = torch.empty(m, n_tiles, device=x.device) if stats else out
-    tile_sum = torch.empty(m, n_tiles, device=x.device) if stats else out
+    tile_max, tile_sum = _statistics_buffers(m, n_tiles, out, stats)
     logits_gemm_tma_kernel[(programs,)](
         x, w, out, tile_max, tile_sum, m, n, k, vocab, out.stride(0), n_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=group_m, NUM_PROGRAMS=programs, STATS=stats, WARP_SPECIALIZE=warp_specialize,

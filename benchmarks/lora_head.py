@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cpu_peak_bytes, median_ms, save_results, versions  # noqa: E402
+from benchmarks._common import median_ms, save_results, step_peak_bytes, versions  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("eager", "torch.compile", "flce")
@@ -58,17 +58,6 @@ def _step(fn: Callable, model: nn.Module, x: torch.Tensor, t: torch.Tensor) -> C
     return step
 
 
-def _peak_bytes(step: Callable[[], object], device: torch.device) -> int:
-    if device.type != "cuda":
-        return cpu_peak_bytes(step)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def run(tokens: int, vocab: int, hidden: int, rank: int, dtype: torch.dtype, device: torch.device, reps: int,
         variants: tuple[str, ...] = VARIANTS, inner: str = "inductor") -> dict[str, Any]:
     """One token count: each variant's peak bytes and median ms, what ``explain`` says the flce backend does with
@@ -89,7 +78,7 @@ def run(tokens: int, vocab: int, hidden: int, rank: int, dtype: torch.dtype, dev
         loss = step()  # compiles
         grads[name] = (loss.detach(), x.grad.clone(), model.lora_a.weight.grad.clone(),
                        model.lora_b.weight.grad.clone())
-        row[name] = {"peak_bytes": _peak_bytes(step, device), "ms": median_ms(step, reps, device.type)}
+        row[name] = {"peak_bytes": step_peak_bytes(step, device), "ms": median_ms(step, reps, device.type)}
     if "flce" in grads and "eager" in grads:
         row["flce_vs_eager_max_abs"] = {n: (a.float() - b.float()).abs().max().item() for n, a, b in
                                         zip(("loss", "dx", "dA", "dB"), grads["flce"], grads["eager"])}

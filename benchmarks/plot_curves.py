@@ -60,7 +60,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._common import (  # noqa: E402
-    LossFn, cce_loss, cpu_peak_bytes, eager_loss, liger_loss, make_inputs, median_ms, output_dirs, versions)
+    LossFn, cce_loss, eager_loss, liger_loss, make_inputs, median_ms, output_dirs, step_peak_bytes, versions)
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import resolve_config  # noqa: E402
@@ -253,15 +253,9 @@ def peak_bytes_above_inputs(step: Callable[[], None], params: Sequence[torch.Ten
     for p in params:
         p.grad = None
     gc.collect()
-    if params[0].device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base - returned_bytes(params)
-    with silenced_stderr():
-        peak = cpu_peak_bytes(step)
+    device = params[0].device
+    with silenced_stderr() if device.type != "cuda" else contextlib.nullcontext():  # the profiler's lines
+        peak = step_peak_bytes(step, device)
     return peak - returned_bytes(params)
 
 
