@@ -182,6 +182,22 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
         raise ValueError(f"z_loss={z_loss} must be >= 0 (0 disables it); a negative z-loss rewards large logits")
 
 
+def _check_frozen_columns(frozen_weight_columns: int, hidden: int | None = None) -> None:
+    """``frozen_weight_columns`` is an int in [0, hidden] (``hidden``: the weight's columns, when known)."""
+    if type(frozen_weight_columns) is int and frozen_weight_columns == 0:  # (the usual case: every call asks)
+        return
+    try:
+        if isinstance(frozen_weight_columns, bool):
+            raise TypeError
+        columns = operator.index(frozen_weight_columns)
+    except TypeError:
+        raise TypeError(f"frozen_weight_columns={frozen_weight_columns!r} must be an int (how many leading weight "
+                        "columns get no gradient; 0 for none)") from None
+    if columns < 0 or (hidden is not None and columns > hidden):
+        raise ValueError(f"frozen_weight_columns={columns} must lie in [0, {'hidden' if hidden is None else hidden}]"
+                         " (the weight's leading columns that get no gradient; 0 for none)")
+
+
 def _softcap_arg(softcap: float | Tensor | None) -> float:
     """The op's softcap argument: 0 for no cap, which is also what an infinite cap means (its tanh is the
     identity; computed, it would be inf * 0 = nan). A tensor's value is read by the op at run time: its
@@ -228,6 +244,7 @@ def fused_linear_cross_entropy(
     return_logits: bool = False,
     precision: str = "exact",
     memory_budget_gb: float | None = None,
+    frozen_weight_columns: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materialising the logits.
 
@@ -267,9 +284,15 @@ def fused_linear_cross_entropy(
             dtype), exact, as ``(loss, logits)``. They are written as the chunks are computed, so this costs the
             logits' memory and nothing else; a gradient that reaches them (an extra loss on the logits) is
             added to the inputs' gradients. "mean" and "sum" only.
+        frozen_weight_columns: the weight's leading columns that are frozen: their gradient is zero and is not
+            computed (the dW GEMM reads only the other columns of ``input``). For a weight that concatenates a
+            frozen matrix and a trainable one, ``[W, B]`` with ``input = [x, u]``: a low-rank adapter on the
+            lm_head, which the ``flce`` backend folds so (W frozen, as peft freezes it). 0 (default): every column.
     """
     shortcut = None
-    if not torch.compiler.is_compiling():  # Dynamo traces the full path: one op node in the user's graph
+    # Dynamo traces the full path: one op node in the user's graph. (The eager shortcut's replayed backward hands
+    # out dW as the graph wrote it: a call with frozen columns, whose dW the op's backward pads, takes the full path.)
+    if not torch.compiler.is_compiling() and frozen_weight_columns == 0:
         options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, accum_dtype, config,
                    return_logits, precision, memory_budget_gb)
         loss = eager_shortcut.replay_recent(input, weight, target, bias, ce_weight, options)
@@ -284,6 +307,7 @@ def fused_linear_cross_entropy(
         refuse_dtensors(input=input, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap)
     _validate_scalars(ignore_index, logit_scale, z_loss)
+    _check_frozen_columns(frozen_weight_columns, weight.shape[1])
     if return_logits and reduction == "none":
         raise ValueError(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
@@ -319,7 +343,8 @@ def fused_linear_cross_entropy(
     if t1d.dtype != torch.int64:
         t1d = t1d.long()
     cw = ce_weight.to(math_dtype(weight.dtype)).contiguous() if ce_weight is not None else None
-    params, params_text = _params_arg(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
+    params, params_text = _params_arg(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss,
+                                      frozen_weight_columns)
     if memory_budget_gb is not None:
         forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on)
     if not fast_config:
@@ -356,13 +381,13 @@ _PLAIN_OPTION_TYPES = (int, float, str, type(None))
 
 
 def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softcap: float | Tensor | None,
-                logit_scale: float | Tensor, z_loss: float) -> tuple[LossParams, str]:
+                logit_scale: float | Tensor, z_loss: float, frozen_weight_columns: int = 0) -> tuple[LossParams, str]:
     """The loss options (already validated) as ``LossParams`` and as the op's ``params`` string.
 
     Memoised on the options' values and types when they are plain Python numbers and strings (not a tensor
     scale, whose value can change in place, and not while Dynamo traces): building and encoding them costs
     ~10 us per call on the H200's host, for options that are the same in every call of a training run."""
-    options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss)
+    options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, frozen_weight_columns)
     key = None
     if not torch.compiler.is_compiling() and all(type(o) in _PLAIN_OPTION_TYPES for o in options):
         key = tuple((type(o), o) for o in options)
@@ -370,7 +395,7 @@ def _params_arg(ignore_index: int, reduction: str, label_smoothing: float, softc
         if hit is not None:
             return hit
     params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),
-                        float(logit_scale), float(z_loss))
+                        float(logit_scale), float(z_loss), operator.index(frozen_weight_columns))
     answer = (params, encode_params(params))
     if key is not None:
         if len(_PARAMS_ARGS) >= _MEMO_SIZE:
@@ -503,7 +528,8 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
     config, _source = config_within_budget(
         forced, budget_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
         need_dx=grad_on and x2d.requires_grad, need_dw=grad_on and weight.requires_grad,
-        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap))
+        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap),
+        frozen_columns=params.frozen_weight_columns)
     return config.to_dict()
 
 
@@ -521,6 +547,7 @@ def _validate_module_options(options: Mapping[str, Any]) -> None:
     get = options.get
     _validate_loss_options(get("reduction", "mean"), get("label_smoothing", 0.0), get("softcap"))
     _validate_scalars(get("ignore_index", -100), get("logit_scale", 1.0), get("z_loss", 0.0))
+    _check_frozen_columns(get("frozen_weight_columns", 0))
     precision = check_precision(get("precision", "exact"))
     accum_dtype = get("accum_dtype")
     if accum_dtype is not None:  # against fp32 weights; the weight's own dtype is checked at each call

@@ -129,6 +129,15 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
+def frozen_columns(p: LossParams, weight: Tensor) -> int:
+    """``p.frozen_weight_columns``, checked against the weight's columns (the API checks it; a direct op call
+    with a wrong one gets this error rather than a failed allocation)."""
+    frozen = p.frozen_weight_columns
+    if frozen and not 0 <= frozen <= weight.shape[1]:
+        raise ValueError(f"frozen_weight_columns={frozen} must lie in [0, {weight.shape[1]}] (the weight's columns)")
+    return frozen
+
+
 def _autocast_device_types() -> tuple[str, ...]:
     """The device types this torch has autocast for. Asked once, at import: Dynamo in torch 2.11 cannot trace
     ``torch._C._is_autocast_available`` and broke the user's graph on it (issue #13: a second graph and the
@@ -244,7 +253,7 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
     later = grads_in_backward(p, config)
     with op_context(input.device):
         cfg = _config(config, input, weight)
-        grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db)
+        grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db, frozen_columns(p, weight))
 
         def run(o: Operands) -> ForwardResult:
             return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
@@ -274,8 +283,8 @@ def _graph_bytes(ops: Operands, p: LossParams, cfg: FLCEConfig, accum_dtype: tor
     vocab, size = ops.weight.shape[0], ops.x.element_size()
     need_db = grads.db and ops.bias is not None
     working = peak_bytes(cfg, n, vocab, h, ops.x.dtype, accum_dtype, need_dw=grads.dw, need_db=need_db,
-                         softcap=p.softcap > 0, need_dx=grads.dx)
-    returned = (grads.dx * n * h + grads.dw * vocab * h + need_db * vocab) * size
+                         softcap=p.softcap > 0, need_dx=grads.dx, frozen_columns=grads.dw_from)
+    returned = (grads.dx * n * h + grads.dw * vocab * (h - grads.dw_from) + need_db * vocab) * size
     return working + returned + ops.x.nbytes + ops.target.nbytes
 
 
@@ -297,13 +306,15 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, par
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
     lse = input.new_empty((2, n), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
-    grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db)
+    grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db, frozen_columns(p, weight))
     return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 
 
-def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db) -> tuple[Tensor, Tensor, Tensor]:
+def _fake_grads(input, weight, bias, grads, compute_dx, compute_dw, compute_db,
+                frozen: int) -> tuple[Tensor, Tensor, Tensor]:
     dx = input.new_empty(input.shape if grads and compute_dx else _EMPTY)
-    dw = weight.new_empty(weight.shape if grads and compute_dw else _EMPTY)
+    # dW holds the columns that are not frozen (``GradRequest.dw_from``); the autograd formula pads the rest
+    dw = weight.new_empty((weight.shape[0], weight.shape[1] - frozen) if grads and compute_dw else _EMPTY)
     db = bias.new_empty(bias.shape) if grads and compute_db and bias is not None else weight.new_empty(_EMPTY)
     return dx, dw, db
 
@@ -336,7 +347,7 @@ def _with_logits_body(
     with op_context(input.device):
         r = fused_forward(
             Operands(input, weight, target, bias, ce_weight), p, _config(config, input, weight), accum_dtype,
-            GradRequest(compute_dx, compute_dw, compute_db), keep_logits=True,
+            GradRequest(compute_dx, compute_dw, compute_db, frozen_columns(p, weight)), keep_logits=True,
         )
     return (r.loss, r.logits) + _grads_or_empty(input, weight, r.dx, r.dw, r.db) + (r.grad_scale,)
 
@@ -352,7 +363,8 @@ def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((), dtype=dtype)
     logits = input.new_empty((n, vocab))
-    grads = _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
+    grads = _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db,
+                        frozen_columns(decode_params(params), weight))
     return (loss, logits) + grads + (input.new_empty((), dtype=dtype),)
 
 
@@ -378,7 +390,7 @@ def _backward_body(
     p = decode_params(runtime_params(params, softcap_value))
     ops = Operands(input, weight, target, bias, ce_weight)
     cfg = _config(config, input, weight)
-    grads = GradRequest(compute_dx, compute_dw, compute_db)
+    grads = GradRequest(compute_dx, compute_dw, compute_db, frozen_columns(p, weight))
     with op_context(input.device):
         if registry.get(cfg.strategy).loop == "recompute":
             dx, dw, db = recompute_backward(ops, lse, grad_rows, p, cfg, accum_dtype, grads)
@@ -395,7 +407,8 @@ fused_linear_cross_entropy_backward_op = torch.library.custom_op(
 def _fused_linear_cross_entropy_backward_fake(input, weight, target, bias, ce_weight, lse, grad_rows, params,
                                               accum_dtype, compute_dx, compute_dw, compute_db, config,
                                               softcap_value=None):
-    return _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db)
+    return _fake_grads(input, weight, bias, True, compute_dx, compute_dw, compute_db,
+                       frozen_columns(decode_params(params), weight))
 
 
 _ARG_NAMES = ("input", "weight", "target", "bias", "ce_weight", "params", "accum_dtype", "compute_dx", "compute_dw",
@@ -418,9 +431,10 @@ def _keep_for_backward(ctx, inputs: tuple, lse: Tensor | None, dx: Tensor | None
     # By position (``_ARG_NAMES``), not through a dict of them: this runs on every call.
     input, weight, target, bias, ce_weight, params, accum_dtype = inputs[:7]
     config = inputs[10]
+    p = decode_params(params)
     ctx.params, ctx.accum_dtype, ctx.config = params, accum_dtype, config
-    ctx.has_bias = bias is not None
-    if grads_in_backward(decode_params(params), config):  # (the softcap read at run time decides neither)
+    ctx.has_bias, ctx.frozen = bias is not None, p.frozen_weight_columns
+    if grads_in_backward(p, config):  # (the softcap read at run time decides neither)
         softcap_value = inputs[11] if len(inputs) > 11 else None
         ctx.save_for_backward(input, weight, target, bias, ce_weight, lse, softcap_value)
     else:
@@ -529,6 +543,10 @@ def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
 
 def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    if need_w and dw is not None and ctx.frozen:
+        # The frozen columns' gradient: zeros. Under torch.compile the caller's slice of the rest (the LoRA fold's
+        # concatenation) reads only dW's own columns, so the padding is not formed there.
+        dw = torch.nn.functional.pad(dw, (ctx.frozen, 0))
     return (
         dx if need_x else None,
         dw if need_w else None,
@@ -564,6 +582,7 @@ def _setup_context_with_logits(ctx, inputs, output) -> None:
     args = dict(zip(_ARG_NAMES, inputs))
     _loss, _logits, dx, dw, db, grad_scale = output
     ctx.has_bias = args["bias"] is not None
+    ctx.frozen = decode_params(args["params"]).frozen_weight_columns
     ctx.mark_non_differentiable(dx, dw, db, grad_scale)
     ctx.set_materialize_grads(False)  # no gradient into the logits costs nothing (see _backward_with_logits)
     _keep_forward_grads(ctx, dx, dw, db, grad_scale)
@@ -585,7 +604,7 @@ def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad
         input, weight = ctx.saved_tensors
         g = grad_logits.to(weight.dtype)
         dx = _add(dx, g @ weight if need_x else None)
-        dw = _add(dw, g.t() @ input if need_w else None)
+        dw = _add(dw, g.t() @ input[:, ctx.frozen:] if need_w else None)  # (frozen columns: padded later)
         db = _add(db, g.sum(0) if need_b and ctx.has_bias else None)
     return _input_grads(ctx, dx, dw, db)
 

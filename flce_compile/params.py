@@ -20,7 +20,12 @@ NO_IGNORED_CLASS = -(2**31)
 
 @dataclass(frozen=True)
 class LossParams:
-    """Cross-entropy options that shape the math (not how it is executed: that is ``FLCEConfig``)."""
+    """Cross-entropy options that shape the math (not how it is executed: that is ``FLCEConfig``).
+
+    ``frozen_weight_columns``: the weight's leading columns that get no gradient (their dW is zero and not
+    computed): a weight that concatenates a frozen matrix and a trainable one, as the compiler's LoRA fold
+    passes ``[W, B]`` with W frozen (``compiler.lora_head``). The op's dW output then holds the other columns
+    only, and its autograd formula pads the rest with zeros."""
 
     ignore_index: int = -100
     reduction: str = "mean"
@@ -28,6 +33,7 @@ class LossParams:
     softcap: float = 0.0  # 0 = no softcap
     logit_scale: float = 1.0
     z_loss: float = 0.0
+    frozen_weight_columns: int = 0
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(LossParams))

@@ -121,6 +121,117 @@ def test_fused_and_exact_in_fp32(p, cast_back):
     torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
 
 
+def _fused_calls(graphs):
+    """The fused op's calls in the recorded graphs (either graph-side function)."""
+    return [n for gm in graphs.graphs for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (flce_fused_loss, flce_fused_loss_keep)]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["lazy_logits", "kept_logits"])
+def test_a_frozen_head_gets_no_weight_gradient_gemm(keep):
+    """peft freezes the head: the fold tells the op (``frozen_weight_columns`` = H), whose dW covers B's columns
+    only; the gradients of the embedding, A and B are eager's, the head gets none. Unfrozen later, the graph is
+    compiled again (Dynamo guards requires_grad) without the option, and the head's gradient is eager's."""
+    torch.manual_seed(0)
+    zloss = lambda logits, t: (F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+                               + 1e-2 * logits.logsumexp(-1).pow(2).mean())
+    model = LoraHead(p=0.2, loss_form=zloss if keep else None).train()
+    model.lm_head.weight.requires_grad_(False)
+    idx, t = _data()
+    ref_loss, _, ref = _grads(model, model, idx, t, seed=1)
+    compiled, graphs = _compiled(model)
+    loss, _, got = _grads(model, compiled, idx, t, seed=1)
+    (call,) = _fused_calls(graphs)
+    assert call.target is (flce_fused_loss_keep if keep else flce_fused_loss)
+    assert call.kwargs.get("frozen_weight_columns") == H
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys() == {"emb.weight", "lora_a.weight", "lora_b.weight"}
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    model.lm_head.weight.requires_grad_(True)
+    ref_loss, _, ref = _grads(model, model, idx, t, seed=1)
+    loss, _, got = _grads(model, compiled, idx, t, seed=1)
+    assert len(graphs.graphs) == 2 and "frozen_weight_columns" not in _fused_calls(graphs)[-1].kwargs
+    assert "lm_head.weight" in got
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Measured(LoraHead):
+    """Returns the logits and an accuracy read from them in the graph (no gradient): the op keeps the logits,
+    returned detached, with their gradient attached outside the graph (``outputs.LogitsGrad``)."""
+
+    def forward(self, idx, t):
+        loss, logits = super().forward(idx, t)
+        return loss, logits, (logits.argmax(-1) == t).float().mean()
+
+
+@pytest.mark.parametrize("path", ["fused", "fused_lazy", "fused_keep", "fused_keep_metric"])
+def test_a_frozen_head_takes_no_gradient_of_the_weights_size_into_backward(path):
+    """With W frozen, backward takes no V x (H + r) tangent on any path: returned logits go out as W and B rather
+    than ``[W, B]``, an intermediate whose zero gradient autograd materialised in each backward. A loss on the
+    returned logits outside the graph still reaches A, B and the embedding as in eager (through the lazy logits'
+    backward, and through ``LogitsGrad``'s GEMM for each piece)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    zloss = lambda logits, t: (F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+                               + 1e-2 * logits.logsumexp(-1).pow(2).mean())
+    model = (_Measured() if path == "fused_keep_metric" else
+             LoraHead(loss_form=zloss if path == "fused_keep" else None, return_logits=path != "fused"))
+    model.lm_head.weight.requires_grad_(False)
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t)
+    assert report.path == path.removesuffix("_metric"), report
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss, logits, *_ = fn(idx, t)
+        (loss + (0.1 * logits.float().pow(2).mean() if logits is not None else 0)).backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shapes = []
+
+    def backward_compiler(gm, example_inputs):
+        shapes.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes
+                      if n.op == "placeholder" and n.name.startswith("tangents"))
+        return gm.forward
+
+    ref_loss, ref = step(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={
+        "flce.inner": aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=backward_compiler)})
+    loss, got = step(compiled)
+    assert shapes and (V, H + R) not in shapes, shapes
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys() == {"emb.weight", "lora_a.weight", "lora_b.weight"}
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_inductor_forms_no_padded_weight_gradient():
+    """The op returns B's columns of dW (``frozen_weight_columns``) and its formula pads them to the weight's shape;
+    the join's backward copies B's columns back out, which Inductor computes from the op's output directly: the
+    compiled backward allocates nothing of the weight's size (through ``torch.cat`` B's gradient was a view, and
+    Inductor formed the whole padded tensor to return it)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = LoraHead()  # the logits returned: the lazy path, a Hugging Face model's
+    model.lm_head.weight.requires_grad_(False)
+    idx, t = _data()
+    ref_loss, _, ref = _grads(model, model, idx, t)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce")
+    (loss, _, got), code = run_and_get_code(lambda: _grads(model, compiled, idx, t))
+    forward, backward = code
+    assert f"({V}, {H + R})" in forward and f"({V}, {H + R})" not in backward, backward
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _errors(model, fn, ref, idx, t, autocast):
     """Absolute errors of the loss and the norms of the errors of the gradients of the hidden states (the
     embedding's), A and B against ``ref``, the same quantities in fp64."""

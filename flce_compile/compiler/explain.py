@@ -24,7 +24,7 @@ from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, SiteResult, lone_heads
 from .hf_logging import keep_loss_in_graph
-from .lora_head import analyze_with_folded_heads
+from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .options import FLCEOptions, split_options
 from .patterns import Plan, meta_value
 from .tensor_parallel import LONE_HEAD
@@ -162,9 +162,10 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
         return f"unknown ({exc!r})"
 
 
-def _needs(res: SiteResult) -> dict[str, bool]:
+def _needs(res: SiteResult) -> dict[str, bool | int]:
     """The gradients the site's op would form (from the traced tensors; all of them when a tensor is not in the
-    graph), and whether it caps its logits: what its memory bound depends on."""
+    graph; none for a LoRA fold's frozen head columns), and whether it caps its logits: what its memory bound
+    depends on."""
     lin = res.site.linear
 
     def requires_grad(node: fx.Node | None, default: bool) -> bool:
@@ -175,7 +176,8 @@ def _needs(res: SiteResult) -> dict[str, bool]:
             "need_dw": requires_grad(lin.weight if lin else None, True),
             "need_db": lin is not None and any(requires_grad(b, True) for b in (lin.bias, lin.added_bias)
                                                if b is not None),
-            "softcap": res.plan is not None and res.plan.softcap is not None}
+            "softcap": res.plan is not None and res.plan.softcap is not None,
+            "frozen_columns": lin.start.meta.get(FROZEN_COLUMNS, 0) if lin is not None else 0}
 
 
 def _softcap_text(plan: Plan | None) -> float | str | None:

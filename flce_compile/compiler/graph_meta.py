@@ -1,5 +1,6 @@
 """The traced values of nodes a pass adds to a Dynamo graph: computed as Dynamo computes its own, from the
-example values of their inputs, under the graph's fake mode (later passes and the inner compiler read them)."""
+example values of their inputs, under the graph's fake mode (later passes and the inner compiler read them); and
+the marks a pass leaves on its nodes for the passes after it."""
 
 from __future__ import annotations
 
@@ -54,3 +55,13 @@ def propagate_meta(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: Any, on_
                 n.meta["example_value"] = getattr(args[0], n.target)(*args[1:], **kwargs)
             else:
                 n.meta["example_value"] = n.target(*args, **kwargs)
+
+
+#: A node's meta key: the node joins the tensors of its first argument along their last dimension (a LoRA fold's
+#: ``[x, s*u]`` and ``[W, B]``: ``lora_head``), so the pieces can stand for it where a graph returns it.
+JOINED = "flce_joined_pieces"
+
+
+def joined_pieces(node: fx.Node) -> list[fx.Node] | None:
+    """The pieces a node marked ``JOINED`` joins, in order; None for any other node."""
+    return list(node.args[0]) if node.meta.get(JOINED) else None

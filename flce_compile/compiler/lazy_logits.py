@@ -27,6 +27,11 @@ not trace this class: its dispatch and ``compute`` are ``torch.compiler.disable`
 refuses them); any operator's result (``logits.clone()``) is a plain tensor it traces.
 
 ``flce.logits="materialize"`` computes them in the graph instead (a plain tensor at once, as before).
+
+A LoRA fold's head (``lora_head``) computes ``F.linear([x, s*u], [W, B])``: its hidden states and weight come as
+their pieces (``xs``, ``ws``), joined only when the logits are computed. The graph then returns W and B themselves
+rather than the V x (H + r) joined weight, which, as an intermediate, would have had a zero gradient of that size
+materialised in every backward.
 """
 
 from __future__ import annotations
@@ -51,27 +56,36 @@ class StaleLogitsError(RuntimeError):
     """Logits not yet computed whose operands changed since the forward: they can no longer be computed."""
 
 
+#: Tensors joined along their last dimension (one tensor: itself): the lm_head's hidden states or weight.
+Pieces = tuple[Tensor, ...]
+
+
 class _Source:
-    """What a LazyLogits is computed from: the lm_head's operands, with what they held when the forward returned
-    them (version counters, the weight's memory), and the steps to the returned output."""
+    """What a LazyLogits is computed from: the lm_head's operands (the hidden states and weight as their pieces),
+    with what they held when the forward returned them (version counters, the weight's memory), and the steps to
+    the returned output."""
 
-    __slots__ = ("x", "weight", "bias", "replay", "dtype", "gemm_dtype", "versions", "weight_memory")
+    __slots__ = ("xs", "ws", "bias", "replay", "dtype", "gemm_dtype", "versions", "weight_memory")
 
-    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
+    def __init__(self, xs: Pieces, ws: Pieces, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
                  gemm_dtype: torch.dtype | None = None) -> None:
-        self.x, self.weight, self.bias, self.replay, self.dtype = x, weight, bias, replay, dtype
+        self.xs, self.ws, self.bias, self.replay, self.dtype = xs, ws, bias, replay, dtype
         self.gemm_dtype = gemm_dtype
         self.versions = tuple(t._version for t in self.operands())
-        self.weight_memory = _memory(weight)
+        self.weight_memory = [_memory(w) for w in ws]
 
     def operands(self) -> tuple[Tensor, ...]:
-        return _operands(self.x, self.weight, self.bias)
+        return _operands(self.xs, self.ws, self.bias)
+
+    def names(self) -> list[str]:
+        """``operands``' names, for the error."""
+        return ["hidden states"] * len(self.xs) + ["weight"] * len(self.ws) + ["bias"] * (self.bias is not None)
 
     def check(self) -> None:
         """Raise when an operand changed since the forward, so the logits can no longer be computed."""
-        written = [name for name, t, v in zip(("hidden states", "weight", "bias"), self.operands(), self.versions)
-                   if t._version != v]
-        moved = _memory(self.weight) != self.weight_memory
+        written = list(dict.fromkeys(name for name, t, v in zip(self.names(), self.operands(), self.versions)
+                                     if t._version != v))
+        moved = [_memory(w) for w in self.ws] != self.weight_memory
         if written or moved:
             what = [f"its {' and '.join(written)} {'were' if len(written) > 1 else 'was'} written in place"
                     ] if written else []
@@ -94,28 +108,35 @@ class _Source:
                 copies[id(t)] = t.detach().clone()
             return copies[id(t)]
 
-        self.weight = copy(self.weight)
+        self.ws = tuple(copy(w) for w in self.ws)
         self.bias = copy(self.bias) if self.bias is not None else None
         self.versions = tuple(t._version for t in self.operands())
-        self.weight_memory = _memory(self.weight)
+        self.weight_memory = [_memory(w) for w in self.ws]
+
+    def weight_numel(self) -> int:
+        return sum(w.numel() for w in self.ws)
 
     def value(self) -> Tensor:
         self.check()
-        return _values(self.x, self.weight, self.bias, self.replay, self.dtype, self.gemm_dtype)
+        return _values(self.xs, self.ws, self.bias, self.replay, self.dtype, self.gemm_dtype)
 
 
-def _operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
-    """The lm_head's tensors (no bias when it has none)."""
-    return (x, weight) if bias is None else (x, weight, bias)
+def _operands(xs: Pieces, ws: Pieces, bias: Tensor | None) -> tuple[Tensor, ...]:
+    """The lm_head's tensors, the pieces in order (no bias when it has none)."""
+    return (*xs, *ws) if bias is None else (*xs, *ws, bias)
 
 
-def _values(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
+def _joined(pieces: Pieces) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+
+
+def _values(xs: Pieces, ws: Pieces, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
             gemm_dtype: torch.dtype | None = None) -> Tensor:
     """The returned logits' values, without autograd history, with autocast off (the forward's values), and
     outside inference mode: values first read under ``torch.inference_mode()`` (a metric) stay writable afterwards,
     as eager's logits, made before it, are."""
-    with torch.inference_mode(False), torch.no_grad(), _no_autocast(x):  # (in that order: the first enables grad)
-        return replay(_head(x, weight, bias, dtype, gemm_dtype))
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast(xs[0]):  # (the first enables grad)
+        return replay(_head(_joined(xs), _joined(ws), bias, dtype, gemm_dtype))
 
 
 def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
@@ -148,7 +169,7 @@ class LazyLogits(Tensor):
     @staticmethod
     def __new__(cls, source: _Source, like: Tensor) -> LazyLogits:
         return Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
-                                             device=source.x.device)
+                                             device=source.xs[0].device)
 
     def __init__(self, source: _Source, like: Tensor) -> None:
         super().__init__()
@@ -167,7 +188,7 @@ class LazyLogits(Tensor):
         source = self._source
         if source is None:
             return
-        if self.numel() <= source.weight.numel():
+        if self.numel() <= source.weight_numel():
             self.compute()
             return
         source.freeze(copies)
@@ -268,46 +289,49 @@ def _secure_pending(*_args: Any) -> None:
 
 
 class _LazyHead(torch.autograd.Function):
-    """A LazyLogits with the lm_head's backward: a gradient into the logits reaches x, W and b as through the
-    unfused graph (the logits recomputed with autograd through the same steps)."""
+    """A LazyLogits with the lm_head's backward: a gradient into the logits reaches the hidden states, the weight
+    (each of their pieces) and the bias as through the unfused graph (the logits recomputed with autograd through
+    the same steps)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, source, like):  # noqa: D401 - autograd API
+    def forward(ctx, source, like, *operands):  # noqa: D401 - autograd API
         ctx.source = source
-        ctx.save_for_backward(x, weight, bias)  # autograd's own check refuses them if written in place since
+        ctx.save_for_backward(*operands)  # autograd's own check refuses them if written in place since
         return LazyLogits(source, like)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
-        source = ctx.source
-        need = ctx.needs_input_grad[:3]
-        inputs = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip((x, weight, bias), need)]
-        with torch.enable_grad(), _no_autocast(x):
-            out = source.replay(_head(*inputs, source.dtype, source.gemm_dtype))
-        wanted = [t for t, n in zip(inputs, need) if n and t is not None]
+        operands, source = ctx.saved_tensors, ctx.source
+        need = ctx.needs_input_grad[2:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(operands, need)]
+        n_x, n_w = len(source.xs), len(source.ws)
+        xs, ws, bias = inputs[:n_x], inputs[n_x:n_x + n_w], (inputs[n_x + n_w] if source.bias is not None else None)
+        with torch.enable_grad(), _no_autocast(xs[0]):
+            out = source.replay(_head(_joined(tuple(xs)), _joined(tuple(ws)), bias, source.dtype, source.gemm_dtype))
+        wanted = [t for t, n in zip(inputs, need) if n]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need)) + (None, None)
+        return (None, None) + tuple(next(grads) if n else None for n in need)
 
 
-def lazy_logits(x: Tensor, weight: Tensor, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
+def lazy_logits(xs: Pieces, ws: Pieces, bias: Tensor | None, replay: Replay, dtype: torch.dtype,
                 like: Tensor, gemm_dtype: torch.dtype | None = None) -> Tensor:
     """The LazyLogits standing for ``replay(F.linear(x, weight, bias))`` in ``dtype`` (``_head``: with
-    ``gemm_dtype``, ``replay(F.linear(x, weight) + bias)``, the GEMM in ``gemm_dtype``); ``like`` (a meta tensor)
-    gives its shape, strides and dtype. With autograd history when grad mode is on and an operand requires grad.
-    Under inference mode, the logits themselves (computed now). On fake or meta tensors (a compile-time run: DDP's
-    graph splitter runs each piece on fake tensors), a tensor shaped as the logits, computed as the graph would,
-    with autograd (such tensors hold no memory to read later, nor a version to check)."""
+    ``gemm_dtype``, ``replay(F.linear(x, weight) + bias)``, the GEMM in ``gemm_dtype``), x and weight being the
+    pieces ``xs`` and ``ws`` joined along their last dimension; ``like`` (a meta tensor) gives its shape, strides
+    and dtype. With autograd history when grad mode is on and an operand requires grad. Under inference mode, the
+    logits themselves (computed now). On fake or meta tensors (a compile-time run: DDP's graph splitter runs each
+    piece on fake tensors), a tensor shaped as the logits, computed as the graph would, with autograd (such tensors
+    hold no memory to read later, nor a version to check)."""
     global _step_hook
-    operands = _operands(x, weight, bias)
+    operands = _operands(xs, ws, bias)
     if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in operands):
-        with _no_autocast(x):
-            return replay(_head(x, weight, bias, dtype, gemm_dtype))
+        with _no_autocast(xs[0]):
+            return replay(_head(_joined(xs), _joined(ws), bias, dtype, gemm_dtype))
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
-        return _values(x, weight, bias, replay, dtype, gemm_dtype)
+        return _values(xs, ws, bias, replay, dtype, gemm_dtype)
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_secure_pending)
-    source = _Source(x, weight, bias, replay, dtype, gemm_dtype)
+    source = _Source(xs, ws, bias, replay, dtype, gemm_dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
-        return _LazyHead.apply(x, weight, bias, source, like)
+        return _LazyHead.apply(source, like, *operands)
     return LazyLogits(source, like)

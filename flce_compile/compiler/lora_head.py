@@ -7,9 +7,13 @@ gradients reach x, W and B (and, through ``u``, A and the dropout) by autograd t
 computed in the graph as before, once (the dropout's mask included).
 
 What the fold costs beside the fused op: the concatenated weight, V x (H + r) in the head's dtype, formed at each
-call, and the op's dW of all of it, the head's part included (dropped when W is frozen, as peft freezes it): one
-GEMM of the head's size more than eager's head, and the op's fp32 accumulator for it. Eager formed the logits
-instead, with their fp32 copy and gradient for the loss (`benchmarks/lora_head.py` measures both).
+call. Where W is frozen (peft freezes it) the op is told so (``frozen_weight_columns`` = H, recorded on the GEMM as
+``FROZEN_COLUMNS``): its dW GEMM reads only ``s*u``, so dW is B's V x r and no GEMM of the head's size is added to
+eager's two (the logits and dX); the weight is then joined by ``join_frozen``, whose backward hands B its columns
+as a tensor of their own, so that nothing of the weight's size is formed in backward either. Both concatenations
+are marked ``graph_meta.JOINED``: where the graph returns the logits, their pieces go out (``outputs``), not the
+joined tensors. Eager formed the logits instead, with their fp32 copy and gradient for the loss
+(`benchmarks/lora_head.py` measures both).
 
 Numerics: one GEMM in the head's dtype with fp32 accumulation, where eager rounds the head's GEMM, the adapter's
 and their sum. An adapter that computes wider than the head (peft's fp32 adapter beside a bf16 head, outside
@@ -36,12 +40,14 @@ from torch import fx
 
 from ..log import logger
 from .decide import SiteResult, analyze
-from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
+from .graph_meta import JOINED, copy_source_meta, graph_fake_mode, propagate_meta
 from .mutations import AliasMap, describe, erase_dead, grad_mode_switch
 from .patterns import LOW_RANK_REASON, LowRankHead, match_low_rank_head, meta_value, own_bias
 
 #: The analysis paths on which the fused op reads the head's operands (the folded GEMM's), not kept logits.
 OPERAND_PATHS = ("fused", "fused_lazy", "fused_keep")
+#: The folded GEMM's meta key: the weight's leading columns (the frozen head's H) whose gradient the op skips.
+FROZEN_COLUMNS = "flce_frozen_weight_columns"
 
 
 @dataclass
@@ -65,6 +71,29 @@ class Fold:
         self.total.meta[LOW_RANK_REASON] = why
 
 
+class _FrozenJoin(torch.autograd.Function):
+    """``cat([frozen, trainable], 1)`` whose backward hands ``trainable`` its columns of the gradient as a tensor of
+    their own (and ``frozen`` none). Through ``torch.cat`` B's gradient was a view of the whole V x (H + r) one,
+    which Inductor then formed in full to return the view; a copy of B's columns lets it compute only those (the
+    fused op's dW holds only them: ``frozen_weight_columns``)."""
+
+    @staticmethod
+    def forward(ctx: Any, frozen: torch.Tensor, trainable: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.columns = frozen.shape[1]
+        return torch.cat([frozen, trainable], 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+        return None, grad[:, ctx.columns:].contiguous()
+
+
+def join_frozen(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The folded weight ``[W, B]`` of a frozen head W from ``pieces`` = [W, B] (a graph node's target, called as
+    ``torch.cat``: see ``_FrozenJoin``)."""
+    frozen, trainable = pieces
+    return _FrozenJoin.apply(frozen, trainable)
+
+
 def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mode: Any = None) -> list[SiteResult]:
     """``decide.analyze`` of ``gm`` with its lm_heads' low-rank adapters folded where that lets the loss fuse;
     changes ``gm`` only there."""
@@ -78,8 +107,10 @@ def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mod
         res = by_linear.get(fold.linear)
         if res is not None and res.path in OPERAND_PATHS:
             fold.keep(gm)
-            logger.info("flce: the low-rank adapter on the lm_head at %s folded into one GEMM (rank %d, scale %g)",
-                        fold.total.name, meta_value(fold.head.low).shape[-1], fold.head.scale)
+            logger.info("flce: the low-rank adapter on the lm_head at %s folded into one GEMM (rank %d, scale %g)%s",
+                        fold.total.name, meta_value(fold.head.low).shape[-1], fold.head.scale,
+                        "; the head is frozen: dW of the adapter's columns only" if FROZEN_COLUMNS in fold.linear.meta
+                        else "")
             continue
         if res is None:
             why = "no loss in this graph reads its logits"
@@ -154,7 +185,11 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
                          ([lin.input, cast(low, meta_value(head.low).dtype, x_dtype)], -1))
             weight = add("get_attr", weight_of_head, ()) if lin.module_target else lin.weight
             up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight
-            both = add("call_function", torch.cat, ([weight, cast(up, value(head.up_weight).dtype, w_dtype)], 1))
+            up = cast(up, value(head.up_weight).dtype, w_dtype)
+            frozen = not value(weight_of_head).requires_grad
+            both = add("call_function", join_frozen, ([weight, up],)) if frozen else add(
+                "call_function", torch.cat, ([weight, up], 1))
+            hidden.meta[JOINED] = both.meta[JOINED] = True  # (returned, W and B go out: ``outputs.add_pieces``)
             bias = own_bias(gm, lin)
             if lin.module_target and bias is not None:
                 bias = add("get_attr", f"{lin.module_target}.bias", ())
@@ -166,6 +201,8 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
         raise
     # The traced logits' value: their shape, the dtype the head computed in (autocast's), whether they need grad.
     linear.meta["example_value"] = meta_value(head.node)
+    if frozen:  # (Dynamo guards requires_grad: a head unfrozen later compiles again)
+        linear.meta[FROZEN_COLUMNS] = meta_value(lin.input).shape[-1]
     copy_source_meta(head.node, linear)
     head.node.replace_all_uses_with(linear)
     return Fold(head, total, linear, created)

@@ -13,6 +13,10 @@ Three things happen to a rewritten graph's outputs:
 * A logits output of a ``fused_lazy`` site is not computed in the graph at all: the graph returns the lm_head's
   input, weight and bias as extra outputs, and the wrapper puts a ``LazyLogits`` in its place, computed when
   first read (``lazy_logits``).
+
+The lm_head's input and weight go out as their pieces where a LoRA fold joined them (``lora_head``): W and B
+rather than ``[W, B]``, an intermediate of the weight's size whose zero gradient autograd would materialise in every
+backward (W, an input of the graph, and B get none, or one of B's size).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from .graph_meta import joined_pieces
 from .lazy_logits import Replay, lazy_logits
 
 
@@ -30,14 +35,16 @@ class LogitsGrad(torch.autograd.Function):
     """Identity on a logits output computed without autograd, whose backward is the lm_head's.
 
     ``out = softcap * tanh(logit_scale * z / softcap)`` (or ``logit_scale * z``) with ``z = x @ W.T + b``;
-    backward maps dL/d(out) to dL/dx, dL/dW and dL/db, as the unfused graph's backward would.
+    backward maps dL/d(out) to dL/dx, dL/dW and dL/db, as the unfused graph's backward would. x and W may come as
+    pieces joined along their last dimension (``split``: how many of ``pieces`` are x's; the rest are W's): each
+    piece gets its own share, by its own GEMM, and a piece that needs no gradient costs none.
     """
 
     @staticmethod
-    def forward(ctx, out, x, weight, bias, logit_scale, softcap):  # noqa: D401 - autograd API
+    def forward(ctx, out, bias, logit_scale, softcap, split, *pieces):  # noqa: D401 - autograd API
         result = out.detach()  # the same memory, not a view: the caller may write into it as into any output
-        ctx.logit_scale, ctx.softcap, ctx.has_bias = logit_scale, softcap, bias is not None
-        ctx.save_for_backward(x, weight, bias)
+        ctx.logit_scale, ctx.softcap, ctx.has_bias, ctx.split = logit_scale, softcap, bias is not None, split
+        ctx.save_for_backward(bias, *pieces)
         # The cap's derivative reads the capped logits, which are the caller's output: kept with their version
         # rather than saved, since a saved output written in place (``out.logits[..., 0] = v``) fails backward
         # where eager's does not (its last op, the multiply by the cap, saves no output). Once written, backward
@@ -56,18 +63,22 @@ class LogitsGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias = ctx.saved_tensors
+        bias, *pieces = ctx.saved_tensors
+        xs, ws = pieces[:ctx.split], pieces[ctx.split:]
         g = grad_out.float() if ctx.softcap is not None or ctx.logit_scale != 1.0 else grad_out
         if ctx.softcap is not None:
+            x, weight = (t[0] if len(t) == 1 else torch.cat(t, -1) for t in (xs, ws))
             g = g * (1.0 - (LogitsGrad._capped(ctx, x, weight, bias) / ctx.softcap) ** 2)
         if ctx.logit_scale != 1.0:
             g = g * ctx.logit_scale
-        g = g.to(weight.dtype).reshape(-1, weight.shape[0])
-        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
-        dx = (g @ weight).view(x.shape) if need_x else None
-        dw = g.t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype) if need_w else None
+        dtype = ws[0].dtype
+        g = g.to(dtype).reshape(-1, ws[0].shape[0])
+        need_b, need = ctx.needs_input_grad[1], ctx.needs_input_grad[5:]
+        dxs = [(g @ w).view(x.shape) if n else None for x, w, n in zip(xs, ws, need)]  # x's piece i: G W_i
+        dws = [g.t() @ x.reshape(-1, x.shape[-1]).to(dtype) if n else None  # W's piece j: G^T x_j
+               for x, n in zip(xs, need[len(xs):])]
         db = g.sum(0) if need_b and ctx.has_bias else None
-        return None, dx, dw, db, None, None
+        return (None, db, None, None, None, *dxs, *dws)
 
 
 @dataclass
@@ -75,8 +86,8 @@ class LogitsOutput:
     """A graph output computed from detached logits, and where its lm_head operands sit among the extras."""
 
     node: fx.Node
-    x: int
-    weight: int
+    x: tuple[int, ...]  # the lm_head's input, as its pieces (``OutputFixup.add_pieces``)
+    weight: tuple[int, ...]  # and its weight
     bias: int | None
     logit_scale: float
     softcap: float | None
@@ -89,8 +100,8 @@ class LazyOutput:
     among the extras, the steps from the raw logits to it, and the lm_head's logits dtype."""
 
     positions: list[int]
-    x: int
-    weight: int
+    x: tuple[int, ...]  # the lm_head's input, as its pieces (``OutputFixup.add_pieces``)
+    weight: tuple[int, ...]  # and its weight
     bias: int | None
     replay: Replay
     dtype: torch.dtype
@@ -101,16 +112,16 @@ class LazyOutput:
     likes: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def make(self, extras: list[Any]) -> torch.Tensor:
-        x, weight = extras[self.x], extras[self.weight]
+        xs, ws = tuple(extras[i] for i in self.x), tuple(extras[i] for i in self.weight)
         bias = extras[self.bias] if self.bias is not None else None
-        key = tuple(x.shape)
+        key = tuple(xs[0].shape[:-1])
         like = self.likes.get(key)
         if like is None:
-            like = self.replay(torch.empty((*key[:-1], weight.shape[0]), dtype=self.dtype, device="meta"))
+            like = self.replay(torch.empty((*key, ws[0].shape[0]), dtype=self.dtype, device="meta"))
             if len(self.likes) >= 64:
                 self.likes.clear()
             self.likes[key] = like
-        return lazy_logits(x, weight, bias, self.replay, self.dtype, like, self.gemm_dtype)
+        return lazy_logits(xs, ws, bias, self.replay, self.dtype, like, self.gemm_dtype)
 
 
 def output_node(graph: fx.Graph) -> fx.Node:
@@ -140,6 +151,10 @@ class OutputFixup:
         if node not in self.extras:
             self.extras.append(node)
         return self.extras.index(node)
+
+    def add_pieces(self, node: fx.Node) -> tuple[int, ...]:
+        """``node`` as extras: its pieces where a LoRA fold joined them (``graph_meta.joined_pieces``), else itself."""
+        return tuple(self.add_extra(piece) for piece in joined_pieces(node) or (node,))
 
     def apply(self, gm: fx.GraphModule) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
         """Rewrite the output node (no Nones, extras appended); returns the wrapper maker, or None when there
@@ -186,8 +201,8 @@ class _Restore:
                 softcap = spec.softcap
                 if spec.softcap_extra is not None:  # c * tanh(s / c) caps at |c|; a CPU tensor: no GPU wait
                     softcap = abs(float(extras[spec.softcap_extra]))
-                attached = LogitsGrad.apply(result[positions[0]], extras[spec.x], extras[spec.weight], bias,
-                                            spec.logit_scale, softcap)
+                attached = LogitsGrad.apply(result[positions[0]], bias, spec.logit_scale, softcap, len(spec.x),
+                                            *(extras[i] for i in spec.x + spec.weight))
                 for i in positions:
                     result[i] = attached
         for spec in self.lazy:

@@ -28,7 +28,7 @@ from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, lone_heads
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
-from .lora_head import analyze_with_folded_heads
+from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
 from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, own_bias, runtime_softcap
@@ -53,6 +53,7 @@ def flce_fused_loss(
     precision: str = "exact",
     memory_budget_gb: Optional[float] = None,
     wide_bias: bool = False,
+    frozen_weight_columns: int = 0,
 ) -> torch.Tensor:
     """The graph-side call of the fused op (a stable node target for the inner compiler and for tests).
 
@@ -61,7 +62,8 @@ def flce_fused_loss(
     ``head_dtype.compute_operands``. ``softcap`` is a constant, or the 0-dim CPU tensor Dynamo passes a symbolic
     float in (``patterns.runtime_float``), which the op reads at run time. ``wide_bias``: ``bias`` is an fp32 bias
     added to the 16-bit logits (``patterns.LinearMatch.wide_bias``), which the op adds to fp32 logits: it keeps its
-    dtype where autocast's casts would round the head's own bias.
+    dtype where autocast's casts would round the head's own bias. ``frozen_weight_columns``: the weight's leading
+    columns get no gradient (a LoRA fold's frozen head, ``lora_head.FROZEN_COLUMNS``).
     """
     from ..api import fused_linear_cross_entropy
 
@@ -75,6 +77,7 @@ def flce_fused_loss(
             input.reshape(-1, weight.shape[1]), weight, target.reshape(-1), bias, ce_weight=ce_weight,
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
             logit_scale=logit_scale, config=config, precision=precision, memory_budget_gb=memory_budget_gb,
+            frozen_weight_columns=frozen_weight_columns,
         )
     if reduction == "none":
         loss = loss.view(target.shape)
@@ -99,13 +102,14 @@ def flce_fused_loss_keep(
     *,
     precision: str = "exact",
     memory_budget_gb: Optional[float] = None,
+    frozen_weight_columns: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The graph-side call of the fused op that also returns the lm_head's logits: (loss, logits shaped like
     the lm_head's output).
 
     ``indices`` are the row selections the loss applied to the logits (``logits[:, :-1]``): the target is
     spread over all rows, with ``ignore_index`` on the rows the loss did not see, which leaves every
-    reduction unchanged.
+    reduction unchanged. ``frozen_weight_columns``: as for ``flce_fused_loss``.
     """
     from ..api import fused_linear_cross_entropy
 
@@ -126,6 +130,7 @@ def flce_fused_loss_keep(
             input, weight, target, bias, ce_weight=ce_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, config=config,
             return_logits=True, precision=precision, memory_budget_gb=memory_budget_gb,
+            frozen_weight_columns=frozen_weight_columns,
         )
     return (loss if loss.dtype == out_dtype else loss.to(out_dtype)), logits
 
@@ -382,6 +387,8 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
             else:
                 weight, bias = _head_operands(gm, lin, new)
                 tail = (cfg, out_dtype, head_compute_dtype(gm, lin))
+                frozen = lin.start.meta.get(FROZEN_COLUMNS)  # a LoRA fold's frozen head (``lora_head``)
+                op_kwargs = {**op_kwargs, "frozen_weight_columns": frozen} if frozen else op_kwargs
                 if res.path in ("fused", "fused_lazy"):
                     x = lin.input
                     for idx in plan.indices:
@@ -422,7 +429,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
             # A transform's softcap read at run time is the op's: both fold the same steps of the one chain.
             runtime = runtime_softcap(transform)
             fixup.logits.append(LogitsOutput(
-                graph_logits if node is lin.node else node, fixup.add_extra(lin.input), fixup.add_extra(weight),
+                graph_logits if node is lin.node else node, fixup.add_pieces(lin.input), fixup.add_pieces(weight),
                 fixup.add_extra(bias) if bias is not None else None, transform.logit_scale,
                 None if runtime else transform.softcap, fixup.add_extra(softcap) if runtime else None,
             ))
@@ -459,7 +466,7 @@ def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node
             env[step] = replay.node_copy(step, env.__getitem__)
         replay.output(env[node])
         fixup.lazy.append(LazyOutput(
-            [i for i, item in enumerate(items) if item is node], fixup.add_extra(lin.input), fixup.add_extra(weight),
+            [i for i, item in enumerate(items) if item is node], fixup.add_pieces(lin.input), fixup.add_pieces(weight),
             fixup.add_extra(bias) if bias is not None else None, fx.GraphModule(torch.nn.Module(), replay), dtype,
             gemm_dtype))
     lazy = set(res.lazy_outputs)

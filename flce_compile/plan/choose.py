@@ -235,7 +235,7 @@ def budget_bytes(memory_budget_gb: float) -> int:
 def choose_config_within_budget(
     num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, memory_budget_gb: float, *,
     accum_dtype: torch.dtype = torch.float32, need_dx: bool = True, need_dw: bool = True, need_db: bool = False,
-    softcap: bool = False, gpu: str | None = None,
+    softcap: bool = False, gpu: str | None = None, frozen_columns: int = 0,
 ) -> tuple[FLCEConfig, str, tuning_db.Match | None]:
     """The config of a call that may use ``memory_budget_gb`` GiB (by the memory bound at ``num_tokens``), its
     source, and the tuning-DB match it came from (None for the heuristic).
@@ -254,7 +254,7 @@ def choose_config_within_budget(
         from .memory import peak_bytes  # noqa: PLC0415 - sympy is imported only when a budget is given
 
         return peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw, need_db=need_db,
-                          softcap=softcap, need_dx=need_dx)
+                          softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns)
 
     plain, source, match = choose_config_match(num_tokens, vocab, hidden, dtype, device, gpu=gpu)
     tuned = _fitting_tier_match(num_tokens, vocab, hidden, dtype, device, memory_budget_gb, gpu,
@@ -264,7 +264,7 @@ def choose_config_within_budget(
                      memory_budget_gb, tuned.source)
         return tuned.config, tuned.source, tuned
     fitted = fit_budget(plain, num_tokens, vocab, hidden, dtype, accum_dtype, limit, need_dx=need_dx, need_dw=need_dw,
-                        need_db=need_db, softcap=softcap)
+                        need_db=need_db, softcap=softcap, frozen_columns=frozen_columns)
     return fitted, source if fitted == plain else f"{source}, fitted to {memory_budget_gb:g} GiB", match
 
 
@@ -382,6 +382,7 @@ def fit_budget(
     need_dw: bool = True,
     need_db: bool = False,
     softcap: bool = False,
+    frozen_columns: int = 0,
 ) -> FLCEConfig:
     """The first of ``budget_candidates(config, dtype)`` whose memory bound (``plan.memory.peak_bytes``) fits
     ``budget_bytes``. An error names the budget and the least memory any of them needs when none fits."""
@@ -389,7 +390,7 @@ def fit_budget(
 
     def bound(candidate: FLCEConfig) -> int:
         return peak_bytes(candidate, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw,
-                          need_db=need_db, softcap=softcap, need_dx=need_dx)
+                          need_db=need_db, softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns)
 
     best = None
     for candidate in budget_candidates(config, dtype):
@@ -410,8 +411,8 @@ def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: flo
     """The config of a call with the forced fields ``forced`` under ``memory_budget_gb``, and its source. Without
     forced fields the pick may be a tuning-DB entry tuned under a budget (``choose_config_within_budget``);
     forced fields are laid over the plain pick, which is then fitted (``fit_budget``). ``needs``: need_dx,
-    need_dw, need_db, softcap. A ValueError names the budget when nothing fits (or when it is not a positive
-    number). The op (``api``) and ``explain`` both ask this."""
+    need_dw, need_db, softcap, frozen_columns. A ValueError names the budget when nothing fits (or when it is not
+    a positive number). The op (``api``) and ``explain`` both ask this."""
     limit = budget_bytes(memory_budget_gb)
     if not forced:
         config, source, _match = choose_config_within_budget(num_tokens, vocab, hidden, dtype, device,

@@ -18,6 +18,8 @@ from .layout import ROW_ALIGN_BYTES, UPCAST_VOCAB_BLOCK, vocab_needs_padding
 from .precision import fp32_logits_on
 
 BT, V, H, CHUNK = sympy.symbols("BT V H chunk", integer=True, positive=True)
+#: dW's columns: H less the weight's frozen leading columns (``LossParams.frozen_weight_columns``), which get none.
+HW = sympy.symbols("H_dw", integer=True, nonnegative=True)
 #: itemsize of the compute dtype, bytes per element of the dW accumulator (0 = accumulate in the output).
 S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
 #: 0/1 switches: dW wanted, bias gradient wanted, dW via a temporary (dw_path "mm_add").
@@ -68,14 +70,14 @@ def peak_bytes_expr() -> sympy.Expr:
     pad_rows = row_bytes / S - V
     logits_chunk = BUFFERS * rows * row_bytes
     ce_temporaries = K32 * rows * (V + PAD * pad_rows) * 4
-    dw_accumulator = NEED_DW * (V * H * ACC + DW_TMP * V * H * S)
+    dw_accumulator = NEED_DW * (V * HW * ACC + DW_TMP * V * HW * S)
     db_accumulator = NEED_DB * V * 4
     # With pad_vocab: the padded weight and bias copies, the padding rows of the dW/db accumulators, and, when dW
     # accumulates over chunks in the weight dtype (acc_in_place = 1), the whole padded accumulator next to the
     # unpadded dW it is copied into at the end (a single chunk writes dW's V rows straight).
     padding = PAD * (
-        row_bytes * H + row_bytes + pad_rows * (NEED_DW * H * (ACC + DW_TMP * S) + NEED_DB * 4)
-        + NEED_DW * IN_PLACE * row_bytes * H
+        row_bytes * H + row_bytes + pad_rows * (NEED_DW * HW * (ACC + DW_TMP * S) + NEED_DB * 4)
+        + NEED_DW * IN_PLACE * row_bytes * HW
     )
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
@@ -102,9 +104,9 @@ def recompute_peak_bytes_expr() -> sympy.Expr:
     # Forward runs before the returned gradients exist, so its chunk of logits is counted against the space
     # they take later (the bound is the peak above inputs and gradients): a chunk of 4096 x 128256 bf16
     # logits (1.05 GB) fits under the 1.18 GB of dX + dW at 16384 x 4096 x 128256.
-    returned = NEED_DX * BT * H * S + NEED_DW * V * H * S + NEED_DB * V * S
+    returned = NEED_DX * BT * H * S + NEED_DW * V * HW * S + NEED_DB * V * S
     forward = rows * row_bytes + K32 * rows * V * 4 + _fp32_logits_bytes(rows, V, row_bytes) - returned
-    backward = (NEED_DX * BT * H * ACC + NEED_DW * block * H * ACC_BLOCK + NEED_DB * block * 4
+    backward = (NEED_DX * BT * H * ACC + NEED_DW * block * HW * ACC_BLOCK + NEED_DB * block * 4
                 + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
                 + FP32L * V * 4)  # the whole fp32 bias
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
@@ -123,25 +125,30 @@ def peak_bytes(
     need_db: bool = False,
     softcap: bool = False,
     need_dx: bool = True,
+    frozen_columns: int = 0,
 ) -> int:
-    """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``. Memoised:
-    a sympy evaluation takes about a millisecond, and a memory budget asks for the same bounds on every call
-    of the op and every proposal of the tuner."""
-    for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0)):
+    """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``; dW has
+    ``hidden - frozen_columns`` columns. Memoised: a sympy evaluation takes about a millisecond, and a memory
+    budget asks for the same bounds on every call of the op and every proposal of the tuner."""
+    for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0),
+                               ("frozen_columns", frozen_columns, 0)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
             raise ValueError(f"peak_bytes: {name}={value!r} must be an int >= {least}")
+    if frozen_columns > hidden:
+        raise ValueError(f"peak_bytes: frozen_columns={frozen_columns} must be <= hidden={hidden}")
     return _peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw, need_db, softcap, need_dx,
-                       registry.generation())
+                       registry.generation(), frozen_columns)
 
 
 @functools.lru_cache(maxsize=4096)
 def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
                 accum_dtype: torch.dtype, need_dw: bool, need_db: bool, softcap: bool, need_dx: bool,
-                generation: int) -> int:  # noqa: ARG001 - generation: a registry change misses the cache
+                generation: int, frozen_columns: int = 0) -> int:  # noqa: ARG001 - generation: misses the cache
     strategy = registry.get(config.strategy)
     if strategy.loop == "recompute":
         return int(recompute_peak_bytes_expr().subs({
-            BT: max(num_tokens, 1), V: vocab, H: hidden, CHUNK: config.chunk_tokens, VB: config.vocab_block,
+            BT: max(num_tokens, 1), V: vocab, H: hidden, HW: hidden - frozen_columns, CHUNK: config.chunk_tokens,
+            VB: config.vocab_block,
             S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
             ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
             NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: strategy.fp32_temporaries(softcap),
@@ -160,6 +167,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         BT: max(num_tokens, 1),
         V: vocab,
         H: hidden,
+        HW: hidden - frozen_columns,
         CHUNK: config.chunk_tokens,
         S: dtype.itemsize,
         ACC: accum_dtype.itemsize if separate_acc else 0,

@@ -44,11 +44,13 @@ class Operands:
 
 @dataclass(frozen=True)
 class GradRequest:
-    """Which gradients a pass computes."""
+    """Which gradients a pass computes. ``dw_from``: dW only for the weight's columns from this one on (the
+    leading ones are frozen: ``LossParams.frozen_weight_columns``); the dW returned has H - dw_from columns."""
 
     dx: bool = False
     dw: bool = False
     db: bool = False
+    dw_from: int = 0
 
     @property
     def any(self) -> bool:
@@ -162,13 +164,16 @@ class _DwAccumulator:
     dW's V rows straight, in two GEMMs: the aligned head (``layout.aligned_head_rows``) and the odd tail, each
     row summed as in one GEMM. At 4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and
     spared the 45 us copy of V rows out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
+
+
+    ``columns``: dW's columns (the weight's but frozen ones, ``GradRequest.dw_from``; default all).
     """
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
-                 single_chunk: bool = False, rows: int | None = None) -> None:
+                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype and not single_chunk
-        shape = weight.shape
+        shape = (weight.shape[0], weight.shape[1] if columns is None else columns)
         # (head rows, V): the single chunk's two GEMMs, or None for one GEMM over every row of ``weight``
         self.split = None
         if single_chunk and rows is not None and rows != shape[0]:
@@ -488,7 +493,7 @@ def _run_chunks(
     once, as eager's GEMM rounds them.
     """
     x, weight, target, bias, ce_weight = ops.x, ops.weight, ops.target, ops.bias, ops.ce_weight
-    n, _hidden = x.shape
+    n, hidden = x.shape
     vocab = weight.shape[0]
     device = x.device
     ce_step = _ce_step(config)
@@ -537,7 +542,10 @@ def _run_chunks(
     # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice), nor with ``raw_sums``
     # (fp16: the sums are fitted into fp16's range first, whatever accum_dtype; ``_fit_stored_sums``).
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
-                            single_chunk=chunk >= n and not wide and not raw_sums, rows=vocab) if grads.dw else None
+                            single_chunk=chunk >= n and not wide and not raw_sums, rows=vocab,
+                            columns=hidden - grads.dw_from) if grads.dw else None
+    # dW's GEMMs read the columns of x that are not frozen (a strided view: cuBLAS takes its row stride)
+    x_dw = x[:, grads.dw_from:] if grads.dw_from else x
     db_acc = (
         torch.zeros(gemm_vocab, dtype=math_dtype(x.dtype), device=device) if grads.db and bias is not None else None
     )
@@ -552,6 +560,7 @@ def _run_chunks(
                 grad = _take(buffers[slot], 0, stop - start) if buffers else None  # padding columns stay 0
                 logits = _take(logits_out, start, stop) if direct else grad
                 x_c = _take(x, start, stop)
+                x_dw_c = _take(x_dw, start, stop) if x_dw is not x else x_c
                 if overlap is not None:
                     overlap.wait_for_buffer(slot)
                 if wide_buffer is not None:
@@ -581,10 +590,11 @@ def _run_chunks(
                 elif dx is not None:
                     torch.mm(grad, weight, out=_take(dx, start, stop))
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
-                    _accumulate_weight_grads(dw_acc, db_acc, grad, x_c)
+                    _accumulate_weight_grads(dw_acc, db_acc, grad, x_dw_c)
                     if residual is not None:
                         true_class.add_to_weight_grads(dw_acc.acc if dw_acc is not None else None, db_acc,
-                                                       true_class.target_rows(target[rows], 0, vocab), residual, x_c)
+                                                       true_class.target_rows(target[rows], 0, vocab), residual,
+                                                       x_dw_c)
         finally:
             if overlap is not None:
                 overlap.join()  # also on an error: the buffers are freed when this frame unwinds

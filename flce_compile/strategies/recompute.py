@@ -100,7 +100,8 @@ def recompute_backward(
     block = max(1, min(config.vocab_block, vocab))
     acc_dtype = accum_dtype if dtype != torch.float64 else torch.float64
     dx_sum = torch.zeros(n, hidden, dtype=acc_dtype, device=device) if grads.dx else None
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grads.dw else None
+    dw_columns = hidden - grads.dw_from  # (frozen leading columns get no dW: ``GradRequest.dw_from``)
+    dw = torch.empty(vocab, dw_columns, dtype=weight.dtype, device=device) if grads.dw else None
     db = torch.empty_like(bias) if grads.db and bias is not None else None
     # One logits buffer, its rows padded to 128 bytes for aligned GEMMs; with fp32 logits (the "precise"
     # policy) the GEMM writes an fp32 buffer beside it and the CE step writes the gradient into this one.
@@ -115,7 +116,7 @@ def recompute_backward(
     lse, target_z = kept.unbind(0)
     # One block's sums, allocated once and zeroed per block: a fresh tensor per block would be allocated
     # while the previous block's is still referenced, two blocks at the peak.
-    dw_block = torch.empty(block, hidden, dtype=acc_dtype, device=device) if dw is not None else None
+    dw_block = torch.empty(block, dw_columns, dtype=acc_dtype, device=device) if dw is not None else None
     db_block = torch.empty(block, dtype=math, device=device) if db is not None else None
     with full_precision_gemm_reductions(device):
         for v0 in range(0, vocab, block):
@@ -128,6 +129,7 @@ def recompute_backward(
                 rows = slice(t0, t1)
                 logits = buffer[: t1 - t0, : v1 - v0]
                 x_c = x[rows]
+                x_dw = x_c[:, grads.dw_from:] if grads.dw_from else x_c
                 if wide is not None:
                     wide_logits = wide[: t1 - t0, : v1 - v0]
                     fp32_logits_into(wide_logits, x_c, w_b, bias32[v0:v1] if bias32 is not None else None)
@@ -146,14 +148,14 @@ def recompute_backward(
                 if dx_sum is not None:
                     _add(dx_sum[rows], logits, w_b)
                 if dw_sum is not None:
-                    _add(dw_sum, logits.t(), x_c)
+                    _add(dw_sum, logits.t(), x_dw)
                 if db_sum is not None:
                     db_sum.add_(logits.sum(dim=0, dtype=db_sum.dtype))
                 if residual is not None:  # the true-class roundings, back into the fp32 sums
                     r, local = residual[: t1 - t0], true_class.target_rows(target[rows], offset + v0, v1 - v0)
                     if dx_sum is not None:
                         dx_sum[rows].add_(w_b.index_select(0, local) * r[:, None])
-                    true_class.add_to_weight_grads(dw_sum, db_sum, local, r, x_c)
+                    true_class.add_to_weight_grads(dw_sum, db_sum, local, r, x_dw)
             if dw is not None:
                 dw[v0:v1].copy_(dw_sum)  # the block's one rounding
             if db is not None:
