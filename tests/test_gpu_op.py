@@ -388,3 +388,36 @@ def test_grad_output_not_a_power_of_two_is_rounded_once(return_logits):
     factor = torch.tensor(1 / 3, dtype=torch.float32, device="cuda")
     for g1, g3 in zip(one, third):
         assert torch.equal(g3, (g1.float() * factor).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("config", [
+    FLCEConfig(strategy="triton", chunk_tokens=1024, streams=True),  # chunks, the dW GEMMs on a side stream
+    FLCEConfig(strategy="triton", chunk_tokens=4096),  # one chunk: dW straight in bf16
+    FLCEConfig(strategy="recompute", chunk_tokens=1024, vocab_block=8192),
+], ids=["chunks_streams", "one_chunk", "recompute"])
+def test_frozen_weight_columns_on_the_gpu(config):
+    """``frozen_weight_columns``: cuBLAS's dW GEMMs read a column slice of x (its row stride larger than its
+    width); loss and dX as without the option, dW's trainable columns to an ulp, the frozen ones zero, with no host
+    sync, and CUDA-graph replays (the third call on) alike."""
+    x, w, t = _inputs(v=32003)
+    frozen = 1024 - 16
+    grads = {}
+    for columns in (0, frozen):
+        for _ in range(3):  # (a plain call, a capture, a replay)
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = fused_linear_cross_entropy(xs, ws, t, config=config, frozen_weight_columns=columns)
+            loss.backward()
+        grads[columns] = (loss.detach(), xs.grad, ws.grad)
+    (loss0, dx0, dw0), (loss, dx, dw) = grads[0], grads[frozen]
+    assert torch.equal(loss, loss0) and torch.equal(dx, dx0)
+    assert dw.shape == w.shape and not dw[:, :frozen].any()
+    eps = torch.finfo(w.dtype).eps
+    torch.testing.assert_close(dw[:, frozen:].float(), dw0[:, frozen:].float(), rtol=eps,
+                               atol=eps * dw0.abs().max().item())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_linear_cross_entropy(x.requires_grad_(), w.requires_grad_(), t, config=config,
+                                   frozen_weight_columns=frozen).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
