@@ -232,6 +232,63 @@ def test_inductor_forms_no_padded_weight_gradient():
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _FromHidden(LoraHead):
+    """The head and adapter on hidden states the caller passes (a graph input: symbolic under ``dynamic=True``)."""
+
+    def forward(self, x, t):
+        return self.loss_form(self.logits(x), t), None
+
+
+def test_a_frozen_head_on_symbolic_hidden_states_passes_an_int():
+    """Under ``dynamic=True`` with the hidden states a graph input, their hidden size is symbolic: the op's
+    ``frozen_weight_columns`` comes from the weight's static shape, a plain int (a SymInt in the node's arguments
+    warned, and made ``explain`` under a memory budget say the compile raises, which it did not), and the gradients
+    are eager's at every token count of the one graph."""
+    torch.manual_seed(0)
+    model = _FromHidden(return_logits=False)
+    model.lm_head.weight.requires_grad_(False)
+    x, t = torch.randn(2, 8, H, requires_grad=True), torch.randint(0, V, (2, 8))
+    budget = {"flce.memory_budget_gb": 1.0}
+    (report,) = fc.explain(torch.compile(model, backend="flce", dynamic=True, options=budget), x, t)
+    assert report.fused, report
+    compiled, graphs = _compiled(model, dynamic=True, **budget)
+    for n in (8, 5, 11):
+        x, t = torch.randn(2, n, H, requires_grad=True), torch.randint(0, V, (2, n))
+        ref = _grads(model, lambda: (model(x, t)[0], None))
+        ref_dx, x.grad = x.grad, None
+        got = _grads(model, lambda: (compiled(x, t)[0], None))
+        torch.testing.assert_close(x.grad, ref_dx, rtol=1e-5, atol=1e-6)
+        for name in ref[2]:
+            torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-6, msg=name)
+    (call,) = _fused_calls(graphs)
+    assert type(call.kwargs["frozen_weight_columns"]) is int and call.kwargs["frozen_weight_columns"] == H
+
+
+def test_the_folds_graph_functions_are_cacheable():
+    """Every function of this package that a rewritten graph calls is one the AOT autograd cache is told it may
+    hold (``graph_cache.GRAPH_FUNCTIONS``): a graph calling another is skipped by that cache, which left the LoRA
+    fold's frozen-head graphs exposed to the FX graph cache's donated-buffer gap (a second backward through a
+    kept graph gave B 0.6x eager's gradient, a review found)."""
+    from flce_compile.compiler import graph_cache
+
+    torch.manual_seed(0)
+    zloss = lambda logits, t: (F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+                               + 1e-2 * logits.logsumexp(-1).pow(2).mean())
+    idx, t = _data()
+    called = set()
+    for model in (LoraHead(), LoraHead(return_logits=False), LoraHead(loss_form=zloss), _Measured()):
+        for frozen in (True, False):
+            model.lm_head.weight.requires_grad_(not frozen)
+            compiled, graphs = _compiled(model)
+            compiled(idx, t)
+            called |= {n.target for gm in graphs.graphs for n in gm.graph.nodes if n.op == "call_function"
+                       and getattr(n.target, "__module__", "").startswith("flce_compile")}
+    from flce_compile.compiler.lora_head import join_frozen
+
+    assert join_frozen in called and flce_fused_loss in called and flce_fused_loss_keep in called
+    assert called <= set(graph_cache.GRAPH_FUNCTIONS), called - set(graph_cache.GRAPH_FUNCTIONS)
+
+
 def _errors(model, fn, ref, idx, t, autocast):
     """Absolute errors of the loss and the norms of the errors of the gradients of the hidden states (the
     embedding's), A and B against ``ref``, the same quantities in fp64."""

@@ -23,6 +23,7 @@ from benchmarks._common import cpu_peak_bytes  # noqa: E402  (the profiler's all
 def test_expression_names_its_symbols():
     names = {s.name for s in peak_bytes_expr().free_symbols}
     assert {"BT", "V", "H", "chunk", "s", "acc"} <= names
+    assert "H_dw" not in names  # dW's own columns (frozen_weight_columns) stay inside peak_bytes
     assert isinstance(peak_bytes_expr(), sympy.Expr)
 
 

@@ -1,17 +1,17 @@
 """torch's AOT autograd cache for the graphs the pass rewrote.
 
-A rewritten graph calls the pass's own functions (``rewrite.flce_fused_loss`` and its siblings), which torch's AOT
-autograd cache does not know: it skipped every such graph ("Unsupported call_function target"), while Inductor's
-FX graph cache still served the graph's compiled backward from disk. That cache's key leaves out which saved
-tensors the backward may overwrite (AOT autograd's donated buffers, given only to a backward that runs once), so
-a process whose first backward kept its graph (``retain_graph=True``, two ``torch.autograd.grad`` calls) ran a
-backward cached by an earlier process that had not: it overwrote the forward's gradients it had saved, and the
-second backward read them scaled by the first one's grad_output (the lm_head's gradient 3x where eager's is 5x,
-with nothing raised). The AOT autograd cache keys on that and refuses such a backward with torch's own error, as
-it does for any compiled model (a cold start compiles a backward that keeps them, and runs). So the functions are
-marked cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source
-(``cache_key``): an entry traced through other code of theirs is never served. Warm starts then skip AOT
-autograd's tracing too.
+A rewritten graph calls the pass's own functions (``rewrite.flce_fused_loss`` and its siblings, the LoRA fold's
+``lora_head.join_frozen``), which torch's AOT autograd cache does not know: it skipped every such graph
+("Unsupported call_function target"), while Inductor's FX graph cache still served the graph's compiled backward
+from disk. That cache's key leaves out which saved tensors the backward may overwrite (AOT autograd's donated
+buffers, given only to a backward that runs once), so a process whose first backward kept its graph
+(``retain_graph=True``, two ``torch.autograd.grad`` calls) ran a backward cached by an earlier process that had not:
+it overwrote the forward's gradients it had saved, and the second backward read them scaled by the first one's
+grad_output (the lm_head's gradient 3x where eager's is 5x, with nothing raised). The AOT autograd cache keys on
+that and refuses such a backward with torch's own error, as it does for any compiled model (a cold start compiles a
+backward that keeps them, and runs). So the functions are marked cacheable
+(``torch._inductor.config.unsafe_marked_cacheable_functions``), keyed on this package's source (``cache_key``): an
+entry traced through other code of theirs is never served. Warm starts then skip AOT autograd's tracing too.
 
 Graphs that the AOT autograd cache still skips (one holding a custom ``torch.autograd.Function``, or selective
 activation checkpointing whose ``context_fn`` has no ``cache_hash``) stay exposed to that FX graph cache gap, as
@@ -33,11 +33,13 @@ import torch
 
 from ..log import logger
 from ..plan import registry
+from .lora_head import join_frozen
 from .rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 from .tensor_parallel import flce_vocab_parallel_loss
 
-#: The pass's functions that rewritten graphs call.
-GRAPH_FUNCTIONS = (flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, flce_vocab_parallel_loss)
+#: The pass's functions that rewritten graphs call (a graph calling any other is skipped by the AOT autograd cache).
+GRAPH_FUNCTIONS = (flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, flce_vocab_parallel_loss,
+                   join_frozen)
 
 _source: str | None = None  # ``source_key``'s answer, once read
 

@@ -202,7 +202,9 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
     # The traced logits' value: their shape, the dtype the head computed in (autocast's), whether they need grad.
     linear.meta["example_value"] = meta_value(head.node)
     if frozen:  # (Dynamo guards requires_grad: a head unfrozen later compiles again)
-        linear.meta[FROZEN_COLUMNS] = meta_value(lin.input).shape[-1]
+        # The weight's columns as an int (a parameter's are static; a symbolic input's hidden size would be a SymInt
+        # in the op's arguments and in the memory bound's)
+        linear.meta[FROZEN_COLUMNS] = int(value(weight_of_head).shape[1])
     copy_source_meta(head.node, linear)
     head.node.replace_all_uses_with(linear)
     return Fold(head, total, linear, created)

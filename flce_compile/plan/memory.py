@@ -64,7 +64,14 @@ def _fp32_logits_bytes(rows: sympy.Expr, columns: sympy.Expr, row_bytes: sympy.E
 def peak_bytes_expr() -> sympy.Expr:
     """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries; + an
     fp32 chunk with fp32 logits), the dW/db accumulators, the padded weight copy (pad_vocab) and the per-token
-    vectors. Nothing is BT x V."""
+    vectors. Nothing is BT x V. (dW over all H columns; ``peak_bytes`` counts dW's own, ``HW``, with frozen
+    weight columns.)"""
+    return _chunked_terms().subs(HW, H)
+
+
+@functools.cache
+def _chunked_terms() -> sympy.Expr:
+    """``peak_bytes_expr`` with dW's columns their own symbol, ``HW``."""
     rows = sympy.Min(CHUNK, BT)
     row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES  # rows padded for aligned GEMMs
     pad_rows = row_bytes / S - V
@@ -93,10 +100,18 @@ VB, NEED_DX, ACC_BLOCK = sympy.symbols("vocab_block need_dx acc_block", integer=
 
 @functools.cache
 def recompute_peak_bytes_expr() -> sympy.Expr:
-    """The "recompute" strategy's bound: the larger of its forward (the chunk loop without gradients: one
-    chunk of logits and the CE temporaries, less the returned gradients, which do not exist yet) and its backward (the dX sum over all tokens and one block's dW
-    rows, in the accumulator dtype when it differs from the weight's, one chunk x block buffer of logits and
-    its CE temporaries), plus the saved lse and the per-token vectors. Nothing is V x H or BT x V."""
+    """The "recompute" strategy's bound: the larger of its forward (the chunk loop without gradients: one chunk
+    of logits and the CE temporaries, less the returned gradients, which do not exist yet) and its backward (the
+    dX sum over all tokens and one block's dW rows, in the accumulator dtype when it differs from the weight's,
+    one chunk x block buffer of logits and its CE temporaries), plus the saved lse and the per-token vectors.
+    Nothing is V x H or BT x V. (dW over all H columns; ``peak_bytes`` counts dW's own, ``HW``, with frozen
+    weight columns.)"""
+    return _recompute_terms().subs(HW, H)
+
+
+@functools.cache
+def _recompute_terms() -> sympy.Expr:
+    """``recompute_peak_bytes_expr`` with dW's columns their own symbol, ``HW``."""
     rows = sympy.Min(CHUNK, BT)
     block = sympy.Min(VB, V)
     row_bytes = sympy.ceiling(V * S / ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
@@ -146,7 +161,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
                 generation: int, frozen_columns: int = 0) -> int:  # noqa: ARG001 - generation: misses the cache
     strategy = registry.get(config.strategy)
     if strategy.loop == "recompute":
-        return int(recompute_peak_bytes_expr().subs({
+        return int(_recompute_terms().subs({
             BT: max(num_tokens, 1), V: vocab, H: hidden, HW: hidden - frozen_columns, CHUNK: config.chunk_tokens,
             VB: config.vocab_block,
             S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
@@ -180,4 +195,4 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         IN_PLACE: int(need_dw and not separate_acc and not (single_chunk and not wide)),
         FP32L: int(wide),
     }
-    return int(peak_bytes_expr().subs(values))
+    return int(_chunked_terms().subs(values))
