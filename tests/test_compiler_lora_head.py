@@ -289,6 +289,34 @@ def test_the_folds_graph_functions_are_cacheable():
     assert called <= set(graph_cache.GRAPH_FUNCTIONS), called - set(graph_cache.GRAPH_FUNCTIONS)
 
 
+def test_held_logits_of_a_frozen_head_copy_only_what_a_step_writes():
+    """Returned logits held, unread, across an optimizer step that writes the parameters unseen by their version
+    counters (as fused optimizers do): they come out as the forward computed them. The step's hook copied B (which
+    it writes) and kept the frozen head W as it is (no step writes it: a V x H copy saved); the logits, larger than
+    B, were not computed."""
+    torch.manual_seed(0)
+    model = LoraHead()
+    model.lm_head.weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(2)
+    idx, t = torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g)  # logits > B: copied
+    compiled, _ = _compiled(model)
+    _, expected = model(idx, t)
+    _, logits = compiled(idx, t)
+    compiled(idx, t)[0].backward()  # another forward's loss: these logits get no gradient
+
+    class DataWritingSGD(torch.optim.SGD):  # writes through ``.data``, as a fused kernel would: no version counter
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-0.5)
+
+    DataWritingSGD(model.parameters(), lr=0.5).step()
+    source = logits._source
+    assert not logits.computed  # (secured by copying B, smaller than the logits)
+    assert source.ws[0] is model.lm_head.weight and source.ws[1] is not model.lora_b.weight
+    torch.testing.assert_close(logits, expected.detach(), rtol=1e-5, atol=1e-5)
+
+
 def _errors(model, fn, ref, idx, t, autocast):
     """Absolute errors of the loss and the norms of the errors of the gradients of the hidden states (the
     embedding's), A and B against ``ref``, the same quantities in fp64."""
