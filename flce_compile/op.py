@@ -544,8 +544,8 @@ def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
 def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
     if need_w and dw is not None and ctx.frozen:
-        # The frozen columns' gradient: zeros. Under torch.compile the caller's slice of the rest (the LoRA fold's
-        # concatenation) reads only dW's own columns, so the padding is not formed there.
+        # The frozen columns' gradient: zeros. (In a compiled graph the LoRA fold's ``join_frozen`` copies the other
+        # columns out again, which Inductor computes from dW itself: the padded tensor is never formed there.)
         dw = torch.nn.functional.pad(dw, (ctx.frozen, 0))
     return (
         dx if need_x else None,

@@ -54,10 +54,12 @@ class LogitsGrad(torch.autograd.Function):
         return result
 
     @staticmethod
-    def _capped(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The capped logits as the forward returned them, recomputed when the caller wrote into them since."""
+    def _capped(ctx, xs: list[torch.Tensor], ws: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        """The capped logits as the forward returned them, recomputed (from the joined pieces) when the caller wrote
+        into them since."""
         if ctx.capped._version == ctx.capped_version:
             return ctx.capped.float()
+        x, weight = (t[0] if len(t) == 1 else torch.cat(t, -1) for t in (xs, ws))
         z = torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return (ctx.softcap * torch.tanh(ctx.logit_scale * z.float() / ctx.softcap)).reshape(ctx.capped.shape)
 
@@ -67,8 +69,7 @@ class LogitsGrad(torch.autograd.Function):
         xs, ws = pieces[:ctx.split], pieces[ctx.split:]
         g = grad_out.float() if ctx.softcap is not None or ctx.logit_scale != 1.0 else grad_out
         if ctx.softcap is not None:
-            x, weight = (t[0] if len(t) == 1 else torch.cat(t, -1) for t in (xs, ws))
-            g = g * (1.0 - (LogitsGrad._capped(ctx, x, weight, bias) / ctx.softcap) ** 2)
+            g = g * (1.0 - (LogitsGrad._capped(ctx, xs, ws, bias) / ctx.softcap) ** 2)
         if ctx.logit_scale != 1.0:
             g = g * ctx.logit_scale
         dtype = ws[0].dtype

@@ -165,7 +165,6 @@ class _DwAccumulator:
     row summed as in one GEMM. At 4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and
     spared the 45 us copy of V rows out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
 
-
     ``columns``: dW's columns (the weight's but frozen ones, ``GradRequest.dw_from``; default all).
     """
 
