@@ -396,6 +396,37 @@ def test_lazy_logits_are_secured_before_an_optimizer_step(tokens, compiled_model
         torch.testing.assert_close(other, ref_logits, rtol=1e-5, atol=1e-5)
 
 
+class _TransposedHead(nn.Module):
+    """``h @ W`` with W stored (H, V): the graph returns the head's weight as ``W.t()``, a view of the parameter
+    (no leaf), rebuilt outside the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.w = nn.Parameter(torch.randn(H, V) / H**0.5)
+
+    def forward(self, idx, labels):
+        logits = torch.tanh(self.emb(idx)) @ self.w
+        return F.cross_entropy(logits.float().view(-1, V), labels.view(-1)), logits
+
+
+def test_held_logits_of_a_head_that_is_a_view_survive_the_step():
+    """Held, unread logits of a head whose weight the graph returns as a view of the parameter: the step's hook
+    copies it like any weight, so a step that writes the parameter unseen (as fused optimizers do) leaves the
+    logits the forward's (kept by reference, they read the new weight: a review's 4.4 max error)."""
+    torch.manual_seed(0)
+    model = _TransposedHead()
+    idx, labels = _data()
+    expected = model(idx, labels)[1].detach()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"})
+    loss, logits = compiled(idx, labels)
+    loss.backward()
+    _DataWritingSGD(model.parameters(), lr=0.5).step()
+    assert not logits.computed
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_compiled_optimizer_step_with_logits_held_compiles_once(compiled_models):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe) while the model's output is held, as a
     Hugging Face loop holds it: Dynamo traced the step pre-hook that secures held logits, guarded on each of them

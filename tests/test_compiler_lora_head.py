@@ -289,16 +289,16 @@ def test_the_folds_graph_functions_are_cacheable():
     assert called <= set(graph_cache.GRAPH_FUNCTIONS), called - set(graph_cache.GRAPH_FUNCTIONS)
 
 
-def test_held_logits_of_a_frozen_head_copy_only_what_a_step_writes():
-    """Returned logits held, unread, across an optimizer step that writes the parameters unseen by their version
-    counters (as fused optimizers do): they come out as the forward computed them. The step's hook copied B (which
-    it writes) and kept the frozen head W as it is (no step writes it: a V x H copy saved); the logits, larger than
-    B, were not computed."""
+def test_held_logits_of_a_frozen_head_keep_the_forwards_values():
+    """Returned logits held, unread, across optimizer steps that write the parameters unseen by their version
+    counters (as fused optimizers do), the head unfrozen before the second: they come out as the forward computed
+    them (their pieces W and B copied at the first step; keeping the frozen W by reference gave the second step's
+    values, a review found)."""
     torch.manual_seed(0)
     model = LoraHead()
     model.lm_head.weight.requires_grad_(False)
     g = torch.Generator().manual_seed(2)
-    idx, t = torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g)  # logits > B: copied
+    idx, t = torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g)  # logits > [W, B]
     compiled, _ = _compiled(model)
     _, expected = model(idx, t)
     _, logits = compiled(idx, t)
@@ -311,9 +311,11 @@ def test_held_logits_of_a_frozen_head_copy_only_what_a_step_writes():
                     p.data.add_(p.grad, alpha=-0.5)
 
     DataWritingSGD(model.parameters(), lr=0.5).step()
-    source = logits._source
-    assert not logits.computed  # (secured by copying B, smaller than the logits)
-    assert source.ws[0] is model.lm_head.weight and source.ws[1] is not model.lora_b.weight
+    model.lm_head.weight.requires_grad_(True)  # unfrozen: the next step writes it
+    model.zero_grad(set_to_none=True)
+    model(idx, t)[0].backward()
+    DataWritingSGD(model.parameters(), lr=0.5).step()
+    assert not logits.computed and logits._source.ws[0] is not model.lm_head.weight  # (copied, not computed)
     torch.testing.assert_close(logits, expected.detach(), rtol=1e-5, atol=1e-5)
 
 

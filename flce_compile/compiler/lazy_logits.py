@@ -13,8 +13,8 @@ lm_head's backward, recomputing the logits once: a fourth GEMM, only for a loss 
 
 The values must be those of the forward that returned them. Before any optimizer's step (a global step pre-hook:
 fused optimizers write the weights without telling their version counters), the logits still held and not yet
-computed are secured: their weight and bias are copied where a step may write them (``_Source.freeze``: a frozen
-weight, or autocast's copy of one, is kept as it is), or, when the logits are the smaller, computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
+computed are secured: their weight and bias are copied (``_Source.freeze``), or, when the logits are the smaller,
+computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
 whose memory was moved or freed (FSDP's resharding after backward), makes reading not-yet-computed logits an error
 that says so, never another weight's values. Writes through ``param.data`` reach no version counter: logits held
 across such a write must be read before it. (Nothing runs in backward: a hook on the compiled graph's autograd
@@ -98,15 +98,15 @@ class _Source:
                 "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
     def freeze(self, copies: dict[int, Tensor]) -> None:
-        """Copy the weight and bias that an optimizer step may write, so that what the forward read survives it
-        (the hidden states are the graph's own output: only a write in place reaches them, which ``check`` sees).
-        ``copies``: the copies made in this step so far, by the id of the tensor copied (held logits of one weight
-        share one)."""
+        """Copy the weight and bias, so that what the forward read survives an optimizer step (the hidden states
+        are the graph's own output: only a write in place reaches them, which ``check`` sees). ``copies``: the
+        copies made in this step so far, by the id of the tensor copied (held logits of one weight share one).
+        Every piece is copied, a frozen one too: a view of a parameter (an (H, V) weight's transpose) is no leaf,
+        and a head frozen now may be unfrozen before a later step (keeping either by reference gave a fused
+        optimizer's new values, a review found)."""
         self.check()
 
         def copy(t: Tensor) -> Tensor:
-            if not _stepped(t):
-                return t
             if id(t) not in copies:
                 copies[id(t)] = t.detach().clone()
             return copies[id(t)]
@@ -116,21 +116,12 @@ class _Source:
         self.versions = tuple(t._version for t in self.operands())
         self.weight_memory = [_memory(w) for w in self.ws]
 
-    def copied_numel(self) -> int:
-        """How many elements ``freeze`` would copy (the pieces a step may write)."""
-        return sum(t.numel() for t in (*self.ws, self.bias) if t is not None and _stepped(t))
+    def weight_numel(self) -> int:
+        return sum(w.numel() for w in self.ws)
 
     def value(self) -> Tensor:
         self.check()
         return _values(self.xs, self.ws, self.bias, self.replay, self.dtype, self.gemm_dtype)
-
-
-def _stepped(t: Tensor) -> bool:
-    """Whether an optimizer's step may write ``t``: a leaf that requires grad or has one (an optimizer updates the
-    parameters whose ``.grad`` is set). Not a frozen one (a LoRA fold's head W, a frozen lm_head), nor a tensor
-    computed from a parameter (autocast's bf16 copy of it), which no step writes: copying those would only cost
-    their memory (a write in place still shows in their version counters, which ``check`` reads)."""
-    return t.is_leaf and (t.requires_grad or t.grad is not None)
 
 
 def _operands(xs: Pieces, ws: Pieces, bias: Tensor | None) -> tuple[Tensor, ...]:
@@ -196,11 +187,11 @@ class LazyLogits(Tensor):
     def secure(self, copies: dict[int, Tensor]) -> None:
         """Make the values survive writes to the weight: copy the weight and bias (``_Source.freeze``; ``copies``
         shares copies between logits of one weight), or compute the values when they take less memory than the
-        copies would."""
+        weight."""
         source = self._source
         if source is None:
             return
-        if self.numel() <= source.copied_numel():
+        if self.numel() <= source.weight_numel():
             self.compute()
             return
         source.freeze(copies)
