@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..log import logger
 from .decide import SiteResult, analyze
@@ -190,6 +191,10 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
             both = add("call_function", join_frozen, ([weight, up],)) if frozen else add(
                 "call_function", torch.cat, ([weight, up], 1))
             hidden.meta[JOINED] = both.meta[JOINED] = True  # (returned, W and B go out: ``outputs.add_pieces``)
+            # Joined again in backward where backward reads them (the op keeps its operands for the gradient of
+            # logits the graph reads, ``fused_keep``): the pieces are there anyway, the joined copies would be held
+            # from forward to backward. (AOT autograd carries the tag to its joint graph, as for checkpointing.)
+            hidden.meta["recompute"] = both.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             bias = own_bias(gm, lin)
             if lin.module_target and bias is not None:
                 bias = add("get_attr", f"{lin.module_target}.bias", ())
