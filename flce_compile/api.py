@@ -184,8 +184,6 @@ def _validate_scalars(ignore_index: int, logit_scale: float | Tensor, z_loss: fl
 
 def _check_frozen_columns(frozen_weight_columns: int, hidden: int | None = None) -> None:
     """``frozen_weight_columns`` is an int in [0, hidden] (``hidden``: the weight's columns, when known)."""
-    if type(frozen_weight_columns) is int and frozen_weight_columns == 0:  # (the usual case: every call asks)
-        return
     try:
         if isinstance(frozen_weight_columns, bool):
             raise TypeError
@@ -307,7 +305,8 @@ def fused_linear_cross_entropy(
         refuse_dtensors(input=input, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     _validate(input, weight, target, bias, ce_weight, reduction, label_smoothing, softcap)
     _validate_scalars(ignore_index, logit_scale, z_loss)
-    _check_frozen_columns(frozen_weight_columns, weight.shape[1])
+    if type(frozen_weight_columns) is not int or frozen_weight_columns:  # (0, the usual case, asks nothing more)
+        _check_frozen_columns(frozen_weight_columns, weight.shape[1])
     if return_logits and reduction == "none":
         raise ValueError(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "
