@@ -304,18 +304,13 @@ def test_held_logits_of_a_frozen_head_keep_the_forwards_values():
     _, expected = model(idx, t)
     _, logits = compiled(idx, t)
     compiled(idx, t)[0].backward()  # another forward's loss: these logits get no gradient
+    from test_compiler_keep import _DataWritingSGD  # writes through ``.data``, as a fused kernel would
 
-    class DataWritingSGD(torch.optim.SGD):  # writes through ``.data``, as a fused kernel would: no version counter
-        def step(self, closure=None):
-            for p in self.param_groups[0]["params"]:
-                if p.grad is not None:
-                    p.data.add_(p.grad, alpha=-0.5)
-
-    DataWritingSGD(model.parameters(), lr=0.5).step()
+    _DataWritingSGD(model.parameters(), lr=0.5).step()
     model.lm_head.weight.requires_grad_(True)  # unfrozen: the next step writes it
     model.zero_grad(set_to_none=True)
     model(idx, t)[0].backward()
-    DataWritingSGD(model.parameters(), lr=0.5).step()
+    _DataWritingSGD(model.parameters(), lr=0.5).step()
     assert not logits.computed and logits._source.ws[0] is not model.lm_head.weight  # (copied, not computed)
     torch.testing.assert_close(logits, expected.detach(), rtol=1e-5, atol=1e-5)
 

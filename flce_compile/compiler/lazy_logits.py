@@ -129,7 +129,8 @@ def _operands(xs: Pieces, ws: Pieces, bias: Tensor | None) -> tuple[Tensor, ...]
     return (*xs, *ws) if bias is None else (*xs, *ws, bias)
 
 
-def _joined(pieces: Pieces) -> Tensor:
+def joined(pieces: Pieces) -> Tensor:
+    """The pieces joined along their last dimension (one piece: itself, no copy)."""
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
 
 
@@ -139,7 +140,7 @@ def _values(xs: Pieces, ws: Pieces, bias: Tensor | None, replay: Replay, dtype: 
     outside inference mode: values first read under ``torch.inference_mode()`` (a metric) stay writable afterwards,
     as eager's logits, made before it, are."""
     with torch.inference_mode(False), torch.no_grad(), _no_autocast(xs[0]):  # (the first enables grad)
-        return replay(_head(_joined(xs), _joined(ws), bias, dtype, gemm_dtype))
+        return replay(_head(joined(xs), joined(ws), bias, dtype, gemm_dtype))
 
 
 def _head(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
@@ -310,7 +311,7 @@ class _LazyHead(torch.autograd.Function):
         n_x, n_w = len(source.xs), len(source.ws)
         xs, ws, bias = inputs[:n_x], inputs[n_x:n_x + n_w], (inputs[n_x + n_w] if source.bias is not None else None)
         with torch.enable_grad(), _no_autocast(xs[0]):
-            out = source.replay(_head(_joined(tuple(xs)), _joined(tuple(ws)), bias, source.dtype, source.gemm_dtype))
+            out = source.replay(_head(joined(tuple(xs)), joined(tuple(ws)), bias, source.dtype, source.gemm_dtype))
         wanted = [t for t, n in zip(inputs, need) if n]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (None, None) + tuple(next(grads) if n else None for n in need)
@@ -329,7 +330,7 @@ def lazy_logits(xs: Pieces, ws: Pieces, bias: Tensor | None, replay: Replay, dty
     operands = _operands(xs, ws, bias)
     if any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in operands):
         with _no_autocast(xs[0]):
-            return replay(_head(_joined(xs), _joined(ws), bias, dtype, gemm_dtype))
+            return replay(_head(joined(xs), joined(ws), bias, dtype, gemm_dtype))
     if torch.is_inference_mode_enabled() or any(t.is_inference() for t in operands):
         return _values(xs, ws, bias, replay, dtype, gemm_dtype)
     if _step_hook is None:

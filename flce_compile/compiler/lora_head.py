@@ -176,7 +176,9 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
         return node if dtype == to else add("call_method", "to", (node, to))
 
     weight_of_head = f"{lin.module_target}.weight" if lin.module_target else lin.weight
-    x_dtype, w_dtype = meta_value(lin.input).dtype, value(weight_of_head).dtype
+    head_weight = value(weight_of_head)
+    x_dtype, w_dtype = meta_value(lin.input).dtype, head_weight.dtype
+    frozen = not head_weight.requires_grad
     try:
         with graph.inserting_before(head.node):
             low = head.low  # scaled as the adapter's output was (a number and symbolic factors keep its dtype)
@@ -187,7 +189,6 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
             weight = add("get_attr", weight_of_head, ()) if lin.module_target else lin.weight
             up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight
             up = cast(up, value(head.up_weight).dtype, w_dtype)
-            frozen = not value(weight_of_head).requires_grad
             both = add("call_function", join_frozen, ([weight, up],)) if frozen else add(
                 "call_function", torch.cat, ([weight, up], 1))
             hidden.meta[JOINED] = both.meta[JOINED] = True  # (returned, W and B go out: ``outputs.add_pieces``)
@@ -209,7 +210,7 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
     if frozen:  # (Dynamo guards requires_grad: a head unfrozen later compiles again)
         # The weight's columns as an int (a parameter's are static; a symbolic input's hidden size would be a SymInt
         # in the op's arguments and in the memory bound's)
-        linear.meta[FROZEN_COLUMNS] = int(value(weight_of_head).shape[1])
+        linear.meta[FROZEN_COLUMNS] = int(head_weight.shape[1])
     copy_source_meta(head.node, linear)
     head.node.replace_all_uses_with(linear)
     return Fold(head, total, linear, created)

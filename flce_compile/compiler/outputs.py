@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from .graph_meta import joined_pieces
-from .lazy_logits import Replay, lazy_logits
+from .lazy_logits import Replay, joined, lazy_logits
 
 
 class LogitsGrad(torch.autograd.Function):
@@ -59,7 +59,7 @@ class LogitsGrad(torch.autograd.Function):
         into them since."""
         if ctx.capped._version == ctx.capped_version:
             return ctx.capped.float()
-        x, weight = (t[0] if len(t) == 1 else torch.cat(t, -1) for t in (xs, ws))
+        x, weight = joined(xs), joined(ws)
         z = torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return (ctx.softcap * torch.tanh(ctx.logit_scale * z.float() / ctx.softcap)).reshape(ctx.capped.shape)
 
