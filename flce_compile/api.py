@@ -124,6 +124,8 @@ def _check_number(name: str, value: Any, expected: str) -> None:
         if value.numel() != 1:
             raise ValueError(f"{name} as a tensor must hold one number, got shape {tuple(value.shape)}; pass a "
                              "float or a one-element tensor")
+        if value.dtype == torch.bool:
+            raise TypeError(f"{name} must be {expected}, got a bool tensor")
         _refuse_transformed_option(name, value)
         if value.requires_grad and torch.is_grad_enabled():  # (under no_grad no gradient is lost)
             raise TypeError(f"{name} is a tensor that requires grad, but the fused op takes it as a constant and "
@@ -307,6 +309,8 @@ def fused_linear_cross_entropy(
     _validate_scalars(ignore_index, logit_scale, z_loss)
     if type(frozen_weight_columns) is not int or frozen_weight_columns:  # (0, the usual case, asks nothing more)
         _check_frozen_columns(frozen_weight_columns, weight.shape[1])
+    if return_logits is not False and return_logits is not True:
+        raise TypeError(f"return_logits must be True or False, got {type(return_logits).__name__} {return_logits!r}")
     if return_logits and reduction == "none":
         raise ValueError(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "

@@ -283,7 +283,7 @@ def _graph_bytes(ops: Operands, p: LossParams, cfg: FLCEConfig, accum_dtype: tor
     vocab, size = ops.weight.shape[0], ops.x.element_size()
     need_db = grads.db and ops.bias is not None
     working = peak_bytes(cfg, n, vocab, h, ops.x.dtype, accum_dtype, need_dw=grads.dw, need_db=need_db,
-                         softcap=p.softcap > 0, need_dx=grads.dx, frozen_columns=grads.dw_from)
+                         softcap=p.softcap > 0, need_dx=grads.dx, frozen_columns=grads.dw_from, device=ops.x.device)
     returned = (grads.dx * n * h + grads.dw * vocab * (h - grads.dw_from) + need_db * vocab) * size
     return working + returned + ops.x.nbytes + ops.target.nbytes
 

@@ -43,7 +43,7 @@ CFG = {"strategy": "torch", "chunk_tokens": 8}
         (lambda x, w, t: (x, w, t, {"softcap": "30"}), TypeError, "softcap must be a float"),
         (lambda x, w, t: (x, w, t, {"z_loss": "a"}), TypeError, "z_loss must be a float"),
         (lambda x, w, t: (x, w, t, {"logit_scale": "a"}), TypeError, "logit_scale must be a float"),
-        (lambda x, w, t: (x, w, t, {"accum_dtype": "float32"}), TypeError, "accum_dtype must be a torch.dtype"),
+        (lambda x, w, t: (x, w, t, {"accum_dtype": "float32"}), TypeError, "accum_dtype must be a floating torch.dtype"),
     ],
 )
 def test_bad_arguments_name_the_argument(mutate, exc, words):
@@ -89,7 +89,8 @@ def test_class_weights_that_require_grad_are_refused_as_torch_refuses_them():
     ({"ignore_index": 1.5}, TypeError, "ignore_index"),
     ({"config": {"chunk_tokens": 0}}, ValueError, "chunk_tokens=0"),
     ({"precision": "fast"}, ValueError, "precision='fast' is unknown"),
-    ({"accum_dtype": "float32"}, TypeError, "accum_dtype must be a torch.dtype"),
+    ({"accum_dtype": "float32"}, TypeError, "accum_dtype must be a floating torch.dtype"),
+    ({"accum_dtype": torch.int32}, TypeError, "accum_dtype must be a floating torch.dtype"),
     ({"memory_budget_gb": -1}, ValueError, "memory_budget_gb=-1"),
     ({"ce_weight": torch.ones(2, 2)}, ValueError, "ce_weight must be a 1-D floating tensor"),
 ])

@@ -297,3 +297,47 @@ def test_gpu_peak_within_bound(accum, streams, v):
     measured = torch.cuda.max_memory_allocated() - base - grads
     bound = peak_bytes(config, n, v, h, torch.bfloat16, accum)
     assert measured <= bound, (measured, bound)
+
+
+@pytest.mark.parametrize("dtype, reduction, strategy, softcap", [
+    (torch.float32, "none", "torch", None),
+    (torch.bfloat16, "none", "torch", None),
+    (torch.bfloat16, "mean", "recompute", None),
+    (torch.bfloat16, "mean", "recompute", 30.0),
+    (torch.float32, "none", "recompute", None),
+])
+def test_cpu_peak_within_bound_per_token_and_recompute(dtype, reduction, strategy, softcap):
+    """What a kept lse feeds on the CPU stays within the CPU's bound: "none"'s backward and the recompute
+    strategy form p = exp(z - lse) from an fp64 lse (an fp64 temporary twice the chunk's fp32 size, until
+    2026-12-05: 4.8 chunks at 4096 x 64 x 32000 against a bound of 2.9), and the recompute strategy's torch step
+    holds the torch step's fp32 copies of a chunk (a bf16 chunk, a softcap's tanh), which its bound now counts
+    off the GPU (it left them out: 98 MiB against 21)."""
+    n, h, v = 1024, 64, 8000
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    config = FLCEConfig(strategy=strategy, chunk_tokens=256, vocab_block=2048)
+
+    def step():
+        loss = fused_linear_cross_entropy(x, w, t, reduction=reduction, softcap=softcap, config=config)
+        loss.backward(torch.ones_like(loss))
+
+    step()
+    x.grad = w.grad = None
+    measured = cpu_peak_bytes(step) - (n * h + v * h) * x.element_size()
+    bound = peak_bytes(config, n, v, h, dtype, softcap=softcap is not None, device="cpu")
+    assert measured <= bound, f"measured {measured} B above outputs > bound {bound} B"
+
+
+def test_the_recompute_bound_counts_the_cpu_step():
+    """The recompute strategy's CE step is the Triton kernel on a GPU (no chunk-sized fp32 buffers) and torch ops
+    elsewhere (2, with a softcap 3, in forward a whole row's chunk): its bound on the CPU holds them; fp64 runs
+    the torch step everywhere."""
+    config = FLCEConfig(strategy="recompute", chunk_tokens=512, vocab_block=8192)
+    args = (config, 4096, 32000, 256, torch.bfloat16)
+    fp32_chunk = 512 * 32000 * 4
+    assert peak_bytes(*args) < 2 * fp32_chunk < peak_bytes(*args, device="cpu")
+    assert peak_bytes(*args, softcap=True, device="cpu") - peak_bytes(*args, device="cpu") == fp32_chunk
+    fp64 = (config, 4096, 32000, 256, torch.float64)
+    assert peak_bytes(*fp64, device="cpu") == peak_bytes(*fp64, device=torch.device("cuda"))

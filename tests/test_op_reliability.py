@@ -198,6 +198,13 @@ def test_accum_dtype_follows_autocast_compute_dtype():
     ({"label_smoothing": torch.tensor(0.1, requires_grad=True)}, TypeError, "label_smoothing.*requires grad"),
     ({"logit_scale": torch.tensor([1.0, 2.0])}, ValueError, "logit_scale as a tensor must hold one number"),
     ({"accum_dtype": torch.float64}, TypeError, "fp64 accumulators go with fp64 weights"),
+    # found by a review (2026-12-05): a bool tensor where Python's bool is refused, a truthy string for a flag, a
+    # budget given as a string or inf
+    ({"label_smoothing": torch.tensor(True)}, TypeError, "label_smoothing must be .* got a bool tensor"),
+    ({"z_loss": torch.tensor(True)}, TypeError, "z_loss must be .* got a bool tensor"),
+    ({"return_logits": "no"}, TypeError, "return_logits must be True or False"),
+    ({"memory_budget_gb": "1"}, TypeError, "memory_budget_gb='1' must be a number of GiB"),
+    ({"memory_budget_gb": math.inf}, ValueError, "memory_budget_gb=inf must be a positive finite number"),
 ])
 def test_bad_scalar_options_name_the_argument(kwargs, exc, words):
     x, w, t = _inputs()
@@ -220,6 +227,18 @@ def test_vmap_over_a_tensor_option_names_the_option(option):
     fixed = torch.tensor(0.1)
     batched = tf.vmap(lambda a: fused_linear_cross_entropy(a, w, t, **{option: fixed}))(x.expand(2, *x.shape))
     torch.testing.assert_close(batched, reference_loss(x, w, t, **{option: 0.1}).expand(2))
+
+
+def test_a_compiled_vmap_over_a_softcap_raises():
+    """Under torch.compile the transform check of a tensor option breaks the graph (Dynamo cannot trace
+    functorch's state), so the eager check still refuses vmap over it. Skipping the check under Dynamo, to keep
+    the graph whole, gave each batch element a wrong loss with nothing raised."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+    compiled = torch.compile(tf.vmap(lambda s: fused_linear_cross_entropy(x, w, t, softcap=s)), backend="eager")
+    with pytest.raises(NotImplementedError, match="softcap is batched by torch.func.vmap"):
+        compiled(torch.tensor([3.0, 4.0]))
 
 
 def test_tensor_options_that_require_grad_are_taken_under_no_grad():

@@ -393,6 +393,10 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--export", "out", "--device-kind", "cuda:0"], "a device such as cuda:0 goes to --device"),
     (["--shapes", "10x10,,20x20"], "has an empty item"),
     (["--shapes", "151936x4096,"], "has an empty item"),
+    # the listings' filters (a traceback of token_bucket's ValueError, or "no tuning DB entries" for 0)
+    (["--list", "--tokens", "0"], "--tokens must be positive integers"),
+    (["--show", "--tokens", "-5"], "--tokens must be positive integers"),
+    (["--list", "--hidden", "0"], "--hidden must be a positive integer"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""

@@ -179,8 +179,12 @@ def test_which_config_reports_the_tier_entry(dbs, h200):
     assert (choice.config, choice.detail) == budget_choice(16384, 0.5)
     assert choose_config_within_budget(16384, V, H, torch.bfloat16, CUDA, 0.5)[2].entry == tier(0.5)
     assert which_config(16384, V, H, gpu="h200").entry == plain()  # no budget: the plain entry
-    with pytest.raises(ValueError, match="memory_budget_gb=-1 must be a positive number of GiB"):
+    with pytest.raises(ValueError, match="memory_budget_gb=-1 must be a positive finite number of GiB"):
         which_config(16384, V, H, gpu="h200", memory_budget_gb=-1)
+    with pytest.raises(ValueError, match="memory_budget_gb=inf must be a positive finite number"):
+        which_config(16384, V, H, gpu="h200", memory_budget_gb=float("inf"))
+    with pytest.raises(TypeError, match="memory_budget_gb='1' must be a number of GiB"):
+        which_config(16384, V, H, gpu="h200", memory_budget_gb="1")
 
 
 def test_cpu_calls_never_read_tier_entries(dbs):

@@ -87,6 +87,9 @@ def test_readable_str_and_errors(dbs):
         which_config(0, 151936, 4096, gpu="h200")
     with pytest.raises(ValueError, match="dtype"):
         which_config(16384, 151936, 4096, dtype=torch.int8, gpu="h200")
+    if not torch.cuda.is_available():  # (torch's own AssertionError named no argument)
+        with pytest.raises(ValueError, match="device='cuda', but this torch sees no CUDA device"):
+            which_config(16384, 151936, 4096, device="cuda")
 
 
 def test_exported_from_the_package_without_importing_dynamo():

@@ -208,7 +208,12 @@ def choose_config(
     """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
     non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only). With ``memory_budget_gb`` the
     pick is ``choose_config_within_budget``'s (a budget-tier entry, or the plain pick fitted to the budget;
-    gradients of input and weight, ``accum_dtype`` accumulators), and the source says which."""
+    gradients of input and weight, ``accum_dtype`` accumulators), and the source says which. ``device``: a torch
+    device or its name ("cuda:0", "cpu")."""
+    for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"choose_config: {name}={value!r} must be an int >= {least}")
+    device = torch.device(device)
     if memory_budget_gb is None:
         config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
         return config, source
@@ -225,10 +230,12 @@ class BudgetError(ValueError):
 
 def budget_bytes(memory_budget_gb: float) -> int:
     """``memory_budget_gb`` (GiB) in bytes; an error names the argument unless it is a positive finite number."""
-    if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, (int, float)) \
-            or not math.isfinite(memory_budget_gb) or memory_budget_gb <= 0:
-        raise ValueError(f"memory_budget_gb={memory_budget_gb!r} must be a positive number of GiB (or None for no "
-                         "budget)")
+    if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, (int, float)):
+        raise TypeError(f"memory_budget_gb={memory_budget_gb!r} must be a number of GiB (or None for no budget), got "
+                        f"{type(memory_budget_gb).__name__}")
+    if not math.isfinite(memory_budget_gb) or memory_budget_gb <= 0:
+        raise ValueError(f"memory_budget_gb={memory_budget_gb!r} must be a positive finite number of GiB (or None for "
+                         "no budget)")
     return int(memory_budget_gb * 2**30)
 
 
@@ -254,7 +261,7 @@ def choose_config_within_budget(
         from .memory import peak_bytes  # noqa: PLC0415 - sympy is imported only when a budget is given
 
         return peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw, need_db=need_db,
-                          softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns)
+                          softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns, device=device)
 
     plain, source, match = choose_config_match(num_tokens, vocab, hidden, dtype, device, gpu=gpu)
     tuned = _fitting_tier_match(num_tokens, vocab, hidden, dtype, device, memory_budget_gb, gpu,
@@ -264,7 +271,7 @@ def choose_config_within_budget(
                      memory_budget_gb, tuned.source)
         return tuned.config, tuned.source, tuned
     fitted = fit_budget(plain, num_tokens, vocab, hidden, dtype, accum_dtype, limit, need_dx=need_dx, need_dw=need_dw,
-                        need_db=need_db, softcap=softcap, frozen_columns=frozen_columns)
+                        need_db=need_db, softcap=softcap, frozen_columns=frozen_columns, device=device)
     return fitted, source if fitted == plain else f"{source}, fitted to {memory_budget_gb:g} GiB", match
 
 
@@ -383,14 +390,17 @@ def fit_budget(
     need_db: bool = False,
     softcap: bool = False,
     frozen_columns: int = 0,
+    device: torch.device | str = "cuda",
 ) -> FLCEConfig:
-    """The first of ``budget_candidates(config, dtype)`` whose memory bound (``plan.memory.peak_bytes``) fits
-    ``budget_bytes``. An error names the budget and the least memory any of them needs when none fits."""
+    """The first of ``budget_candidates(config, dtype)`` whose memory bound (``plan.memory.peak_bytes``, on
+    ``device``) fits ``budget_bytes``. An error names the budget and the least memory any of them needs when none
+    fits."""
     from .memory import peak_bytes
 
     def bound(candidate: FLCEConfig) -> int:
         return peak_bytes(candidate, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw,
-                          need_db=need_db, softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns)
+                          need_db=need_db, softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns,
+                          device=device)
 
     best = None
     for candidate in budget_candidates(config, dtype):
@@ -399,10 +409,19 @@ def fit_budget(
             return candidate
         best = min(best or (needed, candidate), (needed, candidate), key=lambda pair: pair[0])
     raise BudgetError(
-        f"memory_budget_gb={budget_bytes / 2**30:.3g}: no config fits {num_tokens} tokens x V={vocab} x H={hidden} "
-        f"in it; the least memory any needs is {best[0] / 2**30:.3g} GiB ({best[1].strategy}, chunk_tokens="
+        f"memory_budget_gb={budget_bytes / 2**30:.5g}: no config fits {num_tokens} tokens x V={vocab} x H={hidden} "
+        f"in it; the least memory any needs is {gib_rounded_up(best[0])} GiB ({best[1].strategy}, chunk_tokens="
         f"{best[1].chunk_tokens}); raise the budget"
     )
+
+
+def gib_rounded_up(nbytes: int, digits: int = 3) -> str:
+    """``nbytes`` in GiB to ``digits`` significant digits, rounded up: a budget of the printed figure fits."""
+    gib = nbytes / 2**30
+    if gib <= 0:
+        return "0"
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(gib)))
+    return f"{math.ceil(gib * scale - 1e-9) / scale:.{digits}g}"
 
 
 def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: float, num_tokens: int,
@@ -419,5 +438,5 @@ def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: flo
                                                              memory_budget_gb, accum_dtype=accum_dtype, **needs)
         return config, source
     base, source = resolve_config(forced, num_tokens, vocab, hidden, dtype, device)
-    fitted = fit_budget(base, num_tokens, vocab, hidden, dtype, accum_dtype, limit, **needs)
+    fitted = fit_budget(base, num_tokens, vocab, hidden, dtype, accum_dtype, limit, device=device, **needs)
     return fitted, source if fitted == base else f"{source}, fitted to memory_budget_gb={memory_budget_gb:g}"

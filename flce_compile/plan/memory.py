@@ -24,7 +24,7 @@ HW = sympy.symbols("H_dw", integer=True, nonnegative=True)
 S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
 #: 0/1 switches: dW wanted, bias gradient wanted, dW via a temporary (dw_path "mm_add").
 NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True, nonnegative=True)
-#: fp32 temporaries of one chunk that the strategy's CE step holds at once (``Strategy.fp32_temporaries``: 2 or 3
+#: fp32 temporaries of one chunk that the strategy's CE step holds at once (``Strategy.temporaries``: 2 or 3
 #: for the pure-PyTorch step, 0 for the Triton kernel).
 K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 #: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
@@ -141,10 +141,19 @@ def peak_bytes(
     softcap: bool = False,
     need_dx: bool = True,
     frozen_columns: int = 0,
+    device: torch.device | str = "cuda",
 ) -> int:
     """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``; dW has
-    ``hidden - frozen_columns`` columns. Memoised: a sympy evaluation takes about a millisecond, and a memory
-    budget asks for the same bounds on every call of the op and every proposal of the tuner."""
+    ``hidden - frozen_columns`` columns. ``device``: where the call runs (a strategy's CE step can hold more fp32
+    copies of a chunk off the GPU: the recompute strategy's torch step on the CPU). Memoised: a sympy evaluation
+    takes about a millisecond, and a memory budget asks for the same bounds on every call of the op and every
+    proposal of the tuner."""
+    if not isinstance(config, FLCEConfig):
+        raise TypeError(f"peak_bytes: config must be an FLCEConfig (e.g. FLCEConfig(chunk_tokens=1024) or "
+                        f"flce_compile.which_config(...).config), got {type(config).__name__}")
+    for name, value in (("dtype", dtype), ("accum_dtype", accum_dtype)):
+        if not isinstance(value, torch.dtype):
+            raise TypeError(f"peak_bytes: {name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
     for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0),
                                ("frozen_columns", frozen_columns, 0)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
@@ -152,21 +161,23 @@ def peak_bytes(
     if frozen_columns > hidden:
         raise ValueError(f"peak_bytes: frozen_columns={frozen_columns} must be <= hidden={hidden}")
     return _peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw, need_db, softcap, need_dx,
-                       registry.generation(), frozen_columns)
+                       registry.generation(), frozen_columns, torch.device(device).type)
 
 
 @functools.lru_cache(maxsize=4096)
 def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
                 accum_dtype: torch.dtype, need_dw: bool, need_db: bool, softcap: bool, need_dx: bool,
-                generation: int, frozen_columns: int = 0) -> int:  # noqa: ARG001 - generation: misses the cache
+                generation: int, frozen_columns: int,  # noqa: ARG001 - generation: misses the cache
+                device_type: str) -> int:
     strategy = registry.get(config.strategy)
+    k32 = strategy.temporaries(softcap, device_type, dtype)
     if strategy.loop == "recompute":
         return int(_recompute_terms().subs({
             BT: max(num_tokens, 1), V: vocab, H: hidden, HW: hidden - frozen_columns, CHUNK: config.chunk_tokens,
             VB: config.vocab_block,
             S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
             ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
-            NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: strategy.fp32_temporaries(softcap),
+            NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: k32,
             FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
         }))
     wide = fp32_logits_on(config.fp32_logits, dtype)
@@ -189,7 +200,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         NEED_DW: int(need_dw),
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
-        K32: registry.get(config.strategy).fp32_temporaries(softcap),
+        K32: k32,
         BUFFERS: 2 if config.streams and not single_chunk else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc and not (single_chunk and not wide)),

@@ -59,9 +59,9 @@ def accum_dtype_for(precision: str, accum_dtype: torch.dtype | None, compute_dty
     checked against the compute dtype (the weight's, or autocast's). fp64 weights accumulate in fp64: an fp32
     accumulator would only lose precision."""
     check_precision(precision)
-    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
-        raise TypeError(f"accum_dtype must be a torch.dtype (torch.float32, or the weight dtype) or None, got "
-                        f"{type(accum_dtype).__name__} {accum_dtype!r}")
+    if accum_dtype is not None and (not isinstance(accum_dtype, torch.dtype) or not accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating torch.dtype (torch.float32, or the weight dtype) or None, "
+                        f"got {type(accum_dtype).__name__} {accum_dtype!r}")
     implied = compute_dtype if precision == "compact" else torch.float32
     if accum_dtype is None:
         accum_dtype = implied

@@ -59,6 +59,10 @@ class Strategy:
     #: Whether its CE step is the Triton kernel on every device, with no torch fallback: then it runs on a CUDA
     #: GPU only, or anywhere under TRITON_INTERPRET=1 (Triton's interpreter: the CPU tests).
     triton_only: bool = False
+    #: For a CE step that is the Triton kernel where ``kernel_step_runs`` and torch ops elsewhere (the CPU, fp64):
+    #: the torch ops' chunk-sized fp32 buffers, given a softcap (``fp32_temporaries`` then counts the kernel's).
+    #: None: the step is the same everywhere.
+    fallback_fp32_temporaries: Callable[[bool], int] | None = None
 
     def runs_on(self, device_type: str) -> bool:
         """Whether the CE step can run on ``device_type``."""
@@ -71,6 +75,19 @@ class Strategy:
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype != torch.float64 or self.float64
+
+    def temporaries(self, softcap: bool, device_type: str, dtype: torch.dtype) -> int:
+        """The chunk-sized fp32 buffers its CE step holds on ``device_type`` with ``dtype`` inputs: the memory
+        bound's ``k32``."""
+        if self.fallback_fp32_temporaries is not None and not kernel_step_runs(device_type, dtype):
+            return self.fallback_fp32_temporaries(softcap)
+        return self.fp32_temporaries(softcap)
+
+
+def kernel_step_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a CE step with a torch fallback runs the Triton kernel: on a CUDA device, for inputs other than
+    fp64 (which the kernel would compute in fp32)."""
+    return device_type == "cuda" and dtype != torch.float64
 
 
 # -- the built-in strategies --------------------------------------------------------------------------------
@@ -188,9 +205,9 @@ register(Strategy(
             "vocabulary block (four GEMMs, no V x H fp32 buffer; the least memory)",
     params=("chunk_tokens", "vocab_block", "block_v", "num_warps", "num_stages"),
     ce_step="flce_compile.strategies.recompute:ce_step",
-    # The Triton kernel on a GPU, where the bound matters (on the CPU the torch step also holds 2-3 fp32
-    # copies of a chunk, which the bound leaves out).
+    # The Triton kernel on a GPU; the torch step on the CPU and for fp64 (``recompute.ce_step``).
     fp32_temporaries=_kernel_fp32_temporaries,
+    fallback_fp32_temporaries=_torch_fp32_temporaries,
     check=_kernel_launch_rules,
     devices=(),  # never the heuristic's default: a config or a memory budget asks for it
     loop="recompute",

@@ -80,7 +80,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         return
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
     # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
-    g = z.div_(sums[:, None]) if sums is not None else z.sub_(lse_full[:, None]).exp_()  # (the sub in fp64)
+    g = z.div_(sums[:, None]) if sums is not None else _probabilities_from_lse_(z, lse_full)
     coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
     if p.z_loss:
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
@@ -130,6 +130,18 @@ def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
     sums.masked_fill_(peak == float("inf"), float("nan"))
     return sums, sums.log().double().add_(shift.double())
+
+
+def _probabilities_from_lse_(z: torch.Tensor, lse_full: torch.Tensor) -> torch.Tensor:
+    """Turn ``z`` into exp(z - lse) in place, as the Triton kernel forms it from a kept lse: an fp64 lse splits
+    into its value in z's dtype and the rest, which the probabilities take as a factor (a confident row's 1 - p
+    needs more than the fp32 lse). ``z.sub_`` of the fp64 lse itself computed in fp64 through a temporary twice
+    the chunk's fp32 size, which the memory bound leaves out. An infinite lse has no rest."""
+    if lse_full.dtype == z.dtype:
+        return z.sub_(lse_full[:, None]).exp_()
+    lse = lse_full.to(z.dtype)
+    rest = torch.where(torch.isfinite(lse_full), lse_full - lse.to(lse_full.dtype), 0.0).to(z.dtype)
+    return z.sub_(lse[:, None]).exp_().mul_(rest.neg_().exp_()[:, None])
 
 
 def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..params import LossParams, math_dtype
+from ..plan import registry
 from ..plan.config import FLCEConfig
 from ..plan.layout import padded_row_elements
 from ..plan.precision import fp32_logits_on
@@ -36,7 +37,7 @@ from .chunked import (
 def ce_step(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
     """The strategy's CE step: the Triton kernel for fp16/bf16/fp32 on a GPU, the torch step otherwise (the CPU,
     fp64)."""
-    if args.logits.device.type == "cuda" and args.logits.dtype != torch.float64:
+    if registry.kernel_step_runs(args.logits.device.type, args.logits.dtype):
         from .ce_triton import ce_step_triton
 
         ce_step_triton(args, p, config)

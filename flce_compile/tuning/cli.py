@@ -276,7 +276,8 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 
     rows = _db_rows(args)
     if not rows:
-        print("no tuning DB entries" + (" match the filters" if any((args.vocab, args.hidden, args.device_kind, args.dtype, args.tokens)) else ""))
+        filtered = any(f is not None for f in (args.vocab, args.hidden, args.device_kind, args.dtype)) or args.tokens
+        print("no tuning DB entries" + (" match the filters" if filtered else ""))
         print(f"user DB: {_user_path(args) or NO_USER_DB}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
     if not detailed:
@@ -498,7 +499,7 @@ def _time_share(left: float, studies: Sequence[tuple[int, int, int]]) -> float:
 
 
 def _validate_shape_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--vocab, --hidden and --tokens are positive (tuning and --which)."""
+    """--vocab, --hidden and --tokens are positive (tuning, --which and the listings' filters)."""
     for name in ("vocab", "hidden"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -893,12 +894,13 @@ def _main(argv: Sequence[str] | None) -> int:
                      "separate modes; give one")
     if args.plot is not None and modes and args.replot is None:
         parser.error("--plot DIR goes with tuning or --replot; drop it here")
+    if args.list or args.show or args.export is not None or args.which:
+        _validate_shape_args(parser, args)
     if args.list or args.show:
         return cmd_list(args, detailed=args.show)
     if args.export is not None:
         return cmd_export(args)
     if args.which:
-        _validate_shape_args(parser, args)
         return cmd_which(parser, args)
     if args.list_studies:
         return cmd_list_studies(args)

@@ -88,6 +88,9 @@ def which_config(
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"which_config: device={device!r}, but this torch sees no CUDA device; ask for a GPU "
+                             "kind with gpu= (e.g. gpu='h200'), or pass device='cpu'")
         target = db.device_key(dev) if dev.type == "cuda" else dev.type
     kind = target if gpu else None
     if memory_budget_gb is None:
