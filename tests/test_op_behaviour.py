@@ -460,6 +460,24 @@ def test_a_config_passed_inside_a_compiled_function_keeps_one_graph(config):
     assert torch.equal(loss, expected) and torch.equal(w.grad, w_eager.grad)
 
 
+def test_a_config_on_the_module_keeps_one_graph_under_dynamic_true():
+    """Under ``dynamic=True`` Dynamo makes a closure's captured ints symbolic (their text breaks the graph, as
+    docs/host_overhead.md says); a config held by the module traces whole, as the docs advise."""
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"chunk_tokens": 8}
+
+        def forward(self, x, w, t):
+            return fused_linear_cross_entropy(x, w, t, config=self.config)
+
+    x, w, t = _inputs(n=40, h=16, v=96)
+    torch._dynamo.reset()
+    loss = torch.compile(Head(), backend="aot_eager", fullgraph=True, dynamic=True)(x, w, t)
+    torch.testing.assert_close(loss, fused_linear_cross_entropy(x, w, t, config={"chunk_tokens": 8}))
+
+
 def test_a_config_subclass_with_fields_of_its_own_is_refused_inside_compile_too():
     import dataclasses
 

@@ -446,6 +446,12 @@ def test_list_filters_by_tokens_and_export_names_a_missing_db(tmp_path, capsys):
     assert cli.main(["--list", "--db", str(user), "--tokens", "13000"]) == 0  # the 16384 bucket (the nearest)
     rows = [line for line in capsys.readouterr().out.splitlines() if "user:" in line]
     assert len(rows) == 1 and " 16384 " in rows[0]
+    db.write_entries(user, [make_entry(tokens=16384), make_entry(tokens=16384, budget_tier_gb=0.5)])
+    assert cli.main(["--list", "--db", str(user), "--budget-gb", "0.5"]) == 0  # only that tier (it was ignored)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "user:" in line]
+    assert len(rows) == 1 and " 0.5GiB " in rows[0]
+    assert cli.main(["--list", "--db", str(user), "--budget-gb", "0.7", "--vocab", "1"]) == 0
+    assert capsys.readouterr().out.startswith("no tuning DB entries match the filters")
     assert cli.main(["--export", str(tmp_path / "out"), "--db", str(tmp_path / "none.json")]) == 1
     assert f"nothing to export: {tmp_path / 'none.json'} does not exist" in capsys.readouterr().err
 

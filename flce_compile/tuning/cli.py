@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--budget-gb", type=float,
                      help="memory budget for the op (GiB, predicted and measured peak). Each winner is written as a "
                           "budget-tier entry tagged with it, beside the plain entry: the op uses it for calls with "
-                          "memory_budget_gb >= GB. With --which: answer for a call with this budget")
+                          "memory_budget_gb >= GB. With --which: answer for a call with this budget; with --list / "
+                          "--show: only that tier's entries")
     how.add_argument("--budget-over-default-gb", type=float, metavar="GB",
                      help="per-study memory budget: the default config's predicted peak plus GB (GiB), so a "
                           "tuned entry never costs much more memory than the default (combines with --budget-gb; "
@@ -249,7 +250,8 @@ def _db_rows(args: argparse.Namespace) -> list[tuple[Any, str]]:
     def keep(e: Any) -> bool:
         return ((args.vocab is None or e.vocab == args.vocab) and (args.hidden is None or e.hidden == args.hidden)
                 and (args.device_kind is None or e.device == db.normalize_device_name(args.device_kind))
-                and (dtype is None or e.dtype == dtype) and (buckets is None or e.tokens in buckets))
+                and (dtype is None or e.dtype == dtype) and (buckets is None or e.tokens in buckets)
+                and (args.budget_gb is None or e.budget_tier_gb == args.budget_gb))
 
     return sorted((r for r in rows if keep(r[0])), key=lambda r: (r[0].sort_key, r[1]))
 
@@ -276,7 +278,8 @@ def cmd_list(args: argparse.Namespace, detailed: bool) -> int:
 
     rows = _db_rows(args)
     if not rows:
-        filtered = any(f is not None for f in (args.vocab, args.hidden, args.device_kind, args.dtype)) or args.tokens
+        filtered = any(f is not None for f in (args.vocab, args.hidden, args.device_kind, args.dtype, args.budget_gb)) \
+            or args.tokens
         print("no tuning DB entries" + (" match the filters" if filtered else ""))
         print(f"user DB: {_user_path(args) or NO_USER_DB}; shipped: {', '.join(map(str, db.shipped_dirs())) or 'none'}")
         return 0
