@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flce_compile  # noqa: E402
-from flce_compile.compiler import hf_logging, rewrite  # noqa: E402  (also registers backend="flce")
+from flce_compile.compiler import dynamo_callbacks, hf_logging, rewrite  # noqa: E402  (registers backend="flce")
 from flce_compile.compiler.rewrite import flce_fused_loss  # noqa: E402
 
 from benchmarks.hf_families import batch, make_model  # noqa: E402
@@ -92,7 +92,9 @@ def test_gpt2_as_it_comes_is_fused_in_one_graph(gpt2):
 def test_the_backend_imported_before_transformers_and_compiles_in_other_threads():
     """isort puts ``import flce_compile.compiler`` above ``import transformers``: the warning is listed before the
     first frame is traced all the same (the compile-start callback), and in a thread of its own too (Dynamo's
-    settings are per thread), under the flce backend and any other. A fresh interpreter, for the import order."""
+    settings are per thread), under the flce backend and any other, also right after a ``torch._dynamo.reset()``
+    (which clears Dynamo's callbacks: the thread's first frame was traced without the listing, and GPT-2 stayed
+    unfused, until 2026-12-05). A fresh interpreter, for the import order."""
     script = textwrap.dedent("""
         import json, threading
         import flce_compile.compiler
@@ -112,6 +114,7 @@ def test_the_backend_imported_before_transformers_and_compiles_in_other_threads(
                     type(out.logits).__name__]
 
         result = {"main": run("flce", {"flce.inner": "eager"})}
+        torch._dynamo.reset()
         thread = threading.Thread(target=lambda: result.update(thread=run("eager")))
         thread.start()
         thread.join()
@@ -165,7 +168,7 @@ def test_the_warning_is_listed_once_transformers_is_there_and_said_once(caplog, 
     assert method in functions
     notes = [r.getMessage() for r in caplog.records if "warning_once" in r.getMessage()]
     assert len(notes) == 1 and hf_logging.ENV_VAR in notes[0], notes
-    assert hf_logging._on_compile_start in hf_logging._start_callbacks()
+    assert dynamo_callbacks.registered(hf_logging._on_compile_start)
 
 
 @needs_listing
@@ -174,7 +177,7 @@ def test_explain_leaves_the_compile_start_callback_registered(gpt2):
     again, so a compile in a thread that never listed it still finds it."""
     model, ids, labels = gpt2
     flce_compile.explain(model, input_ids=ids, labels=labels)
-    assert hf_logging._on_compile_start in hf_logging._start_callbacks()
+    assert dynamo_callbacks.registered(hf_logging._on_compile_start)
 
 
 def test_the_listed_warning_is_text_to_the_config_writers_and_the_method_to_dynamo(unlisted):

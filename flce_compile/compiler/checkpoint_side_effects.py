@@ -27,10 +27,10 @@ import threading
 from typing import Any, Callable
 
 import torch
-from torch._dynamo import callback as dynamo_callback
 from torch._dynamo import config as dynamo_config
 
 from ..log import logger
+from . import dynamo_callbacks
 
 FLAG = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 _state = threading.local()  # .turned_on: this package turned the flag on for the compile under way in this thread
@@ -44,34 +44,13 @@ def flag_supported() -> bool:
 
 
 def install(options_of: Callable[[Any], Any]) -> None:
-    """Register the compile-start and compile-end callbacks once, and again whenever Dynamo clears its callbacks
-    (``torch._dynamo.reset()`` does, before the next compile, which would otherwise trace without them).
-    ``options_of(backend)``: the ``FLCEOptions`` of a Dynamo backend object, None when it is not this package's."""
+    """Register the compile-start and compile-end callbacks, kept across ``torch._dynamo.reset()``
+    (``dynamo_callbacks``). ``options_of(backend)``: the ``FLCEOptions`` of a Dynamo backend object, None when it
+    is not this package's."""
     global _options_of
     _options_of = options_of
-    handler = getattr(dynamo_callback, "callback_handler", None)
-    parts = [(handler, "start_callbacks"), (handler, "end_callbacks"), (handler, "clear"),
-             (dynamo_callback, "on_compile_start"), (dynamo_callback, "on_compile_end")]
-    if not flag_supported() or not all(hasattr(owner, name) for owner, name in parts):
-        return
-    _register(handler)
-    if not getattr(handler.clear, "registers_flce_callbacks", False):
-        clear = handler.clear
-
-        def clear_then_register() -> None:  # (an attribute of this one handler object, not of its class)
-            clear()
-            _register(handler)
-
-        clear_then_register.registers_flce_callbacks = True  # type: ignore[attr-defined]
-        handler.clear = clear_then_register
-
-
-def _register(handler: Any) -> None:
-    """Add the two callbacks to Dynamo's lists, each unless it is there."""
-    if _on_compile_start not in handler.start_callbacks:
-        dynamo_callback.on_compile_start(_on_compile_start)
-    if _on_compile_end not in handler.end_callbacks:
-        dynamo_callback.on_compile_end(_on_compile_end)
+    if flag_supported():
+        dynamo_callbacks.keep(start=_on_compile_start, end=_on_compile_end)
 
 
 def compiling_backend() -> Any | None:

@@ -13,8 +13,8 @@ still does), under any backend.
 
 Dynamo's settings are per thread (torch 2.13 keeps each in a context variable), so the listing is made in the
 thread that compiles: when the backend is imported, before each frame Dynamo compiles (a compile-start callback,
-which also covers a transformers imported after the backend; ``torch._dynamo.reset()`` drops the callback, and the
-backend and ``explain`` register it again), on each graph the backend compiles, and in ``explain``. Nothing here
+which also covers a transformers imported after the backend; kept across ``torch._dynamo.reset()``, which clears
+Dynamo's callbacks: ``dynamo_callbacks``), on each graph the backend compiles, and in ``explain``. Nothing here
 imports transformers. ``FLCE_IGNORE_HF_LOSS_WARNING=0`` turns it off (then set the model's loss type).
 
 What is listed is ``ListedWarning``: equal to the bound method (so Dynamo's ``method in ignore_set`` finds it) and a
@@ -33,11 +33,11 @@ import sys
 from typing import Any
 
 import torch
-from torch._dynamo import callback as dynamo_callback
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import utils as dynamo_utils
 
 from ..log import logger
+from . import dynamo_callbacks
 
 #: The logger that warns at the loss (``PreTrainedModel.loss_function``), named after its module.
 HF_LOGGER = "transformers.modeling_utils"
@@ -159,9 +159,7 @@ def keep_loss_in_graph() -> bool:
     whether it is listed in this thread now."""
     if not enabled():
         return False
-    register = getattr(dynamo_callback, "on_compile_start", None)
-    if register is not None and _on_compile_start not in _start_callbacks():
-        register(_on_compile_start)
+    dynamo_callbacks.keep(start=_on_compile_start)
     listable = _listable()
     if listable is None:
         return False
@@ -177,10 +175,6 @@ def keep_loss_in_graph() -> bool:
                     "with no loss_type, GPT-2's); traced code no longer prints that logger's once-only warnings. "
                     "%s=0 turns this off.", HF_LOGGER, ENV_VAR)
     return True
-
-
-def _start_callbacks() -> list:
-    return getattr(getattr(dynamo_callback, "callback_handler", None), "start_callbacks", [])
 
 
 @torch.compiler.disable
