@@ -83,6 +83,9 @@ def test_readable_str_and_errors(dbs):
     assert str(which_config(8, 8, 8, device="cpu")).splitlines()[0] == f"cpu: {CPU_SOURCE}"
     with pytest.raises(ValueError, match="not both"):
         which_config(16384, 151936, 4096, device="cuda", gpu="h200")
+    for device in ("cuda", "cuda:1", "cpu", ""):  # (a device as the kind gave the heuristic, saying nothing)
+        with pytest.raises(ValueError, match="must name a GPU kind"):
+            which_config(16384, 151936, 4096, gpu=device)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
         which_config(0, 151936, 4096, gpu="h200")
     with pytest.raises(ValueError, match="dtype"):

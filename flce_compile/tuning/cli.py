@@ -12,7 +12,6 @@ import importlib.util
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -859,12 +858,6 @@ def _install_sigterm() -> None:
         pass
 
 
-def _is_gpu_kind(text: str) -> bool:
-    """Whether ``--device-kind`` names a GPU kind: not empty, and not a torch device ("cpu", "cuda", "cuda:1")."""
-    name = text.strip().lower()
-    return bool(name) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``flce-tune`` command. Output piped into a reader that stops early (``| head``) ends it quietly."""
     try:
@@ -886,7 +879,9 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import db  # noqa: PLC0415
 
         db.invalidate_cache()  # lookups re-check the environment only once a second
-    if args.device_kind is not None and not _is_gpu_kind(args.device_kind):
+    from .which import is_gpu_kind  # noqa: PLC0415
+
+    if args.device_kind is not None and not is_gpu_kind(args.device_kind):
         parser.error(f"--device-kind {args.device_kind!r}: name a GPU kind, e.g. h200 or \"NVIDIA H200\" (flce-tune "
                      "--list shows the kinds held); a device such as cuda:0 goes to --device, and the CPU has no "
                      "tuning entries")

@@ -7,6 +7,7 @@ without running the op. It asks ``plan.choose.choose_config_match``, the op's ow
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,13 @@ def _positive_int(name: str, value: int) -> int:
     return value
 
 
+def is_gpu_kind(text: str) -> bool:
+    """Whether ``text`` names a GPU kind ("h200", "NVIDIA H200"): not empty, and not a torch device ("cpu",
+    "cuda", "cuda:1")."""
+    name = text.strip().lower()
+    return bool(name) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is None
+
+
 def which_config(
     tokens: int,
     vocab: int,
@@ -82,6 +90,9 @@ def which_config(
     if gpu is not None:
         if device is not None:
             raise ValueError(f"give device= or gpu=, not both (device={device!r}, gpu={gpu!r})")
+        if not isinstance(gpu, str) or not is_gpu_kind(gpu):
+            raise ValueError(f"gpu={gpu!r} must name a GPU kind, e.g. gpu='h200' or gpu='NVIDIA H200' (flce-tune "
+                             "--list shows the kinds held); a device such as 'cuda:0' goes to device=")
         target = db.normalize_device_name(gpu)
         dev = torch.device("cuda")  # the GPU heuristic, computed without a GPU
     else:
