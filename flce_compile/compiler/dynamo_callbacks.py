@@ -26,11 +26,6 @@ def _handler() -> Any | None:
     return handler if all(hasattr(owner, name) for owner, name in parts) else None
 
 
-def supported() -> bool:
-    """Whether this torch's Dynamo has compile-start and compile-end callbacks (and a handler that clears them)."""
-    return _handler() is not None
-
-
 def keep(*, start: Callable[[Any], None] | None = None, end: Callable[[Any], None] | None = None) -> bool:
     """Register ``start`` / ``end`` as Dynamo compile-start / compile-end callbacks, each once, and again whenever
     Dynamo clears its callbacks. Whether this torch has them."""
