@@ -310,7 +310,10 @@ def fused_linear_cross_entropy(
     if type(frozen_weight_columns) is not int or frozen_weight_columns:  # (0, the usual case, asks nothing more)
         _check_frozen_columns(frozen_weight_columns, weight.shape[1])
     if return_logits is not False and return_logits is not True:
-        raise TypeError(f"return_logits must be True or False, got {type(return_logits).__name__} {return_logits!r}")
+        if isinstance(return_logits, (str, bytes)) or return_logits not in (True, False):  # (np.bool_, 0 and 1 are)
+            raise TypeError(f"return_logits must be True or False, got {type(return_logits).__name__} "
+                            f"{return_logits!r}")
+        return_logits = bool(return_logits)
     if return_logits and reduction == "none":
         raise ValueError(
             "return_logits=True needs reduction 'mean' or 'sum'; for per-token losses with logits, compute "

@@ -203,6 +203,7 @@ def test_accum_dtype_follows_autocast_compute_dtype():
     ({"label_smoothing": torch.tensor(True)}, TypeError, "label_smoothing must be .* got a bool tensor"),
     ({"z_loss": torch.tensor(True)}, TypeError, "z_loss must be .* got a bool tensor"),
     ({"return_logits": "no"}, TypeError, "return_logits must be True or False"),
+    ({"return_logits": 2}, TypeError, "return_logits must be True or False"),
     ({"memory_budget_gb": "1"}, TypeError, "memory_budget_gb='1' must be a number of GiB"),
     ({"memory_budget_gb": math.inf}, ValueError, "memory_budget_gb=inf must be a positive finite number"),
 ])
@@ -1078,3 +1079,23 @@ def test_cpu_bf16_single_thread_gemms_read_no_chunk_padding(monkeypatch, chunk_t
     for ours, ref in ((x.grad, ref_x.grad), (w.grad, ref_w.grad)):
         assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-3)
+
+
+def test_flags_and_sizes_numpy_gives():
+    """A NumPy bool for return_logits and NumPy ints for choose_config's sizes are what they say (the checks of
+    2026-12-05 refused them at first, found by a review)."""
+    import numpy as np
+
+    from flce_compile import choose_config
+
+    x, w, t = _inputs()
+    assert torch.is_tensor(fused_linear_cross_entropy(x, w, t, return_logits=np.False_))
+    assert len(fused_linear_cross_entropy(x, w, t, return_logits=np.True_)) == 2
+    cpu = torch.device("cpu")
+    assert choose_config(np.int64(4096), 32000, 1024, torch.bfloat16, cpu) == choose_config(4096, 32000, 1024,
+                                                                                              torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="vocab=-5 must be >= 1"):
+        choose_config(16, -5, 8, torch.float32, cpu)
+    with pytest.raises(TypeError, match="num_tokens=16.0 must be an int"):
+        choose_config(16.0, 5, 8, torch.float32, cpu)
+    assert fused_linear_cross_entropy(x, w, t, memory_budget_gb=np.float32(1.0)).isfinite()

@@ -241,3 +241,21 @@ def test_true_class_residual_is_the_rounding_of_g_y(backend, options):
         torch.testing.assert_close(residual, expected, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(grad, exact[:, start:stop].bfloat16(), rtol=0, atol=0)
         assert bool((expected != 0).any()) or not bool(here.any())
+
+
+def test_the_least_memory_a_budget_error_names_fits_as_the_budget():
+    """The error of a budget nothing fits names the least any config needs, rounded up, so that figure passed as the
+    budget fits (rounded to nearest, 0.517 GiB at 16384 x 128256 x 8192 raised again, naming 0.517); and the
+    rounding holds at a byte over a whole figure."""
+    import re
+
+    from flce_compile.plan.choose import BudgetError, budget_bytes, fit_budget, gib_rounded_up
+
+    args = (FLCEConfig(strategy="torch", chunk_tokens=4096), 16384, 128256, 8192, torch.bfloat16, torch.float32)
+    with pytest.raises(BudgetError) as raised:
+        fit_budget(*args, int(0.5 * 2**30))
+    least = float(re.search(r"the least memory any needs is ([0-9.e+-]+) GiB", str(raised.value)).group(1))
+    assert fit_budget(*args, budget_bytes(least)).strategy == "recompute"
+    for nbytes in (2**30, 2**30 + 1, 100 * 2**30 + 1, 555155456, 1):
+        assert budget_bytes(float(gib_rounded_up(nbytes))) >= nbytes, nbytes
+    assert gib_rounded_up(2**30) == "1"

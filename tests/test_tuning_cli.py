@@ -397,6 +397,7 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--list", "--tokens", "0"], "--tokens must be positive integers"),
     (["--show", "--tokens", "-5"], "--tokens must be positive integers"),
     (["--list", "--hidden", "0"], "--hidden must be a positive integer"),
+    (["--list", "--budget-gb", "-1"], "--budget-gb must be a positive finite number"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""

@@ -83,7 +83,7 @@ def test_readable_str_and_errors(dbs):
     assert str(which_config(8, 8, 8, device="cpu")).splitlines()[0] == f"cpu: {CPU_SOURCE}"
     with pytest.raises(ValueError, match="not both"):
         which_config(16384, 151936, 4096, device="cuda", gpu="h200")
-    for device in ("cuda", "cuda:1", "cpu", ""):  # (a device as the kind gave the heuristic, saying nothing)
+    for device in ("cuda", "cuda:1", "cpu", "mps", "meta", ""):  # (a device as the kind gave the heuristic, silently)
         with pytest.raises(ValueError, match="must name a GPU kind"):
             which_config(16384, 151936, 4096, gpu=device)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):

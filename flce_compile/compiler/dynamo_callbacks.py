@@ -10,12 +10,14 @@ again right after each clear of Dynamo's callback handler. A Dynamo without thes
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from torch._dynamo import callback as dynamo_callback
 
 #: The callbacks kept, in the order first kept: ("start" or "end", function).
 _kept: list[tuple[str, Callable[[Any], None]]] = []
+_lock = threading.RLock()  # two threads keeping one callback at once registered it twice
 
 
 def _handler() -> Any | None:
@@ -32,19 +34,22 @@ def keep(*, start: Callable[[Any], None] | None = None, end: Callable[[Any], Non
     handler = _handler()
     if handler is None:
         return False
-    for kind, function in (("start", start), ("end", end)):
-        if function is not None and (kind, function) not in _kept:
-            _kept.append((kind, function))
-    _register(handler)
-    if not getattr(handler.clear, "registers_flce_callbacks", False):
-        clear = handler.clear
+    with _lock:
+        for kind, function in (("start", start), ("end", end)):
+            if function is not None and (kind, function) not in _kept:
+                _kept.append((kind, function))
+        _register(handler)
+        if not getattr(handler.clear, "registers_flce_callbacks", False):
+            clear = handler.clear
 
-        def clear_then_register() -> None:  # (an attribute of this one handler object, not of its class)
-            clear()
-            _register(handler)
+            def clear_then_register() -> None:  # (an attribute of this one handler object, not of its class)
+                try:
+                    clear()  # (Dynamo empties the lists, then raises when a callback is pending: a reset mid-compile)
+                finally:
+                    _register(handler)
 
-        clear_then_register.registers_flce_callbacks = True  # type: ignore[attr-defined]
-        handler.clear = clear_then_register
+            clear_then_register.registers_flce_callbacks = True  # type: ignore[attr-defined]
+            handler.clear = clear_then_register
     return True
 
 
@@ -56,6 +61,11 @@ def registered(function: Callable[[Any], None]) -> bool:
 
 def _register(handler: Any) -> None:
     """Add each kept callback to Dynamo's list unless it is there."""
+    with _lock:
+        _register_locked(handler)
+
+
+def _register_locked(handler: Any) -> None:
     for kind, function in _kept:
         if kind == "start" and function not in handler.start_callbacks:
             dynamo_callback.on_compile_start(function)

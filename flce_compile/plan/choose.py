@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Callable, Mapping
 
 import torch
@@ -211,8 +212,10 @@ def choose_config(
     gradients of input and weight, ``accum_dtype`` accumulators), and the source says which. ``device``: a torch
     device or its name ("cuda:0", "cpu")."""
     for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"choose_config: {name}={value!r} must be an int >= {least}")
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"choose_config: {name}={value!r} must be an int")
+        if value < least:
+            raise ValueError(f"choose_config: {name}={value!r} must be >= {least}")
     device = torch.device(device)
     if memory_budget_gb is None:
         config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
@@ -230,7 +233,7 @@ class BudgetError(ValueError):
 
 def budget_bytes(memory_budget_gb: float) -> int:
     """``memory_budget_gb`` (GiB) in bytes; an error names the argument unless it is a positive finite number."""
-    if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, (int, float)):
+    if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, numbers.Real):
         raise TypeError(f"memory_budget_gb={memory_budget_gb!r} must be a number of GiB (or None for no budget), got "
                         f"{type(memory_budget_gb).__name__}")
     if not math.isfinite(memory_budget_gb) or memory_budget_gb <= 0:
@@ -416,12 +419,16 @@ def fit_budget(
 
 
 def gib_rounded_up(nbytes: int, digits: int = 3) -> str:
-    """``nbytes`` in GiB to ``digits`` significant digits, rounded up: a budget of the printed figure fits."""
+    """``nbytes`` in GiB to ``digits`` significant digits, rounded up: a budget of the printed figure fits
+    (``budget_bytes`` of it is at least ``nbytes``)."""
     gib = nbytes / 2**30
     if gib <= 0:
         return "0"
     scale = 10.0 ** (digits - 1 - math.floor(math.log10(gib)))
-    return f"{math.ceil(gib * scale - 1e-9) / scale:.{digits}g}"
+    units = math.ceil(gib * scale - 1e-9)  # (an exact figure must not round up on float noise: checked below)
+    while budget_bytes(units / scale) < nbytes:
+        units += 1
+    return f"{units / scale:.{digits + 1}g}"
 
 
 def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: float, num_tokens: int,

@@ -894,6 +894,8 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error("--plot DIR goes with tuning or --replot; drop it here")
     if args.list or args.show or args.export is not None or args.which:
         _validate_shape_args(parser, args)
+        if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
+            parser.error(f"--budget-gb must be a positive finite number of GiB, got {args.budget_gb}")
     if args.list or args.show:
         return cmd_list(args, detailed=args.show)
     if args.export is not None:

@@ -7,7 +7,6 @@ without running the op. It asks ``plan.choose.choose_config_match``, the op's ow
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +59,15 @@ def _positive_int(name: str, value: int) -> int:
 
 def is_gpu_kind(text: str) -> bool:
     """Whether ``text`` names a GPU kind ("h200", "NVIDIA H200"): not empty, and not a torch device ("cpu",
-    "cuda", "cuda:1")."""
+    "cuda", "cuda:1", "mps", "meta")."""
     name = text.strip().lower()
-    return bool(name) and re.fullmatch(r"cpu|cuda(:\d+)?", name) is None
+    if not name:
+        return False
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        return True
+    return False
 
 
 def which_config(
