@@ -61,13 +61,9 @@ def registered(function: Callable[[Any], None]) -> bool:
 
 def _register(handler: Any) -> None:
     """Add each kept callback to Dynamo's list unless it is there."""
-    with _lock:
-        _register_locked(handler)
-
-
-def _register_locked(handler: Any) -> None:
-    for kind, function in _kept:
-        if kind == "start" and function not in handler.start_callbacks:
-            dynamo_callback.on_compile_start(function)
-        elif kind == "end" and function not in handler.end_callbacks:
-            dynamo_callback.on_compile_end(function)
+    with _lock:  # (reentrant: ``keep`` holds it too)
+        for kind, function in _kept:
+            if kind == "start" and function not in handler.start_callbacks:
+                dynamo_callback.on_compile_start(function)
+            elif kind == "end" and function not in handler.end_callbacks:
+                dynamo_callback.on_compile_end(function)

@@ -518,6 +518,12 @@ def _validate_timing_args(p: argparse.ArgumentParser, args: argparse.Namespace,
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.reps < 10:
         p.error(f"--reps must be >= 10 (timing takes the median of at least 10 runs), got {args.reps}")
+    _validate_positive(p, args, positive)
+
+
+def _validate_positive(p: argparse.ArgumentParser, args: argparse.Namespace,
+                       positive: Sequence[tuple[str, str]]) -> None:
+    """The ``positive`` (option, unit) pairs: a positive finite number where given."""
     # "not (x > 0)" rather than "x <= 0": NaN compares false both ways and must not pass
     for name, unit in positive:
         value = getattr(args, name)
@@ -894,8 +900,7 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error("--plot DIR goes with tuning or --replot; drop it here")
     if args.list or args.show or args.export is not None or args.which:
         _validate_shape_args(parser, args)
-        if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
-            parser.error(f"--budget-gb must be a positive finite number of GiB, got {args.budget_gb}")
+        _validate_positive(parser, args, (("budget_gb", "GiB"),))
     if args.list or args.show:
         return cmd_list(args, detailed=args.show)
     if args.export is not None:
