@@ -349,6 +349,12 @@ def ce_chunk_kernel(
         tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
         tl.store(stats_ptr + 2 * stats_stride + row, weighted_z)
 
+    if WRITE_GRAD and (WRITE_LOSS or WRITE_TARGET_Z or WRITE_STATS):
+        # The gradient may overwrite the logits in place, and the warps of this program run apart: without a
+        # barrier, the warp storing the target's block could do so before another had loaded the target's
+        # logit above (an H100 saw about 1 launch in 200 of a 2048-row chunk give one row the loss of its
+        # gradient's value; a replayed training step's loss then differed from the uncaptured one).
+        tl.debug_barrier()
     if WRITE_GRAD:
         coef = ce_scale * ((1.0 - label_smoothing) * w_y + smooth_per_class * weight_sum)
         if HAS_Z_LOSS:
