@@ -364,9 +364,9 @@ def fused_linear_cross_entropy(
         cw,
         params_text,
         accum_dtype,
-        grad_on and input.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+        grad_on and _needs_grad(input),
+        grad_on and _needs_grad(weight),
+        grad_on and bias is not None and _needs_grad(bias),
         config_text,
         *((softcap,) if isinstance(softcap, Tensor) else ()),  # read at run time (``op.runtime_params``)
     )
@@ -533,10 +533,26 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
     vocab, hidden = weight.shape
     config, _source = config_within_budget(
         forced, budget_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
-        need_dx=grad_on and x2d.requires_grad, need_dw=grad_on and weight.requires_grad,
-        need_db=grad_on and bias is not None and bias.requires_grad, softcap=bool(params.softcap),
+        need_dx=grad_on and _needs_grad(x2d), need_dw=grad_on and _needs_grad(weight),
+        need_db=grad_on and bias is not None and _needs_grad(bias), softcap=bool(params.softcap),
         frozen_columns=params.frozen_weight_columns)
     return config.to_dict()
+
+
+def _needs_grad(t: Tensor) -> bool:
+    """``t.requires_grad``, seen through functorch's wrappers: a tensor batched by ``torch.func.vmap`` reads False
+    even where the tensor it wraps requires grad, and the op, run per batch entry under autograd, must still form
+    that gradient (an empty one failed backward). (Dynamo traces vmap with tensors of its own: asked directly.)"""
+    if t.requires_grad or torch.compiler.is_compiling():
+        return t.requires_grad
+    while _is_functorch_wrapped(t):
+        t = torch._C._functorch.get_unwrapped(t)
+        if t.requires_grad:
+            return True
+    return False
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _size_hint(n: Any) -> int:

@@ -230,6 +230,25 @@ def test_vmap_over_a_tensor_option_names_the_option(option):
     torch.testing.assert_close(batched, reference_loss(x, w, t, **{option: 0.1}).expand(2))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("batched", ["input", "weight"])
+def test_vmap_over_tensors_that_require_grad_gives_their_gradients(reduction, batched):
+    """A tensor batched by vmap reads requires_grad False, so the op formed no gradient for it and backward
+    failed with autograd's "invalid gradient ... got [0]" ("none", whose backward recomputes, worked)."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+    x3, w3 = torch.stack([x, 2 * x, -x]), torch.stack([w, w / 2, -w])
+    ours, eager = (((_leaf(x3), w) if batched == "input" else (x, _leaf(w3))) for _ in range(2))
+    fn = lambda a, b: fused_linear_cross_entropy(a, b, t, reduction=reduction)  # noqa: E731
+    in_dims = (0, None) if batched == "input" else (None, 0)
+    tf.vmap(fn, in_dims=in_dims)(*ours).sum().backward()
+    sliced = [(eager[0][i], eager[1]) if batched == "input" else (eager[0], eager[1][i]) for i in range(3)]
+    torch.stack([F.cross_entropy(a @ b.T, t, reduction=reduction) for a, b in sliced]).sum().backward()
+    leaf = 0 if batched == "input" else 1
+    torch.testing.assert_close(ours[leaf].grad, eager[leaf].grad)
+
+
 def test_a_compiled_vmap_over_a_softcap_raises():
     """Under torch.compile the transform check of a tensor option breaks the graph (Dynamo cannot trace
     functorch's state), so the eager check still refuses vmap over it. Skipping the check under Dynamo, to keep
