@@ -13,7 +13,7 @@ import torch
 from test_tuning_db import dbs, entry  # noqa: F401 - dbs is a fixture
 
 import flce_compile
-from flce_compile.plan.choose import CPU_SOURCE, choose_config, heuristic_config
+from flce_compile.plan.choose import CPU_SOURCE, choose_config, choose_config_match, heuristic_config
 from flce_compile.tuning import db
 from flce_compile.tuning.which import SOURCES, ConfigChoice, which_config
 
@@ -88,11 +88,21 @@ def test_readable_str_and_errors(dbs):
             which_config(16384, 151936, 4096, gpu=device)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
         which_config(0, 151936, 4096, gpu="h200")
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype=torch.int8 is not one the op runs"):
         which_config(16384, 151936, 4096, dtype=torch.int8, gpu="h200")
     if not torch.cuda.is_available():  # (torch's own AssertionError named no argument)
         with pytest.raises(ValueError, match="device='cuda', but this torch sees no CUDA device"):
             which_config(16384, 151936, 4096, device="cuda")
+
+
+def test_fp64_which_the_op_runs_answers_as_the_op_picks(dbs):
+    """fp64 (the checking dtype) is never tuned, but the op runs it: which_config refused it as "not tunable"."""
+    for device, gpu in (("cpu", None), (None, "h200")):
+        for dtype in (torch.float64, "fp64", "float64", "double"):
+            choice = which_config(64, 1000, 32, dtype=dtype, device=device, gpu=gpu)
+            config, detail, match = choose_config_match(64, 1000, 32, torch.float64, torch.device(device or "cuda"),
+                                                        gpu=gpu)
+            assert match is None and (choice.config, choice.source, choice.detail) == (config, "heuristic", detail)
 
 
 def test_exported_from_the_package_without_importing_dynamo():

@@ -70,6 +70,22 @@ def is_gpu_kind(text: str) -> bool:
     return False
 
 
+#: fp64 by the names ``normalize_dtype`` would give the tuned dtypes: the op runs it (the checking dtype), though no
+#: entry is ever tuned for it, so its answer is the heuristic's.
+_FP64_NAMES = frozenset({"torch.float64", "float64", "fp64", "double", "torch.double"})
+
+
+def _op_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype ``which_config`` answers for: a tuned one (bf16, fp16, fp32) or fp64."""
+    if str(dtype).lower() in _FP64_NAMES:
+        return torch.float64
+    try:
+        return db.torch_dtype(db.normalize_dtype(dtype))
+    except ValueError:
+        raise ValueError(f"dtype={dtype!r} is not one the op runs; use one of bf16, fp16, fp32 (tuned) or fp64 "
+                         "(the heuristic's config)") from None
+
+
 def which_config(
     tokens: int,
     vocab: int,
@@ -91,7 +107,7 @@ def which_config(
     """
     for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
         _positive_int(name, value)
-    torch_dtype = db.torch_dtype(db.normalize_dtype(dtype))  # a ValueError names the dtype and the choices
+    torch_dtype = _op_dtype(dtype)
     if gpu is not None:
         if device is not None:
             raise ValueError(f"give device= or gpu=, not both (device={device!r}, gpu={gpu!r})")
