@@ -204,9 +204,11 @@ def _softcap_arg(softcap: float | Tensor | None) -> float:
     ``params`` then hold ``RUNTIME_SOFTCAP`` until the op puts the value in (``op.runtime_params``)."""
     if isinstance(softcap, Tensor):
         return RUNTIME_SOFTCAP
-    if softcap is None or math.isinf(softcap):
+    if softcap is None:
         return 0.0
-    return float(softcap)
+    # A comparison, not math.isinf, which Dynamo cannot trace for the symbolic float of dynamic=True (softcap > 0
+    # is checked already, so inf is the only infinity)
+    return 0.0 if softcap == math.inf else float(softcap)
 
 
 def _wide_bias(bias: Tensor, weight: Tensor) -> bool:

@@ -571,6 +571,17 @@ def test_a_float_option_passed_to_a_compiled_function():
         assert sum("flce" in str(n.target) for n in gm.graph.nodes if n.op == "call_function") == 1
 
 
+def test_a_float_softcap_under_dynamic_shapes_traces_whole():
+    """Under dynamic=True a float argument is symbolic from the first call, and ``math.isinf`` of it (the API's
+    test for "no cap") stopped a fullgraph compile with Dynamo's "torch.* op returned non-Tensor"."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t, cap: fused_linear_cross_entropy(x, w, t, softcap=cap),
+                             backend="aot_eager", fullgraph=True, dynamic=True)
+    x, w, t = _inputs()
+    for cap in (3.0, math.inf):  # (inf: no cap)
+        torch.testing.assert_close(compiled(x, w, t, cap), reference_loss(x, w, t, softcap=min(cap, 1e30)))
+
+
 def test_aot_compile_runs_the_op_with_gradients():
     torch._dynamo.reset()
     compiled = torch.compile(
