@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flce_compile
 import flce_compile.compiler as fc
+from flce_compile.compiler.decide import UNKEPT_NOTE
 from flce_compile.compiler.lazy_logits import LazyLogits
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 
@@ -1096,3 +1097,77 @@ def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog
         with torch._dynamo.config.patch(specialize_float=True):
             (site,) = fc.explain(compiled, idx, labels)
         assert site.fused, (cls, site)
+
+
+class TwoLosses(nn.Module):
+    """A label-smoothed loss to train on and a plain one on the same logits and target, added (``"sum"``) or
+    returned detached for logging (``"logged"``), as a custom HF ``loss_function`` might."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.use = use
+
+    def forward(self, idx, labels):
+        logits = self.lm_head(torch.tanh(self.emb(idx)))
+        flat, target = logits[:, :-1].float().reshape(-1, V), labels[:, 1:].reshape(-1)
+        smoothed, plain = F.cross_entropy(flat, target, label_smoothing=0.1), F.cross_entropy(flat, target)
+        return (smoothed + 0.5 * plain, None) if self.use == "sum" else (smoothed, plain.detach())
+
+
+@pytest.mark.parametrize("use", ["sum", "logged"])
+def test_two_losses_on_the_same_logits_and_target_are_both_fused_plainly(use):
+    """Each loss kept the logits for the other and moved the shared target's computation before the lm_head, the
+    second move behind the first loss's op: the compile failed ("used before it has been defined"). Both are now
+    fused, and since each one's other reader is fused too, neither forms the logits."""
+    torch.manual_seed(0)
+    model = TwoLosses(use)
+    idx, labels = _data()
+    model.zero_grad(set_to_none=True)
+    ref = model(idx, labels)
+    ref[0].backward()
+    ref_grads = _grads(model)
+    report = fc.explain(model, idx, labels)
+    assert [(r.path, r.note) for r in report] == [("fused", UNKEPT_NOTE)] * 2, report
+    cap = _Capture("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap})
+    model.zero_grad(set_to_none=True)
+    out = compiled(idx, labels)
+    out[0].backward()
+    targets = cap.targets()
+    assert targets.count(flce_fused_loss) == 2 and flce_fused_loss_keep not in targets, targets
+    for got, expected in zip(out, ref):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_pass_that_fails_halfway_leaves_the_traced_graph(monkeypatch, caplog):
+    """The backend compiles the graph as traced when the pass raises: a failure after some sites were rewritten
+    left a half-rewritten graph, which then failed the compile the warning said was going ahead unchanged."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    def broken(gm, nodes):
+        raise RuntimeError("a bug after the rewrite")
+
+    monkeypatch.setattr(rewrite, "erase_dead", broken)
+    torch.manual_seed(0)
+    model = LM()
+    idx, labels = _data()
+    ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+    cap = _Capture("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": "materialize"})
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        loss, logits = compiled(idx, labels)
+    loss.backward()
+    assert "fusion pass failed, compiling the graph unchanged" in caplog.text
+    assert not any("flce" in str(t) for t in cap.targets())
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(logits, ref_logits)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], msg=name)

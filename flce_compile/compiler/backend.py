@@ -9,6 +9,7 @@ both bound for that case.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
@@ -47,6 +48,7 @@ def flce_backend(
     if opts.enabled:
         from .rewrite import run_pass
 
+        traced = _snapshot(gm.graph)
         try:
             result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
                               memory_budget_gb=opts.memory_budget_gb)
@@ -55,6 +57,8 @@ def flce_backend(
             raise
         except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
             logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
+            gm.graph = traced
+            gm.recompile()
     if fused:
         from .graph_cache import mark_graph_functions_cacheable
 
@@ -64,6 +68,16 @@ def flce_backend(
         compiled = _AllowGraphReplay(compiled)
     # The graph's outputs changed (dropped logits, kept logits returned detached): restore them for the caller.
     return wrap(compiled) if wrap is not None else compiled
+
+
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` to put back should the fusion pass, which changes the graph in place, fail halfway (a
+    half-rewritten graph failed the compile the pass promises not to break). Nodes share their metadata with the
+    originals and keep the attributes Dynamo set on them (a placeholder's ``_dynamo_source``)."""
+    snapshot = copy.deepcopy(graph)
+    for node, copied in zip(graph.nodes, snapshot.nodes):
+        copied.__dict__.update(vars(node))
+    return snapshot
 
 
 def _drop_causal_masks(gm: fx.GraphModule) -> None:

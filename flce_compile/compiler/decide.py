@@ -92,6 +92,31 @@ _FUNCTORCH_NESTING = frozenset(
 ) - {None}
 
 
+#: The note of a fused_keep site whose logits only other fused losses read (``mark_unkept``, ``rewrite._unkeep``).
+UNKEPT_NOTE = "the logits' other readers, losses on the same logits, are fused too: the logits are not formed"
+#: The paths whose rewrite reads the lm_head's operands, not its logits (so a loss on them reads no logits).
+_HEAD_PATHS = ("fused", "fused_lazy", "fused_keep")
+
+
+def mark_unkept(results: list[SiteResult]) -> None:
+    """Report fused_keep sites whose logits only other fused losses on the same lm_head read (a label-smoothed loss
+    beside a plain one on the same logits) as "fused": once the pass has rewritten those losses too, nothing reads
+    the logits, and the pass turns such a site's op into the plain one (``rewrite._unkeep``, which decides from the
+    rewritten graph). For reports made without rewriting (``explain``)."""
+    for res in results:
+        if res.path != "fused_keep" or res.logits_outputs:
+            continue
+        head = res.site.linear.node
+        others: set[fx.Node] = set()
+        for other in results:
+            if other is not res and other.path in _HEAD_PATHS and other.site.linear.node is head:
+                others.update(other.site.chain)
+                others.add(other.site.loss_node)
+        users = [user for users in res.escapes.values() for user in users]
+        if users and all(user in others for user in users):
+            res.path, res.note, res.kept_logits_bytes = "fused", UNKEPT_NOTE, 0
+
+
 def _functorch_transform(gm: fx.GraphModule) -> str | None:
     """Why no site of ``gm`` is fused when its code runs under a torch.func transform (grad, vmap, jvp) that
     Dynamo traced into the graph: the fused op forms its gradients inside and has no rule for a transform's

@@ -22,7 +22,7 @@ from . import checkpoint_side_effects
 from .backend import compiled_dynamic, compiled_options
 from .causal_mask import drop_causal_masks
 from .checkpoints import inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, SiteResult, lone_heads
+from .decide import LONE_HEAD_REASON, SiteResult, lone_heads, mark_unkept
 from .hf_logging import keep_loss_in_graph
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .options import FLCEOptions, split_options
@@ -202,6 +202,7 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
     """Site reports for one Dynamo graph under ``options`` (no rewrite)."""
     reports: list[SiteReport] = []
     results = analyze_with_folded_heads(gm, options.logits)
+    mark_unkept(results)  # (as the rewrite will find them)
     for res in results:
         site = res.site
         plan = res.plan

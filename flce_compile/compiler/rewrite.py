@@ -25,7 +25,7 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, LoneHead, SiteResult, lone_heads
+from .decide import LONE_HEAD_REASON, UNKEPT_NOTE, LoneHead, SiteResult, lone_heads
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
@@ -212,6 +212,7 @@ def run_pass(
         _log_lone_head(head)
     fixup = OutputFixup()
     dead: list[fx.Node] = []  # nodes our rewrites may have left without users
+    rewritten: list[SiteResult] = []
     for res in results:
         if res.fused and res.path == "vocab_parallel" and precision == "precise":
             # The vocabulary-parallel op refuses it when the graph runs; decide here, where the site can stay.
@@ -231,14 +232,58 @@ def run_pass(
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
             res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
             continue
+        rewritten.append(res)
+    if rewritten:
+        erase_dead(gm, dead)
+        for res in rewritten:
+            if res.path == "fused_keep" and not _logits_read(_keep_node(res.new_node)):
+                _unkeep(gm, res, fake_mode)
+    for res in rewritten:
         _log_rewrite(res)
     wrap = None
-    if any(r.new_node is not None for r in results):
-        erase_dead(gm, dead)
+    if rewritten:
         wrap = fixup.apply(gm)
         gm.graph.lint()
         gm.recompile()
     return PassResult(results, wrap, regions)
+
+
+def _keep_node(result: fx.Node) -> fx.Node:
+    """The ``flce_fused_loss_keep`` node a fused_keep site's loss (``SiteResult.new_node``) comes from."""
+    node = result
+    while node.target is not flce_fused_loss_keep:  # through the loss's getitem, and a neg or squeeze after it
+        node = node.args[0]
+    return node
+
+
+def _logits_read(keep: fx.Node) -> bool:
+    """Whether anything reads the logits a ``flce_fused_loss_keep`` node returns."""
+    return any(user.args[1] == 1 and user.users for user in keep.users)
+
+
+def _unkeep(gm: fx.GraphModule, res: SiteResult, fake_mode: Any) -> None:
+    """A fused_keep site whose kept logits nothing reads once every site is rewritten (another loss on the same
+    logits, fused too, was their reader: a label-smoothed loss beside a plain one for logging) becomes a plain
+    fused loss, where the keep node was: the logits, the size of eager's, are not formed."""
+    keep = _keep_node(res.new_node)
+    x, weight, target, bias, *rest = keep.args
+    *loss_args, indices = rest
+    new = _NewNodes(gm.graph)
+    with gm.graph.inserting_before(keep):
+        for index in indices:
+            x = new.add("call_function", operator.getitem, (x, index))
+        fused = new.add("call_function", flce_fused_loss, (x, weight, target, bias, *loss_args), dict(keep.kwargs))
+    propagate_meta(gm, new.nodes, fake_mode)
+    for user in list(keep.users):
+        if user.args[1] == 0:
+            user.replace_all_uses_with(fused)
+            if res.new_node is user:
+                res.new_node = fused
+        gm.graph.erase_node(user)
+    copy_source_meta(keep, fused)
+    gm.graph.erase_node(keep)
+    res.path = "fused"
+    res.note = UNKEPT_NOTE
 
 
 def _log_unfused(res: SiteResult) -> None:
@@ -351,6 +396,16 @@ def _op_kwargs(precision: str, memory_budget_gb: Optional[float]) -> dict[str, A
     return kwargs
 
 
+def _nodes_before(graph: fx.Graph, node: fx.Node) -> set[fx.Node]:
+    """The nodes of ``graph`` that come before ``node``."""
+    before = set()
+    for n in graph.nodes:
+        if n is node:
+            return before
+        before.add(n)
+    raise ValueError(f"{node.name} is not in the graph")
+
+
 def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_mode: Any,
              fixup: OutputFixup, op_kwargs: dict[str, Any]) -> list[fx.Node]:
     """Rewrite one site; returns the nodes that may have lost their last user."""
@@ -360,8 +415,12 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     cfg = dict(config) if config else None
     new = _NewNodes(gm.graph)
     if res.path == "fused_keep":
-        for node in res.prelude:  # the target's computation, proven pure and unwritten, now comes first
-            lin.start.prepend(node)
+        # The target's computation, proven pure and unwritten, now comes first; a node another site on this head
+        # moved already stays where it is (before that site's op, which reads it).
+        placed = _nodes_before(gm.graph, lin.start)
+        for node in res.prelude:
+            if node not in placed:
+                lin.start.prepend(node)
     anchor = lin.start if res.path == "fused_keep" else loss.node
     try:
         with gm.graph.inserting_before(anchor):
