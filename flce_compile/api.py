@@ -544,7 +544,9 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
 def _needs_grad(t: Tensor) -> bool:
     """``t.requires_grad``, seen through functorch's wrappers: a tensor batched by ``torch.func.vmap`` reads False
     even where the tensor it wraps requires grad, and the op, run per batch entry under autograd, must still form
-    that gradient (an empty one failed backward). (Dynamo traces vmap with tensors of its own: asked directly.)"""
+    that gradient (an empty one failed backward). While Dynamo traces, ``t.requires_grad`` itself: it cannot trace
+    the wrapper checks (a graph break for every frozen weight), so a compiled vmap forms no such gradient and its
+    backward says so (``op._no_gradient_formed``)."""
     if t.requires_grad or torch.compiler.is_compiling():
         return t.requires_grad
     while _is_functorch_wrapped(t):

@@ -543,6 +543,13 @@ def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
 
 def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    # ``_grads_or_empty``'s "none" is 1-D and empty (dX and dW are 2-D here, db has V >= 1 elements).
+    if need_x and dx is not None and dx.dim() == 1:
+        raise _no_gradient_formed("input")
+    if need_w and dw is not None and dw.dim() == 1:
+        raise _no_gradient_formed("weight")
+    if need_b and db is not None and db.numel() == 0:
+        raise _no_gradient_formed("bias")
     if need_w and dw is not None and ctx.frozen:
         # The frozen columns' gradient: zeros. (In a compiled graph the LoRA fold's ``join_frozen`` copies the other
         # columns out again, which Inductor computes from dW itself: the padded tensor is never formed there.)
@@ -553,6 +560,16 @@ def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -
         None,
         db if need_b and ctx.has_bias else None,
     ) + (None,) * (len(_ARG_NAMES) - 4)
+
+
+def _no_gradient_formed(name: str) -> RuntimeError:
+    """The error of a backward that needs a gradient the forward did not form, because ``name`` read
+    requires_grad=False when the op was called (autograd's own said "invalid gradient ... got [0]")."""
+    return RuntimeError(
+        f"fused_linear_cross_entropy formed no gradient for its {name}: it read requires_grad=False when the op was "
+        "called, yet backward asks for one. That happens with torch.func.vmap inside torch.compile, whose batched "
+        "tensors read requires_grad=False while Dynamo traces them: call vmap outside torch.compile (eager vmap "
+        f"gives the gradient), or compute this loss unfused there")
 
 
 def _backward(ctx, grad_loss, *_other_outputs):

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flce_compile
 import flce_compile.compiler as fc
-from flce_compile.compiler.decide import UNKEPT_NOTE
+from flce_compile.compiler.decide import SHARED_NOTE, UNKEPT_NOTE
 from flce_compile.compiler.lazy_logits import LazyLogits
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 
@@ -1101,7 +1101,8 @@ def test_a_symbolic_scale_or_a_kept_logits_softcap_is_reported_and_warned(caplog
 
 class TwoLosses(nn.Module):
     """A label-smoothed loss to train on and a plain one on the same logits and target, added (``"sum"``) or
-    returned detached for logging (``"logged"``), as a custom HF ``loss_function`` might."""
+    returned detached for logging (``"logged"``), as a custom HF ``loss_function`` might; ``"returned"`` adds them
+    and returns the logits too."""
 
     def __init__(self, use: str) -> None:
         super().__init__()
@@ -1113,7 +1114,9 @@ class TwoLosses(nn.Module):
         logits = self.lm_head(torch.tanh(self.emb(idx)))
         flat, target = logits[:, :-1].float().reshape(-1, V), labels[:, 1:].reshape(-1)
         smoothed, plain = F.cross_entropy(flat, target, label_smoothing=0.1), F.cross_entropy(flat, target)
-        return (smoothed + 0.5 * plain, None) if self.use == "sum" else (smoothed, plain.detach())
+        if self.use == "logged":
+            return smoothed, plain.detach()
+        return smoothed + 0.5 * plain, logits if self.use == "returned" else None
 
 
 @pytest.mark.parametrize("use", ["sum", "logged"])
@@ -1141,6 +1144,37 @@ def test_two_losses_on_the_same_logits_and_target_are_both_fused_plainly(use):
     for got, expected in zip(out, ref):
         if expected is not None:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_two_losses_on_logits_that_are_also_returned(mode):
+    """With the logits returned, the first loss keeps them (under "keep") and the second reads the lm_head's
+    operands; under "drop" the returned logits go, and neither forms them. explain says what the pass does (under
+    "drop" the kept logits took the graph output's use before it was dropped, and were returned)."""
+    torch.manual_seed(0)
+    model = TwoLosses("returned")
+    idx, labels = _data()
+    ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+    options = {"flce.logits": mode}
+    expected = [("fused_keep", None), ("fused", SHARED_NOTE)] if mode == "keep" else [("fused", UNKEPT_NOTE)] * 2
+    report = fc.explain(model, idx, labels, options=options)
+    assert [(r.path, r.note if r.path == "fused" else None) for r in report] == expected, report
+    cap = _Capture("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": cap, "flce.logits": mode})
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    loss.backward()
+    targets = cap.targets()
+    assert (targets.count(flce_fused_loss_keep), targets.count(flce_fused_loss)) == (
+        (1, 1) if mode == "keep" else (0, 2)), targets
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    if mode == "keep":
+        torch.testing.assert_close(logits, ref_logits)
+    else:
+        assert logits is None
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 

@@ -249,6 +249,19 @@ def test_vmap_over_tensors_that_require_grad_gives_their_gradients(reduction, ba
     torch.testing.assert_close(ours[leaf].grad, eager[leaf].grad)
 
 
+def test_a_compiled_vmap_over_hidden_states_that_require_grad_says_why_backward_fails():
+    """Under torch.compile a batched tensor reads requires_grad False while Dynamo traces it, and the op cannot ask
+    through the wrapper there (a graph break for every frozen weight): it forms no dX, and backward failed with
+    autograd's "invalid gradient ... got [0]". It now names the cause and the way out."""
+    import torch.func as tf
+
+    x, w, t = _inputs()
+    torch._dynamo.reset()
+    run = torch.compile(lambda a: tf.vmap(lambda p: fused_linear_cross_entropy(p, w, t))(a), backend="eager")
+    with pytest.raises(RuntimeError, match="formed no gradient for its input.*call vmap outside torch.compile"):
+        run(_leaf(torch.stack([x, 2 * x]))).sum().backward()
+
+
 def test_a_compiled_vmap_over_a_softcap_raises():
     """Under torch.compile the transform check of a tensor option breaks the graph (Dynamo cannot trace
     functorch's state), so the eager check still refuses vmap over it. Skipping the check under Dynamo, to keep

@@ -105,6 +105,27 @@ def test_fp64_which_the_op_runs_answers_as_the_op_picks(dbs):
             assert match is None and (choice.config, choice.source, choice.detail) == (config, "heuristic", detail)
 
 
+def test_fp64_under_a_budget_answers_for_fp64_accumulators_as_the_op_runs(monkeypatch):
+    """The op accumulates fp64 weights in fp64; which_config fitted the budget for fp32 accumulators and named
+    another config than the op ran (a review's case: 512 x 256 against 4096 classes at 0.01 GB)."""
+    import flce_compile.api as api
+
+    picked = []
+    real = api.config_within_budget
+
+    def spy(*args, **kwargs):
+        picked.append(real(*args, **kwargs)[0])
+        return picked[-1]
+
+    monkeypatch.setattr(api, "config_within_budget", lambda *a, **k: (spy(*a, **k), "spied"))
+    x, w = torch.randn(512, 256, dtype=torch.float64), torch.randn(4096, 256, dtype=torch.float64)
+    t = torch.randint(0, 4096, (512,))
+    for budget in (0.006, 0.01, 0.02):
+        flce_compile.fused_linear_cross_entropy(x.requires_grad_(), w.requires_grad_(), t, memory_budget_gb=budget)
+        assert which_config(512, 4096, 256, dtype=torch.float64, device="cpu",
+                            memory_budget_gb=budget).config == picked[-1], budget
+
+
 def test_exported_from_the_package_without_importing_dynamo():
     assert flce_compile.which_config is which_config and flce_compile.ConfigChoice is ConfigChoice
     assert {"which_config", "ConfigChoice"} <= set(flce_compile.__all__)

@@ -94,27 +94,31 @@ _FUNCTORCH_NESTING = frozenset(
 
 #: The note of a fused_keep site whose logits only other fused losses read (``mark_unkept``, ``rewrite._unkeep``).
 UNKEPT_NOTE = "the logits' other readers, losses on the same logits, are fused too: the logits are not formed"
+#: The note of a later fused_keep site on an lm_head whose first one keeps the logits for every reader.
+SHARED_NOTE = "another loss on the same logits keeps them for their readers: this one reads the lm_head's operands"
 #: The paths whose rewrite reads the lm_head's operands, not its logits (so a loss on them reads no logits).
 _HEAD_PATHS = ("fused", "fused_lazy", "fused_keep")
 
 
 def mark_unkept(results: list[SiteResult]) -> None:
-    """Report fused_keep sites whose logits only other fused losses on the same lm_head read (a label-smoothed loss
-    beside a plain one on the same logits) as "fused": once the pass has rewritten those losses too, nothing reads
-    the logits, and the pass turns such a site's op into the plain one (``rewrite._unkeep``, which decides from the
-    rewritten graph). For reports made without rewriting (``explain``)."""
+    """Report the fused_keep sites as the pass leaves them (``rewrite._unkeep`` decides from the rewritten graph;
+    this is for reports made without rewriting, ``explain``). Of several on one lm_head (a label-smoothed loss and
+    a plain one on the same logits) the first rewritten takes every reader of the logits, so the others become the
+    plain fused op; the first does too when its logits' only readers are the other fused losses on that head."""
+    first_on: dict[fx.Node, SiteResult] = {}
     for res in results:
-        if res.path != "fused_keep" or res.logits_outputs:
-            continue
-        head = res.site.linear.node
-        others: set[fx.Node] = set()
-        for other in results:
-            if other is not res and other.path in _HEAD_PATHS and other.site.linear.node is head:
-                others.update(other.site.chain)
-                others.add(other.site.loss_node)
-        users = [user for users in res.escapes.values() for user in users]
-        if users and all(user in others for user in users):
-            res.path, res.note, res.kept_logits_bytes = "fused", UNKEPT_NOTE, 0
+        if res.path == "fused_keep":
+            first_on.setdefault(res.site.linear.node, res)
+    for head, first in first_on.items():
+        others = [r for r in results if r is not first and r.path in _HEAD_PATHS and r.site.linear.node is head]
+        losses = {node for r in others for node in (*r.site.chain, r.site.loss_node)}
+        users = [user for users in first.escapes.values() for user in users]
+        unkept = not first.logits_outputs and bool(users) and all(user in losses for user in users)
+        if unkept:
+            first.path, first.note, first.kept_logits_bytes = "fused", UNKEPT_NOTE, 0
+        for res in others:
+            if res.path == "fused_keep":
+                res.path, res.note, res.kept_logits_bytes = "fused", UNKEPT_NOTE if unkept else SHARED_NOTE, 0
 
 
 def _functorch_transform(gm: fx.GraphModule) -> str | None:

@@ -25,7 +25,7 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, UNKEPT_NOTE, LoneHead, SiteResult, lone_heads
+from .decide import LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, lone_heads
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
@@ -235,9 +235,12 @@ def run_pass(
         rewritten.append(res)
     if rewritten:
         erase_dead(gm, dead)
-        for res in rewritten:
-            if res.path == "fused_keep" and not _logits_read(_keep_node(res.new_node)):
-                _unkeep(gm, res, fake_mode)
+        unkept = [res for res in rewritten if res.path == "fused_keep" and not _logits_read(_keep_node(res.new_node))]
+        for res in unkept:
+            _unkeep(gm, res, fake_mode)
+        kept_heads = {res.site.linear.node for res in rewritten if res.path == "fused_keep"}
+        for res in unkept:  # (as ``decide.mark_unkept`` reports them)
+            res.note = SHARED_NOTE if res.site.linear.node in kept_heads else UNKEPT_NOTE
     for res in rewritten:
         _log_rewrite(res)
     wrap = None
@@ -262,9 +265,10 @@ def _logits_read(keep: fx.Node) -> bool:
 
 
 def _unkeep(gm: fx.GraphModule, res: SiteResult, fake_mode: Any) -> None:
-    """A fused_keep site whose kept logits nothing reads once every site is rewritten (another loss on the same
-    logits, fused too, was their reader: a label-smoothed loss beside a plain one for logging) becomes a plain
-    fused loss, where the keep node was: the logits, the size of eager's, are not formed."""
+    """A fused_keep site whose kept logits nothing reads once every site is rewritten becomes a plain fused loss,
+    where the keep node was. Two losses on the same logits (a label-smoothed one beside a plain one for logging):
+    the first rewritten takes every reader of the logits, so the second's are unread; the first's are too when the
+    other loss was their only reader, and then the logits, the size of eager's, are not formed at all."""
     keep = _keep_node(res.new_node)
     x, weight, target, bias, *rest = keep.args
     *loss_args, indices = rest
@@ -282,8 +286,7 @@ def _unkeep(gm: fx.GraphModule, res: SiteResult, fake_mode: Any) -> None:
         gm.graph.erase_node(user)
     copy_source_meta(keep, fused)
     gm.graph.erase_node(keep)
-    res.path = "fused"
-    res.note = UNKEPT_NOTE
+    res.path, res.kept_logits_bytes = "fused", 0
 
 
 def _log_unfused(res: SiteResult) -> None:
@@ -482,6 +485,11 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     # Commit: nothing below can fail halfway in a way that leaves a broken graph.
     copy_source_meta(loss.node, result)
     maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes)
+    if res.dropped_outputs:  # first: the kept logits below take the lm_head's uses, its graph output's too
+        dropped = set(res.dropped)
+        out_node = output_node(gm.graph)
+        out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in dropped else n)
+        maybe_dead += res.dropped
     if res.path == "fused_keep":
         lin.node.replace_all_uses_with(graph_logits)
         for node, transform in res.logits_outputs.items():
@@ -496,11 +504,6 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         maybe_dead += _lazy_outputs(gm, res, lin, weight, bias, fixup)
     loss.node.replace_all_uses_with(result)
     gm.graph.erase_node(loss.node)
-    if res.dropped_outputs:
-        dropped = set(res.dropped)
-        out_node = output_node(gm.graph)
-        out_node.args = fx.node.map_arg(out_node.args, lambda n: None if n in dropped else n)
-        maybe_dead += res.dropped
     res.new_node = result
     return maybe_dead
 

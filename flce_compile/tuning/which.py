@@ -13,6 +13,7 @@ import torch
 
 from ..plan.choose import choose_config_match, choose_config_within_budget
 from ..plan.config import FLCEConfig
+from ..plan.precision import accum_dtype_for
 from . import db
 
 #: ``ConfigChoice.source`` values, most specific first.
@@ -128,8 +129,10 @@ def which_config(
     if memory_budget_gb is None:
         config, detail, match = choose_config_match(tokens, vocab, hidden, torch_dtype, dev, gpu=kind)
     else:
-        config, detail, match = choose_config_within_budget(tokens, vocab, hidden, torch_dtype, dev,
-                                                            memory_budget_gb, gpu=kind)
+        # The op's default accumulators (``plan.precision.accum_dtype_for``): fp64 for fp64 weights, else fp32.
+        config, detail, match = choose_config_within_budget(
+            tokens, vocab, hidden, torch_dtype, dev, memory_budget_gb, gpu=kind,
+            accum_dtype=accum_dtype_for("exact", None, torch_dtype))
     return ConfigChoice(config=config, source="heuristic" if match is None else match.kind, detail=detail,
                         target=target, entry=None if match is None else match.entry,
                         memory_budget_gb=memory_budget_gb)
