@@ -46,19 +46,7 @@ def flce_backend(
     if opts.enabled and opts.causal_masks:
         _drop_causal_masks(gm)
     if opts.enabled:
-        from .rewrite import run_pass
-
-        traced = _snapshot(gm.graph)
-        try:
-            result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
-                              memory_budget_gb=opts.memory_budget_gb)
-            wrap, fused = result.wrap, any(site.new_node is not None for site in result.sites)
-        except BudgetError:  # flce.memory_budget_gb that no config fits: the user's setting, as in an eager call
-            raise
-        except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
-            logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
-            gm.graph = traced
-            gm.recompile()
+        wrap, fused = _fusion_pass(gm, example_inputs, opts)
     if fused:
         from .graph_cache import mark_graph_functions_cacheable
 
@@ -70,10 +58,36 @@ def flce_backend(
     return wrap(compiled) if wrap is not None else compiled
 
 
+def _fusion_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FLCEOptions
+                 ) -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]] | None, bool]:
+    """Run the fusion pass on ``gm``: (the wrapper the compiled graph needs or None, whether a site was fused). A
+    failure is logged and leaves the graph as traced; only a memory budget that no config fits raises (the user's
+    setting, as in an eager call)."""
+    from .rewrite import run_pass
+
+    try:
+        as_traced = _snapshot(gm.graph)
+    except Exception as exc:  # noqa: BLE001 - with no way back from a failure, the pass is not run
+        logger.warning("flce: could not copy the graph before the fusion pass, compiling it unchanged: %r", exc)
+        return None, False
+    try:
+        result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
+                          memory_budget_gb=opts.memory_budget_gb)
+    except BudgetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
+        logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
+        gm.graph = as_traced
+        gm.recompile()
+        return None, False
+    return result.wrap, any(site.new_node is not None for site in result.sites)
+
+
 def _snapshot(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` to put back should the fusion pass, which changes the graph in place, fail halfway (a
-    half-rewritten graph failed the compile the pass promises not to break). Nodes share their metadata with the
-    originals and keep the attributes Dynamo set on them (a placeholder's ``_dynamo_source``)."""
+    half-rewritten graph failed the compile the pass promises not to break). Nodes get shallow copies of their
+    metadata (the pass assigns keys, never changes a value in place) and keep the attributes Dynamo set on them (a
+    placeholder's ``_dynamo_source``)."""
     snapshot = copy.deepcopy(graph)
     for node, copied in zip(graph.nodes, snapshot.nodes):
         copied.__dict__.update(vars(node))
