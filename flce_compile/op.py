@@ -569,7 +569,7 @@ def _no_gradient_formed(name: str) -> RuntimeError:
         f"fused_linear_cross_entropy formed no gradient for its {name}: it read requires_grad=False when the op was "
         "called, yet backward asks for one. That happens with torch.func.vmap inside torch.compile, whose batched "
         "tensors read requires_grad=False while Dynamo traces them: call vmap outside torch.compile (eager vmap "
-        f"gives the gradient), or compute this loss unfused there")
+        "gives the gradient), or compute this loss unfused there")
 
 
 def _backward(ctx, grad_loss, *_other_outputs):
