@@ -57,7 +57,7 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
         )
     if input.dtype not in _FLOATS:
         raise TypeError(f"input dtype {input.dtype} is unsupported; use one of {_FLOATS}")
-    if input.dtype != weight.dtype:
+    if input.dtype != weight.dtype and not _autocast_casts_both(input, weight):
         raise TypeError(
             f"input dtype {input.dtype} differs from weight dtype {weight.dtype}; cast one of them, or run "
             "under torch.autocast"
@@ -215,6 +215,14 @@ def _wide_bias(bias: Tensor, weight: Tensor) -> bool:
     """Whether ``bias`` is fp32 beside bf16/fp16 ``weight``: it promotes the logits, which the op then forms in
     fp32 (BART's ``final_logits_bias`` buffer under autocast, folded into the head by the ``flce`` backend)."""
     return bias.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _autocast_casts_both(input: Tensor, weight: Tensor) -> bool:
+    """Whether autocast will give ``input`` and ``weight`` one dtype (``_autocast``): it is on for their device and
+    leaves neither in fp64 (hidden states out of an autocast matmul are bf16 beside an fp32 head, as F.linear takes
+    them)."""
+    return (autocast_on(input.device.type) and input.dtype != torch.float64 and weight.dtype != torch.float64
+            and weight.dtype in _FLOATS)
 
 
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:

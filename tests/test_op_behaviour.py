@@ -273,6 +273,28 @@ def test_autocast_bf16_matches_eager_autocast():
         assert (ours.double() - exact).norm() <= (eager.double() - exact).norm() * 1.05 + 1e-6
 
 
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_takes_16_bit_hidden_states_beside_an_fp32_head(hidden_dtype):
+    """Hidden states out of an autocast matmul are 16-bit beside an fp32 lm_head, which F.linear casts under
+    autocast; the op refused them ("differs from weight dtype ... or run under torch.autocast") while it did."""
+    x, w, t = _inputs(n=64, h=32, v=96)
+    h = x.to(hidden_dtype).requires_grad_()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, t, config=CFG)
+    loss.backward()
+    hr, wr = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(hr, wr).float(), t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    assert h.grad.dtype == hidden_dtype and w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, hr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="differs from weight dtype"):
+        fused_linear_cross_entropy(x.double(), w, t)  # autocast leaves fp64 alone: still two dtypes
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", [CFG, {"strategy": "recompute", "chunk_tokens": 8, "vocab_block": 32}])
 def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
