@@ -262,6 +262,25 @@ def test_a_compiled_vmap_over_hidden_states_that_require_grad_says_why_backward_
         run(_leaf(torch.stack([x, 2 * x]))).sum().backward()
 
 
+def test_a_module_exported_under_no_grad_then_trained_says_why_backward_fails():
+    """torch.export keeps the gradients the op was asked for when traced: trained afterwards, the exported module
+    failed with autograd's "invalid gradient" (then with a message about vmap alone)."""
+    x, w, t = _inputs()
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(w.clone())
+
+        def forward(self, h, labels):
+            return fused_linear_cross_entropy(h, self.weight, labels)
+
+    with torch.no_grad():
+        exported = torch.export.export(Head(), (x, t)).module()
+    with pytest.raises(RuntimeError, match="formed no gradient for its weight.*exported"):
+        exported(x, t).backward()
+
+
 def test_a_compiled_vmap_over_a_softcap_raises():
     """Under torch.compile the transform check of a tensor option breaks the graph (Dynamo cannot trace
     functorch's state), so the eager check still refuses vmap over it. Skipping the check under Dynamo, to keep
