@@ -236,11 +236,13 @@ def _run_tp_site(mesh) -> dict:
     with loss_parallel():
         report = [(r.path, r.reason) for r in fc.explain(model, idx, labels)]
         escaped = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh, return_logits=True), idx, labels)]
+        dropped = [r.path for r in fc.explain(_tp_model(mesh, return_logits=True), idx, labels,
+                                              options={"flce.logits": "drop"})]
         lone = [(r.path, r.reason) for r in fc.explain(_tp_model(mesh), idx)]
         loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
         loss.backward()
     return {
-        "report": report, "escaped": escaped, "lone": lone, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
+        "report": report, "escaped": escaped, "dropped": dropped, "lone": lone, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
         "loss_type": type(loss).__name__, "ref_grads": ref_grads,
         "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                   for n, p in model.named_parameters()},
@@ -788,6 +790,9 @@ def test_tensor_parallel_site_with_returned_logits_says_why(ranks):
     assert path == "unchanged"
     assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
     assert "used outside the loss" in reason
+    # Only returned (as a Hugging Face model returns them): the advice is the option that fuses the site.
+    assert "options={'flce.logits': 'drop'} drops them" in reason
+    assert ranks[0]["tp_site"]["dropped"] == ["vocab_parallel"]
 
 
 def test_tensor_parallel_head_without_its_loss_says_why(ranks):
