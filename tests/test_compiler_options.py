@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flce_compile.compiler as fc
+from flce_compile.compiler.backend import compiled_options
 from flce_compile.compiler.options import split_options
 from flce_compile.compiler.rewrite import flce_fused_loss
 
@@ -132,6 +133,20 @@ def test_a_bare_option_name_of_ours_passes_to_an_inner_compiler_of_the_users_own
     torch._dynamo.reset()
     torch.compile(Tiny(), backend="flce", options={"logits": 3, "flce.inner": inner})(*_inputs())
     assert seen.get("options") == {"logits": 3}
+
+
+def test_a_with_options_backend_pickles_with_its_options():
+    """A closure before, which pickle refused ("Can't pickle local object"), where the options= spelling pickles."""
+    import pickle
+
+    backend = pickle.loads(pickle.dumps(fc.with_options(logits="drop", inner="aot_eager", mode=None)))
+    assert backend.flce_options == {"flce.logits": "drop", "flce.inner": "aot_eager"}
+    torch._dynamo.reset()
+    model = Tiny()
+    compiled = torch.compile(model, backend=backend)
+    x, t = _inputs()
+    torch.testing.assert_close(compiled(x, t), model(x, t))
+    assert compiled_options(compiled).logits == "drop"
 
 
 def test_with_options_takes_the_prefixed_spelling_too():

@@ -132,13 +132,24 @@ def with_options(options: Mapping[str, Any] | None = None, mode: str | None = No
     merged = dict(options or {})
     merged.update({k if k.startswith(PREFIX) else PREFIX + k: v for k, v in flce.items()})
     split_options(merged)  # validate now
+    return _BoundBackend(merged, mode)
 
-    def flce_with_options(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-        opt = {**merged, **(kwargs.pop("options", None) or {})}
-        return flce_backend(gm, example_inputs, options=opt, mode=kwargs.pop("mode", mode), **kwargs)
 
-    flce_with_options.flce_options = merged  # type: ignore[attr-defined]  (read by compiled_options)
-    return flce_with_options
+class _BoundBackend:
+    """``with_options``'s backend: ``flce_backend`` with options and mode bound. A class, not a closure, so that it
+    pickles (with its options) as the ``options=`` spelling does; ``flce_options`` is read by ``backend_options``."""
+
+    __name__ = "flce_with_options"  # (what Dynamo's logs call a backend)
+
+    def __init__(self, options: dict[str, Any], mode: str | None) -> None:
+        self.flce_options, self.mode = options, mode
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        opt = {**self.flce_options, **(kwargs.pop("options", None) or {})}
+        return flce_backend(gm, example_inputs, options=opt, mode=kwargs.pop("mode", self.mode), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"flce_compile.with_options({self.flce_options!r}, mode={self.mode!r})"
 
 
 def compiled_options(model: Any) -> FLCEOptions | None:
