@@ -58,10 +58,9 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
     if input.dtype not in _FLOATS:
         raise TypeError(f"input dtype {input.dtype} is unsupported; use one of {_FLOATS}")
     if input.dtype != weight.dtype and not _autocast_casts_both(input, weight):
-        raise TypeError(
-            f"input dtype {input.dtype} differs from weight dtype {weight.dtype}; cast one of them, or run "
-            "under torch.autocast"
-        )
+        how = ("autocast leaves fp64 tensors as they are" if autocast_on(input.device.type)
+               else f"or run under torch.autocast for {input.device.type}")
+        raise TypeError(f"input dtype {input.dtype} differs from weight dtype {weight.dtype}; cast one of them ({how})")
     if input.device != weight.device or target.device != input.device:
         raise ValueError(
             f"input ({input.device}), weight ({weight.device}) and target ({target.device}) must be on one device"
@@ -71,7 +70,8 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             raise TypeError(f"bias must be a tensor of shape ({weight.shape[0]},) or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) (one per class), got {tuple(bias.shape)}")
-        if bias.device != weight.device or not (bias.dtype == weight.dtype or _wide_bias(bias, weight)):
+        if bias.device != weight.device or not (bias.dtype == weight.dtype or _wide_bias(bias, weight)
+                                                or _autocast_casts_both(bias, weight)):
             raise TypeError(f"bias must be on weight's device ({weight.device}) in weight's dtype ({weight.dtype}), "
                             f"or float32 beside bf16/fp16 weights (added to fp32 logits); got {bias.dtype} on "
                             f"{bias.device}")
@@ -218,11 +218,11 @@ def _wide_bias(bias: Tensor, weight: Tensor) -> bool:
 
 
 def _autocast_casts_both(input: Tensor, weight: Tensor) -> bool:
-    """Whether autocast will give ``input`` and ``weight`` one dtype (``_autocast``): it is on for their device and
-    leaves neither in fp64 (hidden states out of an autocast matmul are bf16 beside an fp32 head, as F.linear takes
-    them)."""
-    return (autocast_on(input.device.type) and input.dtype != torch.float64 and weight.dtype != torch.float64
-            and weight.dtype in _FLOATS)
+    """Whether autocast will give ``input`` (the hidden states, or the bias) and ``weight`` one dtype
+    (``_autocast``): it is on for their device and leaves neither in fp64 (hidden states out of an autocast matmul
+    are bf16 beside an fp32 head, as F.linear takes them)."""
+    return (input.dtype in _FLOATS and weight.dtype in _FLOATS and torch.float64 not in (input.dtype, weight.dtype)
+            and autocast_on(input.device.type))
 
 
 def _autocast(input: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:

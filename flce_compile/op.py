@@ -568,9 +568,10 @@ def _no_gradient_formed(name: str) -> RuntimeError:
     return RuntimeError(
         f"fused_linear_cross_entropy formed no gradient for its {name}: it read requires_grad=False when the op was "
         "called or traced, yet backward asks for one. A traced graph keeps what it read then: a module exported "
-        f"(torch.export) under no_grad or with the {name} frozen, then trained, needs exporting again as it is "
-        "trained; torch.func.vmap inside torch.compile traces batched tensors that read requires_grad=False: call "
-        "vmap outside torch.compile (eager vmap gives the gradient), or compute this loss unfused there")
+        f"(torch.export) with an example {name} that did not require grad, under no_grad or with the {name} frozen, "
+        "then trained, needs exporting again as it is trained; torch.func.vmap inside torch.compile traces batched "
+        "tensors that read requires_grad=False: call vmap outside torch.compile (eager vmap gives the gradient), or "
+        "compute this loss unfused there")
 
 
 def _backward(ctx, grad_loss, *_other_outputs):

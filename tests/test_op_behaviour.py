@@ -291,8 +291,12 @@ def test_autocast_takes_16_bit_hidden_states_beside_an_fp32_head(hidden_dtype):
     assert h.grad.dtype == hidden_dtype and w.grad.dtype == torch.float32
     torch.testing.assert_close(h.grad, hr.grad)
     torch.testing.assert_close(w.grad, wr.grad)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="differs from weight dtype"):
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="autocast leaves fp64"):
         fused_linear_cross_entropy(x.double(), w, t)  # autocast leaves fp64 alone: still two dtypes
+    b = torch.randn(96, dtype=torch.float16)  # a bias of a third dtype: F.linear casts it too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(fused_linear_cross_entropy(h, w, t, b, config=CFG),
+                                   F.cross_entropy(F.linear(h, w, b).float(), t))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

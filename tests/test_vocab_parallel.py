@@ -242,7 +242,8 @@ def _run_tp_site(mesh) -> dict:
         loss = torch.compile(model, backend="flce", options={"flce.inner": capture})(idx, labels)
         loss.backward()
     return {
-        "report": report, "escaped": escaped, "dropped": dropped, "lone": lone, "ref_loss": ref.full_tensor(), "loss": loss.full_tensor(),
+        "report": report, "escaped": escaped, "dropped": dropped, "lone": lone, "ref_loss": ref.full_tensor(),
+        "loss": loss.full_tensor(),
         "loss_type": type(loss).__name__, "ref_grads": ref_grads,
         "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                   for n, p in model.named_parameters()},
@@ -791,7 +792,7 @@ def test_tensor_parallel_site_with_returned_logits_says_why(ranks):
     assert reason.startswith("tensor-parallel lm_head: call flce_compile.vocab_parallel_linear_cross_entropy")
     assert "used outside the loss" in reason
     # Only returned (as a Hugging Face model returns them): the advice is the option that fuses the site.
-    assert "options={'flce.logits': 'drop'} drops them" in reason
+    assert "only returned: options={'flce.logits': 'drop'} fuses the loss" in reason
     assert ranks[0]["tp_site"]["dropped"] == ["vocab_parallel"]
 
 

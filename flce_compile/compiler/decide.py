@@ -176,21 +176,34 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
 
 def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.Node]],
                     aliases: AliasMap) -> SiteResult:
-    """The tensor-parallel site: the vocab_parallel path, or unchanged with the reason and the advice."""
+    """The tensor-parallel site: the vocab_parallel path, or unchanged with the reason and the advice. Logits only
+    returned (a Hugging Face model's, through a cast or reshape or not) are the one obstacle an option removes: the
+    reason names it when nothing else would stop the site."""
+    obstacle, plan = _vocab_parallel_obstacle(site, escapes, aliases)
+    if obstacle is None:
+        res.path, res.plan = "vocab_parallel", plan
+        return res
+    if (escapes and not _without_returned_steps(site.escapes(ignore_output=True))[0]
+            and _vocab_parallel_obstacle(site, {}, aliases)[0] is None):
+        obstacle += ("; the logits are only returned: options={'flce.logits': 'drop'} fuses the loss (the model "
+                     "then returns logits=None)")
+    res.reason = obstacle
+    return res
+
+
+def _vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]], aliases: AliasMap
+                             ) -> tuple[str | None, Plan | None]:
+    """(why the tensor-parallel site cannot take the vocab_parallel path with these escapes, or None; its plan)."""
     obstacle = vocab_parallel_obstacle(site, escapes)
     plan = fold_steps(site, 0) if obstacle is None else None
     if isinstance(plan, str):
-        obstacle = f"{ADVICE} ({plan})"
-    elif plan is not None and runtime_softcap(plan):
-        obstacle = f"{ADVICE} ({symbolic_softcap_refused('the vocab-parallel loss')})"
+        return f"{ADVICE} ({plan})", None
+    if plan is not None and runtime_softcap(plan):
+        return f"{ADVICE} ({symbolic_softcap_refused('the vocab-parallel loss')})", None
     write = _head_write(site, aliases) if obstacle is None else None
     if write is not None:
-        obstacle = f"{ADVICE} ({describe(write)} may write to a tensor the lm_head reads)"
-    if obstacle is not None:
-        res.reason = obstacle
-        return res
-    res.path, res.plan = "vocab_parallel", plan
-    return res
+        return f"{ADVICE} ({describe(write)} may write to a tensor the lm_head reads)", None
+    return obstacle, plan
 
 
 def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:

@@ -78,9 +78,6 @@ def vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]]) -
         why = "the loss gathers per-token log-probs, which the vocabulary-parallel op does not return"
     elif escapes:
         why = f"the logits are used outside the loss ({', '.join(sorted(n.name for n in escapes))})"
-        if all(user.op == "output" for users in escapes.values() for user in users):
-            # A Hugging Face model returns its logits: dropped, the site is fused (checked on 2 gloo ranks).
-            why += "; only returned: options={'flce.logits': 'drop'} drops them, and the loss is fused"
     elif is_dtensor(meta_value(loss.target)):
         why = "the target is a DTensor"
     else:
