@@ -214,10 +214,12 @@ def test_explain_names_the_options_it_ran_under_and_each_sites_chunking():
     x, t = torch.randn(32, 16), torch.randint(0, 100, (32,))
     plain = fc.explain(fn, x, t, options={"flce.inner": "aot_eager"})
     assert "flce.precision" not in str(plain)  # defaults are not repeated
-    options = {"flce.inner": "aot_eager", "flce.precision": "compact", "flce.config": {"chunk_tokens": 8}}
+    options = {"flce.inner": "aot_eager", "flce.precision": "compact", "flce.config": {"chunk_tokens": 8},
+               "flce.checkpoint_side_effects": "replay"}
     report = fc.explain(fn, x, t, options=options)
     first = str(report).splitlines()[0]
     assert "flce.precision='compact'" in first and "flce.config={'chunk_tokens': 8}" in first
+    assert "flce.checkpoint_side_effects='replay'" in first  # (left out until a docs sweep, 2026-12-05)
     (site,) = report
     assert site.strategy.endswith("chunk_tokens=8)") and "memory saved" in str(site) and "MiB" in str(site)
 

@@ -122,7 +122,8 @@ def _bytes_text(n: float) -> str:
 
 _DEFAULT_OPTIONS = FLCEOptions()
 #: The options a report's first line names when they are not at their defaults (``enabled`` has its own words).
-_OTHER_OPTIONS = ("config", "precision", "memory_budget_gb", "causal_masks", "inner_failure")
+_OTHER_OPTIONS = ("config", "precision", "memory_budget_gb", "causal_masks", "inner_failure",
+                  "checkpoint_side_effects")
 
 
 def _config_text(cfg: FLCEConfig, source: str) -> str:
