@@ -211,8 +211,9 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     weight_sum = _weight_sum(ce_weight, vocab_total, dtype, lse.device)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
     scales = _gradient_scales(ce_scale, z_scale, p.reduction)
-    rows = row_loss(p, lse, z_y, weighted_z, w_y, weight_sum, vocab_total, scales.ce, scales.z, ignored,
-                    invalid).to(dtype)
+    # sum_c w_c (lse - z_c) from the slices' raw sums: it cancels under a large common offset of the logits
+    smoothing = weight_sum * lse - weighted_z if weighted_z is not None else None
+    rows = row_loss(p, lse, z_y, smoothing, w_y, vocab_total, scales.ce, scales.z, ignored, invalid).to(dtype)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
     return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), torch.stack((lse, z_y))
 

@@ -1,10 +1,11 @@
 """Triton kernel: the cross-entropy part of one chunk, one program per token row.
 
 Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse, and the
-weighted sum of logits that label smoothing needs. The row's loss follows. Pass 2, when a gradient is wanted,
-re-reads each block, from the row's end back (the blocks pass 1 read last are the likeliest to be in L2 still), and
-writes dloss/dlogits to the gradient rows: the logits themselves (in place, the usual case) or a separate buffer
-when the logits must stay intact (they are returned to the caller). All math is fp32; the true-class term is formed
+weighted sum of logits that label smoothing needs (taken relative to the running max: ``_softmax_block``). The
+row's loss follows. Pass 2, when a gradient is wanted, re-reads each block, from the row's end back (the blocks
+pass 1 read last are the likeliest to be in L2 still), and writes dloss/dlogits to the gradient rows: the logits
+themselves (in place, the usual case) or a separate buffer when the logits must stay intact (they are returned to
+the caller). All math is fp32; the true-class term is formed
 in fp32 before the single rounding to the gradient's dtype. The logits may be fp32 while the gradient rows are in
 the compute dtype (``FLCEConfig.fp32_logits``, the "precise" policy): every load is converted to fp32 and the store
 is the one rounding, so nothing here depends on it. With ``WRITE_RESIDUAL`` (that policy too) each row also writes
@@ -73,14 +74,26 @@ def _load_block(ptr, offs, vocab, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, running_sum, weighted_z,
+def _smoothing_shift(running_max):
+    """The shift the smoothing sum ends relative to: the row's max, or 0 for a row of -inf (``_softmax_block``)."""
+    return tl.where(running_max == -float("inf"), 0.0, running_max)
+
+
+@triton.jit
+def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, running_sum, smooth_sum, seen,
                    logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                    HAS_CE_WEIGHT: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr,
-                   PADDED: tl.constexpr):
+                   PADDED: tl.constexpr, RAW_SMOOTHING: tl.constexpr):
     """One block of pass 1: the online max/sum (and the smoothing sum) updated with the logits at ``offs``.
     MASKED: the block may run past ``vocab`` (see the module's docstring for when a block is not); loads stop at
     ``width`` (V, or with PADDED the padded row: the columns past V then load whatever they hold and are masked
-    here)."""
+    here).
+
+    The smoothing sum is sum_c w_c (z_c - shift) over the classes seen so far, relative to the running shift (the
+    max), with ``seen`` = sum_c w_c over them: when the max rises, the sum moves by seen * (old - new shift).
+    Every term is <= 0, so nothing cancels; the raw sum_c w_c z_c cancelled against W lse when every logit
+    carried a large common offset (fp32 at +1000: the loss 4-27x eager's error). RAW_SMOOTHING keeps the raw
+    sum_c w_c z_c instead (``seen`` unused): the statistics a vocabulary slice hands the ranks' combination."""
     if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED and not HAS_SMOOTHING:
         # The load's mask is the class mask and z is the raw logit: loading -inf past V masks the max and the
         # sum without a select an element (the kernel is near its issue limit).
@@ -99,16 +112,24 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
     if HAS_SMOOTHING:
-        if HAS_CE_WEIGHT and MASKED:  # past V the weight is 0 but z may be anything (padding): select
-            weighted_z += tl.sum(tl.where(offs < vocab, z * _load_block(class_weight_ptr, offs, vocab, MASKED), 0.0),
-                                 axis=0)
-        elif HAS_CE_WEIGHT:
-            weighted_z += tl.sum(z * _load_block(class_weight_ptr, offs, vocab, MASKED), axis=0)
-        elif MASKED:
-            weighted_z += tl.sum(tl.where(offs < vocab, z, 0.0), axis=0)
+        term = z if RAW_SMOOTHING else z - shift
+        if HAS_CE_WEIGHT:
+            w = _load_block(class_weight_ptr, offs, vocab, MASKED)  # 0 past V
+            term = term * w
+        if MASKED:  # past V z may be anything (padding): select
+            term = tl.where(offs < vocab, term, 0.0)
+        if RAW_SMOOTHING:
+            smooth_sum += tl.sum(term, axis=0)
         else:
-            weighted_z += tl.sum(z, axis=0)
-    return new_max, running_sum, weighted_z
+            old_shift = _smoothing_shift(running_max)
+            smooth_sum += tl.where(seen > 0, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
+            if HAS_CE_WEIGHT:
+                seen += tl.sum(w, axis=0)
+            elif MASKED:
+                seen += tl.sum(tl.where(offs < vocab, 1.0, 0.0), axis=0)
+            else:
+                seen += offs.shape[0] * 1.0
+    return new_max, running_sum, smooth_sum, seen
 
 
 @triton.jit
@@ -162,29 +183,31 @@ def _zero_row(grad_row_ptr, cols, width, BLOCK_V: tl.constexpr):
 def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, logit_scale, softcap,
                   HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                   UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
-    """Pass 1 over a row: (running max, running sum, weighted sum of z) of its classes."""
+                  RAW_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over a row: (running max, running sum, smoothing sum, its weight) of its classes; the smoothing
+    sum is sum_c w_c (z_c - max), and its weight sum_c w_c (``_softmax_block``; RAW_SMOOTHING: sum_c w_c z_c)."""
     running_max = -float("inf")
     running_sum = 0.0
-    weighted_z = 0.0
+    smooth_sum = 0.0
+    seen = 0.0
     if UNMASKED_BLOCKS:
         for start in range(0, vocab_full, BLOCK_V):
-            running_max, running_sum, weighted_z = _softmax_block(
-                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, weighted_z,
+            running_max, running_sum, smooth_sum, seen = _softmax_block(
+                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
                 logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False, SCALED=SCALED,
-                PADDED=False)
+                PADDED=False, RAW_SMOOTHING=RAW_SMOOTHING)
         if vocab_full < vocab:
-            running_max, running_sum, weighted_z = _softmax_block(
-                row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, running_max, running_sum, weighted_z,
-                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=False)
+            running_max, running_sum, smooth_sum, seen = _softmax_block(
+                row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, running_max, running_sum, smooth_sum,
+                seen, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
+                PADDED=False, RAW_SMOOTHING=RAW_SMOOTHING)
     else:
         for start in range(0, width, BLOCK_V):
-            running_max, running_sum, weighted_z = _softmax_block(
-                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, weighted_z,
+            running_max, running_sum, smooth_sum, seen = _softmax_block(
+                row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
                 logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=PADDED)
-    return running_max, running_sum, weighted_z
+                PADDED=PADDED, RAW_SMOOTHING=RAW_SMOOTHING)
+    return running_max, running_sum, smooth_sum, seen
 
 
 @triton.jit
@@ -284,23 +307,25 @@ def ce_chunk_kernel(
         lse_full = tl.load(lse_in_ptr + row).to(tl.float64)
         lse = lse_full.to(tl.float32)
         rest = tl.where(lse_full - lse_full == 0.0, lse_full - lse.to(tl.float64), 0.0).to(tl.float32)
-        weighted_z = 0.0
+        smooth_sum = 0.0  # (no pass 1: a call with a kept lse writes no loss, ``CEStepArgs.check_slice``)
+        seen = 0.0
         shift, inv_sum = lse, tl.exp(-rest)
     else:
         if WRITE_LSE or WRITE_STATS:  # every row's statistics are outputs
-            running_max, running_sum, weighted_z = _softmax_pass(
+            running_max, running_sum, smooth_sum, seen = _softmax_pass(
                 row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, WRITE_STATS, BLOCK_V)
         else:
             # An ignored row's loss is 0 and its gradient 0: its logits are not read (padding and prompt tokens
             # can be a large share of a batch). Its lse stays -inf, unused.
             running_max = -float("inf")
             running_sum = 0.0
-            weighted_z = 0.0
+            smooth_sum = 0.0
+            seen = 0.0
             if ignored == 0:
-                running_max, running_sum, weighted_z = _softmax_pass(
+                running_max, running_sum, smooth_sum, seen = _softmax_pass(
                     row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, WRITE_STATS, BLOCK_V)
         log_sum = tl.log(running_sum)
         lse = running_max + log_sum
         shift, inv_sum = running_max, 1.0 / running_sum
@@ -326,8 +351,12 @@ def ce_chunk_kernel(
         else:
             gap_y = (running_max - z_y) + log_sum
         ce = (1.0 - label_smoothing) * w_y * gap_y
-        if HAS_SMOOTHING:
-            ce += smooth_per_class * (weight_sum * lse - weighted_z)
+        if HAS_SMOOTHING:  # sum_c w_c (lse - z_c) = W (lse - max) - sum_c w_c (z_c - max): no cancellation
+            if HAS_LSE_IN:  # no pass 1, so no smoothing sum (0): the chunk loops never ask for this loss
+                lse_rel = lse
+            else:
+                lse_rel = (running_max - _smoothing_shift(running_max)) + log_sum
+            ce += smooth_per_class * (weight_sum * lse_rel - smooth_sum)
         loss = ce * ce_scale
         if HAS_Z_LOSS:
             loss += z_loss * lse * lse * z_scale
@@ -347,7 +376,8 @@ def ce_chunk_kernel(
         z_t, _t = _transform(raw_t, logit_scale, softcap, HAS_SOFTCAP, SCALED)
         tl.store(stats_ptr + row, lse_exact)
         tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
-        tl.store(stats_ptr + 2 * stats_stride + row, weighted_z)
+        # The slice's raw sum_c w_c z_c (RAW_SMOOTHING), which the vocabulary-parallel op sums over ranks
+        tl.store(stats_ptr + 2 * stats_stride + row, smooth_sum)
 
     if WRITE_GRAD and (WRITE_LOSS or WRITE_TARGET_Z or WRITE_STATS):
         # The gradient may overwrite the logits in place, and the warps of this program run apart: without a

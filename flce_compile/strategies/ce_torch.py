@@ -55,24 +55,31 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         # formed from it is the forward's, whatever rounding the recomputed logits got (``CEStepArgs``)
         kept = torch.where(here, args.target_z_in.to(z.dtype), z.gather(1, col_index).squeeze(1))
         z.scatter_(1, col_index, kept[:, None])
-    wants_sum = eps and wants_stats
+    wants_sum = bool(eps) and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
-    weighted_z = (z @ class_w if class_w is not None else z.sum(dim=1)) if wants_sum else None
+    # A slice's statistics carry the raw sum_c w_c z_c, which the vocabulary-parallel op sums over ranks; the
+    # loss takes sum_c w_c (z_c - max) (see the loss below)
+    raw_sum = _class_sum(z, class_w) if wants_sum and args.stats_out is not None else None
     # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
     # row is far below lse's rounding at the logits' magnitude), the kept lse and, from it, backward's p
     if args.lse_in is None:
-        sums, lse_full = _exp_shifted_(z)  # z is exp(z - max) from here on
-    else:
+        # z is exp(z - max) from here on; with smoothing, rel_sum = sum_c w_c (z_c - max)
+        sums, lse_full, shift, rel_sum = _exp_shifted_(z, class_w, wants_sum and args.loss_out is not None)
+    else:  # the sums relative to the kept lse (the chunk loops ask no loss of such a step)
         sums, lse_full = None, args.lse_in
+        shift = lse_full.to(z.dtype)
+        rel_sum = _class_sum(z - shift[:, None], class_w) if wants_sum and args.loss_out is not None else None
     lse = lse_full.to(z.dtype)  # (fp32 + fp32 is exact in fp64, so this is the fp32 sum's rounding)
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
     if args.stats_out is not None:
-        _write_stats(args, p, lse_full, torch.where(here, z_y, 0.0), weighted_z)
+        _write_stats(args, p, lse_full, torch.where(here, z_y, 0.0), raw_sum)
     if args.loss_out is not None:
-        args.loss_out.copy_(row_loss(p, lse_full, z_y, weighted_z, w_y, args.weight_sum, vocab, ce_scale, z_scale,
-                                     ignored, invalid))
+        # sum_c w_c (lse - z_c) = W (lse - max) - sum_c w_c (z_c - max): terms of one sign, nothing cancels (the
+        # raw W lse - sum_c w_c z_c did, under a large common offset of the logits)
+        smoothing = args.weight_sum * (lse_full - shift.to(lse_full.dtype)) - rel_sum if wants_sum else None
+        args.loss_out.copy_(row_loss(p, lse_full, z_y, smoothing, w_y, vocab, ce_scale, z_scale, ignored, invalid))
         if args.lse_out is not None:
             args.lse_out.copy_(lse_full)
 
@@ -118,18 +125,27 @@ def _work_buffer(args: CEStepArgs) -> torch.Tensor:
     return logits.to(dtype, copy=True)
 
 
-def _exp_shifted_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn ``z`` (rows x C) into exp(z - rowmax) in place; return each row's sum of exp(z - rowmax) and its lse
-    in fp64, max + log(sum) unrounded.
+def _exp_shifted_(z: torch.Tensor, class_w: torch.Tensor | None = None, smoothing: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Turn ``z`` (rows x C) into exp(z - shift) in place, the shift being each row's max; return each row's sum
+    of exp(z - shift), its lse in fp64 (max + log(sum) unrounded), the shift and, with ``smoothing``,
+    sum_c w_c (z_c - shift) (``class_w``: w, None for ones).
     A row of -inf gets lse -inf. A row holding +inf has no softmax: its sum, and so its lse, loss and
     probabilities, is nan, as eager's log_softmax and the Triton kernel give it (torch.logsumexp's +inf gave
     this step a loss of inf there: the same call read inf on the CPU and nan on a GPU). Its shift is the largest
     finite value, so finite z do not overflow."""
     peak = z.amax(dim=1)
     shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
-    sums = z.sub_(shift[:, None]).exp_().sum(dim=1)
+    z.sub_(shift[:, None])
+    rel_sum = _class_sum(z, class_w) if smoothing else None
+    sums = z.exp_().sum(dim=1)
     sums.masked_fill_(peak == float("inf"), float("nan"))
-    return sums, sums.log().double().add_(shift.double())
+    return sums, sums.log().double().add_(shift.double()), shift, rel_sum
+
+
+def _class_sum(z: torch.Tensor, class_w: torch.Tensor | None) -> torch.Tensor:
+    """Each row's sum_c w_c z_c (plain sum without class weights)."""
+    return z @ class_w if class_w is not None else z.sum(dim=1)
 
 
 def _probabilities_from_lse_(z: torch.Tensor, lse_full: torch.Tensor) -> torch.Tensor:
@@ -144,17 +160,17 @@ def _probabilities_from_lse_(z: torch.Tensor, lse_full: torch.Tensor) -> torch.T
     return z.sub_(lse[:, None]).exp_().mul_(rest.neg_().exp_()[:, None])
 
 
-def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, weighted_z: torch.Tensor | None,
-             w_y: torch.Tensor, weight_sum: torch.Tensor, vocab: int, ce_scale: torch.Tensor,
-             z_scale: torch.Tensor, ignored: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, smoothing: torch.Tensor | None,
+             w_y: torch.Tensor, vocab: int, ce_scale: torch.Tensor, z_scale: torch.Tensor, ignored: torch.Tensor,
+             invalid: torch.Tensor) -> torch.Tensor:
     """Each row's scaled loss from its statistics over all ``vocab`` classes: the lse, the target's z, the
-    smoothing sum sum_c w_c z_c (None without label smoothing) and the target's class weight. 0 for ignored
-    rows, nan for out-of-range targets. Shared by the CE step and the vocabulary-parallel op, which sums the
-    statistics of its ranks' slices first."""
+    smoothing term sum_c w_c (lse - z_c) (None without label smoothing) and the target's class weight. 0 for
+    ignored rows, nan for out-of-range targets. Shared by the CE step and the vocabulary-parallel op, which sums
+    the statistics of its ranks' slices first."""
     eps = p.label_smoothing
     ce = (1.0 - eps) * w_y * (lse - z_y)
     if eps:
-        ce = ce + (eps / vocab) * (weight_sum * lse - weighted_z)
+        ce = ce + (eps / vocab) * smoothing
     row = ce * ce_scale
     if p.z_loss:
         row = row + p.z_loss * lse * lse * z_scale
