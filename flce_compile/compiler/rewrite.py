@@ -24,14 +24,14 @@ from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
-from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
+from .checkpoints import CheckpointRegion, checkpoint_body, inline_fusable_checkpoints
 from .decide import LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, lone_heads
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, meta_value, own_bias, runtime_softcap
+from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, find_sites, meta_value, own_bias, runtime_softcap
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
@@ -249,6 +249,22 @@ def run_pass(
         gm.graph.lint()
         gm.recompile()
     return PassResult(results, wrap, regions)
+
+
+def has_loss_site(gm: fx.GraphModule) -> bool:
+    """Whether ``gm``, or the body of a checkpointed region in it, holds a loss call ``run_pass`` looks at (fusable
+    or not). Without one the pass changes nothing and only reports the graph's lone lm_heads
+    (``report_lone_heads``): the backend then spares its copy of the graph (``backend._snapshot``). Reads only."""
+    if find_sites(gm):
+        return True
+    bodies = (checkpoint_body(gm, node) for node in gm.graph.nodes)
+    return any(found is not None and find_sites(found[1]) for found in bodies)
+
+
+def report_lone_heads(gm: fx.GraphModule) -> None:
+    """Log the lm_heads of a graph with no loss site, as ``run_pass`` logs them (``decide.lone_heads``)."""
+    for head in lone_heads(gm, []):
+        _log_lone_head(head)
 
 
 def _keep_node(result: fx.Node) -> fx.Node:
