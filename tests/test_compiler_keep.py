@@ -942,8 +942,10 @@ def test_a_softcap_left_symbolic_by_dynamic_true_is_read_at_run_time(logits):
     (site,) = fc.explain(compiled, idx, labels)
     assert site.fused and "(read at run time)" in str(site.softcap), site
     compiled_graphs = []
-    if logits == "keep":  # the returned capped logits' gradient is replayed outside the graph, as for a constant
-        assert site.note is None, site.note
+    if logits == "keep":  # the returned capped logits' gradient is replayed outside the graph, as for a constant;
+        # formed in the forward, since a symbolic cap is not replayed when they are read
+        assert site.note == "the returned logits are formed in the forward: logits_1 cannot be computed outside the " \
+            "graph", site.note
     for cap, logits_weight in ((5.0, 0.0), (7.0, 0.5), (-3.0, 0.5)):
         model.softcap = cap
         ref_loss, ref_logits, ref_grads = _reference(model, idx, labels, logits_weight if logits == "keep" else 0.0)
@@ -1205,3 +1207,51 @@ def test_a_pass_that_fails_halfway_leaves_the_traced_graph(monkeypatch, caplog):
     torch.testing.assert_close(logits, ref_logits)
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, ref_grads[name], msg=name)
+
+
+class AuxLossInPlace(LM):
+    """A mixture-of-experts model's loss: transformers' Mixtral and Qwen2-MoE add the router's loss in place
+    (``loss += coef * aux_loss``) to the cross-entropy's result, and return the logits."""
+
+    def forward(self, idx, labels):
+        h = torch.tanh(self.proj(self.emb(idx)))
+        logits = self.lm_head(h)
+        loss = F.cross_entropy(logits.float().view(-1, V), labels.reshape(-1))
+        loss += 1e-2 * h.square().mean()
+        return loss, logits
+
+
+def test_a_loss_added_to_in_place_leaves_the_logits_to_be_formed_when_read():
+    """``F.cross_entropy``'s loss is new memory: an in-place add to it writes nothing the lm_head reads. It was
+    taken as a write to the logits, and the logits were formed in every forward (250 MiB more at a step of
+    Mixtral's with V=32000 and 2048 tokens); now the lazy path, with eager's loss, gradients and logits."""
+    torch.manual_seed(0)
+    model = AuxLossInPlace()
+    idx, labels = _data()
+    (site,) = fc.explain(model, idx, labels)
+    assert site.path == "fused_lazy", site
+    ref_loss, ref_logits, ref_grads = _reference(model, idx, labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"})
+    model.zero_grad(set_to_none=True)
+    loss, logits = compiled(idx, labels)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class ArgmaxMetric(LM):
+    """Returns the logits and an accuracy the graph computes from them (no gradient through it)."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits, (logits.argmax(-1) == labels).float().mean()
+
+
+def test_explain_says_why_returned_logits_are_formed_in_the_forward():
+    """A fused_keep site whose returned logits could not wait to be read says why (its note was empty)."""
+    (site,) = fc.explain(ArgmaxMetric(), *_data())
+    assert site.path == "fused_keep", site
+    assert site.note.startswith("the returned logits are formed in the forward: ") and "reads them" in site.note

@@ -166,10 +166,13 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
         return res
     if logits_mode == "drop":
         res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
-    if logits_mode == "keep" and _lazy(site, res, aliases):
+    lazy_refused = _lazy(site, res, aliases) if logits_mode == "keep" else None
+    if res.path == "fused_lazy":
         return res
     obstacle = _fused_keep_obstacle(site, res, aliases)
     if obstacle is None:
+        if res.path == "fused_keep" and res.note is None and lazy_refused is not None:
+            res.note = f"the returned logits are formed in the forward: {lazy_refused}"
         return res
     return _kept_logits(site, res, obstacle, aliases)
 
@@ -206,10 +209,11 @@ def _vocab_parallel_obstacle(site: Site, escapes: dict[fx.Node, list[fx.Node]], 
     return obstacle, plan
 
 
-def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
-    """Set ``res`` up for the fused_lazy path and return True when the graph only returns its logits, through
+def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> str | None:
+    """Set ``res`` up for the fused_lazy path (and return None) when the graph only returns its logits, through
     steps that can be replayed outside it (``lazy_steps``), and nothing in the graph writes the lm_head's operands
-    or the logits after the lm_head (the logits are computed later, from the operands as the graph leaves them)."""
+    or the logits after the lm_head (the logits are computed later, from the operands as the graph leaves them).
+    Otherwise return why not, for ``explain``'s note on the fused_keep path that forms the logits instead."""
     returned: dict[fx.Node, fx.Node] = {}  # each returned node -> the chain node it is computed from
     for node, users in res.escapes.items():
         for user in users:
@@ -218,32 +222,37 @@ def _lazy(site: Site, res: SiteResult, aliases: AliasMap) -> bool:
                 continue
             after = _returned_after(user, node)
             if after is None:
-                return False
+                return f"{user.name} reads them in the graph"
             returned.update(dict.fromkeys(after, node))
     if flat_outputs(site.loss_node.graph) is None:
-        return False
+        return "the graph's outputs are not a flat sequence of tensors"
     # Logits the head formed under another grad mode than the one they are read in later would be computed with
     # the reader's (a reference model's logits under no_grad would require grad when read outside it).
-    if grad_mode_switch(site.linear.start, output_node(site.loss_node.graph)) is not None:
-        return False
-    if any(isinstance(output_transform(site, chain_node), str) for chain_node in returned.values()):
-        return False
+    switch = grad_mode_switch(site.linear.start, output_node(site.loss_node.graph))
+    if switch is not None:
+        return f"{switch.name} changes grad mode after the lm_head"
+    transforms = [output_transform(site, chain_node) for chain_node in returned.values()]
+    blocked = next((t for t in transforms if isinstance(t, str)), None)
+    if blocked is not None:
+        return f"they are returned through {blocked}"
     steps = {node: lazy_steps(site, node) for node in returned}
-    if any(s is None for s in steps.values()):
-        return False
+    unreplayable = next((node for node, s in steps.items() if s is None), None)
+    if unreplayable is not None:
+        return f"{unreplayable.name} cannot be computed outside the graph"
     plan = fold_steps(site, 0)
     if isinstance(plan, str):
-        return False
+        return plan
     lin = site.linear
     roots = _head_roots(site, aliases, lin.node)
-    if aliases.first_write(lin.start, output_node(site.loss_node.graph), roots) is not None:
-        return False
+    write = aliases.first_write(lin.start, output_node(site.loss_node.graph), roots)
+    if write is not None:
+        return f"{describe(write)} may write the lm_head's operands after it"
     out = meta_value(lin.node)
     size = (hint_int(out.numel()) or 0) * out.element_size()
     res.path, res.plan, res.lazy_outputs = "fused_lazy", plan, steps
     res.note = (f"the returned logits are computed when first read (~{size / 2**30:.3f} GiB then), outside the "
                 "graph; a caller that reads only the loss never forms them")
-    return True
+    return None
 
 
 #: Methods a returned logits may go through off the loss's chain and still be computed when read: casts (what

@@ -57,6 +57,10 @@ _MAY_RETURN_INPUT = {"dropout", "feature_dropout", "alpha_dropout", "feature_alp
                      "dropout2d", "dropout3d", "type_as", "einsum", "__getitem__", "getitem",
                      # the input itself, or a view of it, where no reshaping or conversion is needed
                      "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "conj_physical", "dequantize"}
+#: torch.nn.functional functions whose ATen op has another name. ``F.cross_entropy``'s loss is new memory: judged
+#: as one that may alias the logits, a mixture-of-experts model's ``loss += coef * aux_loss`` (transformers'
+#: Mixtral, Qwen2-MoE) read as a write to them, and the returned logits were formed in every forward.
+_ATEN_NAMES = {"cross_entropy": "cross_entropy_loss"}
 #: torch.nn modules (call_module nodes) that compute a new tensor from their input and write nothing.
 _FRESH_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d, nn.Tanh, nn.GELU,
                   nn.SiLU, nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.NLLLoss)
@@ -174,7 +178,7 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(first, False)
     if getattr(F, name, None) is target:
         # torch.nn.functional writes only through inplace= or a trailing underscore (both checked above).
-        verdict = _aten_verdict(name)
+        verdict = _aten_verdict(_ATEN_NAMES.get(name, name))
         return Effect((), bool(verdict and verdict[1]))
     return _by_aten_name(name, unknown)
 
