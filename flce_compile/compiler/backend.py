@@ -10,6 +10,7 @@ both bound for that case.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx
@@ -101,6 +102,10 @@ def _snapshot(graph: fx.Graph) -> fx.Graph:
     return snapshot
 
 
+#: Whether a causal mask kept for symbolic shapes was warned of (once a process; INFO after).
+_warned_symbolic_masks = False
+
+
 def _drop_causal_masks(gm: fx.GraphModule) -> None:
     """``causal_mask.drop_causal_masks`` on ``gm``, logged. An error is logged, not raised: the masks are judged
     (and evaluated) before any node changes, so a failed evaluation leaves the graph as it was."""
@@ -112,7 +117,12 @@ def _drop_causal_masks(gm: fx.GraphModule) -> None:
         logger.warning("flce: causal-mask pass failed, attention left as traced: %r", exc)
         return
     if result.calls or result.refused:  # a kept mask costs SDPA's flash kernel: say why
-        logger.info("flce: %s", result)
+        global _warned_symbolic_masks
+        # A recompile for a new size (the last, smaller batch of an epoch) keeps the masks for every later step:
+        # attention about 2x slower at 16384 tokens on an H200 (issue #13's step), so say it once at WARNING.
+        warn = result.symbolic and not _warned_symbolic_masks
+        _warned_symbolic_masks = _warned_symbolic_masks or warn
+        logger.log(logging.WARNING if warn else logging.INFO, "flce: %s", result)
 
 
 class _AllowGraphReplay:

@@ -46,6 +46,10 @@ _PLAIN_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short",
                   "size", "dim", "numel"}
 #: Graph nodes that open and close an autocast region (ops inside it may compute in another dtype).
 _AUTOCAST_ENTER, _AUTOCAST_EXIT = "_enter_autocast", "_exit_autocast"
+#: How a refusal for symbolic shapes ends. Dynamo makes a size symbolic when a new one recompiles a graph (a
+#: smaller last batch of an epoch does it), and the mask then stays for the rest of the run: ``MaskRewrite.symbolic``.
+SYMBOLIC = ("symbolic, not static (Dynamo recompiled the graph for a new size, a smaller last batch say; "
+            "torch.compile(..., dynamic=False) keeps shapes static, one graph per shape)")
 #: Rows of the mask compared with the causal pattern at a time (bounds the comparison's extra memory).
 _ROW_BLOCK = 4096
 
@@ -58,6 +62,11 @@ class MaskRewrite:
     calls: int = 0
     refused: dict[str, str] = field(default_factory=dict)  # mask node name -> reason
     unmasked: int = 0
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether a mask was kept because the graph's shapes are symbolic (``SYMBOLIC``)."""
+        return any(why.endswith(SYMBOLIC) for why in self.refused.values())
 
     def __str__(self) -> str:
         causal = self.calls - self.unmasked
@@ -197,7 +206,7 @@ def _mask_verdict(facts: _Facts, mask: fx.Node, query_shape: tuple[int, ...] | N
     """True when ``mask`` is a constant causal mask for an SDPA of these shapes, False when it is a constant mask
     that hides nothing; else why it is neither."""
     if query_shape is None or key_len is None:
-        return "the attention's shapes are not static (torch.compile(..., dynamic=False) keeps them so)"
+        return f"the attention's shapes are {SYMBOLIC}"
     ancestors = _ancestors(mask)
     for node in ancestors:
         if node.op == "placeholder":
@@ -210,7 +219,7 @@ def _mask_verdict(facts: _Facts, mask: fx.Node, query_shape: tuple[int, ...] | N
         if node in facts.in_autocast:
             return "it is built inside a torch.autocast region of the graph"
         if _symbolic(meta_value(node)):
-            return "its shape is symbolic (torch.compile(..., dynamic=False) keeps it static)"
+            return f"its shape is {SYMBOLIC}"
     if facts.written((n for n in facts.gm.graph.nodes if n not in ancestors), facts.aliases.roots_of(ancestors)):
         return "another node of the graph may write to it"
     try:
