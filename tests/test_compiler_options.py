@@ -221,7 +221,7 @@ def test_explain_names_the_options_it_ran_under_and_each_sites_chunking():
     assert "flce.precision='compact'" in first and "flce.config={'chunk_tokens': 8}" in first
     assert "flce.checkpoint_side_effects='replay'" in first  # (left out until a docs sweep, 2026-12-05)
     (site,) = report
-    assert site.strategy.endswith("chunk_tokens=8)") and "memory saved" in str(site) and "MiB" in str(site)
+    assert site.strategy.endswith("chunk_tokens=8)") and "est. memory" in str(site) and "MiB" in str(site)
 
 
 def test_explain_follows_the_memory_budget(monkeypatch):

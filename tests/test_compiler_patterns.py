@@ -788,12 +788,35 @@ def test_a_symbolic_label_smoothing_says_the_compile_traces_again(caplog):
     torch.testing.assert_close(loss, model(idx, t), rtol=1e-5, atol=1e-6)
 
 
+def test_explain_estimates_the_memory_against_the_ops_own():
+    """The estimate is the unfused loss's logits-sized buffers less the op's working set and the dX and dW it holds
+    from forward to backward (it counted the logits alone, and read "saved" where a step's peak rose: 64 tokens
+    against H = 512). Many tokens: saved; fewer than about H: a cost, said so."""
+    head = nn.Linear(64, 4000, bias=False)
+
+    def fn(x, t):
+        return F.cross_entropy(head(x), t)
+
+    def site(tokens):
+        x, t = torch.randn(tokens, 64, requires_grad=True), torch.randint(0, 4000, (tokens,))
+        (report,) = fc.explain(fn, x, t, options={"flce.inner": "aot_eager"})
+        return report
+
+    many, few = site(16384), site(16)  # (the CPU's heuristic runs 4096-token chunks)
+    unfused = 16384 * 4000 * 12  # fp32: logits, log-softmax and its gradient
+    held = (16384 * 64 + 4000 * 64) * 4  # dX and dW
+    assert 0 < many.est_saved_bytes < unfused - held and "est. memory saved" in str(many)
+    assert few.est_saved_bytes < 0 and "est. memory cost" in str(few)
+
+
 def test_explain_reports_sites_and_graph_breaks():
     torch.manual_seed(0)
     idx, t = _data()
     report = fc.explain(Escaping(), idx, t.clamp_min(0))
     assert len(report) == 1 and report[0].fused and report[0].path == "fused_lazy"
-    assert report[0].vocab == V and report[0].hidden == H and report[0].est_saved_bytes > 0
+    assert report[0].vocab == V and report[0].hidden == H
+    # 12 tokens, H = 16: the op's working set (1 MiB of allocator slack) and its dW cost more than the logits
+    assert report[0].est_saved_bytes < 0 and "est. memory cost" in str(report)
     assert report[0].kept_logits_bytes == 0 and "computed when first read" in str(report)
     report = fc.explain(Escaping(), idx, t.clamp_min(0), options={"flce.logits": "materialize"})
     assert len(report) == 1 and report[0].fused and report[0].path == "fused_keep"

@@ -65,7 +65,9 @@ class SiteReport:
         text = (
             f"fused ({self.path}, strategy={self.strategy}) tokens~{self.tokens} V={self.vocab} H={self.hidden}"
             + (" " + " ".join(extra) if extra else "")
-            + f", est. memory saved {_bytes_text(self.est_saved_bytes)}"
+            + (f", est. memory saved {_bytes_text(self.est_saved_bytes)}" if self.est_saved_bytes >= 0 else
+               f", est. memory cost {_bytes_text(-self.est_saved_bytes)} above unfused (fewer tokens than about H: "
+               "the op's V x H weight gradient, formed in forward, outweighs the logits)")
         )
         kept = f"~{_bytes_text(self.kept_logits_bytes)}"
         users = ", ".join(self.logits_users[:4]) + (", ..." if len(self.logits_users) > 4 else "")
@@ -134,16 +136,17 @@ def _config_text(cfg: FLCEConfig, source: str) -> str:
     return f"{cfg.strategy} ({source}; {chunks})"
 
 
-def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
+def _strategy(res: SiteResult, options: FLCEOptions) -> tuple[str | None, FLCEConfig | None]:
     """The strategy the site's op would run, and where its config comes from, as the op chooses it under
-    ``options`` (forced config fields, precision, memory budget). A ValueError when a memory budget leaves no
-    config (the backend then leaves the site unfused)."""
+    ``options`` (forced config fields, precision, memory budget), with that config (None where the site's op has
+    none to choose, or choosing failed). A ValueError when a memory budget leaves no config (the backend then
+    leaves the site unfused)."""
     if res.path == "kept_logits":
-        return "chunked-ce-over-kept-logits"
+        return "chunked-ce-over-kept-logits", None
     if res.path == "vocab_parallel":
-        return "vocab-parallel (lse in forward, logits recomputed by shard in backward)"
+        return "vocab-parallel (lse in forward, logits recomputed by shard in backward)", None
     if res.path not in ("fused", "fused_lazy", "fused_keep"):
-        return None
+        return None, None
     from ..plan.choose import config_within_budget, resolve_config
     from ..plan.precision import accum_dtype_for, forced_by
 
@@ -155,12 +158,12 @@ def _strategy(res: SiteResult, options: FLCEOptions) -> str | None:
         cfg, source = config_within_budget(forced, options.memory_budget_gb, *args,
                                            accum_dtype_for(options.precision, None, dtype),
                                            **_needs(res))
-        return _config_text(cfg, source)
+        return _config_text(cfg, source), cfg
     try:
         cfg, source = resolve_config(forced, *args)
-        return _config_text(cfg, source)
+        return _config_text(cfg, source), cfg
     except Exception as exc:  # noqa: BLE001 - reporting only
-        return f"unknown ({exc!r})"
+        return f"unknown ({exc!r})", None
 
 
 def _needs(res: SiteResult) -> dict[str, bool | int]:
@@ -188,15 +191,43 @@ def _softcap_text(plan: Plan | None) -> float | str | None:
     return f"{plan.softcap.args[0].name} (read at run time)"
 
 
-def _saved_bytes(res: SiteResult) -> int:
-    """Unfused training keeps logits + fp32 upcast + fp32 log-softmax + fp32 grad + grad in the logits dtype;
-    the fused op keeps none of them, the kept-logits path keeps logits and their grad."""
+def _saved_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> int:
+    """What fusing spares against the unfused loss, which keeps logits + fp32 upcast + fp32 log-softmax + fp32
+    grad + grad in the logits dtype: less the logits the site keeps, the op's own working set (``peak_bytes``:
+    chunk buffers, a dW accumulator) and, where the op forms the gradients in forward, dX and dW held from there
+    to backward, where unfused training forms them. Negative where the op costs more: with fewer tokens than
+    about the hidden size, a V x H dW outweighs the logits."""
     if not res.fused or res.tokens is None or res.site.vocab is None:
         return 0
     n = res.tokens * res.site.vocab
     s = res.logits_dtype.itemsize
     unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
-    return max(0, unfused - res.kept_logits_bytes)
+    return unfused - res.kept_logits_bytes - _op_bytes(res, cfg, options)
+
+
+def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> int:
+    """The fused op's working set and the gradients it holds from forward to backward (``_saved_bytes``); 0 when
+    it cannot be told (no config, a shape Dynamo left symbolic)."""
+    hidden, lin = res.site.hidden, res.site.linear
+    if cfg is None or not isinstance(hidden, int) or lin is None:
+        return 0
+    from ..plan.memory import peak_bytes
+    from ..plan.precision import accum_dtype_for
+    from ..plan.registry import get as strategy_named
+
+    dtype = meta_value(lin.start).dtype
+    needs = _needs(res)
+    try:
+        working = peak_bytes(cfg, res.tokens, res.site.vocab, hidden, dtype,
+                             accum_dtype_for(options.precision, None, dtype), device=res.device or "cpu", **needs)
+    except (TypeError, ValueError):  # (reporting only)
+        return 0
+    reduction = res.site.loss.reduction if res.site.loss is not None else "mean"
+    if strategy_named(cfg.strategy).loop == "recompute" or reduction == "none":
+        return working  # the gradients are formed in backward, as unfused
+    dw_columns = hidden - needs["frozen_columns"]
+    held = needs["need_dx"] * res.tokens * hidden + needs["need_dw"] * res.site.vocab * dw_columns
+    return working + held * dtype.itemsize
 
 
 def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCEOptions()) -> list[SiteReport]:
@@ -210,15 +241,15 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
         if not options.enabled:
             res = SiteResult(site, "unchanged", "flce.enabled=False")
         try:
-            strategy = _strategy(res, options)
+            strategy, cfg = _strategy(res, options)
         except ValueError as exc:  # the memory budget fits no config: the backend raises (BudgetError)
-            res, strategy = SiteResult(site, "unchanged", f"the compile raises: {exc}"), None
+            res, strategy, cfg = SiteResult(site, "unchanged", f"the compile raises: {exc}"), None, None
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
             fused=res.fused, path=res.path, reason=res.reason, strategy=strategy,
             tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=_softcap_text(plan),
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
-            est_saved_bytes=_saved_bytes(res), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
+            est_saved_bytes=_saved_bytes(res, cfg, options), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
             logits_users=res.logits_users,
         ))
     for head in lone_heads(gm, results):  # lm_heads whose loss is in another graph, or after the compiled code
