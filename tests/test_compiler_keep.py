@@ -1255,3 +1255,27 @@ def test_explain_says_why_returned_logits_are_formed_in_the_forward():
     (site,) = fc.explain(ArgmaxMetric(), *_data())
     assert site.path == "fused_keep", site
     assert site.note.startswith("the returned logits are formed in the forward: ") and "reads them" in site.note
+
+
+def test_drop_returns_an_evaluations_logits_formed_when_read():
+    """flce.logits="drop" is for training: a graph whose logits take no gradient (the Trainer's evaluate, under
+    no_grad, which hands them to compute_metrics) returns them as "keep" does, computed when read, eager's values
+    (they came back None, and compute_metrics was skipped without a word); a training step's are still None."""
+    from flce_compile.compiler.decide import EVAL_KEEP_NOTE
+
+    torch.manual_seed(0)
+    model = LM()
+    idx, labels = _data()
+    options = {"flce.inner": "aot_eager", "flce.logits": "drop"}
+    with torch.no_grad():
+        ref_loss, ref_logits = model(idx, labels)
+        (site,) = fc.explain(model, idx, labels, options=options)
+        assert site.path == "fused_lazy" and site.note.startswith(EVAL_KEEP_NOTE), site
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="flce", options=options)
+        loss, logits = compiled(idx, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    loss, logits = compiled(idx, labels)
+    assert logits is None
+    loss.backward()

@@ -92,6 +92,9 @@ _FUNCTORCH_NESTING = frozenset(
 ) - {None}
 
 
+#: The note of a site whose logits flce.logits="drop" keeps: they take no gradient (``_decide``).
+EVAL_KEEP_NOTE = ("flce.logits='drop' drops the logits of graphs that take a gradient; these take none (an "
+                  "evaluation), so they are returned as under 'keep'")
 #: The note of a fused_keep site whose logits only other fused losses read (``mark_unkept``, ``rewrite._unkeep``).
 UNKEPT_NOTE = "the logits' other readers, losses on the same logits, are fused too: the logits are not formed"
 #: The note of a later fused_keep site on an lm_head whose first one keeps the logits for every reader.
@@ -143,6 +146,12 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
     # The uses that read the logits in the graph: without the outputs and the casts or reshapes only returned.
     read, returned_steps = _without_returned_steps(site.escapes(ignore_output=True))
     res.logits_users = sorted({r.name for node, users in read.items() for u in users for r in _readers(u, node)})
+    # "drop" is for training: a graph whose logits take no gradient (an evaluation under no_grad, the Trainer's
+    # evaluate, which hands them to compute_metrics) returns them as "keep" does, formed only when read (as
+    # Liger's patches compute them outside training). Dropped there, compute_metrics was skipped without a word.
+    eval_keep = logits_mode == "drop" and not out.requires_grad and bool(all_escapes)
+    if eval_keep:
+        logits_mode = "keep"
     if logits_mode == "drop":  # a cast or reshape the graph only returns (``.float()``) is dropped with it
         escapes = read
     else:
@@ -168,6 +177,8 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
         res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
     lazy_refused = _lazy(site, res, aliases) if logits_mode == "keep" else None
     if res.path == "fused_lazy":
+        if eval_keep:
+            res.note = f"{EVAL_KEEP_NOTE}; {res.note}"
         return res
     obstacle = _fused_keep_obstacle(site, res, aliases)
     if obstacle is None:
