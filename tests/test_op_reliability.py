@@ -1150,3 +1150,28 @@ def test_flags_and_sizes_numpy_gives():
     with pytest.raises(TypeError, match="num_tokens=16.0 must be an int"):
         choose_config(16.0, 5, 8, torch.float32, cpu)
     assert fused_linear_cross_entropy(x, w, t, memory_budget_gb=np.float32(1.0)).isfinite()
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("strategy", STRATEGIES + ("recompute",))
+def test_a_non_finite_weight_of_a_class_no_target_has_leaves_the_gradients_eagers(strategy, reduction, bad):
+    """Without label smoothing a class weight enters the gradient only through the targets': an inf or nan weight
+    of a class no target has left eager's loss and gradients finite, and made every gradient of ours nan (0 times
+    the weights' sum in each row's factor)."""
+    g = torch.Generator().manual_seed(5)
+    x0, w0 = torch.randn(12, 8, generator=g), torch.randn(10, 8, generator=g)
+    t = torch.randint(1, 10, (12,), generator=g)  # class 0 is no target
+    cw = torch.ones(10)
+    cw[0] = bad
+    config = {"strategy": "recompute", "chunk_tokens": 4} if strategy == "recompute" else _config(strategy)
+    grads = []
+    for fn in (lambda x, w: fused_linear_cross_entropy(x, w, t, ce_weight=cw, reduction=reduction, config=config),
+               lambda x, w: F.cross_entropy(F.linear(x, w), t, weight=cw, reduction=reduction)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = fn(x, w)
+        loss.sum().backward()
+        grads.append((loss.detach(), x.grad, w.grad))
+    for ours, eager in zip(*grads):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-6)

@@ -386,7 +386,10 @@ def ce_chunk_kernel(
         # gradient's value; a replayed training step's loss then differed from the uncaptured one).
         tl.debug_barrier()
     if WRITE_GRAD:
-        coef = ce_scale * ((1.0 - label_smoothing) * w_y + smooth_per_class * weight_sum)
+        if HAS_SMOOTHING:  # (not 0 * the weight sum: an inf weight of a class no target has made every g nan)
+            coef = ce_scale * ((1.0 - label_smoothing) * w_y + smooth_per_class * weight_sum)
+        else:
+            coef = ce_scale * w_y
         if HAS_Z_LOSS:
             coef += z_scale * 2.0 * z_loss * lse
         true_class = ce_scale * (1.0 - label_smoothing) * w_y

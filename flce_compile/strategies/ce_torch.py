@@ -88,7 +88,8 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
     # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
     g = z.div_(sums[:, None]) if sums is not None else _probabilities_from_lse_(z, lse_full)
-    coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum)
+    # (the class-weight sum only with smoothing: 0 * an inf weight of a class no target has made every gradient nan)
+    coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum if eps else w_y)
     if p.z_loss:
         coef = coef + z_scale * (2.0 * p.z_loss) * lse
     g.mul_(coef[:, None])
