@@ -508,7 +508,7 @@ def _json_pair(name: Any, value: Any) -> str:
     if value is True or value is False:
         text = "true" if value else "false"
     elif type(value) is int:
-        text = str(value)
+        text = str(_constant_int(value))
     elif type(value) is str and '"' not in value and "\\" not in value and value.isprintable():
         text = '"' + value + '"'
     elif value is None:
@@ -516,6 +516,16 @@ def _json_pair(name: Any, value: Any) -> str:
     else:
         text = json.dumps(value)
     return '"' + name + '": ' + text
+
+
+def _constant_int(value: int) -> int:
+    """``value`` as a constant of the trace: under Dynamo an int that a compiled function received may be symbolic
+    (a config passed as an argument, after a call with another chunk_tokens), and ``str`` of it cannot be traced
+    (fullgraph=True raised). A list of that length makes Dynamo specialize it: the op's config is a constant, and a
+    new value compiles again. Outside a compile, the int itself."""
+    if not torch.compiler.is_compiling():
+        return value
+    return len([0] * value) if value >= 0 else -len([0] * -value)
 
 
 def _config_key(config: Any) -> tuple[Any, ...] | None:

@@ -486,9 +486,32 @@ def test_a_config_passed_inside_a_compiled_function_keeps_one_graph(config):
     assert torch.equal(loss, expected) and torch.equal(w.grad, w_eager.grad)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_a_config_passed_as_an_argument_traces_whole_when_its_ints_change(dynamic):
+    """A config passed into a compiled function (or held in a closure) has ints Dynamo may make symbolic: under
+    dynamic=True at once, by default after a call with another value. ``str`` of such an int cannot be traced
+    (fullgraph=True raised); each value is now a constant of its graph, and a new value compiles again."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.extend(n.args[10] for n in gm.graph.nodes if "fused_linear_cross_entropy" in str(n.target))
+        return gm.forward
+
+    def step(x, w, t, config):
+        return fused_linear_cross_entropy(x, w, t, config=config)
+
+    x, w, t = _inputs(n=40, h=16, v=96)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=capture, fullgraph=True, dynamic=dynamic)
+    for chunk in (4, 8, 8):
+        config = {"chunk_tokens": chunk}
+        torch.testing.assert_close(compiled(x, w, t, config), fused_linear_cross_entropy(x, w, t, config=config))
+    assert seen == ['{"chunk_tokens": 4}', '{"chunk_tokens": 8}'], seen
+
+
 def test_a_config_on_the_module_keeps_one_graph_under_dynamic_true():
-    """Under ``dynamic=True`` Dynamo makes a closure's captured ints symbolic (their text breaks the graph, as
-    docs/host_overhead.md says); a config held by the module traces whole, as the docs advise."""
+    """Under ``dynamic=True`` Dynamo makes a closure's captured ints symbolic (each value becomes a constant of
+    its graph: ``api._constant_int``); a config held by the module traces whole as well."""
 
     class Head(torch.nn.Module):
         def __init__(self):
