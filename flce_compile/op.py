@@ -614,11 +614,12 @@ def _backward_with_logits(ctx, grad_loss, grad_logits, _grad_dx, _grad_dw, _grad
     linear's own: dX += G W, dW += G^T X, db += sum_rows G (each GEMM in the weight dtype, as eager's)."""
     _check_first_order()
     need_x, need_w, _t, need_b = ctx.needs_input_grad[:4]
+    # A backward through the logits alone keeps the loss's gradients for a later one through the loss (an
+    # auxiliary loss on the logits backpropagated first with retain_graph=True; gradcheck's one output at a
+    # time): released there, that one failed as a backward run twice.
     dx, dw, db = (
         _scaled_forward_grads(ctx, grad_loss) if grad_loss is not None else (None, None, None)
     )
-    if grad_loss is None:
-        ctx.grads = ctx.grad_scale = None
     if grad_logits is not None:
         input, weight = ctx.saved_tensors
         g = grad_logits.to(weight.dtype)
