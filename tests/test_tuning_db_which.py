@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_tuning_db import dbs, entry  # noqa: F401 - dbs is a fixture
@@ -88,6 +89,12 @@ def test_readable_str_and_errors(dbs):
             which_config(16384, 151936, 4096, gpu=device)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
         which_config(0, 151936, 4096, gpu="h200")
+    for bad in (True, 2.5, torch.tensor(16.0)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            which_config(bad, 151936, 4096, gpu="h200")
+    # any integer type counts (numpy's, a 0-dim integer tensor: refused until 2026-12-05), answered as the int
+    assert which_config(np.int64(2000), torch.tensor(151936), 4096, gpu="h200").config == \
+        which_config(2000, 151936, 4096, gpu="h200").config
     with pytest.raises(ValueError, match="dtype=torch.int8 is not one the op runs"):
         which_config(16384, 151936, 4096, dtype=torch.int8, gpu="h200")
     if not torch.cuda.is_available():  # (torch's own AssertionError named no argument)

@@ -7,6 +7,8 @@ without running the op. It asks ``plan.choose.choose_config_match``, the op's ow
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +55,14 @@ class ConfigChoice:
 
 
 def _positive_int(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    """``value`` as an int >= 1; any integer type is taken (numpy's, a 0-dim integer tensor), not a bool."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
+    return number
 
 
 def is_gpu_kind(text: str) -> bool:
@@ -106,8 +113,8 @@ def which_config(
     ``memory_budget_gb``: answer for a call with that budget (``choose_config_within_budget``, the op's path,
     for fwd+bwd with dX and dW and fp32 accumulators): a budget-tier entry, or the plain pick fitted to it.
     """
-    for name, value in (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)):
-        _positive_int(name, value)
+    tokens, vocab, hidden = (_positive_int(name, value) for name, value in
+                             (("tokens", tokens), ("vocab", vocab), ("hidden", hidden)))
     torch_dtype = _op_dtype(dtype)
     if gpu is not None:
         if device is not None:
