@@ -92,6 +92,9 @@ def test_readable_str_and_errors(dbs):
     for bad in (True, 2.5, torch.tensor(16.0)):
         with pytest.raises(ValueError, match="must be a positive int"):
             which_config(bad, 151936, 4096, gpu="h200")
+    # a kind the DB has no entry for is answered by the heuristic, which says so and names the kinds it has
+    assert str(which_config(2000, 151936, 4096, gpu="h2OO")).splitlines()[0] == (
+        "h2oo: heuristic (the tuning DB holds no entries for GPU kind 'h2oo'; it has h200)")
     # any integer type counts (numpy's, a 0-dim integer tensor: refused until 2026-12-05), answered as the int
     assert which_config(np.int64(2000), torch.tensor(151936), 4096, gpu="h200").config == \
         which_config(2000, 151936, 4096, gpu="h200").config

@@ -326,12 +326,22 @@ def choose_config_match(
                 f"{match.source}, one chunk of {config.chunk_tokens} tokens")
             logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
             return config, source, match
-        source = "heuristic"
+        source = "heuristic" if gpu is None else _heuristic_for_kind(gpu)
     else:
         source = CPU_SOURCE if device.type == "cpu" else (
             f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")
     logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
     return heuristic_config(num_tokens, vocab, hidden, dtype, device), source, None
+
+
+def _heuristic_for_kind(gpu: str) -> str:
+    """The heuristic's source for ``which_config(gpu=...)``, naming the kinds the DB knows when it holds no entry
+    for this one (a typo such as "h2OO" was answered as silently as an untuned shape)."""
+    kind = tuning_db.device_key(gpu)
+    known = sorted({entry.device for entry in tuning_db.load_entries()})
+    if kind in known:
+        return "heuristic"
+    return f"heuristic (the tuning DB holds no entries for GPU kind {kind!r}; it has {', '.join(known) or 'none'})"
 
 
 #: ``tuning_db.Match`` kinds whose entry was measured in the call's own token bucket.
