@@ -461,8 +461,8 @@ def _config_text_while_tracing(config: FLCEConfig | Mapping[str, Any] | str) -> 
     the call. A dict is validated here by FLCEConfig's own checks, which Dynamo follows (a bad one raises, with
     the eager call's message). A JSON string goes to the op as it is (its parsing cannot be traced): the op
     validates it when the graph is traced, so a bad one raises inside Dynamo's TorchRuntimeError, with the
-    eager message. A config whose values change between calls still breaks the graph: Dynamo makes those ints
-    symbolic, and their text cannot be traced."""
+    eager message. A config whose ints change between calls, which Dynamo makes symbolic, traces whole too: each
+    value becomes a constant of its graph (``_constant_int``)."""
     if isinstance(config, str):
         return config
     if type(config) is FLCEConfig:  # a subclass may carry fields of its own, which the usual path refuses
@@ -521,11 +521,11 @@ def _json_pair(name: Any, value: Any) -> str:
 def _constant_int(value: int) -> int:
     """``value`` as a constant of the trace: under Dynamo an int that a compiled function received may be symbolic
     (a config passed as an argument, after a call with another chunk_tokens), and ``str`` of it cannot be traced
-    (fullgraph=True raised). A list of that length makes Dynamo specialize it: the op's config is a constant, and a
-    new value compiles again. Outside a compile, the int itself."""
+    (fullgraph=True raised). The length of a range of it makes Dynamo specialize it, without allocating anything:
+    the op's config is a constant, and a new value compiles again. Outside a compile, the int itself."""
     if not torch.compiler.is_compiling():
         return value
-    return len([0] * value) if value >= 0 else -len([0] * -value)
+    return len(range(value)) if value >= 0 else -len(range(-value))
 
 
 def _config_key(config: Any) -> tuple[Any, ...] | None:

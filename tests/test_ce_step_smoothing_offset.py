@@ -76,9 +76,30 @@ def test_the_compiled_kernel_does_not_cancel_either(vocab, weighted):
     _check(ce_step_triton, 512, vocab, weighted, 1000.0, "cuda", FLCEConfig(block_v=4096, num_warps=8))
 
 
+@pytest.mark.parametrize("strategy", list(_steps()))
+@pytest.mark.parametrize("weights", ["negative", "inf"])
+def test_the_max_relative_sum_keeps_unusual_class_weights_eagers(strategy, weights):
+    """Class weights of any sign (the rescale when the max rises is not skipped for a negative running weight
+    sum, which gave the kernel wrong losses), and an inf weight (eager's inf, not nan from inf times a shift that
+    did not move). Small blocks, so the max rises from block to block."""
+    step, _ = _steps()[strategy]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 40, generator=g) * 3
+    target = torch.randint(0, 40, (4,), generator=g)
+    ce_weight = torch.rand(40, generator=g) + 0.5
+    if weights == "negative":
+        ce_weight[:16] = -1.0
+        logits[:, :16] -= 5  # the first blocks' max is below the later ones'
+    else:
+        ce_weight[30] = float("inf")
+    eager = F.cross_entropy(logits, target, weight=ce_weight, label_smoothing=EPS, reduction="none")
+    ours = _row_losses(step, logits, target, ce_weight, FLCEConfig(block_v=16, num_warps=2))
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_vocab_slices_still_sum_to_the_raw_statistics():
     """The vocabulary-parallel op sums each slice's raw sum_c w_c z_c (``stats_out`` row 2): the torch step
-    rebuilds it from its max-relative sum."""
+    writes it, summed before the shift."""
     g = torch.Generator().manual_seed(3)
     n, vocab, start, width = 8, 50, 20, 30
     logits = torch.randn(n, vocab, generator=g) * 2

@@ -1271,6 +1271,8 @@ def test_drop_returns_an_evaluations_logits_formed_when_read():
         ref_loss, ref_logits = model(idx, labels)
         (site,) = fc.explain(model, idx, labels, options=options)
         assert site.path == "fused_lazy" and site.note.startswith(EVAL_KEEP_NOTE), site
+        (site,) = fc.explain(ArgmaxMetric(), idx, labels, options=options)  # (formed in the forward: say why)
+        assert site.path == "fused_keep" and site.note.startswith(EVAL_KEEP_NOTE + "; the returned logits"), site
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="flce", options=options)
         loss, logits = compiled(idx, labels)

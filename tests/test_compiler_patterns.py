@@ -791,22 +791,26 @@ def test_a_symbolic_label_smoothing_says_the_compile_traces_again(caplog):
 def test_explain_estimates_the_memory_against_the_ops_own():
     """The estimate is the unfused loss's logits-sized buffers less the op's working set and the dX and dW it holds
     from forward to backward (it counted the logits alone, and read "saved" where a step's peak rose: 64 tokens
-    against H = 512). Many tokens: saved; fewer than about H: a cost, said so."""
-    head = nn.Linear(64, 4000, bias=False)
+    against H = 512). Many tokens: saved; fewer than about H: a cost, with what outweighs the logits."""
 
-    def fn(x, t):
-        return F.cross_entropy(head(x), t)
+    def site(hidden, vocab, tokens, frozen=False):
+        head = nn.Linear(hidden, vocab, bias=False).requires_grad_(not frozen)
 
-    def site(tokens):
-        x, t = torch.randn(tokens, 64, requires_grad=True), torch.randint(0, 4000, (tokens,))
+        def fn(x, t):
+            return F.cross_entropy(head(x), t)
+
+        x, t = torch.randn(tokens, hidden, requires_grad=True), torch.randint(0, vocab, (tokens,))
         (report,) = fc.explain(fn, x, t, options={"flce.inner": "aot_eager"})
         return report
 
-    many, few = site(16384), site(16)  # (the CPU's heuristic runs 4096-token chunks)
+    many = site(64, 4000, 16384)  # (the CPU's heuristic runs 4096-token chunks)
     unfused = 16384 * 4000 * 12  # fp32: logits, log-softmax and its gradient
     held = (16384 * 64 + 4000 * 64) * 4  # dX and dW
     assert 0 < many.est_saved_bytes < unfused - held and "est. memory saved" in str(many)
-    assert few.est_saved_bytes < 0 and "est. memory cost" in str(few)
+    few = site(512, 32000, 16)
+    assert few.est_saved_bytes < 0 and "est. memory cost" in str(few) and "the dX and dW the op forms" in str(few)
+    frozen = site(64, 4000, 16, frozen=True)  # no dW: the working set's slack outweighs 16 tokens' logits
+    assert frozen.est_saved_bytes < 0 and "a small shape: the op's working set" in str(frozen), str(frozen)
 
 
 def test_explain_reports_sites_and_graph_breaks():

@@ -503,10 +503,10 @@ def test_a_config_passed_as_an_argument_traces_whole_when_its_ints_change(dynami
     x, w, t = _inputs(n=40, h=16, v=96)
     torch._dynamo.reset()
     compiled = torch.compile(step, backend=capture, fullgraph=True, dynamic=dynamic)
-    for chunk in (4, 8, 8):
+    for chunk in (4, 8, 8, 2**40):  # (a huge value allocates nothing while it is specialized)
         config = {"chunk_tokens": chunk}
         torch.testing.assert_close(compiled(x, w, t, config), fused_linear_cross_entropy(x, w, t, config=config))
-    assert seen == ['{"chunk_tokens": 4}', '{"chunk_tokens": 8}'], seen
+    assert seen == ['{"chunk_tokens": 4}', '{"chunk_tokens": 8}', '{"chunk_tokens": 1099511627776}'], seen
 
 
 def test_a_config_on_the_module_keeps_one_graph_under_dynamic_true():

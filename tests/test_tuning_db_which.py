@@ -89,7 +89,7 @@ def test_readable_str_and_errors(dbs):
             which_config(16384, 151936, 4096, gpu=device)
     with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
         which_config(0, 151936, 4096, gpu="h200")
-    for bad in (True, 2.5, torch.tensor(16.0)):
+    for bad in (True, 2.5, torch.tensor(16.0), torch.tensor(True), torch.tensor([16])):
         with pytest.raises(ValueError, match="must be a positive int"):
             which_config(bad, 151936, 4096, gpu="h200")
     # a kind the DB has no entry for is answered by the heuristic, which says so and names the kinds it has

@@ -48,8 +48,8 @@ _PLAIN_METHODS = {"float", "double", "half", "bfloat16", "int", "long", "short",
 _AUTOCAST_ENTER, _AUTOCAST_EXIT = "_enter_autocast", "_exit_autocast"
 #: How a refusal for symbolic shapes ends. Dynamo makes a size symbolic when a new one recompiles a graph (a
 #: smaller last batch of an epoch does it), and the mask then stays for the rest of the run: ``MaskRewrite.symbolic``.
-SYMBOLIC = ("symbolic, not static (Dynamo recompiled the graph for a new size, a smaller last batch say; "
-            "torch.compile(..., dynamic=False) keeps shapes static, one graph per shape)")
+SYMBOLIC = ("symbolic, not static (under dynamic=True, or after Dynamo recompiled the graph for a new size, a "
+            "smaller last batch say; torch.compile(..., dynamic=False) keeps shapes static, one graph per shape)")
 #: Rows of the mask compared with the causal pattern at a time (bounds the comparison's extra memory).
 _ROW_BLOCK = 4096
 

@@ -177,15 +177,20 @@ def _decide(site: Site, logits_mode: str, aliases: AliasMap) -> SiteResult:
         res.reason = f"logits feed other ops ({_users(escapes)}), so they cannot be dropped"
     lazy_refused = _lazy(site, res, aliases) if logits_mode == "keep" else None
     if res.path == "fused_lazy":
-        if eval_keep:
-            res.note = f"{EVAL_KEEP_NOTE}; {res.note}"
-        return res
+        return _eval_noted(res, eval_keep)
     obstacle = _fused_keep_obstacle(site, res, aliases)
     if obstacle is None:
         if res.path == "fused_keep" and res.note is None and lazy_refused is not None:
             res.note = f"the returned logits are formed in the forward: {lazy_refused}"
-        return res
-    return _kept_logits(site, res, obstacle, aliases)
+        return _eval_noted(res, eval_keep)
+    return _eval_noted(_kept_logits(site, res, obstacle, aliases), eval_keep)
+
+
+def _eval_noted(res: SiteResult, eval_keep: bool) -> SiteResult:
+    """``res``, its note led by ``EVAL_KEEP_NOTE`` where "drop" kept an evaluation's logits (``_decide``)."""
+    if eval_keep and res.fused:
+        res.note = EVAL_KEEP_NOTE + (f"; {res.note}" if res.note else "")
+    return res
 
 
 def _vocab_parallel(site: Site, res: SiteResult, escapes: dict[fx.Node, list[fx.Node]],

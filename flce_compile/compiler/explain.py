@@ -47,6 +47,7 @@ class SiteReport:
     logit_scale: float = 1.0
     logits_escape: bool = False
     est_saved_bytes: int = 0
+    cost_note: str = ""  # what outweighs the logits where ``est_saved_bytes`` is negative
     kept_logits_bytes: int = 0
     note: str | None = None
     logits_users: list[str] = field(default_factory=list)  # the graph's ops that read the logits (not the loss)
@@ -66,8 +67,7 @@ class SiteReport:
             f"fused ({self.path}, strategy={self.strategy}) tokens~{self.tokens} V={self.vocab} H={self.hidden}"
             + (" " + " ".join(extra) if extra else "")
             + (f", est. memory saved {_bytes_text(self.est_saved_bytes)}" if self.est_saved_bytes >= 0 else
-               f", est. memory cost {_bytes_text(-self.est_saved_bytes)} above unfused (fewer tokens than about H: "
-               "the op's V x H weight gradient, formed in forward, outweighs the logits)")
+               f", est. memory cost {_bytes_text(-self.est_saved_bytes)} above unfused ({self.cost_note})")
         )
         kept = f"~{_bytes_text(self.kept_logits_bytes)}"
         users = ", ".join(self.logits_users[:4]) + (", ..." if len(self.logits_users) > 4 else "")
@@ -191,6 +191,18 @@ def _softcap_text(plan: Plan | None) -> float | str | None:
     return f"{plan.softcap.args[0].name} (read at run time)"
 
 
+def _memory_estimate(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> tuple[int, str]:
+    """(``_saved_bytes``, and where it is negative what outweighs the logits: the dX and dW the op holds from
+    forward to backward, or at a small shape its working set, 1 MiB of it allocator slack)."""
+    saved = _saved_bytes(res, cfg, options)
+    if saved >= 0:
+        return saved, ""
+    working, held = _op_bytes(res, cfg, options)
+    if held >= working:
+        return saved, "fewer tokens than about H: the dX and dW the op forms in forward and holds to backward"
+    return saved, "a small shape: the op's working set, with 1 MiB of allocator slack, outweighs the logits"
+
+
 def _saved_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> int:
     """What fusing spares against the unfused loss, which keeps logits + fp32 upcast + fp32 log-softmax + fp32
     grad + grad in the logits dtype: less the logits the site keeps, the op's own working set (``peak_bytes``:
@@ -202,15 +214,15 @@ def _saved_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) 
     n = res.tokens * res.site.vocab
     s = res.logits_dtype.itemsize
     unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
-    return unfused - res.kept_logits_bytes - _op_bytes(res, cfg, options)
+    return unfused - res.kept_logits_bytes - sum(_op_bytes(res, cfg, options))
 
 
-def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> int:
-    """The fused op's working set and the gradients it holds from forward to backward (``_saved_bytes``); 0 when
-    it cannot be told (no config, a shape Dynamo left symbolic)."""
+def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> tuple[int, int]:
+    """The fused op's (working set, gradients it holds from forward to backward) for ``_saved_bytes``; zeros when
+    they cannot be told (no config, a shape Dynamo left symbolic)."""
     hidden, lin = res.site.hidden, res.site.linear
     if cfg is None or not isinstance(hidden, int) or lin is None:
-        return 0
+        return 0, 0
     from ..plan.memory import peak_bytes
     from ..plan.precision import accum_dtype_for
     from ..plan.registry import get as strategy_named
@@ -221,13 +233,13 @@ def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> 
         working = peak_bytes(cfg, res.tokens, res.site.vocab, hidden, dtype,
                              accum_dtype_for(options.precision, None, dtype), device=res.device or "cpu", **needs)
     except (TypeError, ValueError):  # (reporting only)
-        return 0
+        return 0, 0
     reduction = res.site.loss.reduction if res.site.loss is not None else "mean"
     if strategy_named(cfg.strategy).loop == "recompute" or reduction == "none":
-        return working  # the gradients are formed in backward, as unfused
+        return working, 0  # the gradients are formed in backward, as unfused
     dw_columns = hidden - needs["frozen_columns"]
     held = needs["need_dx"] * res.tokens * hidden + needs["need_dw"] * res.site.vocab * dw_columns
-    return working + held * dtype.itemsize
+    return working, held * dtype.itemsize
 
 
 def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCEOptions()) -> list[SiteReport]:
@@ -244,12 +256,13 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             strategy, cfg = _strategy(res, options)
         except ValueError as exc:  # the memory budget fits no config: the backend raises (BudgetError)
             res, strategy, cfg = SiteResult(site, "unchanged", f"the compile raises: {exc}"), None, None
+        estimate = _memory_estimate(res, cfg, options)
         reports.append(SiteReport(
             graph=index, loss=f"{site.loss_node.name} ({site.loss.form if site.loss else site.loss_node.target})",
             fused=res.fused, path=res.path, reason=res.reason, strategy=strategy,
             tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=_softcap_text(plan),
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
-            est_saved_bytes=_saved_bytes(res, cfg, options), kept_logits_bytes=res.kept_logits_bytes, note=res.note,
+            est_saved_bytes=estimate[0], cost_note=estimate[1], kept_logits_bytes=res.kept_logits_bytes, note=res.note,
             logits_users=res.logits_users,
         ))
     for head in lone_heads(gm, results):  # lm_heads whose loss is in another graph, or after the compiled code

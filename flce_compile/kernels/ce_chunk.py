@@ -91,9 +91,10 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
 
     The smoothing sum is sum_c w_c (z_c - shift) over the classes seen so far, relative to the running shift (the
     max), with ``seen`` = sum_c w_c over them: when the max rises, the sum moves by seen * (old - new shift).
-    Every term is <= 0, so nothing cancels; the raw sum_c w_c z_c cancelled against W lse when every logit
-    carried a large common offset (fp32 at +1000: the loss 4-27x eager's error). RAW_SMOOTHING keeps the raw
-    sum_c w_c z_c instead (``seen`` unused): the statistics a vocabulary slice hands the ranks' combination."""
+    With non-negative class weights every term is <= 0, so nothing cancels; the raw sum_c w_c z_c cancelled
+    against W lse when every logit carried a large common offset (fp32 at +1000: the loss 4-27x eager's error).
+    RAW_SMOOTHING keeps the raw sum_c w_c z_c instead (``seen`` unused): the statistics a vocabulary slice hands
+    the ranks' combination."""
     if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED and not HAS_SMOOTHING:
         # The load's mask is the class mask and z is the raw logit: loading -inf past V masks the max and the
         # sum without a select an element (the kernel is near its issue limit).
@@ -122,7 +123,8 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
             smooth_sum += tl.sum(term, axis=0)
         else:
             old_shift = _smoothing_shift(running_max)
-            smooth_sum += tl.where(seen > 0, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
+            # (only where the shift moved: an inf weight seen times a shift that stayed would be nan)
+            smooth_sum += tl.where(old_shift != shift, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
             if HAS_CE_WEIGHT:
                 seen += tl.sum(w, axis=0)
             elif MASKED:

@@ -56,8 +56,10 @@ class ConfigChoice:
 
 def _positive_int(name: str, value: int) -> int:
     """``value`` as an int >= 1; any integer type is taken (numpy's, a 0-dim integer tensor), not a bool."""
+    refused = isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool
+                                                                               or value.dim() != 0))
     try:
-        number = operator.index(value) if not isinstance(value, bool) else None
+        number = operator.index(value) if not refused else None
     except TypeError:
         number = None
     if number is None or number < 1:
