@@ -309,7 +309,7 @@ def ce_chunk_kernel(
         lse_full = tl.load(lse_in_ptr + row).to(tl.float64)
         lse = lse_full.to(tl.float32)
         rest = tl.where(lse_full - lse_full == 0.0, lse_full - lse.to(tl.float64), 0.0).to(tl.float32)
-        smooth_sum = 0.0  # (no pass 1: a call with a kept lse writes no loss, ``CEStepArgs.check_slice``)
+        smooth_sum = 0.0  # (no pass 1, so no smoothing sum: the chunk loops ask no loss of a call with a kept lse)
         seen = 0.0
         shift, inv_sum = lse, tl.exp(-rest)
     else:
