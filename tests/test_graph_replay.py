@@ -319,12 +319,16 @@ def test_backend_allows_replay_only_without_cuda_graphs_of_the_inner_compiler(in
     assert no_cuda_graphs_of_its_own(FLCEOptions(inner=inner), mode, options) is ok
 
 
-def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
+def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs, monkeypatch):
     """Backward's scaling of a replayed forward's outputs by grad_output is itself captured (at the instance's
     second backward) and gives the uncaptured results, for grad_output 1 and not."""
     _, w, _ = _inputs(0)
     w.requires_grad_()
     steps = [(_inputs(s)[::2], factor) for s, factor in zip(range(1, 7), (1.0, 0.5, 1 / 3, 3.0, 1.0, 0.1))]
+    replayed = []  # per backward of the replayed forward: whether a graph scaled it
+    real = graph_replay._Graph.scale_grads
+    monkeypatch.setattr(graph_replay._Graph, "scale_grads",
+                        lambda self, *args: replayed.append(real(self, *args)) or replayed[-1])
 
     def run():
         out = []
@@ -338,9 +342,10 @@ def test_backward_scaling_is_replayed_from_the_second_backward_on(cpu_graphs):
     graphed = run()
     (instance,) = instances()
     # step 1 warms up, step 2 captures the forward (its backward runs uncaptured), step 3 captures the scaling;
-    # the later ones replay it, or the graph reading grad_output in place where the allocator's address repeated
-    direct = instance.direct_graph.replays if instance.direct_graph is not None else 0
-    assert instance.scale_graph is not None and instance.scale_graph.replays + direct == 4
+    # the later ones replay it, or the graph reading grad_output in place where the allocator's address repeated.
+    # (Counted per backward: the replays of the graphs themselves miss a direct graph an address repeated later
+    # replaced, which happened in one CI run.)
+    assert instance.scale_graph is not None and replayed == [False, True, True, True, True], replayed
     set_cuda_graphs("off")
     for a, b in zip(graphed, run()):
         for u, v in zip(a, b):
