@@ -813,6 +813,26 @@ def test_explain_estimates_the_memory_against_the_ops_own():
     assert frozen.est_saved_bytes < 0 and "a small shape: the op's working set" in str(frozen), str(frozen)
 
 
+def test_explain_names_what_dynamos_counters_recorded_for_breaks_it_gave_no_reason_for():
+    """A break Dynamo counts without a reason (transformers' first forward installs its output hooks, a setattr
+    Dynamo cannot trace) is named from its break counters, each reason's first line with its count."""
+    from collections import Counter
+
+    from flce_compile.compiler.explain import ExplainReport, _counted_breaks
+
+    counted = Counter({"setattr() on unsupported type\n  Explanation: ... next_id 1": 2,
+                       "setattr() on unsupported type\n  Explanation: ... next_id 2": 1,
+                       "Unsupported context manager\n  Explanation: lock": 4})
+    assert _counted_breaks(counted) == ["Unsupported context manager (4x)", "setattr() on unsupported type (3x)"]
+    report = ExplainReport()
+    report.graph_count, report.graph_breaks, report.graph_break_count = 2, [], 1
+    report.counted_breaks, report.notes = _counted_breaks(counted), []
+    assert str(report).splitlines()[-1] == (
+        '  graph break: 1 more that Dynamo gave no reason for (TORCH_LOGS="graph_breaks" names each); its break '
+        "counters recorded, in this frame or the frames it calls: Unsupported context manager (4x); setattr() on "
+        "unsupported type (3x)")
+
+
 def test_explain_reports_sites_and_graph_breaks():
     torch.manual_seed(0)
     idx, t = _data()

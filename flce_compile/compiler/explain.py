@@ -10,6 +10,7 @@ with, or ``options=`` (the same dict ``torch.compile`` takes).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -93,6 +94,8 @@ class ExplainReport(list):
     graph_breaks: list[str]
     #: Dynamo's count of graph breaks, which can exceed its reasons (``graph_breaks``): some breaks come with none
     graph_break_count: int = 0
+    #: What Dynamo's break counters recorded during the trace, where it gave breaks no reason (``_counted_breaks``)
+    counted_breaks: list[str]
     notes: list[str]  # e.g. checkpointed regions moved out of their checkpoint
     options: FLCEOptions = FLCEOptions()
 
@@ -110,8 +113,10 @@ class ExplainReport(list):
         lines += [f"  graph break: {b}" for b in self.graph_breaks]
         unnamed = self.graph_break_count - len(self.graph_breaks)
         if unnamed > 0:
+            counted = ("; its break counters recorded, in this frame or the frames it calls: "
+                       + "; ".join(self.counted_breaks)) if self.counted_breaks else ""
             lines.append(f"  graph break: {unnamed} more that Dynamo gave no reason for (TORCH_LOGS=\"graph_breaks\" "
-                         "names each)")
+                         f"names each){counted}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -292,8 +297,11 @@ def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | Non
     side_effects_once = checkpoint_side_effects.wanted(opts) and checkpoint_side_effects.flag_supported()
     with _dynamic_as(compiled_dynamic(model)), \
             checkpoint_side_effects.flag_on() if side_effects_once else contextlib.nullcontext():
+        counted_before = Counter(torch._dynamo.utils.counters["graph_break"])
         out = torch._dynamo.explain(_uncompiled(model))(*args, **kwargs)
+        counted = Counter(torch._dynamo.utils.counters["graph_break"]) - counted_before
     report = ExplainReport()
+    report.counted_breaks = _counted_breaks(counted)
     report.options = opts
     report.graph_count = out.graph_count
     report.graph_breaks = [_break_text(b) for b in out.break_reasons]
@@ -363,6 +371,15 @@ def _uncompiled(model: Any) -> Any:
     if isinstance(model, nn.Module) and getattr(model, "_compiled_call_impl", None) is not None:
         return model._call_impl  # module.compile(): the module's own, uncompiled call
     return getattr(model, "_torchdynamo_orig_callable", model)
+
+
+def _counted_breaks(counted: Counter) -> list[str]:
+    """Dynamo's break counters of one trace, by the first line of each reason (a first call can break where later
+    ones do not: transformers installs its output hooks on the first forward, a setattr Dynamo cannot trace)."""
+    by_text: Counter = Counter()
+    for reason, times in counted.items():
+        by_text[str(reason).strip().splitlines()[0]] += times
+    return [f"{text} ({times}x)" for text, times in by_text.most_common(4)]
 
 
 def _break_text(reason: Any) -> str:
