@@ -398,6 +398,8 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--show", "--tokens", "-5"], "--tokens must be positive integers"),
     (["--list", "--hidden", "0"], "--hidden must be a positive integer"),
     (["--list", "--budget-gb", "-1"], "--budget-gb must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--dtype", "fp64"], "--dtype fp64 goes with --which only"),
+    (["--list", "--dtype", "fp64"], "--dtype fp64 goes with --which only"),
 ])
 def test_bad_numbers_are_one_clear_line(capsys, bad, message):
     """Zero shapes and NaN/inf numbers used to pass validation (and reach the GPU probe)."""
@@ -514,6 +516,9 @@ def test_which(tmp_path, monkeypatch, capsys):
     assert "V=256000 H=2304 bf16 tokens=8192 on h200: user exact (tuning_db:user_exact)" in out
     assert "tokens=2000 on h200: nearest bucket (tuning_db:nearest_tokens(user tokens=8192))" in out
     assert '"chunk_tokens": 2048' in out and "1.55x over the default" in out
+    # fp64, which which_config answers (refused by --dtype's choices until 2026-12-05)
+    assert cli.main([*base, "--tokens", "8192", "--device-kind", "h200", "--dtype", "fp64"]) == 0
+    assert "fp64 tokens=8192 on h200: heuristic (the tuning DB holds no float64 entries)" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main([*base, "--tokens", "8192"]) == 0
     assert f"on cpu: {CPU_SOURCE}" in capsys.readouterr().out

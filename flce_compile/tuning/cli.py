@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--tokens", type=int, nargs="+",
                       help="token counts (stored per power-of-two bucket); default 16384, or 8192 with --shipped-set; "
                            "also a filter for --list/--show; --which needs it")
-    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="input dtype (default bf16; also a filter for --list/--show)")
+    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
+                      help="input dtype (default bf16; also a filter for --list/--show; fp64 only for --which: the "
+                           "op runs it with the heuristic, which has nothing to tune)")
     what.add_argument("--strategies", nargs="+", choices=registry.names(),
                       help="strategies to search (default all): " + "; ".join(
                           f"{s.name}: {s.summary}" for s in map(registry.get, registry.names())))
@@ -896,6 +898,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if modes > 1:
         parser.error("--list, --show, --export, --which, --list-studies, --replot and --retune-ce-tiles are "
                      "separate modes; give one")
+    if args.dtype == "fp64" and not args.which:  # (which_config answers fp64: the heuristic, the torch strategy)
+        parser.error("--dtype fp64 goes with --which only: the op runs fp64 with its heuristic, which has nothing to "
+                     "tune, and the tuning DB holds no fp64 entries")
     if args.plot is not None and modes and args.replot is None:
         parser.error("--plot DIR goes with tuning or --replot; drop it here")
     if args.list or args.show or args.export is not None or args.which:
