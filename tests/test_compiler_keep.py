@@ -66,6 +66,15 @@ def _reference(model, idx, labels, logits_weight=0.0):
     return loss.detach(), logits.detach(), _grads(model)
 
 
+def _assert_as_eager(model, got, ref, logits_atol=1e-6):
+    """The compiled step's (loss, logits) and the model's gradients against ``_reference``'s."""
+    (loss, logits), (ref_loss, ref_logits, ref_grads) = got, ref
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=logits_atol)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 class _Capture:
     def __init__(self, inner):
         self.inner, self.graphs = inner, []
@@ -999,10 +1008,7 @@ def test_a_symbolic_softcap_also_read_before_the_head_fuses_with_the_logits_kept
         model.zero_grad(set_to_none=True)
         loss, out_logits = compiled(idx, labels)
         loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out_logits, ref_logits, rtol=1e-5, atol=1e-5)
-        for name, g in _grads(model).items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        _assert_as_eager(model, (loss, out_logits), (ref_loss, ref_logits, ref_grads), logits_atol=1e-5)
 
 
 @pytest.mark.parametrize("read_before", [False, True])
@@ -1236,10 +1242,7 @@ def test_a_loss_added_to_in_place_leaves_the_logits_to_be_formed_when_read():
     model.zero_grad(set_to_none=True)
     loss, logits = compiled(idx, labels)
     loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
-    for name, g in _grads(model).items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_as_eager(model, (loss, logits), (ref_loss, ref_logits, ref_grads))
 
 
 class ArgmaxMetric(LM):
