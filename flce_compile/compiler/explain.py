@@ -197,33 +197,29 @@ def _softcap_text(plan: Plan | None) -> float | str | None:
 
 
 def _memory_estimate(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> tuple[int, str]:
-    """(``_saved_bytes``, and where it is negative what outweighs the logits: the dX and dW the op holds from
-    forward to backward, or at a small shape its working set, 1 MiB of it allocator slack)."""
-    saved = _saved_bytes(res, cfg, options)
+    """(What fusing spares against the unfused loss, and where that is negative what outweighs the logits.)
+
+    The unfused loss keeps logits + fp32 upcast + fp32 log-softmax + fp32 grad + grad in the logits dtype; from
+    that go the logits the site keeps, the op's own working set (``peak_bytes``: chunk buffers, a dW accumulator)
+    and, where the op forms the gradients in forward, dX and dW held from there to backward, where unfused
+    training forms them. Negative where the op costs more: with fewer tokens than about the hidden size a V x H
+    dW outweighs the logits, and at a small shape the working set does (1 MiB of it allocator slack)."""
+    if not res.fused or res.tokens is None or res.site.vocab is None:
+        return 0, ""
+    n = res.tokens * res.site.vocab
+    s = res.logits_dtype.itemsize
+    unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
+    working, held = _op_bytes(res, cfg, options)
+    saved = unfused - res.kept_logits_bytes - working - held
     if saved >= 0:
         return saved, ""
-    working, held = _op_bytes(res, cfg, options)
     if held >= working:
         return saved, "fewer tokens than about H: the dX and dW the op forms in forward and holds to backward"
     return saved, "a small shape: the op's working set, with 1 MiB of allocator slack, outweighs the logits"
 
 
-def _saved_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> int:
-    """What fusing spares against the unfused loss, which keeps logits + fp32 upcast + fp32 log-softmax + fp32
-    grad + grad in the logits dtype: less the logits the site keeps, the op's own working set (``peak_bytes``:
-    chunk buffers, a dW accumulator) and, where the op forms the gradients in forward, dX and dW held from there
-    to backward, where unfused training forms them. Negative where the op costs more: with fewer tokens than
-    about the hidden size, a V x H dW outweighs the logits."""
-    if not res.fused or res.tokens is None or res.site.vocab is None:
-        return 0
-    n = res.tokens * res.site.vocab
-    s = res.logits_dtype.itemsize
-    unfused = n * (s + (4 if s != 4 else 0) + 4 + 4 + (s if s != 4 else 0))
-    return unfused - res.kept_logits_bytes - sum(_op_bytes(res, cfg, options))
-
-
 def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> tuple[int, int]:
-    """The fused op's (working set, gradients it holds from forward to backward) for ``_saved_bytes``; zeros when
+    """The fused op's (working set, gradients it holds from forward to backward) for ``_memory_estimate``; zeros when
     they cannot be told (no config, a shape Dynamo left symbolic)."""
     hidden, lin = res.site.hidden, res.site.linear
     if cfg is None or not isinstance(hidden, int) or lin is None:

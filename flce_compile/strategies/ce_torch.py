@@ -65,10 +65,11 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     if args.lse_in is None:
         # z is exp(z - max) from here on; with smoothing, rel_sum = sum_c w_c (z_c - max)
         sums, lse_full, shift, rel_sum = _exp_shifted_(z, class_w, wants_sum and args.loss_out is not None)
-    else:  # the sums relative to the kept lse (the chunk loops ask no loss of such a step)
-        sums, lse_full = None, args.lse_in
-        shift = lse_full.to(z.dtype)
-        rel_sum = _class_sum(z - shift[:, None], class_w) if wants_sum and args.loss_out is not None else None
+    else:
+        sums, lse_full, shift, rel_sum = None, args.lse_in, None, None
+        if wants_sum and args.loss_out is not None:  # relative to the kept lse (the chunk loops never ask this)
+            shift = lse_full.to(z.dtype)
+            rel_sum = _class_sum(z - shift[:, None], class_w)
     lse = lse_full.to(z.dtype)  # (fp32 + fp32 is exact in fp64, so this is the fp32 sum's rounding)
     w_y = args.ce_weight[safe_target] if args.ce_weight is not None else torch.ones_like(lse)
     ce_scale, z_scale = args.ce_scale, args.z_scale
