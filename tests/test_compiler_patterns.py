@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flce_compile.compiler as fc
-from flce_compile.compiler.patterns import meta_value
+from flce_compile.compiler.patterns import CHECKPOINTED_HEAD_REASON, is_checkpoint, meta_value
 from flce_compile.compiler.rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, run_pass
 
 V, H = 96, 16
@@ -964,15 +964,15 @@ def test_logits_returned_for_a_loss_after_the_compiled_code_are_warned_of_once(c
 
 
 def test_the_backend_copies_only_graphs_with_a_loss_site(monkeypatch):
-    """The copy of the graph that guards the fusion pass (``backend._snapshot``, ~0.45 s per 30k nodes) is taken
+    """The copy of the graph that guards the fusion pass (``backend.copy_graph``, ~0.45 s per 30k nodes) is taken
     for a graph with a loss site only (one in a checkpointed region's body counts); the others are only read.
     Most graphs of a model Dynamo splits hold no loss."""
     from flce_compile.compiler import backend
     from flce_compile.compiler.rewrite import has_loss_site
 
     copies = []
-    real = backend._snapshot
-    monkeypatch.setattr(backend, "_snapshot", lambda graph: copies.append(graph) or real(graph))
+    real = backend.copy_graph
+    monkeypatch.setattr(backend, "copy_graph", lambda graph: copies.append(graph) or real(graph))
     idx, t = _data()
     _compile(LogitsOnly())[0](idx)
     assert copies == []
@@ -1000,6 +1000,76 @@ def test_the_backend_copies_only_graphs_with_a_loss_site(monkeypatch):
     torch._dynamo.reset()
     torch.compile(LogitsOnly(), backend=capture)(idx)
     assert seen == [True, False]
+
+
+def _checkpointed_loss(m, x, t):
+    """The loss alone in a checkpointed function, its logits formed before it (to recompute the fp32 copy and the
+    softmax in backward)."""
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.float().view(-1, V), targets.view(-1), ignore_index=-1)
+
+    return torch.utils.checkpoint.checkpoint(loss_fn, m.lm_head(x), t, use_reentrant=False)
+
+
+def _checkpointed_unfusable_loss(m, x, t):
+    def loss_fn(logits, targets):  # a constant added to the logits: not a bias the op takes
+        return F.cross_entropy((logits + 3.0).view(-1, V), targets.view(-1), ignore_index=-1)
+
+    return torch.utils.checkpoint.checkpoint(loss_fn, m.lm_head(x), t, use_reentrant=False)
+
+
+def _checkpointed_head(m, x, t):
+    logits = torch.utils.checkpoint.checkpoint(m.lm_head, x, use_reentrant=False)
+    return F.cross_entropy(logits.view(-1, V), t.view(-1), ignore_index=-1)
+
+
+def test_a_checkpointed_loss_of_an_outer_head_is_fused_and_exact(caplog):
+    """``checkpoint(loss_fn, lm_head(x), labels)``: the region is moved out and the loss fused with the head before
+    it (the backend said nothing, and explain counted no site, before); the numbers are eager's."""
+    model = Head(_checkpointed_loss)
+    idx, t = _data()
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got, got_g = _run(model, compiled, idx, t)
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert targets.count(flce_fused_loss) == 1 and not any(is_checkpoint(n) for n in graphs[0].graph.nodes)
+    assert "moved out of the checkpoint to fuse its loss site(s) with the lm_head before it" in caplog.text
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert ref_g.keys() == got_g.keys()
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-6, msg=name)
+    explained = fc.explain(model, idx, t)
+    (site,) = explained
+    assert site.fused and "with the lm_head before it" in " ".join(explained.notes)
+
+
+def test_a_checkpointed_loss_that_cannot_fuse_keeps_its_checkpoint_and_says_why(caplog):
+    """Where the outer head and the region's loss would not fuse, the region stays checkpointed (its recomputation
+    is then what saves memory) and the reason is reported."""
+    model = Head(_checkpointed_unfusable_loss)
+    idx, t = _data()
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got, got_g = _run(model, compiled, idx, t)
+    assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
+    assert any(is_checkpoint(n) for n in graphs[0].graph.nodes)
+    assert "not fused" in caplog.text and "unsupported op between lm_head and the loss" in caplog.text
+    torch.testing.assert_close(got, ref)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], msg=name)
+    (report,) = fc.explain(model, idx, t)
+    assert not report.fused and "checkpointed region" in report.reason
+
+
+def test_a_checkpointed_head_with_the_loss_outside_says_how_to_fuse():
+    """The lm_head inside a checkpoint, the loss after it: not fused, and the reason says what to move (it named
+    Dynamo's tag_activation_checkpoint)."""
+    model = Head(_checkpointed_head)
+    idx, t = _data()
+    (report,) = fc.explain(model, idx, t)
+    assert not report.fused and report.reason.endswith(CHECKPOINTED_HEAD_REASON), report.reason
 
 
 def test_a_promoting_bias_is_named_as_such():

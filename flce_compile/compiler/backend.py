@@ -9,7 +9,6 @@ both bound for that case.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,6 +18,7 @@ from .. import graph_replay
 from ..log import logger
 from ..plan.choose import BudgetError
 from . import checkpoint_side_effects
+from .graph_meta import copy_graph
 from .hf_logging import keep_loss_in_graph
 from .inner import compile_graph, inner_compiler, no_cuda_graphs_of_its_own
 from .options import PREFIX, FLCEOptions, split_options
@@ -64,7 +64,7 @@ def _fusion_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FLCEOp
     """Run the fusion pass on ``gm``: (the wrapper the compiled graph needs or None, whether a site was fused). A
     failure is logged and leaves the graph as traced; only a memory budget that no config fits raises (the user's
     setting, as in an eager call). A graph with no loss site (most graphs of a model Dynamo splits) is only read:
-    the copy of the graph that guards the pass (``_snapshot``, ~0.45 s per 30k nodes) is taken where a loss is."""
+    the copy of the graph that guards the pass (``copy_graph``, ~0.45 s per 30k nodes) is taken where a loss is."""
     from .rewrite import has_loss_site, report_lone_heads, run_pass
 
     try:
@@ -74,7 +74,7 @@ def _fusion_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FLCEOp
     except Exception as exc:  # noqa: BLE001 - a reading bug: the guarded pass below decides
         logger.debug("flce: looking for loss sites failed, running the pass: %r", exc)
     try:
-        as_traced = _snapshot(gm.graph)
+        as_traced = copy_graph(gm.graph)
     except Exception as exc:  # noqa: BLE001 - with no way back from a failure, the pass is not run
         logger.warning("flce: could not copy the graph before the fusion pass, compiling it unchanged: %r", exc)
         return None, False
@@ -89,17 +89,6 @@ def _fusion_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FLCEOp
         gm.recompile()
         return None, False
     return result.wrap, any(site.new_node is not None for site in result.sites)
-
-
-def _snapshot(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` to put back should the fusion pass, which changes the graph in place, fail halfway (a
-    half-rewritten graph failed the compile the pass promises not to break). Nodes get shallow copies of their
-    metadata (the pass assigns keys, never changes a value in place) and keep the attributes Dynamo set on them (a
-    placeholder's ``_dynamo_source``)."""
-    snapshot = copy.deepcopy(graph)
-    for node, copied in zip(graph.nodes, snapshot.nodes):
-        copied.__dict__.update(vars(node))
-    return snapshot
 
 
 #: Whether a causal mask kept for symbolic shapes was warned of (once a process; INFO after).

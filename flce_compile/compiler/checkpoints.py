@@ -8,17 +8,22 @@ checkpoint would run twice (its gradients are computed in forward). So a region 
 pass would fuse is inlined into the outer graph; the rest of that region's ops are then no longer recomputed
 in backward (each region is reported). A region that cannot be inlined is left as it is, with the reason, as is
 one whose head and loss cannot be fused (reported like a site outside a region).
+
+A region may hold the loss alone, its logits formed by an lm_head before it (``checkpoint(loss_fn, logits,
+labels)``, written to recompute the loss's fp32 copy and softmax in backward): the site is then the outer graph's
+head and the body's loss, so the region is inlined into a copy of the outer graph first, and into the graph itself
+only where the analysis of that copy fuses them (where it does not, the checkpoint is what saves memory, and stays).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 
 from .decide import SiteResult, analyze
-from .patterns import outer_floats, runtime_float
+from .graph_meta import copy_graph
+from .patterns import is_checkpoint, outer_floats, runtime_float
 
 
 @dataclass
@@ -32,18 +37,14 @@ class CheckpointRegion:
     inlined: bool = False
     reason: str | None = None  # why it was not inlined
     unfused: list[SiteResult] = field(default_factory=list)  # its loss sites, when none can be fused
+    outer_head: bool = False  # its losses read logits formed before the region, by an lm_head of the outer graph
 
     def __str__(self) -> str:
         if not self.inlined:
             return f"checkpointed region {self.name}: its {self.sites} loss site(s) stay unfused: {self.reason}"
         extra = f"; {self.other_ops} other op(s) of the region are no longer recomputed" if self.other_ops else ""
-        return f"checkpointed region {self.name}: moved out of the checkpoint to fuse its loss site(s){extra}"
-
-
-def is_checkpoint(node: fx.Node) -> bool:
-    """Whether ``node`` is a call of an activation-checkpointed region (``tag_activation_checkpoint``)."""
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    return node.op == "call_function" and hop is not None and node.target is hop
+        heads = " with the lm_head before it" if self.outer_head else ""
+        return f"checkpointed region {self.name}: moved out of the checkpoint to fuse its loss site(s){heads}{extra}"
 
 
 def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.GraphModule] | None:
@@ -79,23 +80,21 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
         with outer_floats(floats):  # a float read before the region too: inlined, the op reads it at run time
             analyzed = analyze(body, logits)
         results = [r for r in analyzed if r.fused]
+        if not results and any(r.site.from_outside_graph for r in analyzed):
+            # A loss whose logits come into the region: its site is the outer graph's lm_head and this loss, which
+            # only the outer graph, with the region inlined, shows.
+            region = _inline_for_outer_heads(gm, node, name, body, logits)
+            if region is not None:
+                regions.append(region)
+                continue
         if not results:
-            # A head and loss the body holds, left as they are: named as outside a region (not a loss whose logits
-            # come into the region from outside: the site is then the outer graph's lm_head and this loss).
+            # A head and loss the body holds, left as they are: named as outside a region.
             unfused = [r for r in analyzed if not r.site.from_outside_graph]
             if unfused:
                 reason = "; ".join(f"{r.site.loss_node.name}: {r.reason}" for r in unfused)
                 regions.append(CheckpointRegion(name, len(unfused), 0, reason=reason, unfused=unfused))
             continue
-        site_nodes = {n for r in results for n in (r.site.chain + [r.site.loss_node])}
-        work = [n for r in results for n in (r.site.loss.target, r.site.loss.ce_weight) if isinstance(n, fx.Node)]
-        while work:  # the target's own computation belongs to the site too
-            n = work.pop()
-            if n.op != "placeholder" and n not in site_nodes:
-                site_nodes.add(n)
-                work.extend(n.all_input_nodes)
-        ops = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        region = CheckpointRegion(name, len(results), len([n for n in ops if n not in site_nodes]))
+        region = CheckpointRegion(name, len(results), _other_ops(body, results))
         region.reason = _inline(gm, node, body)
         region.inlined = region.reason is None
         regions.append(region)
@@ -105,8 +104,50 @@ def inline_fusable_checkpoints(gm: fx.GraphModule, logits: str = "keep") -> list
     return regions
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> str | None:
-    """Copy ``body`` into ``gm`` in place of the checkpoint call ``node``; None on success, else why not."""
+def _other_ops(body: fx.GraphModule, results: list[SiteResult], copied: dict | None = None) -> int:
+    """How many ops of ``body`` are not part of the fused sites ``results`` (their logits chain, loss and target):
+    the ops inlining the region no longer recomputes. ``copied`` maps body nodes to the nodes ``results`` name,
+    where the results are of a graph the body was inlined into."""
+    site_nodes = {n for r in results for n in (r.site.chain + [r.site.loss_node])}
+    work = [n for r in results for n in (r.site.loss.target, r.site.loss.ce_weight) if isinstance(n, fx.Node)]
+    while work:  # the target's own computation belongs to the site too
+        n = work.pop()
+        if n.op != "placeholder" and n not in site_nodes:
+            site_nodes.add(n)
+            work.extend(n.all_input_nodes)
+    ops = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return len([n for n in ops if (copied or {}).get(n, n) not in site_nodes])
+
+
+def _inline_for_outer_heads(gm: fx.GraphModule, node: fx.Node, name: str, body: fx.GraphModule,
+                            logits: str) -> CheckpointRegion | None:
+    """A region whose body computes a loss from logits formed before it (``torch.utils.checkpoint`` around the loss
+    alone, to recompute its fp32 copy and softmax in backward): inlined into ``gm`` where that lets the outer
+    graph's lm_head and the loss fuse, tried on a copy of ``gm`` first (the region stays where they would not: its
+    recomputation is then what saves memory, and the reason is reported). None where the copy cannot be made."""
+    trial = fx.GraphModule(gm, copy_graph(gm.graph))
+    trial_node = next(n for n in trial.graph.nodes if n.name == node.name)
+    copied: dict[fx.Node, fx.Node] = {}
+    why = _inline(trial, trial_node, body, copied)
+    if why is not None:
+        return None
+    inlined = set(copied.values())
+    mine = [r for r in analyze(trial, logits) if r.site.loss_node in inlined]
+    fused = [r for r in mine if r.fused]
+    if not mine:
+        return None
+    if not fused:
+        reason = "; ".join(f"{r.site.loss_node.name}: {r.reason}" for r in mine)
+        return CheckpointRegion(name, len(mine), 0, reason=reason, unfused=mine)
+    region = CheckpointRegion(name, len(fused), _other_ops(body, fused, copied), outer_head=True)
+    region.reason = _inline(gm, node, body)
+    region.inlined = region.reason is None
+    return region
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, copied: dict | None = None) -> str | None:
+    """Copy ``body`` into ``gm`` in place of the checkpoint call ``node``; None on success, else why not.
+    ``copied``, when given, receives each body node's copy."""
     users = list(node.users)
     if not all(u.op == "call_function" and u.target.__name__ == "getitem" and isinstance(u.args[1], int)
                for u in users):
@@ -126,6 +167,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> str | No
                 outputs = fx.node.map_arg(bn.args[0], lambda n: env[n])
                 continue
             env[bn] = gm.graph.node_copy(bn, lambda n: env[n])
+            if copied is not None:
+                copied[bn] = env[bn]
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     for user in users:
         user.replace_all_uses_with(outputs[user.args[1]])

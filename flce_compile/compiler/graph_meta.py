@@ -5,6 +5,7 @@ the marks a pass leaves on its nodes for the passes after it."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -65,3 +66,14 @@ JOINED = "flce_joined_pieces"
 def joined_pieces(node: fx.Node) -> list[fx.Node] | None:
     """The pieces a node marked ``JOINED`` joins, in order; None for any other node."""
     return list(node.args[0]) if node.meta.get(JOINED) else None
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes have shallow copies of the originals' metadata (the passes assign keys, never
+    change a value in place) and keep the attributes Dynamo set on them (a placeholder's ``_dynamo_source``): what
+    the backend puts back should the fusion pass, which changes the graph in place, fail halfway, and what a pass
+    tries a change on before making it."""
+    copied_graph = copy.deepcopy(graph)
+    for node, copied in zip(graph.nodes, copied_graph.nodes):
+        copied.__dict__.update(vars(node))
+    return copied_graph

@@ -836,6 +836,19 @@ def _einsum_head(node: fx.Node) -> LinearMatch | None:
 # chain steps
 
 
+#: Why a loss reading the result of a checkpointed region (its lm_head inside, the loss after it) is not fused.
+CHECKPOINTED_HEAD_REASON = (
+    "the logits come out of an activation-checkpointed region (torch.utils.checkpoint) and the loss is outside it: "
+    "put the loss inside the checkpointed function that calls the lm_head (a region holding both is fused), or call "
+    "the lm_head and what follows it outside the checkpoint")
+
+
+def is_checkpoint(node: fx.Node) -> bool:
+    """Whether ``node`` is a call of an activation-checkpointed region (``tag_activation_checkpoint``)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return node.op == "call_function" and hop is not None and node.target is hop
+
+
 def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
     """Classify one op on the logits path: (step, its logits-side input) or the reason it stops the search."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
@@ -949,6 +962,9 @@ def _walk(gm: fx.GraphModule, loss: LossMatch) -> Site:
                 f"the loss input comes from graph input {node.target!r}: the lm_head is not in this graph "
                 f"(a graph break between lm_head and the loss leaves nothing to fuse; {HF_LOSS_TYPE_HINT})"
             )
+            return site
+        if is_checkpoint(node):
+            site.reason = CHECKPOINTED_HEAD_REASON
             return site
         got = _classify(node)
         if isinstance(got, str):

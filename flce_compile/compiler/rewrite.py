@@ -254,7 +254,7 @@ def run_pass(
 def has_loss_site(gm: fx.GraphModule) -> bool:
     """Whether ``gm``, or the body of a checkpointed region in it, holds a loss call ``run_pass`` looks at (fusable
     or not). Without one the pass changes nothing and only reports the graph's lone lm_heads
-    (``report_lone_heads``): the backend then spares its copy of the graph (``backend._snapshot``). Reads only."""
+    (``report_lone_heads``): the backend then spares its copy of the graph (``graph_meta.copy_graph``). Reads only."""
     if find_sites(gm):
         return True
     bodies = (checkpoint_body(gm, node) for node in gm.graph.nodes)
