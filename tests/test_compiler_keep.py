@@ -714,6 +714,26 @@ def test_explain_and_log_the_kept_logits(caplog):
         torch.compile(_ReadsLogits(), backend="flce", options={"flce.inner": "eager"})(idx, labels)
     logged = [r.getMessage() for r in caplog.records if "so they are formed, exact" in r.getMessage()]
     assert len(logged) == 1 and "(argmax)" in logged[0] and "options=" not in logged[0], caplog.text
+    assert "formed in backward" not in logged[0]
+    # A reader the analysis counts as giving the logits a gradient (``detach``, kept in the op's graph): the two
+    # lines agree (the site's note said a gradient buffer is formed, the other that nothing logits-sized is).
+    rewrite._logged_keep = False
+    caplog.clear()
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        torch.compile(_DetachesLogits(), backend="flce", options={"flce.inner": "eager"})(idx, labels)
+    (site,) = [r.getMessage() for r in caplog.records if "-> fused_keep" in r.getMessage()]
+    (kept,) = [r.getMessage() for r in caplog.records if "so they are formed, exact" in r.getMessage()]
+    assert "flows back through the op" in site and "(a gradient those ops give the logits is formed in backward)" \
+        in kept, caplog.text
+
+
+class _DetachesLogits(LM):
+    """Returns the norm of its detached logits (a metric, as a forward hook logging them computes it)."""
+
+    def forward(self, idx, labels):
+        loss, logits = super().forward(idx, labels)
+        return loss, logits.detach().norm()
 
 
 class _ReadsLogits(LM):

@@ -1072,6 +1072,35 @@ def test_a_checkpointed_head_with_the_loss_outside_says_how_to_fuse():
     assert not report.fused and report.reason.endswith(CHECKPOINTED_HEAD_REASON), report.reason
 
 
+def _log_probs_and_entropy(m, x, t):
+    logits = m.lm_head(x)
+    log_probs = logits.log_softmax(-1).gather(-1, t.clamp_min(0)[..., None]).squeeze(-1)
+    entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+    return -(log_probs + 0.01 * entropy).mean()
+
+
+def test_log_probs_beside_an_entropy_say_why_their_logits_stay(caplog):
+    """Per-token log-probs beside an entropy the graph computes from the same logits: the loss is taken from the
+    kept logits, exact, and the reason names the log-probs (it named reduction='none', which the user never wrote)
+    and the readers; "drop", which cannot free logits the graph's own ops read, is not offered."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    model = Head(_log_probs_and_entropy)
+    idx, t = _data()
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    rewrite._warned_kept_logits = False
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got, got_g = _run(model, compiled, idx, t)
+    assert flce_kept_logits_loss in [n.target for n in graphs[0].graph.nodes]
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "the loss is per-token log-probs" in warned and "reduction='none'" not in warned, warned
+    assert "the graph's own ops read them (" in warned and "flce.logits" not in warned, warned
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_promoting_bias_is_named_as_such():
     """A bias that promotes the logits to another dtype than fp32 (fp64 on fp32 logits) is not folded, and the
     reason says why (it read "unsupported op ... add")."""

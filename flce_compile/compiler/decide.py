@@ -62,6 +62,8 @@ class SiteResult:
     logits_outputs: dict[fx.Node, Plan] = field(default_factory=dict)
     #: fused_lazy: returned nodes computed outside the graph -> the steps from the lm_head to each (``lazy_steps``).
     lazy_outputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    #: fused_keep: graph ops that read the logits may give them a gradient, which flows back through the op
+    logits_graded: bool = False
 
     @property
     def fused(self) -> bool:
@@ -359,6 +361,8 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     plan = fold_steps(site, 0)
     if isinstance(plan, str):
         return plan
+    if site.loss.kind == "log_prob_gather":
+        return "the loss is per-token log-probs (the op with logits computes mean/sum cross-entropy)"
     if site.loss.reduction == "none":
         return "reduction='none' (the op with logits computes mean/sum losses)"
     if site.linear.wide_bias:
@@ -389,8 +393,10 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     graded = [u for users in res.escapes.values() for u in users
               if u.op != "output" and not (_takes_no_gradient(u) and aliases.effects[u].fresh)]
     if graded:
-        res.note = (f"the logits feed {', '.join(sorted({u.name for u in graded})[:4])} in the graph, so their "
-                    "gradient flows through the op (a logits-sized gradient buffer in backward)")
+        res.note = (f"the logits feed {', '.join(sorted({u.name for u in graded})[:4])} in the graph, so a "
+                    "gradient they give the logits flows back through the op (a logits-sized buffer in backward "
+                    "where one is given)")
+        res.logits_graded = True
         return None
     transforms = {node: output_transform(site, node) for node, users in res.escapes.items()
                   if any(u.op == "output" for u in users)}

@@ -362,7 +362,8 @@ def _log_rewrite(res: SiteResult) -> None:
             logger.info(
                 "flce: the compiled graph's own ops read its logits (%s), so they are formed, exact: %.2f GB at the "
                 "traced size. The loss and the lm_head's gradients are fused around them and nothing logits-sized "
-                "is saved for backward.", ", ".join(res.logits_users[:4]), gb)
+                "is saved for backward%s.", ", ".join(res.logits_users[:4]), gb,
+                " (a gradient those ops give the logits is formed in backward)" if res.logits_graded else "")
         else:
             logger.info(
                 "flce: the compiled graph returns its logits, so they are kept, exact: %.2f GB at the traced size. "
@@ -370,12 +371,11 @@ def _log_rewrite(res: SiteResult) -> None:
                 "backward. options={'flce.logits': 'drop'} returns logits=None and saves those %.2f GB.", gb, gb)
     if res.path == "kept_logits" and not _warned_kept_logits:
         _warned_kept_logits = True
-        logger.warning(
-            "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and their "
-            "gradient stay. options={'flce.logits': 'drop'} frees them when nothing but the graph's outputs needs "
-            "the logits.",
-            res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
-        )
+        # "drop" frees only logits the graph returns: not ones its own ops read (an entropy beside log-probs).
+        fix = (f"the graph's own ops read them ({', '.join(res.logits_users[:4])})" if res.logits_users else
+               "options={'flce.logits': 'drop'} frees them when nothing but the graph's outputs needs the logits")
+        logger.warning("flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and "
+                       "their gradient stay; %s.", res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9, fix)
 
 
 class _NewNodes:
