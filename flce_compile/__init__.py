@@ -5,6 +5,7 @@ from typing import Any
 
 from .api import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .graph_replay import cuda_graphs_mode, set_cuda_graphs
+from .op import TargetError
 from .plan.choose import choose_config
 from .plan.config import FLCEConfig
 from .plan.memory import peak_bytes, peak_bytes_expr
@@ -20,6 +21,7 @@ __all__ = [
     "FusedLinearCrossEntropyLoss",
     "LazyLogits",
     "StaleLogitsError",
+    "TargetError",
     "choose_config",
     "cuda_graphs_mode",
     "fused_linear_cross_entropy",

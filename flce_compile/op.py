@@ -108,9 +108,15 @@ except AttributeError:  # another Python's os.environ
     _ENVIRON_OWNER = None
 
 
+class TargetError(ValueError, IndexError, RuntimeError):
+    """A class id outside [0, V) that is not ignored. It is each exception a caller's code may catch around the
+    unfused loss: eager ``F.cross_entropy`` raises IndexError for it, ``torch.gather`` RuntimeError, and this
+    library's argument checks ValueError."""
+
+
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
-    """Out-of-range targets raise on the CPU (and under FLCE_DEBUG=1); on the GPU their loss is NaN instead,
-    because checking would cost a host sync."""
+    """Out-of-range targets raise ``TargetError`` on the CPU (and under FLCE_DEBUG=1); on the GPU their loss is
+    NaN instead, because checking would cost a host sync."""
     if not targets_checked(target.is_cpu):
         return
     bad = (target < 0) | (target >= vocab)
@@ -119,11 +125,13 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     if bool(bad.any()):
         first = int(target[bad][0])
         if ignore_index == NO_IGNORED_CLASS:  # the compiler's per-token log-prob gather
-            raise ValueError(f"the log-prob gather's index holds class id {first}, outside [0, {vocab}) (gather "
-                             "ignores no label: mask them before the gather, e.g. labels.clamp(min=0)); called "
-                             f"directly, ignore_index={NO_IGNORED_CLASS} is the gather's marker, which ignores no "
-                             "label: remap those labels to another ignore_index, such as -100")
-        raise ValueError(
+            raise TargetError(
+                f"the log-prob gather's index holds class id {first}, outside [0, {vocab}): a gather ignores no "
+                "label (torch.gather raises for it too). Mask such labels before the gather, e.g. "
+                f"labels.clamp(min=0), and zero their log-probs after. (A direct call of the op with "
+                f"ignore_index={NO_IGNORED_CLASS}, the gather's marker, ignores no label either: pass the "
+                "ignore_index the labels use.)")
+        raise TargetError(
             f"target holds class id {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
             "fix the labels or pass the ignore_index they use"
         )

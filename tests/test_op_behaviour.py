@@ -113,12 +113,18 @@ def test_device_mismatch_is_reported():
 
 
 def test_out_of_range_target_raises_on_cpu():
+    """A ValueError, and the IndexError eager's F.cross_entropy raises (code catching either around the loss
+    behaves as it did unfused)."""
     x, w, t = _inputs()
     t[4] = 40
     with pytest.raises(ValueError, match="outside"):
         fused_linear_cross_entropy(x, w, t)
     t[4] = -7
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(IndexError, match="outside"):
+        fused_linear_cross_entropy(x, w, t)
+    with pytest.raises(IndexError):
+        F.cross_entropy(x @ w.T, t)
+    with pytest.raises(flce_compile.TargetError):
         fused_linear_cross_entropy(x, w, t)
 
 
