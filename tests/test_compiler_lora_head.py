@@ -121,6 +121,50 @@ def test_fused_and_exact_in_fp32(p, cast_back):
     torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
 
 
+class MatmulLoraHead(nn.Module):
+    """An lm_head and a low-rank adapter written with ``@`` (plain code, not peft): ``x @ W.T + (x @ A.T) @ B.T * 2``,
+    or with ``hv`` the head's and B's weights held as (H, V) and (R, V) parameters, ``x @ W + (x @ A) @ B * 2``."""
+
+    def __init__(self, hv=False, frozen=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        shapes = ((H, V), (H, R), (R, V)) if hv else ((V, H), (R, H), (V, R))
+        self.w, self.a, self.b = (nn.Parameter(torch.randn(*shape) * 0.3) for shape in shapes)
+        self.w.requires_grad_(not frozen)
+        self.hv = hv
+
+    def forward(self, idx, t):
+        x = self.emb(idx)
+        if self.hv:
+            logits = x @ self.w + (x @ self.a) @ self.b * 2.0
+        else:
+            logits = x @ self.w.T + (x @ self.a.T) @ self.b.T * 2.0
+        return F.cross_entropy(logits.view(-1, V), t.view(-1)), logits
+
+
+@pytest.mark.parametrize("hv", [False, True], ids=["x@W.T", "x@W_hv"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained_head", "frozen_head"])
+def test_an_adapter_written_with_matmul_folds_and_is_exact(hv, frozen):
+    """A hand-written adapter spelled with ``@`` folds as the F.linear spelling does (it was refused with peft's
+    advice); with a frozen head its dW GEMM reads the adapter's columns only."""
+    torch.manual_seed(0)
+    model = MatmulLoraHead(hv=hv, frozen=frozen)
+    idx, t = _data()
+    ref_loss, ref_logits, ref = _grads(model, model, idx, t)
+    compiled, graphs = _compiled(model)
+    loss, logits, got = _grads(model, compiled, idx, t)
+    fused = _fused_calls(graphs)
+    (gm,) = graphs.graphs
+    inputs = {n.name for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}  # (H, V) weights with hv
+    assert len(fused) == 1 and not set(_vocab_sized(gm)) - inputs, gm.code  # no logits
+    assert fused[0].args[0].meta["example_value"].shape[-1] == H + R
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
+
+
 def _fused_calls(graphs):
     """The fused op's calls in the recorded graphs (either graph-side function)."""
     return [n for gm in graphs.graphs for n in gm.graph.nodes

@@ -4,7 +4,9 @@ peft's LoRA with "lm_head" among its target_modules computes ``logits = x @ W.T 
 ``u = A(dropout(x))``, the adapter's (..., r) activations. That is one GEMM over concatenated operands,
 ``[x, s*u] @ [W, B].T``: the fused op takes it as it takes any lm_head, so the logits are never formed, and the
 gradients reach x, W and B (and, through ``u``, A and the dropout) by autograd through the concatenations. ``u`` is
-computed in the graph as before, once (the dropout's mask included).
+computed in the graph as before, once (the dropout's mask included). Written by hand, the head and the adapter
+may be spelled as the head may (``F.linear``, ``nn.Linear``, ``x @ W.T``, ``x @ W`` of an (H, V) weight), not as an
+einsum; a weight held as (H, V) is joined through its transpose.
 
 What the fold costs beside the fused op: the concatenated weight, V x (H + r) in the head's dtype, formed at each
 call. Where W is frozen (peft freezes it) the op is told so (``frozen_weight_columns`` = H, recorded on the GEMM as
@@ -177,6 +179,8 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
 
     weight_of_head = f"{lin.module_target}.weight" if lin.module_target else lin.weight
     head_weight = value(weight_of_head)
+    if lin.weight_is_transposed:  # ``x @ W`` with W (H, V)
+        head_weight = head_weight.t()
     x_dtype, w_dtype = meta_value(lin.input).dtype, head_weight.dtype
     frozen = not head_weight.requires_grad
     try:
@@ -187,7 +191,11 @@ def _fold(gm: fx.GraphModule, total: fx.Node, head: LowRankHead, fake_mode: Any)
             hidden = add("call_function", torch.cat,
                          ([lin.input, cast(low, meta_value(head.low).dtype, x_dtype)], -1))
             weight = add("get_attr", weight_of_head, ()) if lin.module_target else lin.weight
+            if lin.weight_is_transposed:
+                weight = add("call_method", "t", (weight,))
             up = add("get_attr", head.up_weight, ()) if isinstance(head.up_weight, str) else head.up_weight
+            if head.up_transposed:
+                up = add("call_method", "t", (up,))
             up = cast(up, value(head.up_weight).dtype, w_dtype)
             both = add("call_function", join_frozen, ([weight, up],)) if frozen else add(
                 "call_function", torch.cat, ([weight, up], 1))

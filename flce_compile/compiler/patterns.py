@@ -672,13 +672,14 @@ class LowRankHead:
     back to the head's dtype (peft sums a bf16 head and an fp32 adapter in fp32, then casts)."""
 
     node: fx.Node
-    base: LinearMatch  # the head's own GEMM: F.linear or nn.Linear, nothing added to it
+    base: LinearMatch  # the head's own GEMM (any spelling but einsum), nothing added to it
     up_weight: Any  # the up-projection's (V, r) weight: a node, or a get_attr target (nn.Linear forms)
     low: fx.Node  # the adapter's low-rank activations (..., r): dropout and down-projection applied
     scale: float
     symbols: tuple[fx.Node, ...]  # factors of the scale Dynamo left symbolic (peft's scaling under dynamic=True)
     #: the nodes the folded GEMM replaces: the head's GEMM, the up-projection, the scalings, the sum, the cast
     replaced: tuple[fx.Node, ...]
+    up_transposed: bool = False  # ``up_weight`` holds (r, V) (``h @ A.t() @ Bt``): the fold joins its transpose
 
 
 def _cast_source(node: Any) -> fx.Node | None:
@@ -771,9 +772,9 @@ def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str
         if rank is None or vocab is None or 2 * rank >= vocab:
             continue
         node = cast if cast is not None and summed.dtype != out.dtype else total  # peft's cast back
-        forms = ("F.linear", "nn.Linear")
-        if lin.form not in forms or up.form not in forms:
-            return f"the head or the adapter's up-projection is {lin.form if lin.form not in forms else up.form}"
+        einsum = next((m.form for m in (lin, up) if m.form.startswith("einsum")), None)
+        if einsum is not None:  # (its operands may be permuted any way: folded, they would be joined as written)
+            return f"the head or the adapter's up-projection is {einsum}"
         if own_bias(gm, up) is not None:
             return "the adapter's up-projection has a bias (peft's lora_bias)"
         inside = [head, inner, *steps] + ([total] if total is not node else [])
@@ -789,7 +790,7 @@ def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str
             return f"the sum is {meta_value(node).dtype} where the head computed {out.dtype}"
         weight = f"{up.module_target}.weight" if up.module_target else up.weight
         return LowRankHead(node, lin, weight, up.input, scale, tuple(symbols), (head, inner, *steps, total)
-                           + ((node,) if node is not total else ()))
+                           + ((node,) if node is not total else ()), up.weight_is_transposed)
     return None
 
 
