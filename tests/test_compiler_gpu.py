@@ -193,6 +193,38 @@ def test_bart_under_bf16_autocast_is_fused_and_as_exact_as_eager():
     torch.testing.assert_close(got.logits, ref.logits, rtol=1e-2, atol=2e-2)
 
 
+def _objective_step(objective, ids, backend):
+    """One warm step, then a measured one, of ``objective(ids)`` -> (loss, a detached output) compiled with
+    ``backend``: (loss, output, grads, peak above what was allocated before)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(objective, backend=backend)
+    model = objective.model
+    model.zero_grad(set_to_none=True)
+    compiled(ids)[0].backward()  # warm-up/compile
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss, out = compiled(ids)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return loss.detach(), out, {n: p.grad.float() for n, p in model.named_parameters()}, peak
+
+
+def _assert_as_inductor_in_less_memory(objective, ids, out_atol):
+    """``objective`` under backend="flce": Inductor's loss, output and gradient directions, at least one bf16
+    logits' bytes less peak memory."""
+    ref_loss, ref_out, ref_g, ref_peak = _objective_step(objective, ids, "inductor")
+    loss, out, grads, peak = _objective_step(objective, ids, "flce")
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-3, atol=out_atol)
+    for name, g in grads.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_g[name].flatten(), dim=0)
+        assert cos > 0.999, name
+    assert peak < ref_peak - S * V * 2, (peak, ref_peak)
+
+
 def test_per_token_log_probs_of_a_preference_loss_fuse_on_the_gpu(llama):
     """A DPO-style step written by hand: each token's log-prob picked with ``gather`` from a log_softmax, weighted
     and summed per sequence. Under Inductor on CUDA the pick is fused (no logits, no log-probs): the same values and
@@ -200,35 +232,30 @@ def test_per_token_log_probs_of_a_preference_loss_fuse_on_the_gpu(llama):
     model, ids = llama
     weights = torch.rand(ids.shape[0], ids.shape[1] - 1, device="cuda")
 
-    def step(backend):
-        torch._dynamo.reset()
+    def objective(ids):
+        logits = model(input_ids=ids).logits[:, :-1]
+        picked = torch.gather(logits.float().log_softmax(-1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return -(picked * weights).sum(-1).mean(), picked.detach()
 
-        def objective(ids):
-            logits = model(input_ids=ids).logits[:, :-1]
-            picked = torch.gather(logits.float().log_softmax(-1), 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-            return -(picked * weights).sum(-1).mean(), picked.detach()
-
-        compiled = torch.compile(objective, backend=backend)
-        model.zero_grad(set_to_none=True)
-        compiled(ids)[0].backward()  # warm-up/compile
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss, picked = compiled(ids)
-        loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        return loss.detach(), picked, {n: p.grad.float() for n, p in model.named_parameters()}, peak
-
-    ref_loss, ref_picked, ref_g, ref_peak = step("inductor")
+    objective.model = model
     report = flce_compile.explain(lambda ids: model(input_ids=ids).logits[:, :-1].float().log_softmax(-1).gather(
         -1, ids[:, 1:].unsqueeze(-1)), ids)
     assert [r.fused for r in report] == [True], str(report)
-    loss, picked, grads, peak = step("flce")
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(picked, ref_picked, rtol=1e-3, atol=2e-3)
-    for name, g in grads.items():
-        cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_g[name].flatten(), dim=0)
-        assert cos > 0.999, name
-    assert peak < ref_peak - S * V * 2, (peak, ref_peak)
+    _assert_as_inductor_in_less_memory(objective, ids, out_atol=2e-3)
+
+
+def test_a_loss_checkpointed_alone_fuses_with_the_head_before_it_on_the_gpu(llama):
+    """``checkpoint(loss_fn, model(ids).logits, labels)`` (the loss's fp32 copy and softmax recomputed in backward):
+    the region is moved out and the loss fused with the lm_head under Inductor on CUDA: Inductor's loss and
+    gradients, at least one bf16 logits' bytes less peak memory."""
+    model, ids = llama
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+
+    def objective(ids):
+        loss = torch.utils.checkpoint.checkpoint(loss_fn, model(input_ids=ids).logits, ids, use_reentrant=False)
+        return loss, loss.detach()
+
+    objective.model = model
+    _assert_as_inductor_in_less_memory(objective, ids, out_atol=1e-3)
