@@ -125,20 +125,21 @@ class MatmulLoraHead(nn.Module):
     """An lm_head and a low-rank adapter written with ``@`` (plain code, not peft): ``x @ W.T + (x @ A.T) @ B.T * 2``,
     or with ``hv`` the head's and B's weights held as (H, V) and (R, V) parameters, ``x @ W + (x @ A) @ B * 2``."""
 
-    def __init__(self, hv=False, frozen=False):
+    def __init__(self, hv=False, frozen=False, bias=False):
         super().__init__()
         self.emb = nn.Embedding(V, H)
         shapes = ((H, V), (H, R), (R, V)) if hv else ((V, H), (R, H), (V, R))
         self.w, self.a, self.b = (nn.Parameter(torch.randn(*shape) * 0.3) for shape in shapes)
         self.w.requires_grad_(not frozen)
         self.hv = hv
+        self.bias = nn.Parameter(torch.randn(V)) if bias else None  # added to the head's output
 
     def forward(self, idx, t):
         x = self.emb(idx)
-        if self.hv:
-            logits = x @ self.w + (x @ self.a) @ self.b * 2.0
-        else:
-            logits = x @ self.w.T + (x @ self.a.T) @ self.b.T * 2.0
+        head = x @ self.w if self.hv else x @ self.w.T
+        if self.bias is not None:
+            head = head + self.bias
+        logits = head + ((x @ self.a) @ self.b if self.hv else (x @ self.a.T) @ self.b.T) * 2.0
         return F.cross_entropy(logits.view(-1, V), t.view(-1)), logits
 
 
@@ -158,8 +159,31 @@ def test_an_adapter_written_with_matmul_folds_and_is_exact(hv, frozen):
     inputs = {n.name for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}  # (H, V) weights with hv
     assert len(fused) == 1 and not set(_vocab_sized(gm)) - inputs, gm.code  # no logits
     assert fused[0].args[0].meta["example_value"].shape[-1] == H + R
+    assert fused[0].kwargs.get("frozen_weight_columns", 0) == (H if frozen else 0), fused[0].kwargs
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_on_a_head_before_a_checkpointed_loss_folds():
+    """``checkpoint(loss_fn, lm_head(x) + s * B(A(x)), labels)``: the trial of moving the region out folds the
+    adapter as the pass does (it analysed the copy without folding: the region stayed, and the log blamed the
+    adapter), so the loss fuses, exact."""
+    class CheckpointedLoss(LoraHead):
+        def forward(self, idx, t):
+            logits = self.logits(self.emb(idx))
+            return torch.utils.checkpoint.checkpoint(self.loss_form, logits, t, use_reentrant=False), logits
+
+    torch.manual_seed(0)
+    model = CheckpointedLoss(cast_back=False)
+    idx, t = _data()
+    ref_loss, ref_logits, ref = _grads(model, model, idx, t)
+    compiled, graphs = _compiled(model)
+    loss, logits, got = _grads(model, compiled, idx, t)
+    assert len(_fused_calls(graphs)) == 1 and not any(_vocab_sized(gm) for gm in graphs.graphs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-5, atol=1e-5)
@@ -420,6 +444,8 @@ def test_logits_read_in_the_graph_come_from_the_fused_op():
     ("write_between", "writes to its operands between the head's and the adapter's GEMMs and the sum"),
     ("adapter_no_grad", "grad mode changes between the head's and the adapter's GEMMs and the sum"),
     ("two_adapters", "several low-rank adapters are added to the logits"),
+    ("added_bias", "a bias is added to the head's or the adapter's output"),
+    ("matmul_added_bias", "a bias is added to the head's or the adapter's output"),
 ])
 def test_heads_the_fold_refuses_are_named(case, reason):
     """An adapter with a bias on its up-projection, an fp32 adapter beside a bf16 head without autocast (one bf16
@@ -430,7 +456,8 @@ def test_heads_the_fold_refuses_are_named(case, reason):
              "fp32_adapter": lambda: LoraHead(dtype=torch.bfloat16),
              "fp32_sum": lambda: LoraHead(dtype=torch.bfloat16, widen=True).to(torch.bfloat16),
              "in_place": lambda: InPlaceLoraHead(), "write_between": lambda: WriteBetweenLoraHead(),
-             "adapter_no_grad": lambda: NoGradAdapterHead(), "two_adapters": lambda: TwoAdapterHead()}[case]()
+             "adapter_no_grad": lambda: NoGradAdapterHead(), "two_adapters": lambda: TwoAdapterHead(),
+             "added_bias": lambda: AddedBiasHead(), "matmul_added_bias": lambda: MatmulLoraHead(bias=True)}[case]()
     (report,) = fc.explain(model, *_data())
     assert not report.fused and "low-rank adapter's output is added to the logits" in report.reason
     assert reason in report.reason and "merge_and_unload" in report.reason, report.reason
@@ -471,6 +498,18 @@ class TwoAdapterHead(LoraHead):
 
     def logits(self, x):
         return self.lm_head(x) + self.lora_b(self.lora_a(x)) * 2.0 + self.lora_b(self.lora_a(x)) * 3.0
+
+
+class AddedBiasHead(LoraHead):
+    """A vocabulary-sized bias added to the head's output beside the adapter (the fold reads the GEMMs' own biases
+    only: folded, the bias was dropped, for a wrong loss)."""
+
+    def __init__(self):
+        super().__init__(cast_back=False)
+        self.extra = nn.Parameter(torch.randn(V))
+
+    def logits(self, x):
+        return self.lm_head(x) + self.extra + self.lora_b(self.lora_a(x)) * 2.0
 
 
 def test_an_adapter_under_no_grad_gets_no_gradient():

@@ -1063,6 +1063,33 @@ def test_a_checkpointed_loss_that_cannot_fuse_keeps_its_checkpoint_and_says_why(
     assert not report.fused and "checkpointed region" in report.reason
 
 
+def _checkpointed_loss_and_entropy(m, x, t):
+    def loss_fn(logits, targets):  # the entropy reads the logits: fused, they would be formed and saved
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1) - 0.01 * entropy.mean()
+
+    return torch.utils.checkpoint.checkpoint(loss_fn, m.lm_head(x), t, use_reentrant=False)
+
+
+def test_a_checkpointed_loss_whose_region_reads_the_logits_stays_checkpointed():
+    """Moved out, a region whose own ops read the logits beside the loss (an entropy) would be fused only around
+    logits formed in the forward and saved for its backward, what its checkpoint recomputes: it stays (it was moved
+    out), and explain says why."""
+    model = Head(_checkpointed_loss_and_entropy)
+    idx, t = _data()
+    ref, ref_g = _run(model, model, idx, t)
+    compiled, graphs = _compile(model)
+    got, got_g = _run(model, compiled, idx, t)
+    assert any(is_checkpoint(n) for n in graphs[0].graph.nodes)
+    fused = {flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss}
+    assert not fused & {n.target for n in graphs[0].graph.nodes}
+    torch.testing.assert_close(got, ref)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], msg=name)
+    (site,) = fc.explain(model, idx, t)
+    assert not site.fused and "logits formed in the forward (fused_keep" in site.reason, site.reason
+
+
 def test_a_checkpointed_head_with_the_loss_outside_says_how_to_fuse():
     """The lm_head inside a checkpoint, the loss after it: not fused, and the reason says what to move (it named
     Dynamo's tag_activation_checkpoint)."""

@@ -12,7 +12,8 @@ one whose head and loss cannot be fused (reported like a site outside a region).
 A region may hold the loss alone, its logits formed by an lm_head before it (``checkpoint(loss_fn, logits,
 labels)``, written to recompute the loss's fp32 copy and softmax in backward): the site is then the outer graph's
 head and the body's loss, so the region is inlined into a copy of the outer graph first, and into the graph itself
-only where the analysis of that copy fuses them (where it does not, the checkpoint is what saves memory, and stays).
+only where the analysis of that copy fuses them with no logits formed in the forward (where it does not, the
+checkpoint is what saves memory, and stays).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from ..log import logger
 from .decide import SiteResult, analyze
 from .graph_meta import copy_graph
+from .lora_head import analyze_with_folded_heads
 from .patterns import is_checkpoint, outer_floats, runtime_float
 
 
@@ -124,25 +127,41 @@ def _inline_for_outer_heads(gm: fx.GraphModule, node: fx.Node, name: str, body: 
     """A region whose body computes a loss from logits formed before it (``torch.utils.checkpoint`` around the loss
     alone, to recompute its fp32 copy and softmax in backward): inlined into ``gm`` where that lets the outer
     graph's lm_head and the loss fuse, tried on a copy of ``gm`` first (the region stays where they would not: its
-    recomputation is then what saves memory, and the reason is reported). None where the copy cannot be made."""
-    trial = fx.GraphModule(gm, copy_graph(gm.graph))
-    trial_node = next(n for n in trial.graph.nodes if n.name == node.name)
+    recomputation is then what saves memory, and the reason is reported; as where they would fuse only around logits
+    formed in the forward). None where the trial fails or finds no loss of the body."""
     copied: dict[fx.Node, fx.Node] = {}
-    why = _inline(trial, trial_node, body, copied)
-    if why is not None:
+    try:
+        trial = fx.GraphModule(gm, copy_graph(gm.graph))
+        trial_node = next(n for n in trial.graph.nodes if n.name == node.name)
+        if _inline(trial, trial_node, body, copied) is not None:
+            return None
+        inlined = set(copied.values())
+        mine = [r for r in analyze_with_folded_heads(trial, logits, log=False) if r.site.loss_node in inlined]
+    except Exception as exc:  # noqa: BLE001 - an unexpected graph: the region stays as it is
+        logger.debug("flce: trying checkpointed region %s out of its checkpoint failed: %r", name, exc)
         return None
-    inlined = set(copied.values())
-    mine = [r for r in analyze(trial, logits) if r.site.loss_node in inlined]
-    fused = [r for r in mine if r.fused]
     if not mine:
         return None
+    # Only where no logits are formed in the forward: around kept logits (the region's own ops read them, an
+    # entropy say), moving the region out would save for backward what its checkpoint recomputes.
+    fused = [r for r in mine if r.path in LOGITS_FREE_PATHS]
     if not fused:
-        reason = "; ".join(f"{r.site.loss_node.name}: {r.reason}" for r in mine)
-        return CheckpointRegion(name, len(mine), 0, reason=reason, unfused=mine)
+        reason = "; ".join(f"{r.site.loss_node.name}: {r.reason or _kept_reason(r)}" for r in mine)
+        return CheckpointRegion(name, len(mine), 0, reason=reason, unfused=[r for r in mine if not r.fused])
     region = CheckpointRegion(name, len(fused), _other_ops(body, fused, copied), outer_head=True)
     region.reason = _inline(gm, node, body)
     region.inlined = region.reason is None
     return region
+
+
+#: The analysis paths on which a fused loss forms no logits in the forward.
+LOGITS_FREE_PATHS = ("fused", "fused_lazy")
+
+
+def _kept_reason(res: SiteResult) -> str:
+    """Why a loss the outer analysis would fuse only around kept logits stays in its checkpointed region."""
+    return (f"moved out of the checkpoint it would be computed around logits formed in the forward ({res.path}"
+            f"{': ' + res.note if res.note else ''}), which the checkpoint keeps from being saved for backward")
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, copied: dict | None = None) -> str | None:

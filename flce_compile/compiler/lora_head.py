@@ -97,10 +97,11 @@ def join_frozen(pieces: list[torch.Tensor]) -> torch.Tensor:
     return _FrozenJoin.apply(frozen, trainable)
 
 
-def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mode: Any = None) -> list[SiteResult]:
+def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mode: Any = None,
+                              log: bool = True) -> list[SiteResult]:
     """``decide.analyze`` of ``gm`` with its lm_heads' low-rank adapters folded where that lets the loss fuse;
-    changes ``gm`` only there."""
-    folds = fold_low_rank_heads(gm, fake_mode if fake_mode is not None else graph_fake_mode(gm))
+    changes ``gm`` only there. ``log=False`` for a trial on a copy (``checkpoints``): the folds are not logged."""
+    folds = fold_low_rank_heads(gm, fake_mode if fake_mode is not None else graph_fake_mode(gm), log)
     results = analyze(gm, logits)
     if not folds:
         return results
@@ -110,6 +111,8 @@ def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mod
         res = by_linear.get(fold.linear)
         if res is not None and res.path in OPERAND_PATHS:
             fold.keep(gm)
+            if not log:
+                continue
             logger.info("flce: the low-rank adapter on the lm_head at %s folded into one GEMM (rank %d, scale %g)%s",
                         fold.total.name, meta_value(fold.head.low).shape[-1], fold.head.scale,
                         "; the head is frozen: dW of the adapter's columns only" if FROZEN_COLUMNS in fold.linear.meta
@@ -124,7 +127,7 @@ def analyze_with_folded_heads(gm: fx.GraphModule, logits: str = "keep", fake_mod
     return analyze(gm, logits) if undone else results
 
 
-def fold_low_rank_heads(gm: fx.GraphModule, fake_mode: Any) -> list[Fold]:
+def fold_low_rank_heads(gm: fx.GraphModule, fake_mode: Any, log: bool = True) -> list[Fold]:
     """Fold every lm_head with a low-rank adapter in ``gm`` (``patterns.match_low_rank_head``) that reads its
     operands unchanged; the others get their reason recorded on their sum."""
     folds = []
@@ -140,7 +143,8 @@ def fold_low_rank_heads(gm: fx.GraphModule, fake_mode: Any) -> list[Fold]:
             except Exception as exc:  # noqa: BLE001 - an unexpected graph: the head stays as it was
                 why = f"folding it failed ({exc!r})"
         node.meta[LOW_RANK_REASON] = why
-        logger.info("flce: the low-rank adapter on the lm_head at %s not folded: %s", node.name, why)
+        if log:
+            logger.info("flce: the low-rank adapter on the lm_head at %s not folded: %s", node.name, why)
     return folds
 
 

@@ -775,6 +775,8 @@ def match_low_rank_head(gm: fx.GraphModule, total: fx.Node) -> LowRankHead | str
         einsum = next((m.form for m in (lin, up) if m.form.startswith("einsum")), None)
         if einsum is not None:  # (its operands may be permuted any way: folded, they would be joined as written)
             return f"the head or the adapter's up-projection is {einsum}"
+        if lin.added_bias is not None or up.added_bias is not None:  # (the fold reads the GEMMs' own biases only)
+            return "a bias is added to the head's or the adapter's output"
         if own_bias(gm, up) is not None:
             return "the adapter's up-projection has a bias (peft's lora_bias)"
         inside = [head, inner, *steps] + ([total] if total is not node else [])
@@ -839,9 +841,9 @@ def _einsum_head(node: fx.Node) -> LinearMatch | None:
 
 #: Why a loss reading the result of a checkpointed region (its lm_head inside, the loss after it) is not fused.
 CHECKPOINTED_HEAD_REASON = (
-    "the logits come out of an activation-checkpointed region (torch.utils.checkpoint) and the loss is outside it: "
-    "put the loss inside the checkpointed function that calls the lm_head (a region holding both is fused), or call "
-    "the lm_head and what follows it outside the checkpoint")
+    "the logits reach the loss through an activation-checkpointed region (torch.utils.checkpoint) the loss is not "
+    "in: an lm_head and its loss are fused when both are in one checkpointed function or neither is in any; move "
+    "the loss into that function, or call the lm_head and the ops after it outside the checkpoint")
 
 
 def is_checkpoint(node: fx.Node) -> bool:
