@@ -963,6 +963,81 @@ def test_logits_returned_for_a_loss_after_the_compiled_code_are_warned_of_once(c
     assert flce_fused_loss not in [n.target for n in graphs[0].graph.nodes]
 
 
+class WidensBeforeABreak(nn.Module):
+    """An FFN's up-projection (4x) whose output a graph break hands to the next graph, then the lm_head and its loss;
+    ``wide``: the head too is reached only through a graph that returns its logits, tied to the embedding
+    (``tied``) or under a name no lm_head has, 8x its input."""
+
+    def __init__(self, wide=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.up, self.down = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.proj = nn.Linear(H, 8 * H, bias=False)
+        self.wide = wide
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        u = self.up(x)
+        torch._dynamo.graph_break()
+        x = x + self.down(F.gelu(u))
+        if self.wide == "tied":
+            return F.linear(x, self.emb.weight)
+        return self.proj(x) if self.wide == "unnamed" else F.linear(x, self.emb.weight.detach())
+
+
+@pytest.mark.parametrize("wide", ["tied", "unnamed"])
+def test_a_widening_linear_before_a_graph_break_is_no_lone_head(wide, caplog):
+    """A 4x up-projection whose output a graph break returns is not reported as an lm_head whose loss is computed
+    elsewhere (it was, at WARNING, naming it "lm_head u"); a head tied to the embedding, or 8x as wide as its
+    input under any name, still is."""
+    model = WidensBeforeABreak(wide)
+    idx, _ = _data()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        _compile(model)[0](idx)
+    said = [r.getMessage() for r in caplog.records if "no loss in this graph" in r.getMessage()]
+    assert len(said) == 1 and " u (" not in said[0], said
+    assert f"(V={8 * H if wide == 'unnamed' else V}," in said[0], said
+
+
+class SequenceClassifier(nn.Module):
+    """A decoder's sequence classifier as Hugging Face writes it: 3 class scores per token, each sequence's last
+    token's picked with a tensor index and returned with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.score = nn.Linear(H, 3, bias=False)
+
+    def forward(self, idx, labels):
+        logits = self.score(torch.tanh(self.emb(idx)))
+        pooled = logits[torch.arange(idx.shape[0]), (idx != 0).sum(-1) - 1]  # each sequence's last non-pad token
+        return F.cross_entropy(pooled, labels), pooled
+
+
+def test_a_sequence_classifier_gets_no_warning_nor_advice_that_cannot_help(caplog):
+    """Its loss is taken from the kept logits (a tensor index the op does not take): a few classes, so logged at
+    INFO, and without offering flce.logits='drop' (which leaves it unfused and frees nothing: it was a WARNING
+    offering it); the numbers are eager's."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    model = SequenceClassifier()
+    idx, _ = _data()
+    labels = torch.tensor([0, 2])
+    (ref, ref_logits), _ = model(idx, labels), None
+    rewrite._warned_kept_logits = False
+    compiled, graphs = _compile(model)
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got, logits = compiled(idx, labels)
+    (said,) = [r for r in caplog.records if "is taken from the logits the graph keeps" in r.getMessage()]
+    assert said.levelname == "INFO" and "flce.logits" not in said.getMessage(), said.getMessage()
+    assert "the fused op cannot return the logits here" in said.getMessage()
+    assert not rewrite._warned_kept_logits
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(logits, ref_logits)
+    (site,) = fc.explain(model, idx, labels)
+    assert site.path == "kept_logits" and "flce.logits" not in str(site), str(site)
+
+
 def test_the_backend_copies_only_graphs_with_a_loss_site(monkeypatch):
     """The copy of the graph that guards the fusion pass (``backend.copy_graph``, ~0.45 s per 30k nodes) is taken
     for a graph with a loss site only (one in a checkpointed region's body counts); the others are only read.

@@ -22,6 +22,7 @@ Paths, from most to least memory saved:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +30,8 @@ from torch import fx
 
 from .mutations import AliasMap, describe, draws_random, grad_mode_switch, nodes_between
 from .outputs import flat_outputs, output_node
-from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, Plan, Site, find_sites, fold_steps, hint_int, match_linear,
-                       meta_value, output_transform, reinterprets_bits, runtime_softcap,
+from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, LinearMatch, Plan, Site, find_sites, fold_steps, hint_int,
+                       match_linear, meta_value, output_transform, reinterprets_bits, runtime_softcap,
                        symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
@@ -64,6 +65,8 @@ class SiteResult:
     lazy_outputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     #: fused_keep: graph ops that read the logits may give them a gradient, which flows back through the op
     logits_graded: bool = False
+    #: kept_logits: whether flce.logits="drop" would fuse this loss without the logits
+    drop_frees: bool = False
 
     @property
     def fused(self) -> bool:
@@ -441,7 +444,9 @@ def _kept_logits(site: Site, res: SiteResult, why: str, aliases: AliasMap) -> Si
         res.reason = f"logits are used outside the loss ({_users(res.escapes)}) and {plan}"
         return res
     base_val = meta_value(chain[last])
-    res.path, res.plan, res.note = "kept_logits", plan, f"the op with logits does not apply: {why}"
+    res.path, res.plan, res.note = "kept_logits", plan, f"the fused op cannot return the logits here: {why}"
+    # "drop" fuses the loss where nothing in the graph reads the logits and its steps fold from the lm_head on
+    res.drop_frees = not res.logits_users and not isinstance(fold_steps(site, 0), str)
     res.kept_logits_bytes = 2 * (hint_int(base_val.numel()) or 0) * base_val.element_size()
     return res
 
@@ -521,10 +526,46 @@ LONE_HEAD_REASON = ("no loss in this graph reads its logits: a loss computed aft
                     f"states there; flce_compile.explain(...) shows graph breaks ({HF_LOSS_TYPE_HINT})")
 
 
+#: What a module computing logits is called (its attribute's name, lower-cased, digits dropped), or ends with.
+_HEAD_NAMES = {"lm_head", "head", "decoder", "embed_out", "proj_out", "output", "output_layer", "out", "unembed",
+               "unembedding", "to_logits", "logits"}
+#: What an input embedding is called: a head reading its weight is tied to it.
+_EMBEDDING_NAMES = {"emb", "embed", "embedding", "embeddings", "wte", "embed_tokens", "word_embeddings", "shared",
+                    "tok_embeddings", "tok_emb", "token_embedding", "token_embeddings"}
+#: An output this many times its input's width is taken for logits whatever the linear is called (an FFN's
+#: up-projection widens 2.7-8x; the lm_heads of models wider than 8x are called lm_head).
+_WIDE_HEAD = 8
+
+
+def _vocab_sized(node: fx.Node, lin: LinearMatch, width: int, in_width: int) -> bool:
+    """Whether the linear ``node`` (``lin``), ``in_width`` -> ``width`` columns, computes logits: at least
+    ``_WIDE_HEAD`` times as wide, or twice and called like an lm_head or reading an input embedding's weight (an
+    adapter's or an FFN's up-projection before a graph break is no lm_head, and was reported as one)."""
+    if width >= _WIDE_HEAD * in_width:
+        return True
+    if width < 2 * in_width:
+        return False
+    weight = lin.weight if isinstance(lin.weight, fx.Node) else None
+    names, kinds = [lin.module_target] if lin.module_target else [], []
+    for n in (node, weight):  # the innermost module of the GEMM, and of its weight (a parameter's placeholder)
+        stack = list((n.meta.get("nn_module_stack") or {}).values())[-1:] if n is not None else []
+        names += [str(path) for path, _ in stack]
+        kinds += [kind for _, kind in stack]
+    if weight is not None and weight.op == "placeholder" and "_parameters_" in weight.name:
+        names.append(weight.name.split("_parameters_")[0].rsplit("_modules_", 1)[-1])  # l_self_modules_emb_param..
+    names = [re.sub(r"\[[^\]]*\]", "", n).rsplit(".", 1)[-1].lower().rstrip("0123456789_") for n in names]
+    if any(n in _HEAD_NAMES or n.endswith("head") or n in _EMBEDDING_NAMES for n in names):
+        return True
+    if any(isinstance(kind, type) and issubclass(kind, torch.nn.Embedding) for kind in kinds):
+        return True  # a head tied to the input embedding
+    return weight is not None and any(u.op == "call_function" and getattr(u.target, "__name__", "") == "embedding"
+                                      for u in weight.users)  # the same, the embedding called in this graph
+
+
 def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
-    """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, at least twice its input's
-    width (vocabulary-sized), the graph only returns (itself, or through casts and reshapes): logits an op of the
-    graph reads may feed a loss the analysis refused, whose own reason is the one to give."""
+    """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, vocabulary-sized
+    (``_vocab_sized``), the graph only returns (itself, or through casts and reshapes): logits an op of the graph
+    reads may feed a loss the analysis refused, whose own reason is the one to give."""
     linked = {r.site.linear.node for r in results if r.site.linear is not None}
     heads = []
     for node in gm.graph.nodes:
@@ -538,8 +579,8 @@ def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
         out, x = meta_value(node), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
             continue
-        if out.shape[-1] < 2 * (x.shape[-1] if isinstance(x, torch.Tensor) else 0):
-            continue  # not vocab-sized
+        if not _vocab_sized(node, lin, out.shape[-1], x.shape[-1] if isinstance(x, torch.Tensor) else 0):
+            continue
         heads.append(LoneHead(node, lin.form, hint_int(out.numel() // out.shape[-1]), out.shape[-1],
                               tensor_parallel, out.requires_grad))
     return heads

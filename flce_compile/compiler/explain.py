@@ -52,6 +52,7 @@ class SiteReport:
     kept_logits_bytes: int = 0
     note: str | None = None
     logits_users: list[str] = field(default_factory=list)  # the graph's ops that read the logits (not the loss)
+    drop_frees: bool = True  # whether flce.logits="drop" frees kept logits (``SiteResult.drop_frees``)
 
     def __str__(self) -> str:
         head = f"[graph {self.graph}] {self.loss}: "
@@ -74,7 +75,7 @@ class SiteReport:
         users = ", ".join(self.logits_users[:4]) + (", ..." if len(self.logits_users) > 4 else "")
         # "drop" frees only logits the graph returns, not logits its own ops read (a z-loss, a metric)
         why = f"the graph's own ops read them ({users})" if users else "they are returned"
-        advice = "" if users else " (options={'flce.logits': 'drop'} frees them)"
+        advice = "" if users or not self.drop_frees else " (options={'flce.logits': 'drop'} frees them)"
         if self.path == "fused_keep":
             text += f"; the logits are formed, exact, as {why}: {kept} stay, nothing logits-sized is saved for " \
                     f"backward{advice}"
@@ -264,7 +265,7 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             tokens=res.tokens, vocab=site.vocab, hidden=site.hidden, softcap=_softcap_text(plan),
             logit_scale=plan.logit_scale if plan else 1.0, logits_escape=bool(site.linear and site.escapes()),
             est_saved_bytes=estimate[0], cost_note=estimate[1], kept_logits_bytes=res.kept_logits_bytes, note=res.note,
-            logits_users=res.logits_users,
+            logits_users=res.logits_users, drop_frees=res.path != "kept_logits" or res.drop_frees,
         ))
     for head in lone_heads(gm, results):  # lm_heads whose loss is in another graph, or after the compiled code
         reports.append(SiteReport(

@@ -370,12 +370,19 @@ def _log_rewrite(res: SiteResult) -> None:
                 "The loss and the lm_head's gradients are fused around them and nothing logits-sized is saved for "
                 "backward. options={'flce.logits': 'drop'} returns logits=None and saves those %.2f GB.", gb, gb)
     if res.path == "kept_logits" and not _warned_kept_logits:
-        _warned_kept_logits = True
-        # "drop" frees only logits the graph returns: not ones its own ops read (an entropy beside log-probs).
-        fix = (f"the graph's own ops read them ({', '.join(res.logits_users[:4])})" if res.logits_users else
-               "options={'flce.logits': 'drop'} frees them when nothing but the graph's outputs needs the logits")
-        logger.warning("flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and "
-                       "their gradient stay; %s.", res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9, fix)
+        # "drop" frees only logits the graph returns, and fuses only a loss whose steps the op takes: not ones its
+        # own ops read (an entropy beside log-probs), nor a sequence classifier's pick of each sequence's last token.
+        if res.logits_users:
+            fix = f"; the graph's own ops read them ({', '.join(res.logits_users[:4])})"
+        else:
+            fix = ("; options={'flce.logits': 'drop'} fuses the loss and frees them when nothing but the graph's "
+                   "outputs needs the logits" if res.drop_frees else "")
+        # A WARNING for vocabulary-sized logits; a classifier's few classes hold little (INFO, not marked warned).
+        vocab_sized = (res.site.vocab or 0) >= 2 * (res.site.hidden or 0)
+        _warned_kept_logits = vocab_sized
+        logger.log(logging.WARNING if vocab_sized else logging.INFO,
+                   "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and their "
+                   "gradient stay%s.", res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9, fix)
 
 
 class _NewNodes:
