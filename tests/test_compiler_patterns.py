@@ -1038,6 +1038,38 @@ def test_a_sequence_classifier_gets_no_warning_nor_advice_that_cannot_help(caplo
     assert site.path == "kept_logits" and "flce.logits" not in str(site), str(site)
 
 
+class QuestionAnswering(nn.Module):
+    """A question-answering head as Hugging Face writes it: 2 scores per token split into start and end logits,
+    each a cross-entropy over the positions (a site the pass cannot fuse, and no lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.qa_outputs = nn.Linear(H, 2)
+
+    def forward(self, idx, start, end):
+        start_logits, end_logits = self.qa_outputs(torch.tanh(self.emb(idx))).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1), end_logits.squeeze(-1)
+        return (F.cross_entropy(start_logits, start) + F.cross_entropy(end_logits, end)) / 2
+
+
+def test_a_question_answering_head_is_not_warned_of_as_an_lm_head(caplog, monkeypatch):
+    """Its losses stay unfused and say so at INFO, naming a 2-class head (the first was a WARNING about an
+    lm_head)."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    monkeypatch.setattr(rewrite, "_warned_unfused", False)
+    model = QuestionAnswering()
+    idx, _ = _data()
+    start, end = torch.tensor([1, 2]), torch.tensor([3, 4])
+    with caplog.at_level("INFO", logger="flce_compile"):
+        got = _compile(model)[0](idx, start, end)
+    said = [r for r in caplog.records if "not fused" in r.getMessage()]
+    assert len(said) == 2 and all(r.levelname == "INFO" and "(a 2-class head)" in r.getMessage() for r in said)
+    assert not rewrite._warned_unfused
+    torch.testing.assert_close(got, model(idx, start, end))
+
+
 def test_the_backend_copies_only_graphs_with_a_loss_site(monkeypatch):
     """The copy of the graph that guards the fusion pass (``backend.copy_graph``, ~0.45 s per 30k nodes) is taken
     for a graph with a loss site only (one in a checkpointed region's body counts); the others are only read.

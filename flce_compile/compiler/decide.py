@@ -562,6 +562,25 @@ def _vocab_sized(node: fx.Node, lin: LinearMatch, width: int, in_width: int) -> 
                                       for u in weight.users)  # the same, the embedding called in this graph
 
 
+def classifier_classes(site: Site) -> int | None:
+    """The classes of the linear a refused loss site reads, where it has fewer than twice its input's width (a
+    classifier, not an lm_head), else None; looked for up the loss input's first operands where the analysis
+    stopped before reaching it."""
+    node, gm = site.loss.input if site.loss else None, site.loss_node.graph.owning_module
+    for _ in range(8):
+        if not isinstance(node, fx.Node) or gm is None:
+            return None
+        lin = site.linear if site.linear is not None and site.linear.node is node else match_linear(gm, node)
+        if lin is not None:
+            out, x = meta_value(lin.node), meta_value(lin.input)
+            if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dim() and x.dim()):
+                return None
+            classes, width = hint_int(out.shape[-1]), hint_int(x.shape[-1])
+            return classes if classes is not None and width is not None and classes < 2 * width else None
+        node = node.args[0] if node.args else None
+    return None
+
+
 def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
     """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, vocabulary-sized
     (``_vocab_sized``), the graph only returns (itself, or through casts and reshapes): logits an op of the graph

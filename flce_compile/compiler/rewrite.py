@@ -25,7 +25,7 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, checkpoint_body, inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, lone_heads
+from .decide import LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, classifier_classes, lone_heads
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
@@ -322,6 +322,10 @@ def _log_unfused(res: SiteResult) -> None:
             "flce: loss %s not fused: its logits come from outside the compiled graph, and the lm_head must be in "
             "the same graph as the loss. If a graph break separates them, flce_compile.explain(model, ...) shows "
             "where; %s.", res.site.loss_node.name, HF_LOSS_TYPE_HINT)
+        return
+    classes = classifier_classes(res.site)
+    if classes is not None:  # a classifier's few classes (a question-answering head's 2): no logits worth a warning
+        logger.info("flce: loss %s (a %d-class head) not fused: %s", res.site.loss_node.name, classes, res.reason)
         return
     if not (_warned_unfused or res.site.from_outside_graph):  # (that one's warning is the graph break's, above)
         _warned_unfused = True
