@@ -193,7 +193,7 @@ def test_accum_dtype_follows_autocast_compute_dtype():
     # found by a review (2026-12-04): a bool passed as an int, the gather's reserved marker, tensor options that
     # would silently get no gradient, a tensor of two scales, and fp64 accumulators beside fp32 weights
     ({"ignore_index": True}, TypeError, "ignore_index"),
-    ({"ignore_index": -(2**31), "target": "one_marked"}, ValueError, "ignore_index=-2147483648 is the gather's marker"),
+    ({"ignore_index": -(2**31), "target": "one_marked"}, ValueError, "ignore_index=-2147483648, the gather's marker"),
     ({"z_loss": torch.tensor(0.1, requires_grad=True)}, TypeError, r"z_loss.*z_loss.detach\(\)"),
     ({"label_smoothing": torch.tensor(0.1, requires_grad=True)}, TypeError, "label_smoothing.*requires grad"),
     ({"logit_scale": torch.tensor([1.0, 2.0])}, ValueError, "logit_scale as a tensor must hold one number"),
