@@ -598,7 +598,8 @@ def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
         out, x = meta_value(node), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
             continue
-        if not _vocab_sized(node, lin, out.shape[-1], x.shape[-1] if isinstance(x, torch.Tensor) else 0):
+        in_width = (hint_int(x.shape[-1]) or 0) if isinstance(x, torch.Tensor) and x.dim() else 0
+        if not _vocab_sized(node, lin, out.shape[-1], in_width):
             continue
         heads.append(LoneHead(node, lin.form, hint_int(out.numel() // out.shape[-1]), out.shape[-1],
                               tensor_parallel, out.requires_grad))
