@@ -445,8 +445,10 @@ def _kept_logits(site: Site, res: SiteResult, why: str, aliases: AliasMap) -> Si
         return res
     base_val = meta_value(chain[last])
     res.path, res.plan, res.note = "kept_logits", plan, f"the fused op cannot return the logits here: {why}"
-    # "drop" fuses the loss where nothing in the graph reads the logits and its steps fold from the lm_head on
-    res.drop_frees = not res.logits_users and not isinstance(fold_steps(site, 0), str)
+    # "drop" fuses the loss where nothing in the graph reads the logits, its steps fold from the lm_head on, nothing
+    # writes the head's operands before the loss, and the logits take a gradient (else "drop" keeps them)
+    res.drop_frees = (not res.logits_users and not isinstance(fold_steps(site, 0), str)
+                      and _head_write(site, aliases) is None and bool(meta_value(site.linear.node).requires_grad))
     res.kept_logits_bytes = 2 * (hint_int(base_val.numel()) or 0) * base_val.element_size()
     return res
 
@@ -526,40 +528,44 @@ LONE_HEAD_REASON = ("no loss in this graph reads its logits: a loss computed aft
                     f"states there; flce_compile.explain(...) shows graph breaks ({HF_LOSS_TYPE_HINT})")
 
 
-#: What a module computing logits is called (its attribute's name, lower-cased, digits dropped), or ends with.
-_HEAD_NAMES = {"lm_head", "head", "decoder", "embed_out", "proj_out", "output", "output_layer", "out", "unembed",
-               "unembedding", "to_logits", "logits"}
-#: What an input embedding is called: a head reading its weight is tied to it.
-_EMBEDDING_NAMES = {"emb", "embed", "embedding", "embeddings", "wte", "embed_tokens", "word_embeddings", "shared",
-                    "tok_embeddings", "tok_emb", "token_embedding", "token_embeddings"}
-#: An output this many times its input's width is taken for logits whatever the linear is called (an FFN's
-#: up-projection widens 2.7-8x; the lm_heads of models wider than 8x are called lm_head).
-_WIDE_HEAD = 8
+#: What a feed-forward block's or an adapter's widening linear is called (the last name of its module path,
+#: lower-cased, numbers dropped): before a graph break its output is returned like logits, and it is no lm_head.
+_WIDENING_NAMES = {"up_proj", "gate_proj", "gate_up_proj", "fc1", "c_fc", "fc_in", "wi", "wi_0", "wi_1", "w1", "w3",
+                   "w13", "dense_h_to_4h", "linear1", "ff1", "up", "gate", "in_proj", "lora_b"}
+#: Module names a widening linear sits in (``intermediate.dense``, ``mlp.0``), or is, among its path's last three
+#: names (as ``_WIDENING_NAMES``; and any name holding "adapter").
+_WIDENING_PARENTS = {"mlp", "ffn", "feed_forward", "feedforward", "ff", "intermediate", "experts"}
+
+
+def _module_names(node: fx.Node, lin: LinearMatch) -> list[list[str]]:
+    """The module paths ``node``'s GEMM and its weight belong to, each as its names from the outside in, lower-cased,
+    indices and numbers dropped (``L['self'].mlp[0]`` and ``..._modules_mlp_modules_0_parameters_weight_``: both
+    ``["self", "mlp"]``)."""
+    paths = [lin.module_target] if lin.module_target else []
+    weight = lin.weight if isinstance(lin.weight, fx.Node) else None
+    for n in (node, weight):
+        stack = list((n.meta.get("nn_module_stack") or {}).values())[-1:] if n is not None else []
+        paths += [str(path) for path, _ in stack]
+    if weight is not None and weight.op == "placeholder" and "_parameters_" in weight.name:
+        paths.append(".".join(weight.name.split("_parameters_")[0].split("_modules_")))
+    names = []
+    for path in paths:
+        parts = [p.lower().rstrip("0123456789_") for p in re.sub(r"\[[^\]]*\]", ".", path).split(".")]
+        names.append([p for p in parts if p])
+    return names
 
 
 def _vocab_sized(node: fx.Node, lin: LinearMatch, width: int, in_width: int) -> bool:
-    """Whether the linear ``node`` (``lin``), ``in_width`` -> ``width`` columns, computes logits: at least
-    ``_WIDE_HEAD`` times as wide, or twice and called like an lm_head or reading an input embedding's weight (an
-    adapter's or an FFN's up-projection before a graph break is no lm_head, and was reported as one)."""
-    if width >= _WIDE_HEAD * in_width:
-        return True
+    """Whether the linear ``node`` (``lin``), ``in_width`` -> ``width`` columns, may compute logits: at least twice
+    as wide, and not named as a feed-forward block's or an adapter's widening linear is (an up-projection before a
+    graph break, reported as an lm_head until 2026-12-05). Unknown names count: a misreport costs a log line, a
+    missed lm_head the warning that nothing was fused."""
     if width < 2 * in_width:
         return False
-    weight = lin.weight if isinstance(lin.weight, fx.Node) else None
-    names, kinds = [lin.module_target] if lin.module_target else [], []
-    for n in (node, weight):  # the innermost module of the GEMM, and of its weight (a parameter's placeholder)
-        stack = list((n.meta.get("nn_module_stack") or {}).values())[-1:] if n is not None else []
-        names += [str(path) for path, _ in stack]
-        kinds += [kind for _, kind in stack]
-    if weight is not None and weight.op == "placeholder" and "_parameters_" in weight.name:
-        names.append(weight.name.split("_parameters_")[0].rsplit("_modules_", 1)[-1])  # l_self_modules_emb_param..
-    names = [re.sub(r"\[[^\]]*\]", "", n).rsplit(".", 1)[-1].lower().rstrip("0123456789_") for n in names]
-    if any(n in _HEAD_NAMES or n.endswith("head") or n in _EMBEDDING_NAMES for n in names):
-        return True
-    if any(isinstance(kind, type) and issubclass(kind, torch.nn.Embedding) for kind in kinds):
-        return True  # a head tied to the input embedding
-    return weight is not None and any(u.op == "call_function" and getattr(u.target, "__name__", "") == "embedding"
-                                      for u in weight.users)  # the same, the embedding called in this graph
+    for names in _module_names(node, lin):
+        if any(n in _WIDENING_NAMES or n in _WIDENING_PARENTS or "adapter" in n for n in names[-3:]):
+            return False
+    return True
 
 
 def classifier_classes(site: Site) -> int | None:
@@ -577,8 +583,17 @@ def classifier_classes(site: Site) -> int | None:
                 return None
             classes, width = hint_int(out.shape[-1]), hint_int(x.shape[-1])
             return classes if classes is not None and width is not None and classes < 2 * width else None
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_function", "call_method") or name not in _SELECTING_STEPS:
+            return None  # (through a contraction the walk would reach the hidden states' own linear)
         node = node.args[0] if node.args else None
     return None
+
+
+#: Steps between a classifier's linear and its loss that pick, reshape or cast its outputs (``classifier_classes``
+#: walks through these only).
+_SELECTING_STEPS = {"getitem", "squeeze", "unsqueeze", "view", "reshape", "flatten", "split", "chunk", "unbind",
+                    "contiguous", "float", "to", "type", "transpose", "permute", "t", "select", "narrow", "clone"}
 
 
 def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:

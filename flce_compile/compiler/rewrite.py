@@ -323,9 +323,10 @@ def _log_unfused(res: SiteResult) -> None:
             "the same graph as the loss. If a graph break separates them, flce_compile.explain(model, ...) shows "
             "where; %s.", res.site.loss_node.name, HF_LOSS_TYPE_HINT)
         return
-    classes = classifier_classes(res.site)
-    if classes is not None:  # a classifier's few classes (a question-answering head's 2): no logits worth a warning
-        logger.info("flce: loss %s (a %d-class head) not fused: %s", res.site.loss_node.name, classes, res.reason)
+    outputs = classifier_classes(res.site)
+    if outputs is not None:  # a classifier's few classes (a question-answering head's 2): no logits worth a warning
+        logger.info("flce: loss %s not fused (its linear has %d outputs, fewer than twice its input's width: not "
+                    "logits worth a warning): %s", res.site.loss_node.name, outputs, res.reason)
         return
     if not (_warned_unfused or res.site.from_outside_graph):  # (that one's warning is the graph break's, above)
         _warned_unfused = True
@@ -384,9 +385,11 @@ def _log_rewrite(res: SiteResult) -> None:
         # A WARNING for vocabulary-sized logits; a classifier's few classes hold little (INFO, not marked warned).
         vocab_sized = (res.site.vocab or 0) >= 2 * (res.site.hidden or 0)
         _warned_kept_logits = vocab_sized
+        graded = bool(getattr(meta_value(res.site.linear.node), "requires_grad", True))  # (not in an evaluation)
         logger.log(logging.WARNING if vocab_sized else logging.INFO,
-                   "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits and their "
-                   "gradient stay%s.", res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9, fix)
+                   "flce: loss %s is taken from the logits the graph keeps (%s): about %.2f GB of logits%s stay%s.",
+                   res.site.loss_node.name, res.note, res.kept_logits_bytes / 1e9,
+                   " and their gradient" if graded else "", fix)
 
 
 class _NewNodes:
