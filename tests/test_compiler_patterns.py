@@ -1014,7 +1014,7 @@ class SequenceClassifier(nn.Module):
         return F.cross_entropy(pooled, labels), pooled
 
 
-def test_a_sequence_classifier_gets_no_warning_nor_advice_that_cannot_help(caplog):
+def test_a_sequence_classifier_gets_no_warning_nor_advice_that_cannot_help(caplog, monkeypatch):
     """Its loss is taken from the kept logits (a tensor index the op does not take): a few classes, so logged at
     INFO, and without offering flce.logits='drop' (which leaves it unfused and frees nothing: it was a WARNING
     offering it); the numbers are eager's."""
@@ -1023,8 +1023,8 @@ def test_a_sequence_classifier_gets_no_warning_nor_advice_that_cannot_help(caplo
     model = SequenceClassifier()
     idx, _ = _data()
     labels = torch.tensor([0, 2])
-    (ref, ref_logits), _ = model(idx, labels), None
-    rewrite._warned_kept_logits = False
+    ref, ref_logits = model(idx, labels)
+    monkeypatch.setattr(rewrite, "_warned_kept_logits", False)
     compiled, graphs = _compile(model)
     with caplog.at_level("INFO", logger="flce_compile"):
         got, logits = compiled(idx, labels)
@@ -1087,14 +1087,14 @@ class WritesAfterItsHead(nn.Module):
         return F.cross_entropy(logits.view(-1, V), t.view(-1), reduction="none"), logits
 
 
-def test_drop_is_offered_only_where_it_fuses(caplog):
+def test_drop_is_offered_only_where_it_fuses(caplog, monkeypatch):
     """A kept-logits loss whose head's input is written before the loss: "drop" would leave it unfused (worse than
     keep), so it is not offered (it was)."""
     import flce_compile.compiler.rewrite as rewrite
 
     model = WritesAfterItsHead()
     idx, t = _data()
-    rewrite._warned_kept_logits = False
+    monkeypatch.setattr(rewrite, "_warned_kept_logits", False)
     with caplog.at_level("INFO", logger="flce_compile"):
         _compile(model)[0](idx, t.clamp_min(0))
     (said,) = [r.getMessage() for r in caplog.records if "is taken from the logits" in r.getMessage()]
@@ -1273,7 +1273,7 @@ def _log_probs_and_entropy(m, x, t):
     return -(log_probs + 0.01 * entropy).mean()
 
 
-def test_log_probs_beside_an_entropy_say_why_their_logits_stay(caplog):
+def test_log_probs_beside_an_entropy_say_why_their_logits_stay(caplog, monkeypatch):
     """Per-token log-probs beside an entropy the graph computes from the same logits: the loss is taken from the
     kept logits, exact, and the reason names the log-probs (it named reduction='none', which the user never wrote)
     and the readers; "drop", which cannot free logits the graph's own ops read, is not offered."""
@@ -1283,7 +1283,7 @@ def test_log_probs_beside_an_entropy_say_why_their_logits_stay(caplog):
     idx, t = _data()
     ref, ref_g = _run(model, model, idx, t)
     compiled, graphs = _compile(model)
-    rewrite._warned_kept_logits = False
+    monkeypatch.setattr(rewrite, "_warned_kept_logits", False)
     with caplog.at_level("INFO", logger="flce_compile"):
         got, got_g = _run(model, compiled, idx, t)
     assert flce_kept_logits_loss in [n.target for n in graphs[0].graph.nodes]
