@@ -555,12 +555,19 @@ def _module_names(node: fx.Node, lin: LinearMatch) -> list[list[str]]:
     return names
 
 
+def vocab_wide(outputs: int, inputs: int) -> bool:
+    """Whether a linear of ``inputs`` -> ``outputs`` columns is wide enough to compute logits (at least twice its
+    input's width); a narrower one is a classifier's (a question-answering head's 2 outputs), never worth a warning
+    (lone heads, refused losses, kept logits: each report asks this)."""
+    return outputs >= 2 * inputs
+
+
 def _vocab_sized(node: fx.Node, lin: LinearMatch, width: int, in_width: int) -> bool:
     """Whether the linear ``node`` (``lin``), ``in_width`` -> ``width`` columns, may compute logits: at least twice
     as wide, and not named as a feed-forward block's or an adapter's widening linear is (an up-projection before a
     graph break, reported as an lm_head until 2026-12-05). Unknown names count: a misreport costs a log line, a
     missed lm_head the warning that nothing was fused."""
-    if width < 2 * in_width:
+    if not vocab_wide(width, in_width):
         return False
     for names in _module_names(node, lin):
         if any(n in _WIDENING_NAMES or n in _WIDENING_PARENTS or "adapter" in n for n in names[-3:]):
@@ -582,7 +589,7 @@ def classifier_classes(site: Site) -> int | None:
             if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dim() and x.dim()):
                 return None
             classes, width = hint_int(out.shape[-1]), hint_int(x.shape[-1])
-            return classes if classes is not None and width is not None and classes < 2 * width else None
+            return classes if classes is not None and width is not None and not vocab_wide(classes, width) else None
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if node.op not in ("call_function", "call_method") or name not in _SELECTING_STEPS:
             return None  # (through a contraction the walk would reach the hidden states' own linear)

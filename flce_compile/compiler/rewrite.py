@@ -25,7 +25,8 @@ from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
 from .checkpoints import CheckpointRegion, checkpoint_body, inline_fusable_checkpoints
-from .decide import LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, classifier_classes, lone_heads
+from .decide import (LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, classifier_classes,
+                     lone_heads, vocab_wide)
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
 from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
@@ -383,7 +384,7 @@ def _log_rewrite(res: SiteResult) -> None:
             fix = ("; options={'flce.logits': 'drop'} fuses the loss and frees them when nothing but the graph's "
                    "outputs needs the logits" if res.drop_frees else "")
         # A WARNING for vocabulary-sized logits; a classifier's few classes hold little (INFO, not marked warned).
-        vocab_sized = (res.site.vocab or 0) >= 2 * (res.site.hidden or 0)
+        vocab_sized = vocab_wide(res.site.vocab or 0, res.site.hidden or 0)
         _warned_kept_logits = vocab_sized
         graded = bool(getattr(meta_value(res.site.linear.node), "requires_grad", True))  # (not in an evaluation)
         logger.log(logging.WARNING if vocab_sized else logging.INFO,

@@ -8,7 +8,6 @@ without running the op. It asks ``plan.choose.choose_config_match``, the op's ow
 from __future__ import annotations
 
 import operator
-
 from dataclasses import dataclass
 
 import torch
