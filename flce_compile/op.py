@@ -41,6 +41,7 @@ from .plan import registry
 from .plan.choose import op_config
 from .plan.config import FLCEConfig, forced_fields
 from .plan.memory import peak_bytes
+from .scaled_gradients import kernel_scales, scaled_gradients_body, scaled_gradients_op, traced_for_cuda_graphs
 from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per_token, fused_forward
 from .strategies.chunked import LSE_DTYPE, output_factor
 from .strategies.recompute import recompute_backward
@@ -496,8 +497,10 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
     # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
     ctx.grads = ctx.grad_scale = None
+    if traced_for_cuda_graphs(grads):  # new buffers, not the saved ones: see scaled_gradients.py
+        return _scaled_copies(grads, grad_loss, grad_scale)
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
-    # product is functional and Inductor may reuse the buffer for it.
+    # product is functional and Inductor reuses the buffer for it.
     if torch.compiler.is_compiling():
         g = output_factor(grad_loss, grad_scale)
         return tuple(t * g if t is not None and t.numel() else t for t in grads)
@@ -508,11 +511,21 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     return grads
 
 
+def _scaled_copies(grads: tuple[Tensor | None, ...], grad_loss: Tensor,
+                   grad_scale: Tensor) -> tuple[Tensor | None, ...]:
+    """``grads`` with each non-empty one replaced by its product with grad_loss * grad_scale in a new tensor."""
+    present = [i for i, t in enumerate(grads) if t is not None and t.numel()]
+    if not present:
+        return grads
+    scaled = dict(zip(present, scaled_gradients_op([grads[i] for i in present], grad_loss, grad_scale)))
+    return tuple(scaled.get(i, t) for i, t in enumerate(grads))
+
+
 def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_scale: Tensor) -> None:
     """``t *= grad_loss * grad_scale`` for each non-empty gradient of ``grads`` (None: not requested), each
     element rounded once."""
     present = [t for t in grads if t is not None and t.numel()]
-    if _kernel_scales(present, grad_loss, grad_scale):
+    if kernel_scales(present, grad_loss, grad_scale):
         from .kernels.scale_grads import scale_all_in_place
 
         # One launch for all of them, which forms the factor too (``output_factor``'s three small ops would be
@@ -524,25 +537,9 @@ def _scale_present(grads: tuple[Tensor | None, ...], grad_loss: Tensor, grad_sca
         _scale_in_place(t, g)
 
 
-def _kernel_scales(tensors: list[Tensor], *factors: Tensor) -> bool:
-    """Whether ``tensors *= g`` goes through the Triton kernel: real CUDA bf16/fp16 tensors of one dtype,
-    contiguous, and 0-dim fp32 factors (g, or the grad_output and grad_scale it forms g from) on their GPU. On the
-    CPU ``mul_`` reads a 0-dim tensor as an fp32 scalar; PyTorch's CUDA kernels first cast a 0-dim CUDA tensor to
-    the tensor's dtype, which would round a bf16/fp16 gradient twice when grad_output is not a power of two, so
-    there the kernel does it (no host sync)."""
-    # Only real tensors: AOT autograd traces the backward with fake/functional tensors (and
-    # torch.compiler.is_compiling() is False there), where the functional ``mul_`` is what belongs in the graph.
-    if not tensors or not all(type(g) is Tensor and g.dim() == 0 and g.dtype == torch.float32 for g in factors):
-        return False
-    dtype, index = tensors[0].dtype, factors[0].get_device()  # the kernel reads the factors: on the tensors' GPU
-    return dtype in (torch.bfloat16, torch.float16) and all(g.get_device() == index for g in factors) and all(
-        type(t) is Tensor and t.device.type == "cuda" and t.get_device() == index and t.dtype == dtype
-        and t.is_contiguous() for t in tensors)
-
-
 def _scale_in_place(t: Tensor, g: Tensor) -> Tensor:
-    """``t *= g`` with a single rounding (see ``_kernel_scales``)."""
-    if _kernel_scales([t], g):
+    """``t *= g`` with a single rounding (see ``scaled_gradients.kernel_scales``)."""
+    if kernel_scales([t], g):
         from .kernels.scale_grads import scale_in_place
 
         return scale_in_place(t, g)
@@ -663,12 +660,13 @@ torch.library.register_autograd(
 _KERNELS = torch.library.Library("flce", "IMPL")
 for _name, _body in (("fused_linear_cross_entropy", _fused_forward_body),
                      ("fused_linear_cross_entropy_with_logits", _with_logits_body),
-                     ("fused_linear_cross_entropy_backward", _backward_body)):
+                     ("fused_linear_cross_entropy_backward", _backward_body),
+                     ("scaled_gradients", scaled_gradients_body)):
     _kernel = torch._disable_dynamo(_body)
     for _key in ("CPU", "CUDA"):
         try:
             _KERNELS.impl(_name, _kernel, _key)
-        except RuntimeError as _exc:  # noqa: PERF203 - six registrations at import
+        except RuntimeError as _exc:  # noqa: PERF203 - eight registrations at import
             logger.debug("flce: flce::%s keeps custom_op's %s kernel: %s", _name, _key, _exc)
 
 

@@ -5,6 +5,9 @@ The cache policy itself is tested on the CPU (test_graph_replay.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -337,6 +340,66 @@ def test_flce_backend_graphs_replay_only_without_inductors_cuda_graphs(mode):
     for a, b in zip(graphed, plain):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+
+
+@contextlib.contextmanager
+def _traced_in_place():
+    """The op's backward traced to scale in place (``op.traced_for_cuda_graphs`` off), with no compile caches."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from flce_compile import op
+
+    with mock.patch.object(op, "traced_for_cuda_graphs", lambda grads: False), \
+            inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.mark.parametrize("grad_factor", [1.0, 1 / 3])
+def test_under_reduce_overhead_graph_trees_rebuild_no_more_tensors_than_for_compiled_torch(grad_factor):
+    """Inductor's CUDA-graph trees rebuild an output from metadata at every replay when it aliases another graph's
+    output. Traced for CUDA graphs, the op's backward scales dX and dW into new buffers (scaled_gradients.py), so a
+    step of the op inside the user's reduce-overhead compile rebuilds no more tensors than compiled torch's (scaled
+    in place: 4 against 1), and its gradients are the eager op's, bit for bit."""
+    from benchmarks.reduce_overhead import rebuilt_per_step
+
+    x, w, t = _inputs(0, n=1024, h=256, v=8192)
+    w.requires_grad_()
+
+    def flce(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    def torch_loss(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+
+    def in_place(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    def training_step(fn, tracing=contextlib.nullcontext()):
+        compiled = torch.compile(fn, mode="reduce-overhead")
+        grads = []
+
+        def step():
+            torch.compiler.cudagraph_mark_step_begin()
+            leaf = x.clone().requires_grad_()
+            (compiled(leaf, w, t) * grad_factor).backward()
+            grads[:] = [leaf.grad.clone(), w.grad.clone()]
+            w.grad = None
+
+        with tracing:
+            for _ in range(4):  # compile, the trees' warm-up and recording
+                step()
+        return step, grads
+
+    ours, our_grads = training_step(flce)
+    theirs, _ = training_step(torch_loss)
+    # As before: scaled in place (no compile caches: they would hand it the graph compiled for ``flce`` above).
+    before, _ = training_step(in_place, _traced_in_place())
+    assert rebuilt_per_step(ours, 6) <= rebuilt_per_step(theirs, 6) < rebuilt_per_step(before, 6)
+    leaf = x.clone().requires_grad_()
+    (fused_linear_cross_entropy(leaf, w, t) * grad_factor).backward()
+    assert torch.equal(our_grads[0], leaf.grad) and torch.equal(our_grads[1], w.grad)
+    w.grad = None
 
 
 def test_a_capture_the_stream_refuses_leaves_the_call_uncaptured_and_random_numbers_working(monkeypatch, caplog):

@@ -1092,9 +1092,77 @@ def test_scale_kernel_forms_backwards_factor_itself(monkeypatch, grad_output, po
         assert all(not t.any() for t in out)
 
 
+def test_scale_kernel_writes_new_tensors_when_asked(monkeypatch):
+    """``scale_all_into`` (backward's scale into new buffers, for CUDA-graph trees): the same once-rounded products
+    as in place, in new tensors, the inputs left as they were; a factor of 1 still writes (a copy)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flce_compile.kernels import scale_grads
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (9000, 37)]
+    kept = [t.clone() for t in tensors]
+    g, p = torch.tensor(1 / 3), torch.tensor(2.0)
+    out = scale_grads.scale_all_into(tensors, g, post=p)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, kept))  # only read
+    for got, t in zip(out, tensors):
+        assert got.data_ptr() != t.data_ptr() and torch.equal(got, (t.float() * (2 / 3)).to(torch.bfloat16))
+    assert torch.equal(out[0], scale_grads.scale_all_in_place([tensors[0].clone()], g, post=p)[0])
+    ones = scale_grads.scale_all_into(tensors, torch.tensor(1.0))
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(ones, tensors))
+
+
+def test_scaled_gradients_op_passes_opcheck():
+    """``flce::scaled_gradients`` (scaled_gradients.py): schema, fake implementation and no aliasing of its inputs,
+    through torch.library.opcheck; its products rounded once."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(6, 5, generator=gen).to(torch.bfloat16), torch.randn(7, 5, generator=gen).to(torch.bfloat16)]
+    g, p = torch.tensor(1 / 3), torch.tensor(0.5)
+    torch.library.opcheck(torch.ops.flce.scaled_gradients.default, (grads, g, p))
+    out = torch.ops.flce.scaled_gradients(grads, g, p)
+    assert all(torch.equal(o, (t.float() * (1 / 6)).to(torch.bfloat16)) for o, t in zip(out, grads))
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_backward_traced_for_cuda_graphs_scales_into_new_buffers(cuda_graphs):
+    """Traced for Inductor with CUDA graphs on (``mode="reduce-overhead"``), backward scales the forward's dX and dW
+    into new buffers through ``flce::scaled_gradients``, which Inductor cannot write into the saved ones (whose
+    aliasing CUDA-graph trees pay for at every replay: scaled_gradients.py); without CUDA graphs, by an ATen mul
+    Inductor may do in place. Either way the gradients are eager's, bit for bit, for a grad_output of 1/3."""
+    import types
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_graphs = []
+
+    def backward_compiler(gm, _inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+
+    def loss_fn(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    # A code object of its own per case: Dynamo would otherwise reuse the other case's graph without tracing.
+    code = loss_fn.__code__.replace(co_name=f"loss_fn_{cuda_graphs}")
+    compiled = torch.compile(types.FunctionType(code, loss_fn.__globals__), backend=backend, dynamic=False)
+    x, w, t = random_inputs(48, 16, 40, torch.bfloat16, seed=5)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    x.requires_grad_(), w.requires_grad_()
+    with torch._inductor.config.patch({"triton.cudagraphs": cuda_graphs}):
+        loss = compiled(x, w, t)  # forward and backward are traced here
+    (loss / 3).backward()
+    (fused_linear_cross_entropy(xr, wr, t) / 3).backward()
+    targets = {n.target for n in backward_graphs[0].graph.nodes if n.op == "call_function"}
+    assert (torch.ops.flce.scaled_gradients.default in targets) is cuda_graphs
+    assert (torch.ops.aten.mul.Tensor in targets) is not cuda_graphs
+    assert torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+
+
 def test_backward_scale_traces_with_fake_cuda_tensors():
-    """AOT autograd traces the op's backward with fake CUDA tensors (is_compiling() is False there): the
-    scale must stay a traceable ``mul_``, never a Triton launch on a fake tensor."""
+    """AOT autograd traces the op's backward with fake CUDA tensors (is_compiling() is False there in torch 2.11):
+    the scale must stay a traceable ``mul_``, never a Triton launch on a fake tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flce_compile.op import _scale_in_place
