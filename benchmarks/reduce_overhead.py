@@ -43,14 +43,15 @@ BASELINE = "compile"
 COUNTED_STEPS = 20
 
 
-def _no_compile_caches() -> None:
-    """Inductor's FX-graph cache and AOT autograd's cache off: two rows that trace the same graph differently must
-    not share a compiled backward."""
+@contextlib.contextmanager
+def _no_compile_caches() -> Iterator[None]:
+    """Inductor's FX-graph cache and AOT autograd's cache off while it lasts: two rows that trace the same graph
+    differently must not share a compiled backward."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    inductor_config.fx_graph_cache = False
-    functorch_config.enable_autograd_cache = False
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 @contextlib.contextmanager
@@ -135,24 +136,26 @@ def paired_ratios(rows: dict[str, dict[str, Any]], baseline: str = BASELINE) -> 
 
 
 def step_peak_gb(step: Callable[[], None], name: str, warmup: int) -> dict[str, float]:
-    """GB above what was allocated before ``step``'s first call: the peak over its warm-up (compile, the trees'
-    warm-up run and recording) and a few replays, and what stays allocated between steps."""
+    """GB above what was allocated before ``step``'s first call: the peak allocated over its warm-up (compile, the
+    trees' warm-up run and recording: replays allocate nothing) and a few replays; and the growth of what the
+    allocator reserves, CUDA-graph pools included (a replay's outputs live in its pool, which
+    ``memory_allocated`` does not count)."""
     gc.collect()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     with _tracing(name):
         for _ in range(warmup + 3):
             step()
     torch.cuda.synchronize()
     return {"peak_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
-            "held_gb": (torch.cuda.memory_allocated() - base) / 1e9}
+            "reserved_gb": (torch.cuda.memory_reserved() - reserved) / 1e9}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.host_overhead import _inputs, environment, time_rounds
 
-    _no_compile_caches()
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = args.shape or (TIMING_SHAPE if cuda else CPU_SHAPE)
@@ -185,7 +188,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"# reduce_overhead: {env['device']}, torch {env['torch']}, triton {env.get('triton', '-')}, "
              f"{env['date']}", "",
              f"Forward + backward, mean, {result['dtype']}, {result['shape']} (BT x H x V), every row compiled with "
-             "`mode=\"reduce-overhead\"`. host = CPU wall time to issue one step, the GPU drained before each "
+             "`mode=\"reduce-overhead\"` (CUDA-graph trees run on CUDA only). host = CPU wall time to issue one "
+             "step, on CUDA the GPU drained before each "
              f"(median of {result['calls']} steps in {result['rounds']} rounds, the variants in turns); paired = "
              f"host over {BASELINE}'s in the same round, median [quartiles], rounds no slower; rebuilt = tensors "
              "CUDA-graph trees rebuild from metadata per step; e2e = per step, back to back, CUDA events.", "",
@@ -198,10 +202,12 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {row['host_ms']:.3f} | {ratio} | {row['rebuilt_per_step']:.1f} | {e2e} |")
     if result.get("memory"):
         lines += ["", f"Memory at {result['memory_shape']}, GB above the inputs: the peak over compile, warm-up, "
-                  "recording and three replays; held = what stays allocated between steps.", "",
-                  "| variant | peak GB | held GB |", "|---|---|---|"]
+                  "recording and three replays (replays allocate nothing); reserved = what the allocator reserves "
+                  "after them beyond what it did before, CUDA-graph pools included (the rows run one after "
+                  "another, and a later row may reuse what an earlier one reserved).", "",
+                  "| variant | peak GB | reserved GB |", "|---|---|---|"]
         for name, m in result["memory"].items():
-            lines.append(f"| {name} | {m['peak_gb']:.2f} | {m['held_gb']:.2f} |")
+            lines.append(f"| {name} | {m['peak_gb']:.2f} | {m['reserved_gb']:.2f} |")
     return "\n".join(lines)
 
 
@@ -222,8 +228,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda needs a CUDA GPU")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    result = run(args)
+    try:
+        with _no_compile_caches():
+            result = run(args)
+    finally:
+        torch.set_num_threads(threads)
     text = table(result)
     print(text)
     from benchmarks._common import save_results

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .compile_cache_key import key_compile_caches
 from .op import check_targets, op_context
 from .params import LossParams, decode_params, encode_params, math_dtype
 from .plan.choose import kept_logits_config
@@ -40,6 +41,7 @@ def kept_logits_cross_entropy_op(logits: Tensor, target: Tensor, ce_weight: Opti
 
 @kept_logits_cross_entropy_op.register_fake
 def _kept_logits_cross_entropy_fake(logits, target, ce_weight, params):
+    key_compile_caches()  # (compile_cache_key.py)
     n = target.shape[0]
     dtype = math_dtype(logits.dtype)
     loss = logits.new_empty((n,) if decode_params(params).reduction == "none" else (), dtype=dtype)

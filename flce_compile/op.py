@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import graph_replay
+from .compile_cache_key import key_compile_caches
 from .log import logger
 from .params import NO_IGNORED_CLASS, LossParams, decode_params, encode_params, math_dtype
 from .plan import registry
@@ -309,6 +310,7 @@ def _grads_or_empty(input: Tensor, weight: Tensor, dx, dw, db) -> tuple[Tensor, 
 @fused_linear_cross_entropy_op.register_fake
 def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, params, accum_dtype, compute_dx,
                                      compute_dw, compute_db, config, softcap_value=None):
+    key_compile_caches()  # traced: torch's compile caches must key on this package's code (compile_cache_key.py)
     n = input.shape[0]
     p = decode_params(params)
     per_token, later = p.reduction == "none", grads_in_backward(p, config)
@@ -368,6 +370,7 @@ fused_linear_cross_entropy_with_logits_op = torch.library.custom_op(
 @fused_linear_cross_entropy_with_logits_op.register_fake
 def _fused_linear_cross_entropy_with_logits_fake(input, weight, target, bias, ce_weight, params, accum_dtype,
                                                  compute_dx, compute_dw, compute_db, config, softcap_value=None):
+    key_compile_caches()
     n, vocab = input.shape[0], weight.shape[0]
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((), dtype=dtype)

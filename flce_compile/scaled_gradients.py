@@ -28,6 +28,8 @@ from .strategies.chunked import output_factor
 
 #: What AOT autograd traces a backward with.
 _TRACED_TYPES = (FakeTensor, FunctionalTensor)
+#: Device types whose compiled graphs CUDA-graph trees may replay.
+GRAPHED_DEVICES = ("cuda",)
 
 
 def kernel_scales(tensors: list[Tensor], *factors: Tensor) -> bool:
@@ -47,10 +49,11 @@ def kernel_scales(tensors: list[Tensor], *factors: Tensor) -> bool:
 
 
 def traced_for_cuda_graphs(tensors: list[Tensor]) -> bool:
-    """Whether ``tensors`` are being traced (fake or functional tensors, as AOT autograd traces a backward) for an
-    Inductor compile with CUDA graphs on (``mode="reduce-overhead"``, or ``triton.cudagraphs`` in its options, which
-    Inductor's config holds while it traces)."""
-    if not any(_traced(t) for t in tensors):
+    """Whether ``tensors`` are being traced (fake or functional tensors, as AOT autograd traces a backward) on a GPU
+    (``GRAPHED_DEVICES``) for an Inductor compile with CUDA graphs on (``mode="reduce-overhead"`` or
+    ``"max-autotune"``, or ``triton.cudagraphs`` in its options, which Inductor's config holds while it traces).
+    Elsewhere no CUDA graph runs, and the in-place product costs no second buffer."""
+    if not any(_traced(t) and t.device.type in GRAPHED_DEVICES for t in tensors):
         return False
     config = sys.modules.get("torch._inductor.config")
     return config is not None and bool(config.triton.cudagraphs)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .api import _autocast, _softcap_arg, _validate, _validate_scalars
+from .compile_cache_key import key_compile_caches
 from .plan.precision import accum_dtype_for, check_precision
 from .dtensor import describe_layout, is_dtensor, is_vocab_sharded
 from .log import logger
@@ -253,6 +254,7 @@ def vocab_parallel_cross_entropy_op(
 @vocab_parallel_cross_entropy_op.register_fake
 def _vocab_parallel_fake(input, weight, target, bias, ce_weight, params, accum_dtype, vocab_start, vocab_total,
                          group_name, config):
+    key_compile_caches()  # (compile_cache_key.py)
     n = input.shape[0]
     dtype = math_dtype(input.dtype)
     per_token = decode_params(params).reduction == "none"

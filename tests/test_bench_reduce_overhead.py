@@ -30,3 +30,15 @@ def test_paired_ratios_are_taken_round_by_round():
     assert set(out) == {"flce-in-compile"}
     assert out["flce-in-compile"]["median_ratio"] == pytest.approx(1.0)
     assert out["flce-in-compile"]["rounds_no_slower"] == 2 and out["flce-in-compile"]["rounds"] == 3
+
+
+def test_the_benchmark_leaves_the_process_as_it_found_it():
+    """main() turns the compile caches off and torch to one thread for its run only (a review found them left so
+    for the rest of the test session)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    before = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache, torch.get_num_threads())
+    with reduce_overhead._no_compile_caches():
+        assert not inductor_config.fx_graph_cache and not functorch_config.enable_autograd_cache
+    assert (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache, torch.get_num_threads()) == before

@@ -13,6 +13,7 @@ from torch import nn
 
 import flce_compile.compiler  # noqa: F401  (registers backend="flce")
 from flce_compile.compiler import graph_cache
+from flce_compile.compile_cache_key import ENTRY, cache_key, source_key
 
 V, H = 48, 16
 
@@ -96,7 +97,7 @@ def test_the_graph_functions_are_marked_cacheable_keyed_on_the_source_and_the_st
         names = [f"{fn.__module__}.{fn.__name__}" for fn in graph_cache.GRAPH_FUNCTIONS]
         key = marked[names[0]]
         assert marked["user.fn"] == "1"
-        assert {marked[n] for n in names} == {key} and key.startswith(graph_cache.source_key() + "-")
+        assert {marked[n] for n in names} == {key} and key.startswith(source_key() + "-")
         recompute = registry.get("recompute")
         mine = dataclasses.replace(recompute, name="mine")
         monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "mine": mine})
@@ -108,3 +109,40 @@ def test_the_graph_functions_are_marked_cacheable_keyed_on_the_source_and_the_st
         assert len({key, mine_recompute, mine_chunked}) == 3
         assert config.unsafe_marked_cacheable_functions["user.fn"] == "1"
     assert isinstance(config.unsafe_marked_cacheable_functions, dict)  # still a setting for later compiles
+
+
+def test_a_graph_calling_the_op_directly_is_cached_under_this_packages_code(monkeypatch):
+    """A graph that calls the op itself (inside the user's own ``torch.compile``) holds the op's name, not its
+    Python autograd formula, which torch's compile caches do not key on: a cache filled by another version of this
+    package served that version's traced backward (a review found the in-place scale 240ab6e replaced still served
+    from a warm cache). Tracing the op puts this package's key into Inductor's config, which the caches read: the
+    same code hits, other code misses."""
+    from torch._dynamo.utils import counters
+
+    from flce_compile import compile_cache_key, fused_linear_cross_entropy
+
+    config = torch._inductor.config
+    if not isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict):
+        pytest.skip("this torch has no unsafe_marked_cacheable_functions")
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(12, H, generator=g, requires_grad=True), torch.randn(V, H, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (12,), generator=g)
+
+    def loss_fn(x, w, t):
+        return fused_linear_cross_entropy(x, w, t)
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(loss_fn)(x, w, t).backward()
+        return dict(counters["aot_autograd"])
+
+    with _fresh_cache(), config.patch(unsafe_marked_cacheable_functions={"user.fn": "1"}):
+        first = compile_once()
+        assert config.unsafe_marked_cacheable_functions == {"user.fn": "1", ENTRY: cache_key()}
+        again = compile_once()
+        monkeypatch.setattr(compile_cache_key, "_source", "flce_compile-another-version")
+        other = compile_once()
+    torch._dynamo.reset()
+    assert first.get("autograd_cache_miss") == 1 and again.get("autograd_cache_hit") == 1, (first, again)
+    assert other.get("autograd_cache_miss") == 1 and not other.get("autograd_cache_hit"), other

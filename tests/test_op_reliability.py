@@ -1123,12 +1123,15 @@ def test_scaled_gradients_op_passes_opcheck():
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_backward_traced_for_cuda_graphs_scales_into_new_buffers(cuda_graphs):
+def test_backward_traced_for_cuda_graphs_scales_into_new_buffers(cuda_graphs, monkeypatch):
     """Traced for Inductor with CUDA graphs on (``mode="reduce-overhead"``), backward scales the forward's dX and dW
     into new buffers through ``flce::scaled_gradients``, which Inductor cannot write into the saved ones (whose
     aliasing CUDA-graph trees pay for at every replay: scaled_gradients.py); without CUDA graphs, by an ATen mul
-    Inductor may do in place. Either way the gradients are eager's, bit for bit, for a grad_output of 1/3."""
+    Inductor may do in place. Either way the gradients are eager's, bit for bit, for a grad_output of 1/3. (Traced
+    on the CPU, taken here for a GPU: on the CPU no CUDA graph runs, and the in-place product is kept.)"""
     import types
+
+    from flce_compile import scaled_gradients
 
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -1151,13 +1154,32 @@ def test_backward_traced_for_cuda_graphs_scales_into_new_buffers(cuda_graphs):
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     x.requires_grad_(), w.requires_grad_()
     with torch._inductor.config.patch({"triton.cudagraphs": cuda_graphs}):
-        loss = compiled(x, w, t)  # forward and backward are traced here
+        with monkeypatch.context() as patch:
+            patch.setattr(scaled_gradients, "GRAPHED_DEVICES", ("cuda", "cpu"))
+            loss = compiled(x, w, t)  # forward and backward are traced here
     (loss / 3).backward()
     (fused_linear_cross_entropy(xr, wr, t) / 3).backward()
     targets = {n.target for n in backward_graphs[0].graph.nodes if n.op == "call_function"}
     assert (torch.ops.flce.scaled_gradients.default in targets) is cuda_graphs
     assert (torch.ops.aten.mul.Tensor in targets) is not cuda_graphs
     assert torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+
+
+def test_only_a_gpu_backward_traced_with_cuda_graphs_on_scales_into_new_buffers():
+    """``scaled_gradients.traced_for_cuda_graphs``: fake (traced) GPU tensors under Inductor's ``triton.cudagraphs``
+    only; not real tensors (eager), not the CPU's (no CUDA graph runs there), not with CUDA graphs off."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flce_compile.scaled_gradients import traced_for_cuda_graphs
+
+    with FakeTensorMode():
+        gpu, cpu = torch.empty(3, device="cuda"), torch.empty(3)
+    real = torch.empty(3)
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert traced_for_cuda_graphs([None, gpu]) and not traced_for_cuda_graphs([cpu])
+        assert not traced_for_cuda_graphs([real])
+    with torch._inductor.config.patch({"triton.cudagraphs": False}):
+        assert not traced_for_cuda_graphs([gpu])
 
 
 def test_backward_scale_traces_with_fake_cuda_tensors():

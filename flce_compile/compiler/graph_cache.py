@@ -26,13 +26,10 @@ budget's chunk size when the graph is traced: a cached graph keeps the one chose
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import torch
 
+from ..compile_cache_key import cache_key
 from ..log import logger
-from ..plan import registry
 from .lora_head import join_frozen
 from .rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
 from .tensor_parallel import flce_vocab_parallel_loss
@@ -40,27 +37,6 @@ from .tensor_parallel import flce_vocab_parallel_loss
 #: The pass's functions that rewritten graphs call (a graph calling any other is skipped by the AOT autograd cache).
 GRAPH_FUNCTIONS = (flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss, flce_vocab_parallel_loss,
                    join_frozen)
-
-_source: str | None = None  # ``source_key``'s answer, once read
-
-
-def source_key() -> str:
-    """A digest of every Python file of the package (their paths and contents)."""
-    package = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return "flce_compile-" + digest.hexdigest()[:16]
-
-
-def cache_key() -> str:
-    """The key the functions carry: the package's source and each registered strategy's name and loop."""
-    global _source
-    if _source is None:
-        _source = source_key()
-    loops = ",".join(f"{name}:{registry.get(name).loop}" for name in sorted(registry.names()))
-    return f"{_source}-{hashlib.sha256(loops.encode()).hexdigest()[:8]}"
 
 
 def mark_graph_functions_cacheable() -> None:

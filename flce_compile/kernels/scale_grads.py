@@ -113,12 +113,12 @@ def _launch(tensors: list[torch.Tensor], outs: list[torch.Tensor], factor: torch
     """One launch of ``scale_kernel``: ``out = t * factor(, post)`` for each pair; in place where outs is
     tensors."""
     if not 0 < len(tensors) <= MAX_TENSORS:
-        raise ValueError(f"scale_all_in_place takes 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
+        raise ValueError(f"the gradient scale takes 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
     if any(f.dim() != 0 or f.dtype != torch.float32 for f in (factor, post) if f is not None):
-        raise ValueError("scale_all_in_place needs a 0-dim fp32 factor (and post)")
+        raise ValueError("the gradient scale needs a 0-dim fp32 factor (and post)")
     dtype = tensors[0].dtype
     if any(not t.is_contiguous() or t.dtype != dtype for t in tensors):
-        raise ValueError("scale_all_in_place needs contiguous tensors of one dtype")
+        raise ValueError("the gradient scale needs contiguous tensors of one dtype")
     # Absent tensors are the first one with 0 elements and 0 blocks: no placeholder allocation on this hot path.
     a, b, c = (tensors + [tensors[0]] * MAX_TENSORS)[:MAX_TENSORS]
     a_out, b_out, c_out = (outs + [outs[0]] * MAX_TENSORS)[:MAX_TENSORS]
