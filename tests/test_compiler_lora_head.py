@@ -620,3 +620,25 @@ def test_a_lora_head_of_call_module_nodes_folds():
     assert result.path == "fused" and result.site.hidden == H + R
     assert not any(n.op == "call_module" and "lm_head" in str(n.target) for n in gm.graph.nodes)
     torch.testing.assert_close(gm(idx, t), model(idx, t), rtol=1e-5, atol=1e-6)
+
+
+class LogitsOnlyLoraHead(LoraHead):
+    """peft's LoRA'd lm_head in a model that returns the logits: the loss is the training loop's."""
+
+    def forward(self, idx):
+        return self.logits(self.emb(idx))
+
+
+def test_a_lora_head_whose_loss_comes_after_the_compiled_code_is_reported(caplog):
+    """Nothing can be fused when the loop computes the loss from the returned logits, and the backend says so for a
+    LoRA'd head as for a plain one (the head's own GEMM feeds the adapter's sum, not the output: it went unreported);
+    explain lists it too."""
+    model = LogitsOnlyLoraHead()
+    idx, t = _data()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        compiled, graphs = _compiled(model)
+        F.cross_entropy(compiled(idx).view(-1, V), t.view(-1)).backward()
+    said = [r.getMessage() for r in caplog.records if "no loss in this graph" in r.getMessage()]
+    assert len(said) == 1 and f"(V={V}," in said[0], said
+    (report,) = fc.explain(model, idx)
+    assert not report.fused and "no loss in this graph" in report.reason

@@ -30,9 +30,9 @@ from torch import fx
 
 from .mutations import AliasMap, describe, draws_random, grad_mode_switch, nodes_between
 from .outputs import flat_outputs, output_node
-from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, LinearMatch, Plan, Site, find_sites, fold_steps, hint_int,
-                       match_linear, meta_value, output_transform, reinterprets_bits, runtime_softcap,
-                       symbolic_softcap_refused)
+from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, LinearMatch, LowRankHead, Plan, Site, find_sites, fold_steps,
+                       hint_int, match_linear, match_low_rank_head, meta_value, output_transform, reinterprets_bits,
+                       runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -603,21 +603,34 @@ _SELECTING_STEPS = {"getitem", "squeeze", "unsqueeze", "view", "reshape", "flatt
                     "contiguous", "float", "to", "type", "transpose", "permute", "t", "select", "narrow", "clone"}
 
 
+def _adapted_logits(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The logits of the low-rank-adapted lm_head whose own GEMM is ``node`` (peft's LoRA on "lm_head": the sum
+    with the adapter, or its cast back: ``patterns.match_low_rank_head``), else None."""
+    if len(node.users) != 1:
+        return None
+    head = match_low_rank_head(gm, next(iter(node.users)))
+    return head.node if isinstance(head, LowRankHead) and head.base.node is node else None
+
+
 def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
     """The graph's lm_heads that no loss site of ``results`` has: a linear whose output, vocabulary-sized
-    (``_vocab_sized``), the graph only returns (itself, or through casts and reshapes): logits an op of the graph
-    reads may feed a loss the analysis refused, whose own reason is the one to give."""
+    (``_vocab_sized``), the graph only returns (itself, or through casts and reshapes; with a low-rank adapter, its
+    sum with it): logits an op of the graph reads may feed a loss the analysis refused, whose own reason is the one
+    to give."""
     linked = {r.site.linear.node for r in results if r.site.linear is not None}
     heads = []
     for node in gm.graph.nodes:
         if node in linked or node.op not in ("call_function", "call_module"):
             continue
         lin = match_linear(gm, node)
-        tensor_parallel = lin is not None and returned_through_redistribute(node)
-        returned_only = all(u.op == "output" or _returned_after(u, node) is not None for u in node.users)
-        if lin is None or not (tensor_parallel or (node.users and returned_only)):
+        if lin is None:
             continue
-        out, x = meta_value(node), meta_value(lin.input)
+        logits = _adapted_logits(gm, node) or node  # a LoRA'd head's logits are its sum with the adapter
+        tensor_parallel = returned_through_redistribute(node)
+        returned_only = all(u.op == "output" or _returned_after(u, logits) is not None for u in logits.users)
+        if not (tensor_parallel or (logits.users and returned_only)):
+            continue
+        out, x = meta_value(logits), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
             continue
         in_width = (hint_int(x.shape[-1]) or 0) if isinstance(x, torch.Tensor) and x.dim() else 0
