@@ -247,9 +247,10 @@ def test_per_token_log_probs_of_a_preference_loss_fuse_on_the_gpu(llama):
 def test_a_loss_checkpointed_alone_fuses_with_the_head_before_it_on_the_gpu(llama):
     """``checkpoint(loss_fn, model(ids).logits, labels)`` (the loss's fp32 copy and softmax recomputed in backward):
     the region is moved out and the loss fused with the lm_head under Inductor on CUDA: Inductor's loss and
-    gradients, in less peak memory. Inductor alone keeps only the bf16 logits here (its backward reuses their
-    buffer); at this toy shape (H = 256) the op's bf16 chunk buffers are nearly as large, so the saving is small
-    (31 MB of 382 on an H200): what grows with the tokens is the logits, not the chunks."""
+    gradients, in less peak memory. Inductor alone keeps only the bf16 logits here (its loss's fp32 copy and softmax
+    are recomputed in backward); at this toy shape (4096 x 256 x 32768) the op's default is one chunk of all 4096
+    tokens, whose bf16 buffer is the logits' size (268 MB), so the saving is small (351 against 382 MB on an H200):
+    what grows with the tokens is the logits, not the chunks."""
     model, ids = llama
 
     def loss_fn(logits, labels):
