@@ -63,7 +63,7 @@ def _tracing(variant: str) -> Iterator[None]:
         return
     import flce_compile.op as op
 
-    with mock.patch.object(op, "traced_for_cuda_graphs", lambda grads: False):
+    with mock.patch.object(op, "traced_for_cuda_graphs", lambda grad_scale: False):
         yield
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from .plan import registry
@@ -45,15 +46,25 @@ def cache_key() -> str:
     return f"{_source}-{hashlib.sha256(loops.encode()).hexdigest()[:8]}"
 
 
-def key_compile_caches() -> None:
-    """Hold ``cache_key`` in Inductor's config (``unsafe_marked_cacheable_functions[ENTRY]``), where torch's compile
-    caches read it into every key from now on; a no-op without Inductor's config loaded (nothing is compiled then)
-    or on a torch without the setting. Cheap when the key is there already: called whenever an op is traced."""
+def mark_cacheable(names: Iterable[str]) -> bool:
+    """Hold ``cache_key`` under each of ``names`` in Inductor's ``unsafe_marked_cacheable_functions``, which torch's
+    compile caches read into every key (and where the AOT autograd cache looks up the functions a graph may call),
+    beside the user's entries; a dict the user assigns later drops ours until the next call. False, changing
+    nothing, without Inductor's config loaded (nothing is compiled then) or on a torch without the setting. Cheap
+    when the entries are there already. ``cache_key``'s errors (an unreadable source file) are the caller's."""
     config = sys.modules.get("torch._inductor.config")
     marked = getattr(config, "unsafe_marked_cacheable_functions", None) if config is not None else None
     if not isinstance(marked, dict):
-        return
+        return False
     key = cache_key()
-    if marked.get(ENTRY) != key:
+    ours = {name: key for name in names}
+    if any(marked.get(name) != value for name, value in ours.items()):
         # A new dict, assigned: the one there may be the config's default, which must stay as it is.
-        config.unsafe_marked_cacheable_functions = {**marked, ENTRY: key}
+        config.unsafe_marked_cacheable_functions = {**marked, **ours}
+    return True
+
+
+def key_compile_caches() -> None:
+    """Hold ``cache_key`` in Inductor's config (``unsafe_marked_cacheable_functions[ENTRY]``), where torch's compile
+    caches read it into every key from now on (``mark_cacheable``): called whenever an op is traced."""
+    mark_cacheable((ENTRY,))

@@ -500,7 +500,7 @@ def _scaled_forward_grads(ctx, grad_loss: Tensor) -> tuple[Tensor | None, Tensor
     # Released now, not with the graph: a CUDA-graph replay's outputs (``graph_replay``) are reused only once
     # nothing holds them, and a training loop keeps the last loss (and so this ctx) into the next forward.
     ctx.grads = ctx.grad_scale = None
-    if traced_for_cuda_graphs(grads):  # new buffers, not the saved ones: see scaled_gradients.py
+    if traced_for_cuda_graphs(grad_scale):  # new buffers, not the saved ones: see scaled_gradients.py
         return _scaled_copies(grads, grad_loss, grad_scale)
     # Scaled in place: a copy would hold a second dW-sized buffer at the peak. Under torch.compile the
     # product is functional and Inductor reuses the buffer for it.

@@ -48,19 +48,16 @@ def kernel_scales(tensors: list[Tensor], *factors: Tensor) -> bool:
         and t.is_contiguous() for t in tensors)
 
 
-def traced_for_cuda_graphs(tensors: list[Tensor]) -> bool:
-    """Whether ``tensors`` are being traced (fake or functional tensors, as AOT autograd traces a backward) on a GPU
-    (``GRAPHED_DEVICES``) for an Inductor compile with CUDA graphs on (``mode="reduce-overhead"`` or
-    ``"max-autotune"``, or ``triton.cudagraphs`` in its options, which Inductor's config holds while it traces).
-    Elsewhere no CUDA graph runs, and the in-place product costs no second buffer."""
-    if not any(_traced(t) and t.device.type in GRAPHED_DEVICES for t in tensors):
+def traced_for_cuda_graphs(grad_scale: Tensor) -> bool:
+    """Whether backward is being traced (``grad_scale``, a forward output beside the gradients, is a fake or
+    functional tensor, as AOT autograd traces a backward) on a GPU (``GRAPHED_DEVICES``) for an Inductor compile
+    with CUDA graphs on (``mode="reduce-overhead"`` or ``"max-autotune"``, or ``triton.cudagraphs`` in its options,
+    which Inductor's config holds while it traces). Elsewhere no CUDA graph runs, and the in-place product costs no
+    second buffer. One tensor asked: every eager backward asks too."""
+    if not (isinstance(grad_scale, _TRACED_TYPES) and grad_scale.device.type in GRAPHED_DEVICES):
         return False
     config = sys.modules.get("torch._inductor.config")
     return config is not None and bool(config.triton.cudagraphs)
-
-
-def _traced(t: Tensor | None) -> bool:
-    return isinstance(t, _TRACED_TYPES)
 
 
 def scaled_gradients_body(grads: list[Tensor], grad_loss: Tensor, grad_scale: Tensor) -> list[Tensor]:

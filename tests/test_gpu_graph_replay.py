@@ -350,7 +350,7 @@ def _traced_in_place():
 
     from flce_compile import op
 
-    with mock.patch.object(op, "traced_for_cuda_graphs", lambda grads: False), \
+    with mock.patch.object(op, "traced_for_cuda_graphs", lambda grad_scale: False), \
             inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         yield
 

@@ -1176,10 +1176,10 @@ def test_only_a_gpu_backward_traced_with_cuda_graphs_on_scales_into_new_buffers(
         gpu, cpu = torch.empty(3, device="cuda"), torch.empty(3)
     real = torch.empty(3)
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
-        assert traced_for_cuda_graphs([None, gpu]) and not traced_for_cuda_graphs([cpu])
-        assert not traced_for_cuda_graphs([real])
+        assert traced_for_cuda_graphs(gpu) and not traced_for_cuda_graphs(cpu)
+        assert not traced_for_cuda_graphs(real)
     with torch._inductor.config.patch({"triton.cudagraphs": False}):
-        assert not traced_for_cuda_graphs([gpu])
+        assert not traced_for_cuda_graphs(gpu)
 
 
 def test_backward_scale_traces_with_fake_cuda_tensors():

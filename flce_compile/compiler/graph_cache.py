@@ -26,9 +26,7 @@ budget's chunk size when the graph is traced: a cached graph keeps the one chose
 
 from __future__ import annotations
 
-import torch
-
-from ..compile_cache_key import cache_key
+from ..compile_cache_key import mark_cacheable
 from ..log import logger
 from .lora_head import join_frozen
 from .rewrite import flce_fused_loss, flce_fused_loss_keep, flce_kept_logits_loss
@@ -43,18 +41,12 @@ def mark_graph_functions_cacheable() -> None:
     """Let the AOT autograd cache hold graphs that call ``GRAPH_FUNCTIONS``, under ``cache_key`` (asked before each
     fused graph is compiled: a strategy registered since changes it; a no-op on a torch without the setting).
     Entries the user added are kept; a dict the user assigns later drops ours until the next fused graph."""
-    config = torch._inductor.config
-    marked = getattr(config, "unsafe_marked_cacheable_functions", None)
-    if not isinstance(marked, dict):
-        logger.debug("flce: this torch has no unsafe_marked_cacheable_functions; rewritten graphs skip the AOT cache")
-        return
+    import torch._inductor.config  # noqa: F401  (loaded: ``mark_cacheable`` reads it from sys.modules)
+
     try:
-        key = cache_key()
+        marked = mark_cacheable(f"{fn.__module__}.{fn.__name__}" for fn in GRAPH_FUNCTIONS)
     except Exception as exc:  # noqa: BLE001 - an unreadable source file: the graph skips the AOT cache, as before
         logger.debug("flce: no AOT cache key for the graph functions: %r", exc)
         return
-    ours = {f"{fn.__module__}.{fn.__name__}": key for fn in GRAPH_FUNCTIONS}
-    if all(marked.get(name) == value for name, value in ours.items()):
-        return
-    # A new dict, assigned: the one there may be the config's default, which must stay as it is.
-    config.unsafe_marked_cacheable_functions = {**marked, **ours}
+    if not marked:
+        logger.debug("flce: this torch has no unsafe_marked_cacheable_functions; rewritten graphs skip the AOT cache")
