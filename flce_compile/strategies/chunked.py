@@ -24,7 +24,7 @@ from ..plan.config import FLCEConfig
 from ..plan.layout import aligned_head_rows, padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
-from . import true_class, vocab_major
+from . import true_class
 from .wide_logits import fp32_logits_into
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -495,13 +495,6 @@ def _run_chunks(
     n, hidden = x.shape
     vocab = weight.shape[0]
     device = x.device
-    chunk = max(1, min(config.chunk_tokens, n))
-    wide = fp32_logits_on(config.fp32_logits, x.dtype)
-    if vocab_major.applies(x, weight, p, config, single_chunk=chunk >= n, wide=wide,
-                           plain_outputs=logits_out is None and kept_out is None and kept_in is None and not raw_sums,
-                           has_bias=bias is not None, has_class_weights=ce_weight is not None):
-        return vocab_major.run_vocab_major(x, weight, target, p, ce_scale=ce_scale, loss_rows=loss_rows,
-                                           want_dx=grads.dx, want_dw=grads.dw, dw_from=grads.dw_from)
     ce_step = _ce_step(config)
     if weight_sum is None:
         weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
@@ -509,6 +502,7 @@ def _run_chunks(
     lse_in, target_z_in = kept_in.unbind(0) if kept_in is not None else (None, None)
     step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, target_z_rows,
                           lse_in, target_z_in)
+    chunk = max(1, min(config.chunk_tokens, n))
     # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
     # stream switch, two events and a second chunk buffer would be pure cost.
     overlap = _stream_overlap(config, device, grads) if chunk < n else None
@@ -517,6 +511,7 @@ def _run_chunks(
     if gemm_vocab != vocab:
         weight = _zero_padded_rows(weight, gemm_vocab)
         bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
+    wide = fp32_logits_on(config.fp32_logits, x.dtype)
     # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
     # the gradient, and are needed only when there is one.
     direct = logits_out is not None and row_stride == vocab and not wide
