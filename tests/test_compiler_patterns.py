@@ -999,6 +999,30 @@ def test_a_widening_linear_before_a_graph_break_is_no_lone_head(head, caplog):
     assert len(said) == 1 and f"(V={V if head == 'tied' else 3 * H}," in said[0], said
 
 
+@pytest.mark.parametrize("returned", ["logits", "view", "used"])
+def test_a_checkpoint_wrapped_lm_head_whose_logits_are_returned_is_reported(returned, caplog):
+    """``checkpoint_wrapper(model.lm_head)`` makes the head a checkpointed region of its own: its logits returned
+    (or a view of them) for a loss after the compiled code are reported as a plain head's are (they were not:
+    the region hid the linear); logits the graph goes on to use are not."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = LogitsOnly()
+    model.lm_head = checkpoint_wrapper(model.lm_head)
+    forward = model.forward
+    if returned == "view":
+        model.forward = lambda idx: forward(idx).view(-1, V)
+    elif returned == "used":
+        model.forward = lambda idx: forward(idx).softmax(-1)
+    idx, _ = _data()
+    with caplog.at_level("INFO", logger="flce_compile"):
+        _compile(model)[0](idx)
+    said = [r.getMessage() for r in caplog.records if "no loss in this graph" in r.getMessage()]
+    if returned == "used":
+        assert said == []
+    else:
+        assert len(said) == 1 and f"(V={V}," in said[0], said
+
+
 class SequenceClassifier(nn.Module):
     """A decoder's sequence classifier as Hugging Face writes it: 3 class scores per token, each sequence's last
     token's picked with a tensor index and returned with the loss."""

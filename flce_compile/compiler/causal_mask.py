@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .checkpoints import body_placeholders, checkpoint_body, is_checkpoint
+from .checkpoints import body_placeholders
 from .mutations import AliasMap, erase_dead
-from .patterns import meta_value
+from .patterns import checkpoint_body, is_checkpoint, meta_value
 from .spellings import operator_of
 
 #: SDPA as Dynamo records it.

@@ -26,7 +26,7 @@ from ..log import logger
 from .decide import SiteResult, analyze
 from .graph_meta import copy_graph
 from .lora_head import analyze_with_folded_heads
-from .patterns import is_checkpoint, outer_floats, runtime_float
+from .patterns import checkpoint_body, outer_floats, runtime_float
 
 
 @dataclass
@@ -48,17 +48,6 @@ class CheckpointRegion:
         extra = f"; {self.other_ops} other op(s) of the region are no longer recomputed" if self.other_ops else ""
         heads = " with the lm_head before it" if self.outer_head else ""
         return f"checkpointed region {self.name}: moved out of the checkpoint to fuse its loss site(s){heads}{extra}"
-
-
-def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.GraphModule] | None:
-    """The body of checkpoint call ``node`` of ``gm`` as (its attribute name, its graph), or None: ``node`` is
-    no checkpoint call, or its body is not a graph module of ``gm``."""
-    if not is_checkpoint(node) or not node.args or not isinstance(node.args[0], fx.Node) \
-            or node.args[0].op != "get_attr":
-        return None
-    name = str(node.args[0].target)
-    body = getattr(gm, name, None)
-    return (name, body) if isinstance(body, fx.GraphModule) else None
 
 
 def body_placeholders(node: fx.Node, body: fx.GraphModule) -> list[fx.Node] | None:

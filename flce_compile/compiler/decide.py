@@ -30,9 +30,9 @@ from torch import fx
 
 from .mutations import AliasMap, describe, draws_random, grad_mode_switch, nodes_between
 from .outputs import flat_outputs, output_node
-from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, LinearMatch, LowRankHead, Plan, Site, find_sites, fold_steps,
-                       hint_int, match_linear, match_low_rank_head, meta_value, output_transform, reinterprets_bits,
-                       runtime_softcap, symbolic_softcap_refused)
+from .patterns import (ADVICE, HF_LOSS_TYPE_HINT, LinearMatch, LowRankHead, Plan, Site, checkpoint_body, find_sites,
+                       fold_steps, hint_int, match_linear, match_low_rank_head, meta_value, output_transform,
+                       reinterprets_bits, runtime_softcap, symbolic_softcap_refused)
 from .tensor_parallel import is_tensor_parallel, returned_through_redistribute, vocab_parallel_obstacle
 
 PATHS = ("fused", "fused_lazy", "fused_keep", "kept_logits", "vocab_parallel", "unchanged")
@@ -638,4 +638,19 @@ def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
             continue
         heads.append(LoneHead(node, lin.form, hint_int(out.numel() // out.shape[-1]), out.shape[-1],
                               tensor_parallel, out.requires_grad))
+    return heads + _checkpointed_lone_heads(gm)
+
+
+def _checkpointed_lone_heads(gm: fx.GraphModule) -> list[LoneHead]:
+    """The lone lm_heads of ``gm``'s checkpointed regions: a head whose region returns its logits, the graph
+    returning the region's outputs (``checkpoint_wrapper(model.lm_head)``: the head is the region's body). A region
+    with a loss in it is the pass's (``checkpoints``), whose site reports give its reasons."""
+    heads = []
+    for node in gm.graph.nodes:
+        region = checkpoint_body(gm, node)
+        if region is None or not node.users:
+            continue
+        if all(u.op == "output" or all(after.op == "output" or _returned_after(after, u) is not None
+                                       for after in u.users) for u in node.users):
+            heads += lone_heads(region[1], [])
     return heads

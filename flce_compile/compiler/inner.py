@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ..log import logger
-from .checkpoints import checkpoint_body, is_checkpoint
+from .patterns import checkpoint_body, is_checkpoint
 from .options import FLCEOptions
 
 #: Inner compilers that never capture CUDA graphs themselves (Inductor: unless its mode or options ask).

@@ -852,6 +852,17 @@ def is_checkpoint(node: fx.Node) -> bool:
     return node.op == "call_function" and hop is not None and node.target is hop
 
 
+def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.GraphModule] | None:
+    """The body of checkpoint call ``node`` of ``gm`` as (its attribute name, its graph), or None: ``node`` is
+    no checkpoint call, or its body is not a graph module of ``gm``."""
+    if not is_checkpoint(node) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or node.args[0].op != "get_attr":
+        return None
+    name = str(node.args[0].target)
+    body = getattr(gm, name, None)
+    return (name, body) if isinstance(body, fx.GraphModule) else None
+
+
 def _classify(node: fx.Node) -> tuple[Step, fx.Node] | str:
     """Classify one op on the logits path: (step, its logits-side input) or the reason it stops the search."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))

@@ -24,7 +24,7 @@ from ..dtensor import is_dtensor
 from ..kept_logits import kept_logits_cross_entropy
 from ..log import logger
 from ..plan.choose import BudgetError
-from .checkpoints import CheckpointRegion, checkpoint_body, inline_fusable_checkpoints
+from .checkpoints import CheckpointRegion, inline_fusable_checkpoints
 from .decide import (LONE_HEAD_REASON, SHARED_NOTE, UNKEPT_NOTE, LoneHead, SiteResult, classifier_classes,
                      lone_heads, vocab_wide)
 from .graph_meta import copy_source_meta, graph_fake_mode, propagate_meta
@@ -32,7 +32,8 @@ from .head_dtype import compute_operands, head_autocast_off, head_compute_dtype
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .mutations import erase_dead
 from .outputs import LazyOutput, LogitsOutput, OutputFixup, flat_outputs, output_node
-from .patterns import HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, find_sites, meta_value, own_bias, runtime_softcap
+from .patterns import (HF_LOSS_TYPE_HINT, SYMBOLIC_FLOAT_FIX, checkpoint_body, find_sites, meta_value, own_bias,
+                       runtime_softcap)
 from .tensor_parallel import flce_vocab_parallel_loss, local_input
 
 
