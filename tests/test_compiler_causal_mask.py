@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from flce_compile.compiler.causal_mask import drop_causal_masks
-from flce_compile.compiler.checkpoints import is_checkpoint
 from flce_compile.compiler.options import split_options
+from flce_compile.compiler.patterns import is_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import flce_compile.compiler  # noqa: F401  (registers backend="flce")
-from flce_compile.compiler.checkpoints import is_checkpoint
 from flce_compile.compiler.inner import _checkpointed
+from flce_compile.compiler.patterns import is_checkpoint
 from flce_compile.compiler.rewrite import flce_fused_loss
 
 V, H = 64, 8
