@@ -627,8 +627,7 @@ def lone_heads(gm: fx.GraphModule, results: list[SiteResult]) -> list[LoneHead]:
             continue
         logits = _adapted_logits(gm, node) or node  # a LoRA'd head's logits are its sum with the adapter
         tensor_parallel = returned_through_redistribute(node)
-        returned_only = all(u.op == "output" or _returned_after(u, logits) is not None for u in logits.users)
-        if not (tensor_parallel or (logits.users and returned_only)):
+        if not (tensor_parallel or (logits.users and _only_returned(logits))):
             continue
         out, x = meta_value(logits), meta_value(lin.input)
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not isinstance(out.shape[-1], int):
@@ -650,7 +649,12 @@ def _checkpointed_lone_heads(gm: fx.GraphModule) -> list[LoneHead]:
         region = checkpoint_body(gm, node)
         if region is None or not node.users:
             continue
-        if all(u.op == "output" or all(after.op == "output" or _returned_after(after, u) is not None
-                                       for after in u.users) for u in node.users):
+        if all(u.op == "output" or _only_returned(u) for u in node.users):  # the region's outputs, taken apart
             heads += lone_heads(region[1], [])
     return heads
+
+
+def _only_returned(node: fx.Node) -> bool:
+    """Whether the graph only returns ``node``: each use is the output or a chain of off-chain steps to it
+    (``_returned_after``)."""
+    return all(u.op == "output" or _returned_after(u, node) is not None for u in node.users)
