@@ -6,14 +6,14 @@ Every rank holds the same input (N, H) and target (N,) and a contiguous slice of
 [vocab_start, vocab_start + V_local) of V.
 
 * Forward walks the tokens in chunks: the chunk's local logits (chunk x V_local), then the CE step in its
-  "statistics" mode (``CEStepArgs.stats_out``) writes, per token, the slice's own lse of z, z at the target when
-  the target lies in the slice (else 0) and the smoothing sum sum_c w_c z_c. After the loop one all-gather of
-  those 3 x N numbers (fp64: a slice's lse is max + log(sum) unrounded, which keeps a confident row's 1 - p, as
-  the single-device op's kept lse does) gives every rank every slice's statistics; each rank combines them in the
-  same order (lse = logsumexp over ranks, the others summed), so the loss, formed by the CE step's own row formula
-  (``ce_torch.row_loss``, which covers class weights, label smoothing, z-loss), is bitwise identical on every
-  rank. Softcap and logit_scale act per logit, inside the CE step. Only the per-token lse and target z are saved
-  (``chunked.kept_rows``, fp64).
+  "statistics" mode (``CEStepArgs.stats_out``) writes, per token, the slice's own lse_r of z, z at the target
+  when the target lies in the slice (else 0) and the smoothing sum sum_c w_c (z_c - lse_r). After the loop one
+  all-gather of those 3 x N numbers (fp64: a slice's lse is max + log(sum) unrounded, which keeps a confident
+  row's 1 - p, as the single-device op's kept lse does) gives every rank every slice's statistics; each rank
+  combines them in the same order (lse = logsumexp over ranks, the others summed: ``_smoothing_term``), so the
+  loss, formed by the CE step's own row formula (``ce_torch.row_loss``, which covers class weights, label
+  smoothing, z-loss), is bitwise identical on every rank. Softcap and logit_scale act per logit, inside the CE
+  step. Only the per-token lse and target z are saved (``chunked.kept_rows``, fp64).
 * Backward recomputes the local logits by vocabulary block and token chunk (``recompute_backward`` with the
   shard's class offset): the logit gradient of the slice from the saved global lse (the target's probability from
   the forward's target z: backward's vocabulary blocks are other GEMMs than forward's, whose roundings can
@@ -204,19 +204,35 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     lse = torch.logsumexp(stats[:, 0], dim=0)
     lse = torch.where(tiled, lse, torch.full_like(lse, float("nan")))
     z_y = stats[:, 1].sum(dim=0)
-    weighted_z = stats[:, 2].sum(dim=0) if p.label_smoothing else None
     ignored = target == p.ignore_index
     invalid = ~ignored & ((target < 0) | (target >= vocab_total))
     safe = torch.where(ignored | invalid, torch.zeros_like(target), target)
     w_y = ce_weight[safe] if ce_weight is not None else torch.ones((), dtype=dtype, device=lse.device)
-    weight_sum = _weight_sum(ce_weight, vocab_total, dtype, lse.device)
     ce_scale, z_scale = _reduction_scales(target, ce_weight, p, vocab_total, dtype)
     scales = _gradient_scales(ce_scale, z_scale, p.reduction)
-    # sum_c w_c (lse - z_c) from the slices' raw sums: it cancels under a large common offset of the logits
-    smoothing = weight_sum * lse - weighted_z if weighted_z is not None else None
+    smoothing = _smoothing_term(stats, gathered[:, :, -1], lse, ce_weight) if p.label_smoothing else None
     rows = row_loss(p, lse, z_y, smoothing, w_y, vocab_total, scales.ce, scales.z, ignored, invalid).to(dtype)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
     return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), torch.stack((lse, z_y))
+
+
+def _smoothing_term(stats: Tensor, layouts: Tensor, lse: Tensor, ce_weight: Tensor | None) -> Tensor:
+    """Each token's sum_c w_c (lse - z_c) over all classes, from the slices' sums S_r = sum_c w_c (z_c - lse_r)
+    (``CEStepArgs.stats_out``): the sum over ranks of W_r (lse - lse_r) - S_r, with W_r the class weight of rank
+    r's slice (its rows without class weights). Every term is >= 0 for non-negative weights, so nothing cancels
+    (the ranks' raw sums of w_c z_c did, against W lse, under a large common offset of the logits). W_r comes
+    from the layouts (first class, rows) on the device: no host read."""
+    starts, rows = layouts[:, 0], layouts[:, 1]
+    if ce_weight is None:
+        slice_weight = rows.to(lse.dtype)
+    else:
+        ends_of = torch.cat((ce_weight.new_zeros(1, dtype=lse.dtype), ce_weight.to(lse.dtype).cumsum(0)))
+        last = ends_of.shape[0] - 1  # (clamped: a layout that does not tile gives a NaN loss anyway)
+        first = starts.long().clamp(0, last)
+        slice_weight = ends_of[(starts + rows).long().clamp(0, last)] - ends_of[first]
+    gap = slice_weight[:, None] * (lse[None, :] - stats[:, 0])
+    gap = torch.where(slice_weight[:, None] == 0, 0.0, gap)  # an empty slice: lse_r = -inf, and 0 * inf is nan
+    return (gap - stats[:, 2]).sum(dim=0)
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy", mutates_args=())

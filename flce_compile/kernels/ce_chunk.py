@@ -19,8 +19,8 @@ share of a batch).
 A row may hold a slice of the classes (``class_offset``, ``vocab`` of ``num_classes``): with a known lse
 (``HAS_LSE_IN``) pass 2 then writes that slice's gradient, and pass 1 alone gives the slice's own lse. The loss
 (``WRITE_LOSS``) needs whole rows. ``WRITE_STATS`` writes a slice's partial statistics instead (its own lse,
-the target's z when the target lies in the slice, the smoothing sum), which the vocabulary-parallel op combines
-over ranks.
+the target's z when the target lies in the slice, the smoothing sum relative to that lse), which the
+vocabulary-parallel op combines over ranks.
 
 A mask against a ``vocab`` that is not a multiple of 16 stops Triton from vectorizing the loads and stores
 (GPT-2's 50257 ran the kernel at half its bandwidth), so with ``UNMASKED_BLOCKS`` both passes walk the
@@ -83,7 +83,7 @@ def _smoothing_shift(running_max):
 def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, running_sum, smooth_sum, seen,
                    logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                    HAS_CE_WEIGHT: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr,
-                   PADDED: tl.constexpr, RAW_SMOOTHING: tl.constexpr):
+                   PADDED: tl.constexpr):
     """One block of pass 1: the online max/sum (and the smoothing sum) updated with the logits at ``offs``.
     MASKED: the block may run past ``vocab`` (see the module's docstring for when a block is not); loads stop at
     ``width`` (V, or with PADDED the padded row: the columns past V then load whatever they hold and are masked
@@ -92,9 +92,7 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
     The smoothing sum is sum_c w_c (z_c - shift) over the classes seen so far, relative to the running shift (the
     max), with ``seen`` = sum_c w_c over them: when the max rises, the sum moves by seen * (old - new shift).
     With non-negative class weights every term is <= 0, so nothing cancels; the raw sum_c w_c z_c cancelled
-    against W lse when every logit carried a large common offset (fp32 at +1000: the loss 4-27x eager's error).
-    RAW_SMOOTHING keeps the raw sum_c w_c z_c instead (``seen`` unused): the statistics a vocabulary slice hands
-    the ranks' combination."""
+    against W lse when every logit carried a large common offset (fp32 at +1000: the loss 4-27x eager's error)."""
     if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED and not HAS_SMOOTHING:
         # The load's mask is the class mask and z is the raw logit: loading -inf past V masks the max and the
         # sum without a select an element (the kernel is near its issue limit).
@@ -113,24 +111,21 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
     if HAS_SMOOTHING:
-        term = z if RAW_SMOOTHING else z - shift
+        term = z - shift
         if HAS_CE_WEIGHT:
             w = _load_block(class_weight_ptr, offs, vocab, MASKED)  # 0 past V
             term = term * w
         if MASKED:  # past V z may be anything (padding): select
             term = tl.where(offs < vocab, term, 0.0)
-        if RAW_SMOOTHING:
-            smooth_sum += tl.sum(term, axis=0)
+        old_shift = _smoothing_shift(running_max)
+        # (only where the shift moved: an inf weight seen times a shift that stayed would be nan)
+        smooth_sum += tl.where(old_shift != shift, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
+        if HAS_CE_WEIGHT:
+            seen += tl.sum(w, axis=0)
+        elif MASKED:
+            seen += tl.sum(tl.where(offs < vocab, 1.0, 0.0), axis=0)
         else:
-            old_shift = _smoothing_shift(running_max)
-            # (only where the shift moved: an inf weight seen times a shift that stayed would be nan)
-            smooth_sum += tl.where(old_shift != shift, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
-            if HAS_CE_WEIGHT:
-                seen += tl.sum(w, axis=0)
-            elif MASKED:
-                seen += tl.sum(tl.where(offs < vocab, 1.0, 0.0), axis=0)
-            else:
-                seen += offs.shape[0] * 1.0
+            seen += offs.shape[0] * 1.0
     return new_max, running_sum, smooth_sum, seen
 
 
@@ -185,9 +180,9 @@ def _zero_row(grad_row_ptr, cols, width, BLOCK_V: tl.constexpr):
 def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, logit_scale, softcap,
                   HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                   UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr,
-                  RAW_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+                  BLOCK_V: tl.constexpr):
     """Pass 1 over a row: (running max, running sum, smoothing sum, its weight) of its classes; the smoothing
-    sum is sum_c w_c (z_c - max), and its weight sum_c w_c (``_softmax_block``; RAW_SMOOTHING: sum_c w_c z_c)."""
+    sum is sum_c w_c (z_c - max), and its weight sum_c w_c (``_softmax_block``)."""
     running_max = -float("inf")
     running_sum = 0.0
     smooth_sum = 0.0
@@ -197,18 +192,18 @@ def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, log
             running_max, running_sum, smooth_sum, seen = _softmax_block(
                 row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
                 logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False, SCALED=SCALED,
-                PADDED=False, RAW_SMOOTHING=RAW_SMOOTHING)
+                PADDED=False)
         if vocab_full < vocab:
             running_max, running_sum, smooth_sum, seen = _softmax_block(
                 row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, running_max, running_sum, smooth_sum,
                 seen, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=False, RAW_SMOOTHING=RAW_SMOOTHING)
+                PADDED=False)
     else:
         for start in range(0, width, BLOCK_V):
             running_max, running_sum, smooth_sum, seen = _softmax_block(
                 row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
                 logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=PADDED, RAW_SMOOTHING=RAW_SMOOTHING)
+                PADDED=PADDED)
     return running_max, running_sum, smooth_sum, seen
 
 
@@ -316,7 +311,7 @@ def ce_chunk_kernel(
         if WRITE_LSE or WRITE_STATS:  # every row's statistics are outputs
             running_max, running_sum, smooth_sum, seen = _softmax_pass(
                 row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, WRITE_STATS, BLOCK_V)
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         else:
             # An ignored row's loss is 0 and its gradient 0: its logits are not read (padding and prompt tokens
             # can be a large share of a batch). Its lse stays -inf, unused.
@@ -327,7 +322,7 @@ def ce_chunk_kernel(
             if ignored == 0:
                 running_max, running_sum, smooth_sum, seen = _softmax_pass(
                     row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, WRITE_STATS, BLOCK_V)
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         log_sum = tl.log(running_sum)
         lse = running_max + log_sum
         shift, inv_sum = running_max, 1.0 / running_sum
@@ -378,8 +373,11 @@ def ce_chunk_kernel(
         z_t, _t = _transform(raw_t, logit_scale, softcap, HAS_SOFTCAP, SCALED)
         tl.store(stats_ptr + row, lse_exact)
         tl.store(stats_ptr + stats_stride + row, tl.where(here, z_t, 0.0))
-        # The slice's raw sum_c w_c z_c (RAW_SMOOTHING), which the vocabulary-parallel op sums over ranks
-        tl.store(stats_ptr + 2 * stats_stride + row, smooth_sum)
+        # The slice's sum_c w_c (z_c - lse_r) = sum_c w_c (z_c - max) - W_r log(sum): terms of one sign, and the
+        # ranks' combination adds W_r (lse - lse_r) >= 0 to each (the raw sum_c w_c z_c cancelled there under a
+        # large common offset of the logits). A row of -inf keeps its sum (no shift: -inf - -inf would be nan).
+        shifted = smooth_sum.to(tl.float64) - seen.to(tl.float64) * log_sum.to(tl.float64)
+        tl.store(stats_ptr + 2 * stats_stride + row, tl.where(running_max == -float("inf"), smooth_sum, shifted))
 
     if WRITE_GRAD and (WRITE_LOSS or WRITE_TARGET_Z or WRITE_STATS):
         # The gradient may overwrite the logits in place, and the warps of this program run apart: without a

@@ -37,9 +37,10 @@ class CEStepArgs:
     class_offset, num_classes: see below (a slice of the classes, e.g. one block of the vocabulary).
     stats_out: (3, rows), fp64 (``chunked.LSE_DTYPE``) or the math dtype, or None: a slice's partial statistics,
         for a caller that combines the slices itself (the vocabulary-parallel op, one slice per rank): row 0 the
-        slice's own lse of z (max + log(sum), unrounded in fp64: a confident row's 1 - p survives it), row 1
-        z at the target when the target lies in the slice (else 0), row 2 the smoothing sum sum_c w_c z_c over
-        the slice (w_c = 1 without class weights; 0 without label smoothing). Needs no ``lse_in``.
+        slice's own lse_r of z (max + log(sum), unrounded in fp64: a confident row's 1 - p survives it), row 1
+        z at the target when the target lies in the slice (else 0), row 2 the smoothing sum over the slice
+        relative to its lse, sum_c w_c (z_c - lse_r) (w_c = 1 without class weights; 0 without label smoothing;
+        a row of -inf keeps sum_c w_c z_c). Needs no ``lse_in``.
     padded: the caller owns each row's columns up to V rounded up to 16 in ``logits`` and ``grad_out`` (the padding
         of its own buffers): the kernel may read them, ignores what they hold, and writes them a gradient of 0.
     residual_out: (rows,) fp32 or None: with ``write_grad``, receives what rounding the gradient to its dtype

@@ -57,14 +57,12 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         z.scatter_(1, col_index, kept[:, None])
     wants_sum = bool(eps) and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
-    # A slice's statistics carry the raw sum_c w_c z_c, which the vocabulary-parallel op sums over ranks; the
-    # loss takes sum_c w_c (z_c - max) (see the loss below)
-    raw_sum = _class_sum(z, class_w) if wants_sum and args.stats_out is not None else None
     # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
     # row is far below lse's rounding at the logits' magnitude), the kept lse and, from it, backward's p
     if args.lse_in is None:
         # z is exp(z - max) from here on; with smoothing, rel_sum = sum_c w_c (z_c - max)
-        sums, lse_full, shift, rel_sum = _exp_shifted_(z, class_w, wants_sum and args.loss_out is not None)
+        sums, lse_full, shift, rel_sum = _exp_shifted_(
+            z, class_w, wants_sum and (args.loss_out is not None or args.stats_out is not None))
     else:
         sums, lse_full, shift, rel_sum = None, args.lse_in, None, None
         if wants_sum and args.loss_out is not None:  # relative to the kept lse (the chunk loops never ask this)
@@ -75,7 +73,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     ce_scale, z_scale = args.ce_scale, args.z_scale
 
     if args.stats_out is not None:
-        _write_stats(args, p, lse_full, torch.where(here, z_y, 0.0), raw_sum)
+        _write_stats(args, p, lse_full, torch.where(here, z_y, 0.0), rel_sum, shift, class_w)
     if args.loss_out is not None:
         # sum_c w_c (lse - z_c) = W (lse - max) - sum_c w_c (z_c - max): terms of one sign, nothing cancels (the
         # raw W lse - sum_c w_c z_c did, under a large common offset of the logits)
@@ -180,13 +178,18 @@ def row_loss(p: LossParams, lse: torch.Tensor, z_y: torch.Tensor, smoothing: tor
 
 
 def _write_stats(args: CEStepArgs, p: LossParams, lse: torch.Tensor, z_y: torch.Tensor,
-                 weighted_z: torch.Tensor | None) -> None:
+                 rel_sum: torch.Tensor | None, shift: torch.Tensor, class_w: torch.Tensor | None) -> None:
     """A slice's partial statistics (see ``CEStepArgs.stats_out``): its lse, the target's z where the target
-    lies in the slice (else 0) and, with label smoothing, the slice's sum_c w_c z_c."""
+    lies in the slice (else 0) and, with label smoothing, the slice's sum_c w_c (z_c - lse_r) from ``rel_sum``
+    = sum_c w_c (z_c - shift): rel_sum - W_r (lse_r - shift), terms of one sign (the kernel's formula)."""
     out = args.stats_out
     out[0].copy_(lse)
     out[1].copy_(z_y)
     if p.label_smoothing:
-        out[2].copy_(weighted_z)
+        slice_weight = class_w.sum(dtype=lse.dtype) if class_w is not None else float(args.logits.shape[1])
+        log_sum = lse - shift.to(lse.dtype)
+        rel_sum = rel_sum.to(lse.dtype)
+        # a row of -inf keeps its sum (no shift: -inf - -inf would be nan)
+        out[2].copy_(torch.where(lse == float("-inf"), rel_sum, rel_sum - slice_weight * log_sum))
     else:
         out[2].zero_()
