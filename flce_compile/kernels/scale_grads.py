@@ -57,16 +57,12 @@ def scale_kernel(a_ptr, a_out, a_numel, a_blocks, b_ptr, b_out, b_numel, b_block
     if HAS_POST:
         post = tl.load(post_ptr).to(tl.float32)
         factor = tl.where(post != 0.0, factor * post, 0.0)
-    if IN_PLACE:
-        # A factor of 1 (grad_output 1 and the whole mean in the gradient, the usual loss.backward()) changes
-        # nothing: each program returns without reading or writing. The branch is on a device value, so the host
-        # neither knows nor waits. The grid is a few programs per SM, not one per block: a program that only
-        # returns still costs its launch, and a V x H dW has ~150K blocks (0.6 ms of empty programs on an H200 at
-        # 16384 x 4096 x 151936).
-        if factor != 1.0:
-            _scale_blocks(a_ptr, a_out, a_numel, a_blocks, b_ptr, b_out, b_numel, b_blocks, c_ptr, c_out, c_numel,
-                          total_blocks, factor, BLOCK, EMULATE_BF16_RTNE)
-    else:  # new tensors are written whatever the factor
+    # In place, a factor of 1 (grad_output 1 and the whole mean in the gradient, the usual loss.backward())
+    # changes nothing: each program returns without reading or writing; new tensors are written whatever the
+    # factor. The branch is on a device value, so the host neither knows nor waits. The grid is a few programs
+    # per SM, not one per block: a program that only returns still costs its launch, and a V x H dW has ~150K
+    # blocks (0.6 ms of empty programs on an H200 at 16384 x 4096 x 151936).
+    if (factor != 1.0) | (not IN_PLACE):
         _scale_blocks(a_ptr, a_out, a_numel, a_blocks, b_ptr, b_out, b_numel, b_blocks, c_ptr, c_out, c_numel,
                       total_blocks, factor, BLOCK, EMULATE_BF16_RTNE)
 
