@@ -155,11 +155,13 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     GPU, "torch" elsewhere and for fp64, whose kernel would compute in fp32).
 
     On the GPU an odd V (GPT-2's 50257) is padded (``pad_vocab``): at 4096 x 768 x 50257 the aligned GEMMs
-    ran 3.2x faster on an H200 (2.26 vs 7.33 ms, benchmarks/results/bench_flce_h200_padvocab.md) for one
-    weight copy (77 MB there). Measured again per GEMM (``pad_vocab_gemms_NVIDIA_H200.md``): unpadded, the
-    logits GEMM took 6.9x, dX 5.8x and dW 1.6x the padded ones' time; split at the last 128-byte row instead of
-    copied, the three took 73 us more than padded for the 91 us of copies saved, and dX's error rose 1.4x. The
-    CPU default leaves the weight alone: nothing was measured to gain there.
+    ran 3.2x faster on an H200 (2.26 vs 7.33 ms, benchmarks/results/bench_flce_h200_padvocab.md). Measured again
+    per GEMM (``pad_vocab_gemms_NVIDIA_H200.md``): unpadded, the logits GEMM took 6.9x, dX 5.8x and dW 1.6x the
+    padded ones' time. Split at the last 128-byte row with the odd rows' GEMMs unpadded, the three took 73 us more
+    than padded, and dX's error rose 1.4x; with those rows in a small zero-padded block and dX's two parts summed
+    in fp32 (``strategies.padded_tail``, one bf16/fp16 chunk) logits and dX take 20 us more than padded on an
+    H100 at 4096 tokens, against the 62 us (and 77 MB) of the whole-weight copy they spare
+    (``padded_tail_probe_h100.log``). The CPU default leaves the weight alone: nothing was measured to gain there.
     """
     itemsize = dtype.itemsize
     on_gpu = device.type == "cuda"

@@ -30,6 +30,7 @@ K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 #: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
 BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
 #: 0/1: config.pad_vocab with a V that needs padding (a zero-padded weight copy; dW/db over the padded rows).
+#: A call through ``strategies.padded_tail`` copies only the weight's odd rows: the bound counts the whole copy.
 PAD = sympy.symbols("pad_vocab", integer=True, nonnegative=True)
 #: 0/1: dW accumulates in the weight dtype, in the buffer that is returned (acc = 0).
 IN_PLACE = sympy.symbols("acc_in_place", integer=True, nonnegative=True)

@@ -25,6 +25,7 @@ from ..plan.layout import aligned_head_rows, padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
 from . import true_class
+from .padded_tail import padded_tail, splits_padding
 from .wide_logits import fp32_logits_into
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -160,8 +161,8 @@ class _DwAccumulator:
     would only add a V x H fp32 write, its read and a conversion (at GPT-2's 50304 x 768: 385 MB of traffic
     and a launch, in the calls that are bound by the host).
 
-    ``rows``: the vocabulary's V when ``weight`` has pad_vocab's zero rows below it. A single chunk then writes
-    dW's V rows straight, in two GEMMs: the aligned head (``layout.aligned_head_rows``) and the odd tail, each
+    ``rows``: the vocabulary's V; ``padded``: the gradient's rows run past it (pad_vocab; ``weight`` may have the
+    zero rows too, or be V rows, ``padded_tail``). A single chunk then writes dW's V rows straight, in two GEMMs: the aligned head (``layout.aligned_head_rows``) and the odd tail, each
     row summed as in one GEMM. At 4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and
     spared the 45 us copy of V rows out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
 
@@ -169,13 +170,14 @@ class _DwAccumulator:
     """
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
-                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None) -> None:
+                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None,
+                 padded: bool = False) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype and not single_chunk
         shape = (weight.shape[0], weight.shape[1] if columns is None else columns)
         # (head rows, V): the single chunk's two GEMMs, or None for one GEMM over every row of ``weight``
         self.split = None
-        if single_chunk and rows is not None and rows != shape[0]:
+        if single_chunk and rows is not None and padded:
             self.split = (aligned_head_rows(rows, weight.element_size()), rows)
             shape = (rows, *shape[1:])
         # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
@@ -508,10 +510,19 @@ def _run_chunks(
     overlap = _stream_overlap(config, device, grads) if chunk < n else None
     row_stride = padded_row_elements(vocab, x.element_size())
     gemm_vocab = row_stride if config.pad_vocab else vocab  # the GEMMs' V; the CE step always sees V columns
-    if gemm_vocab != vocab:
+    wide = fp32_logits_on(config.fp32_logits, x.dtype)
+    # One chunk writes dW straight in the weight dtype; not with fp32 logits, whose true-class correction is
+    # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice), nor with ``raw_sums``
+    # (fp16: the sums are fitted into fp16's range first, whatever accum_dtype; ``_fit_stored_sums``).
+    dw_straight = chunk >= n and not wide and not raw_sums
+    # An odd V's GEMMs over padded rows: the weight's aligned head as it is and a padded copy of its few tail rows
+    # (``padded_tail``), or, where that does not apply, a zero-padded copy of the whole weight.
+    tail = None
+    if gemm_vocab != vocab and splits_padding(x, bias, dw_straight):
+        tail = padded_tail(weight, gemm_vocab)
+    elif gemm_vocab != vocab:
         weight = _zero_padded_rows(weight, gemm_vocab)
         bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
-    wide = fp32_logits_on(config.fp32_logits, x.dtype)
     # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
     # the gradient, and are needed only when there is one.
     direct = logits_out is not None and row_stride == vocab and not wide
@@ -537,12 +548,9 @@ def _run_chunks(
     residuals = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in buffers] if wide and grads.any else []
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
-    # One chunk writes dW straight in the weight dtype; not with fp32 logits, whose true-class correction is
-    # added into the fp32 sums afterwards (rounding it into bf16 dW would round twice), nor with ``raw_sums``
-    # (fp16: the sums are fitted into fp16's range first, whatever accum_dtype; ``_fit_stored_sums``).
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
-                            single_chunk=chunk >= n and not wide and not raw_sums, rows=vocab,
-                            columns=hidden - grads.dw_from) if grads.dw else None
+                            single_chunk=dw_straight, rows=vocab,
+                            columns=hidden - grads.dw_from, padded=gemm_vocab != vocab) if grads.dw else None
     # dW's GEMMs read the columns of x that are not frozen (a strided view: cuBLAS takes its row stride)
     x_dw = x[:, grads.dw_from:] if grads.dw_from else x
     db_acc = (
@@ -565,6 +573,8 @@ def _run_chunks(
                 if wide_buffer is not None:
                     logits = wide_buffer[: stop - start]
                     fp32_logits_into(logits, x_c, weight, bias32)
+                elif tail is not None:
+                    tail.logits_into(logits, x_c)
                 elif bias is not None:
                     torch.addmm(bias, x_c, weight_t, out=logits)
                 else:
@@ -586,6 +596,8 @@ def _run_chunks(
                 if dx is not None and residual is not None:
                     addend = true_class.dx_addend(weight, true_class.target_rows(target[rows], 0, vocab), residual)
                     torch.addmm(addend, grad, weight, out=_take(dx, start, stop))
+                elif dx is not None and tail is not None:
+                    tail.dx_into(_take(dx, start, stop), grad)
                 elif dx is not None:
                     torch.mm(grad, weight, out=_take(dx, start, stop))
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():

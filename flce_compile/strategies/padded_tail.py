@@ -1,0 +1,72 @@
+"""An odd vocabulary's logits and dX GEMMs without a padded copy of the weight (one chunk, bf16/fp16, CUDA).
+
+cuBLAS runs a GEMM whose V is not a multiple of 128 bytes of elements several times slower (GPT-2's 50257: the
+logits GEMM 6.9x, dX 5.8x on an H200, ``pad_vocab_gemms_NVIDIA_H200.md``), so ``pad_vocab`` runs them over V
+rounded up (``plan.layout.padded_row_elements``), which took a zero-padded copy of the whole weight per call
+(77 MB at 50257 x 768). Here the weight is split where its rows stop being aligned
+(``plan.layout.aligned_head_rows``): the aligned head is used as it is, and only the tail, its last few rows
+(17 of GPT-2's), is copied into a small zero-padded block that fills the padded width. Each GEMM then runs as
+two aligned ones: the logits into the head's and the tail's columns of the padded logits buffer; dX as the head's
+product plus the tail's, summed in fp32 and rounded once (as one GEMM rounds it: two bf16 GEMMs added would round
+twice). dW needs no weight (``chunked._DwAccumulator`` splits its GEMM at the same row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..plan.layout import aligned_head_rows
+
+
+@dataclass(frozen=True)
+class PaddedTail:
+    """``weight`` (V, H) as its aligned head rows [0, head) and ``tail``: rows [head, V) followed by zero rows up
+    to the padded width (padded - head rows)."""
+
+    weight: torch.Tensor
+    head: int
+    tail: torch.Tensor
+
+    def logits_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """``out`` (rows, padded) = x @ [W; 0]^T: the padded columns get the tail's zero rows' 0."""
+        torch.mm(x, self.weight[: self.head].t(), out=out[:, : self.head])
+        torch.mm(x, self.tail.t(), out=out[:, self.head:])
+
+    def dx_into(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """``out`` (rows, H) = grad @ [W; 0] over the padded columns of ``grad``, summed in fp32, rounded once."""
+        head = self.head
+        summed = _mm_fp32(grad[:, :head], self.weight[:head])
+        out.copy_(_mm_fp32(grad[:, head:], self.tail, add_to=summed))
+
+
+def padded_tail(weight: torch.Tensor, padded: int) -> PaddedTail:
+    """Split ``weight`` (V, H) for GEMMs over ``padded`` >= V columns: the tail block is the one copy made."""
+    vocab = weight.shape[0]
+    head = aligned_head_rows(vocab, weight.element_size())
+    tail = weight.new_empty((padded - head, weight.shape[1]))
+    tail[: vocab - head].copy_(weight[head:])
+    tail[vocab - head:].zero_()
+    return PaddedTail(weight, head, tail)
+
+
+def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool) -> bool:
+    """Whether a call that pads its vocabulary does it through ``PaddedTail`` rather than a padded weight copy:
+    on a GPU (where a vocabulary is padded by default), one chunk whose dW GEMM writes dW straight
+    (``dw_straight``: ``chunked._DwAccumulator``'s single chunk, whose GEMM it splits at the same row), no bias,
+    bf16/fp16 operands (dX's two GEMMs are summed by cuBLAS's bf16/fp16 -> fp32 GEMM)."""
+    return (x.device.type == "cuda" and dw_straight and bias is None
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (+ add_to) in fp32 from 16-bit operands, unrounded: cuBLAS's mixed-dtype GEMM on a GPU (torch's
+    ``out_dtype``). Elsewhere (only the CPU tests of this path: ``splits_padding`` routes no CPU call here) the
+    operands are upcast, whose products are as exact, at the cost of fp32 copies of them."""
+    if a.device.type == "cuda":
+        if add_to is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(add_to, a, b, out_dtype=torch.float32)
+    product = a.float() @ b.float()
+    return product if add_to is None else product.add_(add_to)
