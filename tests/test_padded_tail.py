@@ -49,6 +49,13 @@ def test_the_tail_gemms_give_the_padded_weights_products(v):
     assert (dx.double() - exact).abs().max() <= exact.abs().max() * 2**-8  # one rounding, not two
 
 
+class _AsOnAGpu:
+    """``x`` as ``splits_padding`` sees it, but on a GPU: the rest of its rule applies on the CPU."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.device, self.dtype, self.shape, self.element_size = torch.device("cuda"), x.dtype, x.shape, x.element_size
+
+
 @pytest.fixture
 def tail_on_the_cpu(monkeypatch):
     """The chunk loop takes the tail split on the CPU too (it is a GPU default), and records which padding ran."""
@@ -63,8 +70,8 @@ def tail_on_the_cpu(monkeypatch):
         taken["whole_copy"] += 1
         return real_copy(t, rows)
 
-    monkeypatch.setattr(chunked, "splits_padding", lambda x, bias, dw_straight: (
-        dw_straight and bias is None and x.dtype in (torch.bfloat16, torch.float16)))
+    real_rule = chunked.splits_padding
+    monkeypatch.setattr(chunked, "splits_padding", lambda x, *args: real_rule(_AsOnAGpu(x), *args))
     monkeypatch.setattr(chunked, "padded_tail", counted_tail)
     monkeypatch.setattr(chunked, "_zero_padded_rows", counted_copy)
     return taken
@@ -80,13 +87,20 @@ def test_the_chunk_loop_through_the_tail_is_as_exact_as_eager(tail_on_the_cpu, s
     assert tail_on_the_cpu["tail"] >= 1 and tail_on_the_cpu["whole_copy"] == 0
 
 
-@pytest.mark.parametrize("case", ["bias", "chunks", "fp32", "fp16_mean", "precise"])
-def test_the_whole_weight_is_padded_where_the_tail_does_not_apply(tail_on_the_cpu, case):
+@pytest.mark.parametrize("case", ["bias", "chunks", "fp32", "fp16_mean", "precise", "no_head", "many_rows"])
+def test_the_whole_weight_is_padded_where_the_tail_does_not_apply(tail_on_the_cpu, monkeypatch, case):
     """A bias, several chunks (dW accumulates over them), fp32 operands, an fp16 "mean" (its dW sums are fitted
-    into fp16's range in fp32 first) or fp32 logits keep the padded weight copy, and are as exact as eager."""
+    into fp16's range in fp32 first), fp32 logits, a V with no aligned head (50 bf16 rows: all tail) or more rows
+    than the weight copy would hold of dX's fp32 sum (200 x 31 x 4 bytes against 128 x 31 x 2) keep the padded
+    weight copy, and are as exact as eager."""
+    import test_op_numerics
+
+    monkeypatch.setitem(test_op_numerics.SHAPES, "many_rows", ((200,), 31, 123, 256))
     dtype = {"fp32": torch.float32, "fp16_mean": torch.float16}.get(case, torch.bfloat16)
-    check_case("odd_chunks", dtype, "mean", "bias" if case == "bias" else "plain", "torch", pad_vocab=True,
-               precision="precise" if case == "precise" else "exact", chunk=16 if case == "chunks" else 64)
+    shape = {"no_head": "noncontig", "many_rows": "many_rows"}.get(case, "odd_chunks")
+    check_case(shape, dtype, "mean", "bias" if case == "bias" else "plain", "torch", pad_vocab=True,
+               precision="precise" if case == "precise" else "exact",
+               chunk={"chunks": 16, "many_rows": 256}.get(case, 64))
     assert tail_on_the_cpu["tail"] == 0 and tail_on_the_cpu["whole_copy"] == (2 if case == "bias" else 1)
 
 

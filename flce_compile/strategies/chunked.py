@@ -518,7 +518,7 @@ def _run_chunks(
     # An odd V's GEMMs over padded rows: the weight's aligned head as it is and a padded copy of its few tail rows
     # (``padded_tail``), or, where that does not apply, a zero-padded copy of the whole weight.
     tail = None
-    if gemm_vocab != vocab and splits_padding(x, bias, dw_straight):
+    if gemm_vocab != vocab and splits_padding(x, bias, dw_straight, vocab, gemm_vocab):
         tail = padded_tail(weight, gemm_vocab)
     elif gemm_vocab != vocab:
         weight = _zero_padded_rows(weight, gemm_vocab)

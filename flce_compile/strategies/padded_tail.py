@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..log import logger
 from ..plan.layout import aligned_head_rows
 
 
@@ -36,9 +37,7 @@ class PaddedTail:
 
     def dx_into(self, out: torch.Tensor, grad: torch.Tensor) -> None:
         """``out`` (rows, H) = grad @ [W; 0] over the padded columns of ``grad``, summed in fp32, rounded once."""
-        head = self.head
-        summed = _mm_fp32(grad[:, :head], self.weight[:head])
-        out.copy_(_mm_fp32(grad[:, head:], self.tail, add_to=summed))
+        out.copy_(_fp32_sum(grad, self.weight, self.tail, self.head))
 
 
 def padded_tail(weight: torch.Tensor, padded: int) -> PaddedTail:
@@ -51,22 +50,37 @@ def padded_tail(weight: torch.Tensor, padded: int) -> PaddedTail:
     return PaddedTail(weight, head, tail)
 
 
-def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool) -> bool:
-    """Whether a call that pads its vocabulary does it through ``PaddedTail`` rather than a padded weight copy:
-    on a GPU (where a vocabulary is padded by default), one chunk whose dW GEMM writes dW straight
-    (``dw_straight``: ``chunked._DwAccumulator``'s single chunk, whose GEMM it splits at the same row), no bias,
-    bf16/fp16 operands (dX's two GEMMs are summed by cuBLAS's bf16/fp16 -> fp32 GEMM)."""
-    return (x.device.type == "cuda" and dw_straight and bias is None
-            and x.dtype in (torch.bfloat16, torch.float16))
+def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool, vocab: int, padded: int) -> bool:
+    """Whether a call that pads its vocabulary (V = ``vocab`` to ``padded``) does it through ``PaddedTail`` rather
+    than a padded weight copy: on a GPU (where a vocabulary is padded by default) whose torch has the fp32-output
+    GEMMs (torch >= 2.8); one chunk whose dW GEMM writes dW straight (``dw_straight``:
+    ``chunked._DwAccumulator``'s single chunk, whose GEMM it splits at the same row); no bias; bf16/fp16
+    operands; an aligned head at all (a V below 128 bytes of rows is all tail); and dX's fp32 sum (rows x H) no
+    larger than the weight copy it replaces (``plan.memory`` bounds the call with that copy)."""
+    itemsize = x.element_size()
+    return (x.device.type == "cuda" and _fp32_gemms_ok is not False and dw_straight and bias is None
+            and x.dtype in (torch.bfloat16, torch.float16) and aligned_head_rows(vocab, itemsize) > 0
+            and 4 * x.shape[0] <= padded * itemsize)
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (+ add_to) in fp32 from 16-bit operands, unrounded: cuBLAS's mixed-dtype GEMM on a GPU (torch's
-    ``out_dtype``). Elsewhere (only the CPU tests of this path: ``splits_padding`` routes no CPU call here) the
-    operands are upcast, whose products are as exact, at the cost of fp32 copies of them."""
-    if a.device.type == "cuda":
-        if add_to is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(add_to, a, b, out_dtype=torch.float32)
-    product = a.float() @ b.float()
-    return product if add_to is None else product.add_(add_to)
+_fp32_gemms_ok: bool | None = None  # probed at the first call: torch builds before 2.8 lack out_dtype
+
+
+def _fp32_sum(grad: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, head: int) -> torch.Tensor:
+    """grad[:, :head] @ weight[:head] + grad[:, head:] @ tail in fp32, unrounded: cuBLAS's bf16/fp16 -> fp32
+    GEMMs on a GPU (torch's ``out_dtype``), the second adding into the first's output. Elsewhere (the CPU tests
+    of this path), and once on a torch without those GEMMs (later calls then take the whole-weight copy:
+    ``splits_padding``), the operands are upcast, whose products are as exact, at the cost of fp32 copies."""
+    global _fp32_gemms_ok
+    summed = torch.empty(grad.shape[0], weight.shape[1], dtype=torch.float32, device=grad.device)
+    if grad.device.type == "cuda" and _fp32_gemms_ok is not False:
+        try:
+            torch.mm(grad[:, :head], weight[:head], out_dtype=torch.float32, out=summed)
+            torch.addmm(summed, grad[:, head:], tail, out_dtype=torch.float32, out=summed)
+            _fp32_gemms_ok = True
+            return summed
+        except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
+            _fp32_gemms_ok = False
+            logger.warning("fp32-output mm unavailable (%s); an odd vocabulary's weight is padded whole", exc)
+    torch.mm(grad[:, :head].float(), weight[:head].float(), out=summed)
+    return summed.addmm_(grad[:, head:].float(), tail.float())
