@@ -163,8 +163,9 @@ class _DwAccumulator:
 
     ``rows``: the vocabulary's V; ``padded``: the gradient's rows run past it (pad_vocab; ``weight`` may have the
     zero rows too, or be V rows, ``padded_tail``). A single chunk then writes dW's V rows straight, in two GEMMs:
-    the aligned head (``layout.aligned_head_rows``) and the odd tail, each row summed as in one GEMM. At 4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and
-    spared the 45 us copy of V rows out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
+    the aligned head (``layout.aligned_head_rows``) and the odd tail, each row summed as in one GEMM. At 4096 x
+    768 x 50257 on an H200 the two took 7 us more than the padded GEMM and spared the 45 us copy of V rows out of
+    it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
 
     ``columns``: dW's columns (the weight's but frozen ones, ``GradRequest.dw_from``; default all).
     """
