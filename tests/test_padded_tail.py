@@ -60,7 +60,7 @@ class _AsOnAGpu:
 def tail_on_the_cpu(monkeypatch):
     """The chunk loop takes the tail split on the CPU too (it is a GPU default), and records which padding ran."""
     taken = {"tail": 0, "whole_copy": 0}
-    real_tail, real_copy = chunked.padded_tail, chunked._zero_padded_rows
+    real_tail, real_copy = chunked.padded_tail, chunked.zero_padded_rows
 
     def counted_tail(weight, padded):
         taken["tail"] += 1
@@ -73,7 +73,7 @@ def tail_on_the_cpu(monkeypatch):
     real_rule = chunked.splits_padding
     monkeypatch.setattr(chunked, "splits_padding", lambda x, *args: real_rule(_AsOnAGpu(x), *args))
     monkeypatch.setattr(chunked, "padded_tail", counted_tail)
-    monkeypatch.setattr(chunked, "_zero_padded_rows", counted_copy)
+    monkeypatch.setattr(chunked, "zero_padded_rows", counted_copy)
     return taken
 
 

@@ -25,7 +25,7 @@ from ..plan.layout import aligned_head_rows, padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
 from . import true_class
-from .padded_tail import padded_tail, splits_padding
+from .padded_tail import padded_tail, splits_padding, zero_padded_rows
 from .wide_logits import fp32_logits_into
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -161,24 +161,23 @@ class _DwAccumulator:
     would only add a V x H fp32 write, its read and a conversion (at GPT-2's 50304 x 768: 385 MB of traffic
     and a launch, in the calls that are bound by the host).
 
-    ``rows``: the vocabulary's V; ``padded``: the gradient's rows run past it (pad_vocab; ``weight`` may have the
-    zero rows too, or be V rows, ``padded_tail``). A single chunk then writes dW's V rows straight, in two GEMMs:
-    the aligned head (``layout.aligned_head_rows``) and the odd tail, each row summed as in one GEMM. At 4096 x
-    768 x 50257 on an H200 the two took 7 us more than the padded GEMM and spared the 45 us copy of V rows out of
-    it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
+    ``rows``: the vocabulary's V where the gradient's rows run past it (pad_vocab; ``weight`` may have the zero
+    rows too, or be V rows: ``padded_tail``), else None. A single chunk then writes dW's V rows straight, in two
+    GEMMs: the aligned head (``layout.aligned_head_rows``) and the odd tail, each row summed as in one GEMM. At
+    4096 x 768 x 50257 on an H200 the two took 7 us more than the padded GEMM and spared the 45 us copy of V rows
+    out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
 
     ``columns``: dW's columns (the weight's but frozen ones, ``GradRequest.dw_from``; default all).
     """
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
-                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None,
-                 padded: bool = False) -> None:
+                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype and not single_chunk
         shape = (weight.shape[0], weight.shape[1] if columns is None else columns)
         # (head rows, V): the single chunk's two GEMMs, or None for one GEMM over every row of ``weight``
         self.split = None
-        if single_chunk and rows is not None and padded:
+        if single_chunk and rows is not None:
             self.split = (aligned_head_rows(rows, weight.element_size()), rows)
             shape = (rows, *shape[1:])
         # Not zeroed: the first chunk's GEMM overwrites it (beta = 0). Zeroing was a V x H memset per call
@@ -522,8 +521,8 @@ def _run_chunks(
     if gemm_vocab != vocab and splits_padding(x, bias, dw_straight, vocab, gemm_vocab):
         tail = padded_tail(weight, gemm_vocab)
     elif gemm_vocab != vocab:
-        weight = _zero_padded_rows(weight, gemm_vocab)
-        bias = _zero_padded_rows(bias, gemm_vocab) if bias is not None else None
+        weight = zero_padded_rows(weight, gemm_vocab)
+        bias = zero_padded_rows(bias, gemm_vocab) if bias is not None else None
     # Logits written straight into the caller's tensor (see the docstring); the chunk buffers then hold only
     # the gradient, and are needed only when there is one.
     direct = logits_out is not None and row_stride == vocab and not wide
@@ -550,8 +549,8 @@ def _run_chunks(
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
-                            single_chunk=dw_straight, rows=vocab,
-                            columns=hidden - grads.dw_from, padded=gemm_vocab != vocab) if grads.dw else None
+                            single_chunk=dw_straight, rows=vocab if gemm_vocab != vocab else None,
+                            columns=hidden - grads.dw_from) if grads.dw else None
     # dW's GEMMs read the columns of x that are not frozen (a strided view: cuBLAS takes its row stride)
     x_dw = x[:, grads.dw_from:] if grads.dw_from else x
     db_acc = (
@@ -720,16 +719,6 @@ class _StepRows:
             padded=padded,
             scratch=scratch,
         )
-
-
-def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` (V, ...) with zero rows appended up to ``rows``: their logits are 0, and so is their gradient,
-    because the CE step writes nothing or 0 past column V. Only the appended rows are zeroed (not a fill of the
-    whole block before the copy)."""
-    out = t.new_empty((rows, *t.shape[1:]))
-    out[: t.shape[0]].copy_(t)
-    out[t.shape[0]:].zero_()
-    return out
 
 
 def _accumulate_weight_grads(

@@ -42,12 +42,18 @@ class PaddedTail:
 
 def padded_tail(weight: torch.Tensor, padded: int) -> PaddedTail:
     """Split ``weight`` (V, H) for GEMMs over ``padded`` >= V columns: the tail block is the one copy made."""
-    vocab = weight.shape[0]
-    head = aligned_head_rows(vocab, weight.element_size())
-    tail = weight.new_empty((padded - head, weight.shape[1]))
-    tail[: vocab - head].copy_(weight[head:])
-    tail[vocab - head:].zero_()
-    return PaddedTail(weight, head, tail)
+    head = aligned_head_rows(weight.shape[0], weight.element_size())
+    return PaddedTail(weight, head, zero_padded_rows(weight[head:], padded - head))
+
+
+def zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (V, ...) with zero rows appended up to ``rows``: their logits are 0, and so is their gradient,
+    because the CE step writes nothing or 0 past column V. Only the appended rows are zeroed (not a fill of the
+    whole block before the copy). (The whole weight's copy where ``splits_padding`` does not apply; the tail's.)"""
+    out = t.new_empty((rows, *t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0]:].zero_()
+    return out
 
 
 def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool, vocab: int, padded: int) -> bool:
