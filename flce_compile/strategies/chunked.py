@@ -17,14 +17,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..log import logger
 from ..params import LossParams, math_dtype
 from ..plan import registry
 from ..plan.config import FLCEConfig
 from ..plan.layout import aligned_head_rows, padded_row_elements
 from ..plan.precision import fp32_logits_on
 from .ce_common import CEStepArgs
-from . import true_class
+from . import fp32_gemms, true_class
 from .padded_tail import padded_tail, splits_padding, zero_padded_rows
 from .wide_logits import fp32_logits_into
 
@@ -112,9 +111,6 @@ def _stream_overlap(config: FLCEConfig, device: torch.device, grads: "GradReques
     return None
 
 
-_mixed_addmm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
-
-
 def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str = "addmm", *,
                 overwrite: bool = False) -> None:
     """``acc += a @ b`` with ``acc`` in a wider dtype than ``a`` and ``b`` (fp32 sums of bf16/fp16 products);
@@ -125,22 +121,13 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str =
     ``out_dtype``); where that is missing, or with path="mm_add", the product goes through a temporary. On
     the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
-    global _mixed_addmm_ok
     beta = 0 if overwrite else 1
     if acc.device.type != "cuda":
         if path == "mm_add":
             _store(acc, torch.mm(a, b), overwrite)
         else:
             acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
-    elif path == "addmm" and _mixed_addmm_ok is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
-            _mixed_addmm_ok = True
-        except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
-            _mixed_addmm_ok = False
-            logger.warning("fp32-output addmm unavailable (%s); fp32 sums go through a temporary", exc)
-            _store(acc, torch.mm(a, b), overwrite)
-    else:
+    elif path != "addmm" or not fp32_gemms.addmm_into(acc, a, b, beta):
         _store(acc, torch.mm(a, b), overwrite)
 
 

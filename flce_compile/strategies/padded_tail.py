@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..log import logger
 from ..plan.layout import aligned_head_rows
+from . import fp32_gemms
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,10 @@ def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool
     operands; an aligned head at all (a V below 128 bytes of rows is all tail); and dX's fp32 sum (rows x H) no
     larger than the weight copy it replaces (``plan.memory`` bounds the call with that copy)."""
     itemsize = x.element_size()
-    return (x.device.type == "cuda" and _fp32_gemms_ok is not False and dw_straight and bias is None
+    return (x.device.type == "cuda" and fp32_gemms.available("mm") and fp32_gemms.available("addmm")
+            and dw_straight and bias is None
             and x.dtype in (torch.bfloat16, torch.float16) and aligned_head_rows(vocab, itemsize) > 0
             and 4 * x.shape[0] <= padded * itemsize)
-
-
-_fp32_gemms_ok: bool | None = None  # probed at the first call: torch builds before 2.8 lack out_dtype
 
 
 def _fp32_sum(grad: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, head: int) -> torch.Tensor:
@@ -77,16 +75,9 @@ def _fp32_sum(grad: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, head
     GEMMs on a GPU (torch's ``out_dtype``), the second adding into the first's output. Elsewhere (the CPU tests
     of this path), and once on a torch without those GEMMs (later calls then take the whole-weight copy:
     ``splits_padding``), the operands are upcast, whose products are as exact, at the cost of fp32 copies."""
-    global _fp32_gemms_ok
     summed = torch.empty(grad.shape[0], weight.shape[1], dtype=torch.float32, device=grad.device)
-    if grad.device.type == "cuda" and _fp32_gemms_ok is not False:
-        try:
-            torch.mm(grad[:, :head], weight[:head], out_dtype=torch.float32, out=summed)
-            torch.addmm(summed, grad[:, head:], tail, out_dtype=torch.float32, out=summed)
-            _fp32_gemms_ok = True
-            return summed
-        except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
-            _fp32_gemms_ok = False
-            logger.warning("fp32-output mm unavailable (%s); an odd vocabulary's weight is padded whole", exc)
+    if fp32_gemms.mm_into(summed, grad[:, :head], weight[:head]) and fp32_gemms.addmm_into(
+            summed, grad[:, head:], tail):
+        return summed
     torch.mm(grad[:, :head].float(), weight[:head].float(), out=summed)
     return summed.addmm_(grad[:, head:].float(), tail.float())

@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ..log import logger
 from ..plan.layout import UPCAST_VOCAB_BLOCK
-
-_mixed_mm_ok: bool | None = None  # probed once per process: torch builds may lack out_dtype
-
+from . import fp32_gemms
 
 def fp32_logits_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> None:
     """``out = x @ weight.T + bias32`` in fp32 from bf16/fp16 ``x`` (rows, H) and ``weight`` (V, H); ``out``
     (rows, V) fp32 with unit column stride; ``bias32`` (V,) fp32 or None."""
-    global _mixed_mm_ok
-    if out.device.type == "cuda" and _mixed_mm_ok is not False:
-        try:
-            torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
-            _mixed_mm_ok = True
-        except (RuntimeError, TypeError) as exc:  # older torch: no fp32-output GEMM for bf16/fp16
-            _mixed_mm_ok = False
-            logger.warning("fp32-output mm unavailable (%s); fp32 logits come from upcast operands", exc)
-    if out.device.type != "cuda" or _mixed_mm_ok is False:
+    if not fp32_gemms.mm_into(out, x, weight.t()):
         # Upcast operands: exact products, fp32 sums (a tf32 GEMM keeps them exact too: bf16 and fp16 values
         # have at most tf32's 10 mantissa bits).
         x32 = x.float()
