@@ -122,12 +122,11 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str =
     the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
     beta = 0 if overwrite else 1
-    if acc.device.type != "cuda":
-        if path == "mm_add":
-            _store(acc, torch.mm(a, b), overwrite)
-        else:
-            acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
-    elif path != "addmm" or not fp32_gemms.addmm_into(acc, a, b, beta):
+    if path == "addmm" and fp32_gemms.addmm_into(acc, a, b, beta):
+        return
+    if path == "addmm" and acc.device.type != "cuda":
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+    else:
         _store(acc, torch.mm(a, b), overwrite)
 
 

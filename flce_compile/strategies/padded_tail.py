@@ -58,8 +58,8 @@ def zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool, vocab: int, padded: int) -> bool:
     """Whether a call that pads its vocabulary (V = ``vocab`` to ``padded``) does it through ``PaddedTail`` rather
-    than a padded weight copy: on a GPU (where a vocabulary is padded by default) whose torch has the fp32-output
-    GEMMs (torch >= 2.8); one chunk whose dW GEMM writes dW straight (``dw_straight``:
+    than a padded weight copy: on a GPU (where a vocabulary is padded by default) whose torch has not refused the
+    fp32-output GEMMs (``fp32_gemms``: torch >= 2.8); one chunk whose dW GEMM writes dW straight (``dw_straight``:
     ``chunked._DwAccumulator``'s single chunk, whose GEMM it splits at the same row); no bias; bf16/fp16
     operands; an aligned head at all (a V below 128 bytes of rows is all tail); and dX's fp32 sum (rows x H) no
     larger than the weight copy it replaces (``plan.memory`` bounds the call with that copy)."""
@@ -73,8 +73,8 @@ def splits_padding(x: torch.Tensor, bias: torch.Tensor | None, dw_straight: bool
 def _fp32_sum(grad: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, head: int) -> torch.Tensor:
     """grad[:, :head] @ weight[:head] + grad[:, head:] @ tail in fp32, unrounded: cuBLAS's bf16/fp16 -> fp32
     GEMMs on a GPU (torch's ``out_dtype``), the second adding into the first's output. Elsewhere (the CPU tests
-    of this path), and once on a torch without those GEMMs (later calls then take the whole-weight copy:
-    ``splits_padding``), the operands are upcast, whose products are as exact, at the cost of fp32 copies."""
+    of this path), and where torch refuses them at their first use here (later calls then take the whole-weight
+    copy: ``splits_padding``), the operands are upcast, whose products are as exact, at the cost of fp32 copies."""
     summed = torch.empty(grad.shape[0], weight.shape[1], dtype=torch.float32, device=grad.device)
     if fp32_gemms.mm_into(summed, grad[:, :head], weight[:head]) and fp32_gemms.addmm_into(
             summed, grad[:, head:], tail):

@@ -14,6 +14,7 @@ import torch
 from ..plan.layout import UPCAST_VOCAB_BLOCK
 from . import fp32_gemms
 
+
 def fp32_logits_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> None:
     """``out = x @ weight.T + bias32`` in fp32 from bf16/fp16 ``x`` (rows, H) and ``weight`` (V, H); ``out``
     (rows, V) fp32 with unit column stride; ``bias32`` (V,) fp32 or None."""
