@@ -1,5 +1,5 @@
 """``compiler/spellings.py``: the passes recognise a call in torch 2.13's spelling and in torch 2.11's (the GPU
-machine's), which CI cannot trace. torch 2.11's Dynamo wrappers are built here as it builds them: a function
+machine's) or 2.15's, which CI cannot trace. torch 2.11's Dynamo wrappers are built here as it builds them: a function
 made on the fly in ``torch._dynamo``, named after the call, that holds every argument but the tensor."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from __future__ import annotations
 import operator
 
 import pytest
+import torch
 from torch import fx, nn
 
 from flce_compile.compiler.mutations import effect
-from flce_compile.compiler.spellings import dtensor_call, from_local_may_broadcast, operator_of
+from flce_compile.compiler.patterns import match_linear
+from flce_compile.compiler.spellings import dtensor_call, from_local_may_broadcast, operator_of, transposed_attribute
 
 
 def _dynamo_wrapper(name: str, module: str = "torch._dynamo.variables.tensor"):
@@ -73,3 +75,31 @@ def test_from_local_itself_is_recognised_with_its_run_check():
     assert all(dtensor_call(node) == "from_local" for node in calls.values())
     assert [from_local_may_broadcast(node) for node in calls.values()] == [False, False, True]
     assert [effect(gm, node).writes for node in calls.values()] == [(), (), (x,)]
+
+
+def test_an_attributes_transpose_in_both_spellings():
+    """``w.T`` and ``w.mT`` as an attribute read (2.11, 2.13) or as the ATen op behind it (2.15), and the LM head
+    ``x @ W.T`` matched on the untransposed weight either way."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    nodes = {
+        "w.T (2.13)": g.call_function(getattr, (w, "T")),
+        "w.mT (2.13)": g.call_function(getattr, (w, "mT")),
+        "w.T (2.15)": g.call_function(torch.ops.aten.numpy_T, (w,)),
+        "w.mT (2.15)": g.call_function(torch.ops.aten.mT, (w,)),
+        "w.T (2.15, an overload)": g.call_function(torch.ops.aten.numpy_T.default, (w,)),
+        "w.shape": g.call_function(getattr, (w, "shape")),
+        "w.t()": g.call_method("t", (w,)),
+        "another op": g.call_function(torch.ops.aten.relu, (w,)),
+    }
+    transposed = {label: transposed_attribute(node) for label, node in nodes.items()}
+    assert transposed == {label: w if label.startswith(("w.T", "w.mT")) else None for label in nodes}
+    heads = {}
+    for label in ("w.T (2.13)", "w.T (2.15)", "w.mT (2.15)"):
+        nodes[label].meta["example_value"] = torch.empty(4, 6)  # (H, V): W is (6, 4)
+        heads[label] = g.call_function(operator.matmul, (x, nodes[label]))
+    g.output(tuple(heads.values()))
+    gm = fx.GraphModule(nn.Module(), g)
+    for label, head in heads.items():
+        match = match_linear(gm, head)
+        assert (match.weight, match.form, match.weight_is_transposed) == (w, "x @ W.T", False), label

@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..dtensor import is_dtensor
 from ..params import NO_IGNORED_CLASS
-from .spellings import dtensor_call, operator_of
+from .spellings import dtensor_call, operator_of, transposed_attribute
 
 # ---------------------------------------------------------------------------------------------------------------
 # op tables (functions, methods and modules that Dynamo may leave in the graph)
@@ -583,8 +583,9 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> LinearMatch | None:
             d % 2 for d in wt.args[1:3] if isinstance(d, int)
         ) == [0, 1]:
             return LinearMatch(node=node, input=x, weight=wt.args[0], form="matmul(x, W.transpose(0, 1))")
-        if wt.op == "call_function" and wt.target is getattr and wt.args[1:] in (("T",), ("mT",)):
-            return LinearMatch(node=node, input=x, weight=wt.args[0], form="x @ W.T")
+        transposed = transposed_attribute(wt)
+        if transposed is not None:
+            return LinearMatch(node=node, input=x, weight=transposed, form="x @ W.T")
         return LinearMatch(node=node, input=x, weight=wt, weight_is_transposed=True, form="x @ W (W is (H, V))")
     if _is_fn(node, _EINSUM_FNS):
         return _einsum_head(node)

@@ -14,6 +14,9 @@ passes must recognise is named here once:
   ("prim from_local", 2.11). ``dtensor_call`` names the call either way; where the passes need the placements,
   they read them off the result's example value, which both spellings carry. 2.11 also hides ``from_local``'s
   ``run_check`` (``from_local_may_broadcast``).
+* ``w.T`` / ``w.mT``: the attribute read, ``getattr(w, "T")`` (2.11, 2.13), or the ATen op behind it,
+  ``aten.numpy_T(w)`` / ``aten.mT(w)`` (2.15; the LM head ``x @ W.T`` was then taken for a head whose weight is
+  (H, V), and a LoRA fold kept two transposes of it). ``transposed_attribute`` names the tensor either way.
 """
 
 from __future__ import annotations
@@ -21,12 +24,27 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
+import torch
 from torch import fx
 
 #: The DTensor calls ``dtensor_call`` recognises.
 DTENSOR_CALLS = ("redistribute", "to_local", "from_local")
 #: Names of torch 2.11 Dynamo's on-the-fly wrappers, by the call they stand for.
 _WRAPPER_NAMES = {"prim_redistribute": "redistribute", "prim_to_local": "to_local", "prim from_local": "from_local"}
+
+
+#: The ATen ops a tensor's ``.T`` and ``.mT`` call, as torch 2.15's Dynamo records them (packets and overloads).
+_TRANSPOSE_OPS = frozenset(op for name in ("numpy_T", "mT") if (packet := getattr(torch.ops.aten, name, None))
+                           for op in (packet, getattr(packet, "default", None)) if op is not None)
+
+
+def transposed_attribute(node: fx.Node) -> fx.Node | None:
+    """The tensor whose ``.T`` or ``.mT`` ``node`` reads, in either spelling; None for any other node."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target is getattr:
+        return node.args[0] if node.args[1:] in (("T",), ("mT",)) else None
+    return node.args[0] if node.target in _TRANSPOSE_OPS and len(node.args) == 1 and not node.kwargs else None
 
 
 def operator_of(method: str) -> Callable[..., Any] | None:
