@@ -180,12 +180,56 @@ def test_lookup_fallbacks(dbs, caplog):
     # a much larger vocab borrows with a smaller chunk (about the measured logits memory)
     cfg, src = find(vocab=262144, hidden=4096, tokens=8192)
     assert src.startswith("tuning_db:nearest_shape(user V=151936") and cfg.chunk_tokens == 256  # from 512
-    # too far away, another GPU, or another itemsize: heuristic
+    # too far away, a GPU of another family (or a MIG slice), or another itemsize: heuristic
     assert find(vocab=2000, hidden=128) is None
-    assert find(device="NVIDIA H100 80GB HBM3") is None
+    assert find(device="NVIDIA A100-SXM4-80GB") is None
+    assert find(device="NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
     assert find(dtype=torch.float32) is None
     # fp16 borrows from bf16 (same itemsize) as a nearest-shape answer
     assert find(dtype=torch.float16)[1].startswith("tuning_db:nearest_shape(")
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_a_gpu_without_entries_borrows_its_familys(dbs, monkeypatch):
+    """An H100 (no entries of its own) runs the H200's configs, saying so; its own entries come first, but for a
+    nearest shape, where the family's entry of the call's own shape is the better guess."""
+    user, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(chunk=1024), entry(vocab=128256, chunk=4096, tokens=8192)])
+    borrowed = entry(chunk=1024).config, "tuning_db:shipped_exact (borrowed from h200)"
+    for name in (H100, "NVIDIA H100 PCIe", "NVIDIA H800", "NVIDIA GH200 480GB"):
+        assert find(device=name) == borrowed, name
+    match = db.find_match(vocab=151936, hidden=4096, dtype="bf16", tokens=16384, device=H100)
+    assert (match.kind, match.borrowed_from, match.entry.device) == ("shipped exact", "h200", "h200")
+    # the family's other fallbacks too: its nearest bucket, its nearest shape (chunk rescaled as for its own GPU)
+    assert find(tokens=2000, device=H100)[1] == "tuning_db:nearest_tokens(shipped tokens=16384) (borrowed from h200)"
+    cfg, src = find(vocab=262144, tokens=16384, device=H100)
+    assert src.startswith("tuning_db:nearest_shape(shipped V=151936") and src.endswith("(borrowed from h200)")
+    assert cfg.chunk_tokens == 512  # 1024 at V=151936, about the same logits memory at V=262144
+    # not outside the family, nor for a MIG slice, nor for the H200 itself (its own misses stay misses)
+    for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA H20", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA B200"):
+        assert find(device=name) is None, name
+    assert find(vocab=2000, hidden=128, device=H100) is None
+    # a family is its kinds alone: with an Ampere family beside Hopper, an A100 entry serves an A800, not an H100
+    monkeypatch.setitem(tuning_db.GPU_FAMILIES, "a100", "ampere")
+    monkeypatch.setitem(tuning_db.GPU_FAMILIES, "a800", "ampere")
+    db.write_entries(shipped / "a100.json", [entry(device="a100", vocab=32000, hidden=512, chunk=256)])
+    small = {"vocab": 32000, "hidden": 512}  # far from every H200 entry's shape
+    assert find(**small, device="NVIDIA A800-SXM4-80GB")[1] == "tuning_db:shipped_exact (borrowed from a100)"
+    assert find(**small, device=H100) is None
+    # an entry of the H100's own: exact, or its nearest bucket, wins over the family's exact entry
+    db.write_entries(user, [entry(device="h100", tokens=4096, chunk=256)])
+    assert find(device=H100) == (entry(chunk=256).config, "tuning_db:nearest_tokens(user tokens=4096)")
+    db.write_entries(user, [entry(device="h100", chunk=512)])
+    assert find(device=H100) == (entry(chunk=512).config, "tuning_db:user_exact")
+    assert find(device="NVIDIA H200")[1] == "tuning_db:shipped_exact"  # an H100 entry is never the H200's
+    # its own nearest shape loses to the family's entry of the call's shape, not to the family's nearest shape
+    user.unlink()
+    db.write_entries(user, [entry(device="h100", vocab=131072, chunk=2048)])
+    assert find(device=H100) == borrowed
+    cfg, src = find(vocab=140000, device=H100)
+    assert src.startswith("tuning_db:nearest_shape(user V=131072") and "borrowed" not in src
 
 
 def test_lookup_cache_and_invalidation(dbs, monkeypatch):

@@ -113,7 +113,22 @@ def test_tier_entries_within_a_budget_in_order(dbs):
     assert [t[:2] for t in tiers_within(10.0)] == [(16384, 2.0), (16384, 1.0), (16384, 0.5), (8192, 1.0)]
     assert [t[:2] for t in tiers_within(1.0, tokens=9000)] == [(8192, 1.0), (16384, 1.0), (16384, 0.5)]
     assert tiers_within(0.4) == []  # every tier is larger than the budget
-    assert db.find_budget_matches(vocab=V, hidden=H, dtype="bf16", tokens=16384, device="h100", budget_gb=9) == ()
+    assert db.find_budget_matches(vocab=V, hidden=H, dtype="bf16", tokens=16384, device="a100", budget_gb=9) == ()
+
+
+def test_a_gpu_without_tiers_of_the_shape_takes_its_familys(dbs):
+    user, shipped = dbs
+    db.write_entries(shipped / "h200.json", [tier(0.5), tier(2.0)])
+
+    def h100_tiers(budget_gb: float) -> list[tuple[float, str, str | None]]:
+        return [(m.entry.budget_tier_gb, m.source, m.borrowed_from) for m in db.find_budget_matches(
+            vocab=V, hidden=H, dtype="bf16", tokens=16384, device="NVIDIA H100 80GB HBM3", budget_gb=budget_gb)]
+
+    assert h100_tiers(1.0) == [(0.5, "tuning_db:shipped_exact(budget 0.5 GiB) (borrowed from h200)", "h200")]
+    assert [t[0] for t in h100_tiers(4.0)] == [2.0, 0.5]
+    # a tier of the H100's own at this shape: only its own, even where the family's would fit a larger budget
+    db.write_entries(user, [tier(1.0, device="h100")])
+    assert h100_tiers(4.0) == [(1.0, "tuning_db:user_exact(budget 1 GiB)", None)]
 
 
 # -- choose_config / which_config with a budget ----------------------------------------------------------------

@@ -49,6 +49,18 @@ def test_each_source_is_what_the_op_would_pick_on_that_gpu(dbs, monkeypatch):
     assert which_config(16384, 32000, 1024, dtype="bf16", gpu="NVIDIA H200 NVL") == choices[16384, 32000, 1024]
 
 
+def test_an_h100_answer_names_the_kind_it_borrowed_from(dbs, monkeypatch):
+    _, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(chunk=1024)])
+    choice = which_config(16384, 151936, 4096, gpu="h100")
+    assert (choice.source, choice.target, choice.borrowed_from, choice.entry.device) == (
+        "shipped exact", "h100", "h200", "h200")
+    assert choice.config == entry(chunk=1024).config and "borrowed from h200" in str(choice)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert choose_config(16384, 151936, 4096, torch.bfloat16, CUDA) == (choice.config, choice.detail)
+    assert which_config(16384, 151936, 4096, gpu="h200").borrowed_from is None
+
+
 def test_on_the_cpu_the_answer_says_the_db_is_for_gpus(dbs, monkeypatch):
     user, _ = dbs
     db.write_entries(user, [entry(device="cpu", chunk=512)])  # even a CPU entry is not used

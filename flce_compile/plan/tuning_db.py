@@ -25,7 +25,9 @@ versions. This reader reads both.
   its entries override shipped ones.
 
 Lookup (``lookup``, plain entries only) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
-dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic). It sits on the op's hot
+dtype) -> nearest (V, H) on the same GPU -> the same three on another kind of the GPU's family (``GPU_FAMILIES``:
+an H100 reads the H200's entries; one of the call's own shape there comes before a nearest shape on the GPU itself)
+-> ``None`` (the caller uses its heuristic). It sits on the op's hot
 path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The loaded index is
 re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime, size and inode),
 so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at once (tests,
@@ -74,6 +76,14 @@ RESCALE_TOLERANCE = 0.05
 #: Entries whose (V, H) are further than this from the query (sum of |ln ratio| of V and H, plus dtype and
 #: token terms) are not borrowed by the nearest-shape fallback; the heuristic is safer than a far-off config.
 MAX_SHAPE_DISTANCE = 1.5
+
+#: GPU kinds whose configs carry over to one another: the same SM design (shared memory, registers, tensor cores),
+#: so a config tuned on one runs as it was measured on the others, and its chunk and tile trade-offs hold there. A
+#: kind with no entry for a call reads its family's (``_family_match``). Measured for the Hopper kinds: on an H100
+#: (no entries of its own), the H200's entries ran the four multi-chunk benchmark shapes in 4-20% less time than
+#: the heuristic's (``benchmarks/results/bench_flce_NVIDIA_H100_80GB_HBM3_s40_h100_*.md``). A MIG slice
+#: ("h100_mig") is in no family: it has a fraction of the SMs and memory.
+GPU_FAMILIES: dict[str, str] = {"h100": "hopper", "h200": "hopper", "h800": "hopper", "gh200": "hopper"}
 
 _DTYPE_NAMES: dict[str, str] = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -479,6 +489,8 @@ class Match:
     kind: str
     #: The entry the config comes from; a nearest-shape answer rescales its chunk, so ``config`` may differ.
     entry: Entry
+    #: The GPU kind whose entry answered when it is not the call's own (``GPU_FAMILIES``), else None.
+    borrowed_from: str | None = None
 
 
 class _Index:
@@ -632,6 +644,29 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     return None
 
 
+def _family_kinds(index: _Index, dev: str, has_entries: Any) -> list[str]:
+    """The other kinds of ``dev``'s family (``GPU_FAMILIES``) for which ``has_entries(kind)`` holds, by name."""
+    family = GPU_FAMILIES.get(dev)
+    if family is None:
+        return []
+    return sorted(kind for kind, fam in GPU_FAMILIES.items() if fam == family and kind != dev and has_entries(kind))
+
+
+def _borrowed(match: Match, kind: str) -> Match:
+    """``match`` (found among ``kind``'s entries) as the answer for a GPU of ``kind``'s family."""
+    return dataclasses.replace(match, source=f"{match.source} (borrowed from {kind})", borrowed_from=kind)
+
+
+def _family_match(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
+    """``_lookup_uncached`` on the other kinds of ``dev``'s family, for a call ``dev``'s own entries do not answer:
+    the first kind (by name) that answers."""
+    for kind in _family_kinds(index, dev, index.by_device.__contains__):
+        match = _lookup_uncached(index, kind, vocab, hidden, dtype, bucket)
+        if match is not None:
+            return _borrowed(match, kind)
+    return None
+
+
 def find_match(
     *, vocab: int, hidden: int, dtype: torch.dtype | str, tokens: int, device: torch.device | str | int | None
 ) -> Match | None:
@@ -647,7 +682,12 @@ def find_match(
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         dev = device_key(device)
-        match = _lookup_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket)
+        shape = (int(vocab), int(hidden), normalize_dtype(dtype), bucket)
+        match = _lookup_uncached(index, dev, *shape)
+        if match is None or match.kind == "nearest shape":  # the family's entry of this very shape is closer
+            family = _family_match(index, dev, *shape)
+            if family is not None and (match is None or family.kind != "nearest shape"):
+                match = family
         if match is None:
             logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
         else:
@@ -666,7 +706,9 @@ def lookup(
     """The tuned config for this problem, and where it came from; ``None`` means "use the heuristic".
 
     ``device`` is a torch device, a CUDA index, or a GPU name ("NVIDIA H200", "h200"). Order: user exact ->
-    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> None. The source string
+    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> the same on another kind of its
+    family (``GPU_FAMILIES``; the source then ends "(borrowed from h200)"; an entry of the call's (V, H) there
+    comes before a nearest (V, H) on the GPU itself) -> None. The source string
     ("tuning_db:user_exact", ...) is also logged at debug level. Never raises: a problem is logged once and
     answered with None, so a bad DB can never break a training run.
     """
@@ -704,8 +746,9 @@ def find_budget_matches(
     Only entries of the same GPU kind, V, H and dtype whose tier is at most ``budget_gb``: the exact token bucket
     before the nearest ones, and within a bucket the largest tier (tuned with the most room) first. The caller
     (``plan.choose``) takes the first whose memory bound at the real token count fits the budget. There is no
-    nearest-shape fallback: a tier entry's config is only known to fit its own shape. Memoised like ``lookup``,
-    and like it never raises (a problem is logged once and answered with no entries).
+    nearest-shape fallback: a tier entry's config is only known to fit its own shape. A kind with no tier entries
+    of this shape takes those of another kind of its family (``GPU_FAMILIES``), as ``lookup`` does. Memoised like
+    ``lookup``, and like it never raises (a problem is logged once and answered with no entries).
     """
     try:
         index = _get_index()
@@ -715,8 +758,13 @@ def find_budget_matches(
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         dev = device_key(device)
-        matches = _budget_matches_uncached(index, dev, int(vocab), int(hidden), normalize_dtype(dtype), bucket,
-                                           float(budget_gb))
+        shape = (int(vocab), int(hidden), normalize_dtype(dtype))
+        matches = _budget_matches_uncached(index, dev, *shape, bucket, float(budget_gb))
+        if not index.tiers.get((dev, *shape)):  # none of this shape of its own: its family's
+            for kind in _family_kinds(index, dev, lambda k: (k, *shape) in index.tiers):
+                matches = tuple(_borrowed(m, kind) for m in
+                                _budget_matches_uncached(index, kind, *shape, bucket, float(budget_gb)))
+                break
         logger.debug("tuning DB: %d budget-tier entries within %g GiB for %s V=%d H=%d %s tokens=%d", len(matches),
                      budget_gb, dev, vocab, hidden, dtype, tokens)
         index.memo[memo_key] = matches  # type: ignore[assignment]

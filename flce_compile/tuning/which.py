@@ -38,6 +38,9 @@ class ConfigChoice:
     entry: db.Entry | None = None
     #: The memory budget the answer is for (GiB), or None.
     memory_budget_gb: float | None = None
+    #: The GPU kind whose entry answered when it is another of ``target``'s family (an H100 reading the H200's
+    #: entries: ``tuning_db.GPU_FAMILIES``), else None.
+    borrowed_from: str | None = None
 
     def __str__(self) -> str:
         # The CPU detail already begins with "heuristic"; a DB detail names the entry the answer came from.
@@ -143,4 +146,4 @@ def which_config(
             accum_dtype=accum_dtype_for("exact", None, torch_dtype))
     return ConfigChoice(config=config, source="heuristic" if match is None else match.kind, detail=detail,
                         target=target, entry=None if match is None else match.entry,
-                        memory_budget_gb=memory_budget_gb)
+                        memory_budget_gb=memory_budget_gb, borrowed_from=None if match is None else match.borrowed_from)
