@@ -88,6 +88,7 @@ def test_an_attributes_transpose_in_both_spellings():
         "w.T (2.15)": g.call_function(torch.ops.aten.numpy_T, (w,)),
         "w.mT (2.15)": g.call_function(torch.ops.aten.mT, (w,)),
         "w.T (2.15, an overload)": g.call_function(torch.ops.aten.numpy_T.default, (w,)),
+        "w.mT (2.15, another overload)": g.call_function(torch.ops.aten.mT.a, (w,)),
         "w.shape": g.call_function(getattr, (w, "shape")),
         "w.t()": g.call_method("t", (w,)),
         "another op": g.call_function(torch.ops.aten.relu, (w,)),

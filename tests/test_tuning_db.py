@@ -193,8 +193,8 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def test_a_gpu_without_entries_borrows_its_familys(dbs, monkeypatch):
-    """An H100 (no entries of its own) runs the H200's configs, saying so; its own entries come first, but for a
-    nearest shape, where the family's entry of the call's own shape is the better guess."""
+    """An H100 (no entries of its own) runs the H200's configs, saying so. Where both have an answer, the closer
+    one wins (exact, then nearest bucket, then nearest shape), the GPU's own among equally close ones."""
     user, shipped = dbs
     db.write_entries(shipped / "h200.json", [entry(chunk=1024), entry(vocab=128256, chunk=4096, tokens=8192)])
     borrowed = entry(chunk=1024).config, "tuning_db:shipped_exact (borrowed from h200)"
@@ -207,7 +207,7 @@ def test_a_gpu_without_entries_borrows_its_familys(dbs, monkeypatch):
     cfg, src = find(vocab=262144, tokens=16384, device=H100)
     assert src.startswith("tuning_db:nearest_shape(shipped V=151936") and src.endswith("(borrowed from h200)")
     assert cfg.chunk_tokens == 512  # 1024 at V=151936, about the same logits memory at V=262144
-    # not outside the family, nor for a MIG slice, nor for the H200 itself (its own misses stay misses)
+    # not outside the family, nor for a MIG slice; nothing near in the family: the heuristic
     for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA H20", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA B200"):
         assert find(device=name) is None, name
     assert find(vocab=2000, hidden=128, device=H100) is None
@@ -218,18 +218,27 @@ def test_a_gpu_without_entries_borrows_its_familys(dbs, monkeypatch):
     small = {"vocab": 32000, "hidden": 512}  # far from every H200 entry's shape
     assert find(**small, device="NVIDIA A800-SXM4-80GB")[1] == "tuning_db:shipped_exact (borrowed from a100)"
     assert find(**small, device=H100) is None
-    # an entry of the H100's own: exact, or its nearest bucket, wins over the family's exact entry
+    # the H100's own exact entry wins; its nearest bucket loses to the family's exact entry but beats the family's
+    # nearest bucket; its nearest shape loses to the family's exact entry but beats the family's nearest shape
     db.write_entries(user, [entry(device="h100", tokens=4096, chunk=256)])
-    assert find(device=H100) == (entry(chunk=256).config, "tuning_db:nearest_tokens(user tokens=4096)")
+    assert find(device=H100) == borrowed
+    assert find(tokens=2000, device=H100) == (entry(chunk=256).config, "tuning_db:nearest_tokens(user tokens=4096)")
     db.write_entries(user, [entry(device="h100", chunk=512)])
     assert find(device=H100) == (entry(chunk=512).config, "tuning_db:user_exact")
-    assert find(device="NVIDIA H200")[1] == "tuning_db:shipped_exact"  # an H100 entry is never the H200's
-    # its own nearest shape loses to the family's entry of the call's shape, not to the family's nearest shape
     user.unlink()
     db.write_entries(user, [entry(device="h100", vocab=131072, chunk=2048)])
     assert find(device=H100) == borrowed
     cfg, src = find(vocab=140000, device=H100)
     assert src.startswith("tuning_db:nearest_shape(user V=131072") and "borrowed" not in src
+    # the family is every kind of it, the closest answer first: a GH200's nearest shape does not hide the H200's
+    # exact entry; between equally close answers, the first kind by name; and the H200 borrows the H100's too
+    db.write_entries(user, [entry(device="gh200", vocab=131072, chunk=2048)])
+    assert find(device=H100) == borrowed
+    db.write_entries(user, [entry(device="gh200", chunk=256)])
+    assert find(device=H100) == (entry(chunk=256).config, "tuning_db:user_exact (borrowed from gh200)")
+    assert find(device="NVIDIA H200")[1] == "tuning_db:shipped_exact"  # its own before the family's
+    db.write_entries(user, [entry(device="h100", vocab=50257, hidden=768, chunk=4096)])
+    assert find(vocab=50257, hidden=768, device="NVIDIA H200")[1] == "tuning_db:user_exact (borrowed from h100)"
 
 
 def test_lookup_cache_and_invalidation(dbs, monkeypatch):

@@ -126,9 +126,14 @@ def test_a_gpu_without_tiers_of_the_shape_takes_its_familys(dbs):
 
     assert h100_tiers(1.0) == [(0.5, "tuning_db:shipped_exact(budget 0.5 GiB) (borrowed from h200)", "h200")]
     assert [t[0] for t in h100_tiers(4.0)] == [2.0, 0.5]
-    # a tier of the H100's own at this shape: only its own, even where the family's would fit a larger budget
+    # a tier of the H100's own within the budget: only its own; one that does not fit leaves the family's
     db.write_entries(user, [tier(1.0, device="h100")])
     assert h100_tiers(4.0) == [(1.0, "tuning_db:user_exact(budget 1 GiB)", None)]
+    assert h100_tiers(0.75) == [(0.5, "tuning_db:shipped_exact(budget 0.5 GiB) (borrowed from h200)", "h200")]
+    # the first kind of the family (by name) with tiers within the budget: a GH200's larger tier does not hide them
+    db.write_entries(user, [tier(4.0, device="gh200"), tier(0.6, device="h800")])
+    assert [t[2] for t in h100_tiers(0.75)] == ["h200"]
+    assert h100_tiers(8.0)[0][:2] == (1.0, "tuning_db:user_exact(budget 1 GiB)")
 
 
 # -- choose_config / which_config with a budget ----------------------------------------------------------------

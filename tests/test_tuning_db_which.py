@@ -59,6 +59,10 @@ def test_an_h100_answer_names_the_kind_it_borrowed_from(dbs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert choose_config(16384, 151936, 4096, torch.bfloat16, CUDA) == (choice.config, choice.detail)
     assert which_config(16384, 151936, 4096, gpu="h200").borrowed_from is None
+    # a shape the family has nothing near: the plain heuristic (the DB has entries for the H100, through the H200)
+    far = which_config(16384, 2000, 128, gpu="h100")
+    assert (far.source, far.detail, far.borrowed_from) == ("heuristic", "heuristic", None)
+    assert "no entries for GPU kind 'a100'" in which_config(16384, 2000, 128, gpu="a100").detail
 
 
 def test_on_the_cpu_the_answer_says_the_db_is_for_gpus(dbs, monkeypatch):

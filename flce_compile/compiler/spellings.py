@@ -33,9 +33,14 @@ DTENSOR_CALLS = ("redistribute", "to_local", "from_local")
 _WRAPPER_NAMES = {"prim_redistribute": "redistribute", "prim_to_local": "to_local", "prim from_local": "from_local"}
 
 
+def _packet_and_overloads(name: str) -> list[Any]:
+    """An ATen op's packet and each of its overloads (none where this torch lacks the op)."""
+    packet = getattr(torch.ops.aten, name, None)
+    return [] if packet is None else [packet, *(getattr(packet, o) for o in packet.overloads())]
+
+
 #: The ATen ops a tensor's ``.T`` and ``.mT`` call, as torch 2.15's Dynamo records them (packets and overloads).
-_TRANSPOSE_OPS = frozenset(op for name in ("numpy_T", "mT") if (packet := getattr(torch.ops.aten, name, None))
-                           for op in (packet, getattr(packet, "default", None)) if op is not None)
+_TRANSPOSE_OPS = frozenset(op for name in ("numpy_T", "mT") for op in _packet_and_overloads(name))
 
 
 def transposed_attribute(node: fx.Node) -> fx.Node | None:

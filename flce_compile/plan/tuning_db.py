@@ -25,13 +25,13 @@ versions. This reader reads both.
   its entries override shipped ones.
 
 Lookup (``lookup``, plain entries only) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
-dtype) -> nearest (V, H) on the same GPU -> the same three on another kind of the GPU's family (``GPU_FAMILIES``:
-an H100 reads the H200's entries; one of the call's own shape there comes before a nearest shape on the GPU itself)
--> ``None`` (the caller uses its heuristic). It sits on the op's hot
-path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The loaded index is
-re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime, size and inode),
-so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at once (tests,
-and the writer after every write).
+dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic); and a kind of the GPU's
+family (``GPU_FAMILIES``: the H100 and H200 are one) answers too where it has a closer entry (exact before nearest
+bucket before nearest shape; the GPU's own first among equally close ones): an H100 runs the H200's entries. It
+sits on the op's hot path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The
+loaded index is re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime,
+size and inode), so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at
+once (tests, and the writer after every write).
 
 Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored until it
 changes; the other files still answer. Without a home directory (and no ``$FLCE_TUNING_DB``) there is no user
@@ -79,10 +79,10 @@ MAX_SHAPE_DISTANCE = 1.5
 
 #: GPU kinds whose configs carry over to one another: the same SM design (shared memory, registers, tensor cores),
 #: so a config tuned on one runs as it was measured on the others, and its chunk and tile trade-offs hold there. A
-#: kind with no entry for a call reads its family's (``_family_match``). Measured for the Hopper kinds: on an H100
-#: (no entries of its own), the H200's entries ran the four multi-chunk benchmark shapes in 4-20% less time than
-#: the heuristic's (``benchmarks/results/bench_flce_NVIDIA_H100_80GB_HBM3_s40_h100_*.md``). A MIG slice
-#: ("h100_mig") is in no family: it has a fraction of the SMs and memory.
+#: kind with no entry for a call, or only a farther one, reads its family's (``_lookup_in_family``). Measured for
+#: the Hopper kinds: on an H100 (no entries of its own), the H200's entries ran the four multi-chunk benchmark
+#: shapes in 4-20% less time than the heuristic's (``benchmarks/results/bench_flce_NVIDIA_H100_80GB_HBM3_s40_h100_*``).
+#: A MIG slice ("h100_mig") is in no family: it has a fraction of the SMs and memory.
 GPU_FAMILIES: dict[str, str] = {"h100": "hopper", "h200": "hopper", "h800": "hopper", "gh200": "hopper"}
 
 _DTYPE_NAMES: dict[str, str] = {
@@ -644,12 +644,10 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     return None
 
 
-def _family_kinds(index: _Index, dev: str, has_entries: Any) -> list[str]:
-    """The other kinds of ``dev``'s family (``GPU_FAMILIES``) for which ``has_entries(kind)`` holds, by name."""
-    family = GPU_FAMILIES.get(dev)
-    if family is None:
-        return []
-    return sorted(kind for kind, fam in GPU_FAMILIES.items() if fam == family and kind != dev and has_entries(kind))
+def family_kinds(kind: str) -> list[str]:
+    """The other GPU kinds of ``kind``'s family (``GPU_FAMILIES``), by name; none for a kind in no family."""
+    family = GPU_FAMILIES.get(kind)
+    return [] if family is None else sorted(k for k, f in GPU_FAMILIES.items() if f == family and k != kind)
 
 
 def _borrowed(match: Match, kind: str) -> Match:
@@ -657,14 +655,23 @@ def _borrowed(match: Match, kind: str) -> Match:
     return dataclasses.replace(match, source=f"{match.source} (borrowed from {kind})", borrowed_from=kind)
 
 
-def _family_match(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
-    """``_lookup_uncached`` on the other kinds of ``dev``'s family, for a call ``dev``'s own entries do not answer:
-    the first kind (by name) that answers."""
-    for kind in _family_kinds(index, dev, index.by_device.__contains__):
-        match = _lookup_uncached(index, kind, vocab, hidden, dtype, bucket)
-        if match is not None:
-            return _borrowed(match, kind)
-    return None
+#: How close a match's entry is to the call: measured at its token bucket, at another bucket, at another shape.
+_CLOSENESS = {"user exact": 0, "shipped exact": 0, "nearest bucket": 1, "nearest shape": 2}
+
+
+def _lookup_in_family(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
+    """``_lookup_uncached`` on ``dev`` and on the other kinds of its family: the closest answer (``_CLOSENESS``),
+    ``dev``'s own where it is as close as a borrowed one, then the first kind by name. An entry of the call's
+    token bucket measured on a GPU of the family is a better guess than one of ``dev``'s own at another bucket
+    or shape: the chunk and tile trade-offs follow the shape and token count more than the kind."""
+    candidates = [(dev, _lookup_uncached(index, dev, vocab, hidden, dtype, bucket))]
+    candidates += [(kind, _lookup_uncached(index, kind, vocab, hidden, dtype, bucket))
+                   for kind in family_kinds(dev) if kind in index.by_device]
+    found = [(_CLOSENESS[m.kind], kind != dev, kind, m) for kind, m in candidates if m is not None]
+    if not found:
+        return None
+    _, borrowed, kind, match = min(found, key=lambda c: c[:3])
+    return _borrowed(match, kind) if borrowed else match
 
 
 def find_match(
@@ -683,11 +690,7 @@ def find_match(
             return hit  # type: ignore[return-value]
         dev = device_key(device)
         shape = (int(vocab), int(hidden), normalize_dtype(dtype), bucket)
-        match = _lookup_uncached(index, dev, *shape)
-        if match is None or match.kind == "nearest shape":  # the family's entry of this very shape is closer
-            family = _family_match(index, dev, *shape)
-            if family is not None and (match is None or family.kind != "nearest shape"):
-                match = family
+        match = _lookup_in_family(index, dev, *shape)
         if match is None:
             logger.debug("tuning DB: no entry for %s V=%d H=%d %s tokens=%d -> heuristic", dev, vocab, hidden, dtype, tokens)
         else:
@@ -706,9 +709,9 @@ def lookup(
     """The tuned config for this problem, and where it came from; ``None`` means "use the heuristic".
 
     ``device`` is a torch device, a CUDA index, or a GPU name ("NVIDIA H200", "h200"). Order: user exact ->
-    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> the same on another kind of its
-    family (``GPU_FAMILIES``; the source then ends "(borrowed from h200)"; an entry of the call's (V, H) there
-    comes before a nearest (V, H) on the GPU itself) -> None. The source string
+    shipped exact -> nearest token bucket -> nearest (V, H) on the same GPU -> None; the other kinds of its
+    family (``GPU_FAMILIES``) answer the same way, and the closest answer wins, the GPU's own among equally close
+    ones (a borrowed answer's source ends "(borrowed from h200)"). The source string
     ("tuning_db:user_exact", ...) is also logged at debug level. Never raises: a problem is logged once and
     answered with None, so a bad DB can never break a training run.
     """
@@ -746,9 +749,9 @@ def find_budget_matches(
     Only entries of the same GPU kind, V, H and dtype whose tier is at most ``budget_gb``: the exact token bucket
     before the nearest ones, and within a bucket the largest tier (tuned with the most room) first. The caller
     (``plan.choose``) takes the first whose memory bound at the real token count fits the budget. There is no
-    nearest-shape fallback: a tier entry's config is only known to fit its own shape. A kind with no tier entries
-    of this shape takes those of another kind of its family (``GPU_FAMILIES``), as ``lookup`` does. Memoised like
-    ``lookup``, and like it never raises (a problem is logged once and answered with no entries).
+    nearest-shape fallback: a tier entry's config is only known to fit its own shape. A kind with none of its own
+    within the budget takes those of the first kind of its family (``GPU_FAMILIES``, by name) that has some.
+    Memoised like ``lookup``, and like it never raises (a problem is logged once and answered with no entries).
     """
     try:
         index = _get_index()
@@ -760,10 +763,10 @@ def find_budget_matches(
         dev = device_key(device)
         shape = (int(vocab), int(hidden), normalize_dtype(dtype))
         matches = _budget_matches_uncached(index, dev, *shape, bucket, float(budget_gb))
-        if not index.tiers.get((dev, *shape)):  # none of this shape of its own: its family's
-            for kind in _family_kinds(index, dev, lambda k: (k, *shape) in index.tiers):
-                matches = tuple(_borrowed(m, kind) for m in
-                                _budget_matches_uncached(index, kind, *shape, bucket, float(budget_gb)))
+        for kind in family_kinds(dev) if not matches else ():  # none of its own within the budget: its family's
+            matches = tuple(_borrowed(m, kind) for m in
+                            _budget_matches_uncached(index, kind, *shape, bucket, float(budget_gb)))
+            if matches:
                 break
         logger.debug("tuning DB: %d budget-tier entries within %g GiB for %s V=%d H=%d %s tokens=%d", len(matches),
                      budget_gb, dev, vocab, hidden, dtype, tokens)
