@@ -423,6 +423,10 @@ def test_which_says_when_no_entry_is_of_the_device_kind(tmp_path, capsys):
     assert cli.main(args + ["--device-kind", "NVIDIA H200"]) == 0
     out, err = capsys.readouterr()
     assert err == "" and "shipped" in out
+    # a kind whose family holds entries answers from them, without the note (the shipped H200 file for an H100)
+    assert cli.main(args + ["--device-kind", "h100"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "borrowed from h200" in out
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):
