@@ -341,7 +341,7 @@ def _heuristic_for_kind(gpu: str) -> str:
     for this one (a typo such as "h2OO" was answered as silently as an untuned shape)."""
     kind = tuning_db.device_key(gpu)
     known = sorted({entry.device for entry in tuning_db.load_entries()})
-    if kind in known or set(tuning_db.family_kinds(kind)) & set(known):  # entries, not for this call
+    if tuning_db.kind_is_served(kind, set(known)):  # entries, none for this call
         return "heuristic"
     return f"heuristic (the tuning DB holds no entries for GPU kind {kind!r}; it has {', '.join(known) or 'none'})"
 

@@ -650,6 +650,13 @@ def family_kinds(kind: str) -> list[str]:
     return [] if family is None else sorted(k for k, f in GPU_FAMILIES.items() if f == family and k != kind)
 
 
+def kind_is_served(kind: str, held: set[str]) -> bool:
+    """Whether entries of the GPU kinds ``held`` can answer calls on ``kind``: its own, or its family's. (Where not,
+    a lookup for it is the heuristic's, and the kind may be misspelt: ``which_config`` and ``flce-tune --which``
+    say so.)"""
+    return kind in held or not held.isdisjoint(family_kinds(kind))
+
+
 def _borrowed(match: Match, kind: str) -> Match:
     """``match`` (found among ``kind``'s entries) as the answer for a GPU of ``kind``'s family."""
     return dataclasses.replace(match, source=f"{match.source} (borrowed from {kind})", borrowed_from=kind)

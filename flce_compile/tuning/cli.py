@@ -349,14 +349,14 @@ def cmd_which(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _note_unknown_kind(args: argparse.Namespace) -> None:
     """Say on stderr when no tuning entry, shipped or the user's, is of ``--device-kind`` or of its family: the
     answer is then the heuristic's, and the kind may be misspelt. (A kind of its family's entries answers from them.)"""
-    from ..plan.tuning_db import family_kinds  # noqa: PLC0415
+    from ..plan.tuning_db import kind_is_served  # noqa: PLC0415
     from . import db  # noqa: PLC0415
 
     kind = db.normalize_device_name(args.device_kind)
     user_path = _user_path(args)
     files = ([user_path] if user_path is not None else []) + list(db.shipped_files())
     kinds = {e.device for path in files for e in db.read_file(path)}
-    if kind not in kinds and not kinds & set(family_kinds(kind)):
+    if not kind_is_served(kind, kinds):
         print(f"flce-tune: no tuning entries for GPU kind {args.device_kind!r} (normalized {kind!r}) or its family; "
               f"the answers below are the heuristic's. Kinds held: {', '.join(sorted(kinds)) or 'none'}",
               file=sys.stderr)
