@@ -1,4 +1,5 @@
-"""Benchmark: tuned config vs the heuristic default vs Liger, for every shape the tuning DB holds for this GPU.
+"""Benchmark: tuned config vs the heuristic default vs Liger, for every shape the tuning DB holds for this GPU
+(its own entries, and those it runs from another kind of its family: an H100 the H200's; ``--own-only``: its own).
 
 A fourth column, "liger-rule", runs our op with the default config but Liger-Kernel's fixed chunk rule
 (tokens per chunk = next_pow2(ceil(BT / ceil(V / H))), the rule the tuning issue names): it separates what the
@@ -54,6 +55,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flce_compile.plan.tuning_db import family_kinds  # noqa: E402
 
 TARGET = (256000, 2304, 8192)  # (V, H, tokens) of the 1.5x target
 TARGET_SPEEDUP = 1.5
@@ -146,6 +150,24 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     if not shapes:
         raise argparse.ArgumentTypeError("--shapes needs at least one VxH item")
     return shapes
+
+
+def entries_served(entries: Sequence[Any], kind: str, *, own_only: bool = False) -> list[Any]:
+    """The bf16 entries that answer calls on GPU ``kind`` at their own shape and token count: its own, then, for
+    each (V, H, tokens, tier) it holds none of, the entry of the first other kind of its family by name (the op's
+    lookup takes an entry of the call's bucket from the family before one of its own at another bucket), so an
+    H100 is judged on the H200's entries it runs. ``own_only``: its own alone. Sorted as the DB sorts them."""
+    own = [e for e in entries if e.device == kind and e.dtype == "bf16"]
+    if own_only:
+        return own
+    held = {_entry_key(e) for e in own}
+    served = list(own)
+    for other in family_kinds(kind):
+        for e in entries:
+            if e.device == other and e.dtype == "bf16" and _entry_key(e) not in held:
+                served.append(e)
+                held.add(_entry_key(e))
+    return sorted(served, key=lambda e: (e.sort_key[1:], e.device))
 
 
 def select_entries(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]] | None = None,
@@ -277,9 +299,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], str, str]:
 
 
 def _tokens_cell(r: dict[str, Any]) -> str:
-    """The tokens column: a budget-tier entry's row says its tier."""
+    """The tokens column: a budget-tier entry's row says its tier, a borrowed entry's row the kind it is from."""
     tier = r.get("budget_tier_gb")
-    return f"{r['tokens']} (<= {tier:g} GiB)" if tier else str(r["tokens"])
+    cell = f"{r['tokens']} (<= {tier:g} GiB)" if tier else str(r["tokens"])
+    return f"{cell} ({r['borrowed_from']}'s)" if r.get("borrowed_from") else cell
 
 
 def never_slower_than_liger(rows: Sequence[dict[str, Any]]) -> str:
@@ -296,6 +319,19 @@ def never_slower_than_liger(rows: Sequence[dict[str, Any]]) -> str:
             + ", ".join(f"V={r['vocab']} H={r['hidden']} T={r['tokens']} ({r['vs_liger']:.3f}x)" for r in slower))
 
 
+def op_runs_entries(rows: Sequence[dict[str, Any]]) -> str:
+    """Whether a call without options, on the GPU of the run, runs the plain entry each row timed (the verdicts
+    above judge it as "the default"); rows from before the runs recorded it are not counted."""
+    checked = [r for r in rows if "op_runs_tuned" in r]
+    if not checked:
+        return "NOT RECORDED"
+    other = [r for r in checked if not r["op_runs_tuned"]]
+    if not other:
+        return f"yes ({len(checked)} plain entr{'ies' if len(checked) != 1 else 'y'})"
+    return (f"NO at {len(other)} of {len(checked)}: " + ", ".join(
+        f"V={r['vocab']} H={r['hidden']} T={r['tokens']} ({r.get('op_source')})" for r in other))
+
+
 def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any]], not_measured: Sequence[Any],
                   complete: bool) -> None:
     """(Re)write ``<base>.json`` and ``<base>.md`` with the rows so far; each file is replaced atomically."""
@@ -303,7 +339,7 @@ def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any
     missing = [f"{e.vocab}x{e.hidden}x{e.tokens}" for e in not_measured]
     payload = {"meta": meta, "complete": complete, "rows": list(rows), "not_measured": missing,
                "target": target_status, "never_slower": never_slower,
-               "never_slower_than_liger": never_slower_than_liger(rows)}
+               "never_slower_than_liger": never_slower_than_liger(rows), "op_runs_entries": op_runs_entries(rows)}
     md = [f"# flce_compile tuning benchmark ({meta['gpu']})", "",
           f"torch {meta['torch']}, triton {meta['triton']}, bf16 fwd+bwd, median ms (do_bench), {meta['date']} UTC. "
           "Peak GB: above the inputs and the returned dX/dW (1e9 bytes).", ""]
@@ -312,7 +348,8 @@ def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any
                f"({', '.join(missing) or 'none'}).", ""]
     md += [*lines, "", f"- target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x the default rule: {target_status}",
            f"- tuned never slower than default: {never_slower}",
-           f"- default (the tuned entry) never slower than Liger: {never_slower_than_liger(rows)}", ""]
+           f"- default (the tuned entry) never slower than Liger: {never_slower_than_liger(rows)}",
+           f"- a call without options runs the entry timed: {op_runs_entries(rows)}", ""]
     base.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(payload, indent=1) + "\n"), (".md", "\n".join(md))):
         path = base.with_suffix(suffix)
@@ -407,9 +444,10 @@ def _pyplot() -> Any:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, liger_rule: bool) -> dict[str, Any]:
+def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, liger_rule: bool,
+                   kind: str | None = None) -> dict[str, Any]:
     from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
-    from flce_compile.plan.choose import heuristic_config  # noqa: PLC0415
+    from flce_compile.plan.choose import choose_config, heuristic_config  # noqa: PLC0415
 
     device = torch.device("cuda")
     vocab, hidden, tokens = e.vocab, e.hidden, e.tokens
@@ -429,6 +467,11 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     row: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "tokens": tokens, "budget_tier_gb": e.budget_tier_gb,
                            **{f"{name}_config": c.to_dict() for name, c in configs.items()},
                            "db_ms": e.ms, "db_default_ms": e.default_ms}
+    if kind is not None and e.device != kind:
+        row["borrowed_from"] = e.device
+    if e.budget_tier_gb is None:  # whether a call without options runs the timed entry here, and why
+        op_config, row["op_source"] = choose_config(tokens, vocab, hidden, torch.bfloat16, device)
+        row["op_runs_tuned"] = op_config == e.config
     names = list(fns)
     try:
         with torch.no_grad():
@@ -494,14 +537,14 @@ def latest_meta(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "date": "the newest row per entry of " + ", ".join(dates), "merged": dates}
 
 
-def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path) -> int:
+def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path, own_only: bool = False) -> int:
     """``--latest``: merge the runs at ``paths`` against the DB's entries now, then write and print the verdicts."""
     from flce_compile.tuning import db  # noqa: PLC0415
 
     payloads = [json.loads(path.read_text()) for path in paths]
     meta = latest_meta(payloads)
-    entries = [e for e in db.load_entries(layer="shipped" if shipped_only else "merged")
-               if e.device == meta["gpu_kind"] and e.dtype == "bf16"]
+    entries = entries_served(db.load_entries(layer="shipped" if shipped_only else "merged"), meta["gpu_kind"],
+                             own_only=own_only)
     rows, missing, stale = latest_rows(payloads, entries)
     meta["rows_from"] = {run: sum(1 for r in rows if r["run"] == run) for run in meta["merged"]}
     meta["rows_with_another_config"] = stale
@@ -522,6 +565,8 @@ def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shipped-only", action="store_true", help="only shipped entries (ignore the user DB)")
+    p.add_argument("--own-only", action="store_true", help="only this GPU kind's own entries (by default also "
+                   "those it runs from another kind of its family, e.g. an H100 the H200's)")
     p.add_argument("--shapes", type=parse_shapes, help="only these DB shapes, in this order: VxH or VxHxTOKENS, comma separated")
     p.add_argument("--max-shapes", type=int, help="at most this many shapes (after --shapes)")
     p.add_argument("--time-budget-s", type=float,
@@ -556,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.latest is not None:
         try:
-            return _latest(args.latest, args.shipped_only, args.out_dir)
+            return _latest(args.latest, args.shipped_only, args.out_dir, args.own_only)
         except (OSError, ValueError, KeyError) as exc:
             p.error(f"--latest: {exc}")
     if not torch.cuda.is_available():
@@ -573,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     gpu = torch.cuda.get_device_name()
     kind = db.normalize_device_name(gpu)
-    entries = [e for e in db.load_entries(layer="shipped" if args.shipped_only else "merged")
-               if e.device == kind and e.dtype == "bf16"]
+    entries = entries_served(db.load_entries(layer="shipped" if args.shipped_only else "merged"), kind,
+                             own_only=args.own_only)
     entries = select_entries(entries, args.shapes, args.max_shapes)
     liger = None if args.no_liger else _liger()
     print(f"{gpu} ({kind}); torch {torch.__version__}, triton {triton.__version__}; {len(entries)} DB shapes; "
@@ -606,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(e: Any) -> dict[str, Any]:
         liger_rule = args.liger_rule_shapes == "all" or (
             args.liger_rule_shapes == "target" and (e.vocab, e.hidden, e.tokens) == TARGET)
-        return _measure_entry(e, liger, args.rep_ms, liger_rule)
+        return _measure_entry(e, liger, args.rep_ms, liger_rule, kind)
 
     budget = None if args.time_budget_s is None else args.time_budget_s - (time.monotonic() - started)
     status = run_shapes(entries, measure, write, time_budget_s=budget)
@@ -615,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target 8192x2304x256000 tuned >= {TARGET_SPEEDUP}x the default rule: {target_status}")
     print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
     print(f"default never slower than Liger: {never_slower_than_liger(final.get('rows', []))}")
+    print(f"a call without options runs the entry timed: {op_runs_entries(final.get('rows', []))}")
     print(f"wrote {base}.json and {base}.md" + ("" if final.get("complete") else " (partial)"))
     try:
         print(f"wrote {plot_speedups(final.get('rows', []), base.with_suffix('.png'), plot_heading(meta))}")

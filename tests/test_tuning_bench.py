@@ -227,3 +227,41 @@ def test_latest_from_the_command_line(bench, tmp_path, monkeypatch, capsys):
     assert "| 20260102-000000 |" in (out / "bench_tuning_h200_latest.md").read_text()  # each row names its run
     with pytest.raises(SystemExit):
         bench.main(["--latest", str(tmp_path / "missing.json")])
+
+
+def test_a_gpu_is_judged_on_the_entries_it_runs_from_its_family(bench, tmp_path, monkeypatch, capsys):
+    def on(kind: str, e: db.Entry, **change) -> db.Entry:
+        return db.Entry(**{**{f: getattr(e, f) for f in ("vocab", "hidden", "dtype", "tokens", "config", "ms",
+                                                          "default_ms", "trials", "budget_tier_gb")},
+                           "device": kind, **change})
+
+    own = on("h100", ENTRIES[3], ms=1.0)  # the H100's own 151936 x 4096 x 8192
+    tier = on("h200", ENTRIES[0], budget_tier_gb=0.5)
+    held = [*ENTRIES, own, on("h100", ENTRIES[0], dtype="fp16"), tier, on("gh200", ENTRIES[1], ms=9.0),
+            on("a100", ENTRIES[2])]
+    served = bench.entries_served(held, "h100")
+    # its own where it has one, else the first family kind's by name (gh200 before h200), bf16 only, DB order
+    assert [(e.device, e.vocab, e.tokens, e.budget_tier_gb) for e in served] == [
+        ("h200", 32064, 8192, None), ("h200", 32064, 8192, 0.5), ("h100", 151936, 8192, None),
+        ("gh200", 256000, 8192, None), ("h200", 256000, 16384, None)]
+    assert bench.entries_served(held, "h100", own_only=True) == [own]
+    assert bench.entries_served(held, "a100") == [held[-1]]  # no family: its own alone
+    assert bench.entries_served(held, "h200") == [ENTRIES[0], tier, ENTRIES[3], ENTRIES[1], ENTRIES[2]]  # its own
+    # the tokens column names the kind a borrowed row is from; the op-choice line reports a row it would not run
+    rows = [{**fake_row(e), "borrowed_from": e.device if e.device != "h100" else None, "op_runs_tuned": True}
+            for e in served if e.budget_tier_gb is None]
+    lines, _, _ = bench.summarize(rows)
+    assert "| 8192 (h200's) " in lines[2] and "| 8192 " in lines[3] and "(h200's)" not in lines[3]
+    assert bench.op_runs_entries(rows) == "yes (4 plain entries)"
+    rows[1]["op_runs_tuned"], rows[1]["op_source"] = False, "heuristic"
+    assert bench.op_runs_entries(rows) == "NO at 1 of 4: V=151936 H=4096 T=8192 (heuristic)"
+    assert bench.op_runs_entries([fake_row(ENTRIES[0])]) == "NOT RECORDED"
+    # --latest on an H100's runs merges the rows of the family's entries too
+    monkeypatch.setattr(db, "load_entries", lambda layer="merged": held)
+    run_rows = [{**fake_row(e), "tuned_config": e.config.to_dict(), "vs_liger": 1.05,
+                 "budget_tier_gb": e.budget_tier_gb} for e in served]
+    (tmp_path / "a.json").write_text(json.dumps(_run("20260101-000000", run_rows, kind="h100")))
+    assert bench.main(["--latest", str(tmp_path / "a.json"), "--out-dir", str(tmp_path)]) == 0
+    assert "default never slower than Liger: PASS (4 shapes)" in capsys.readouterr().out
+    assert bench.main(["--latest", str(tmp_path / "a.json"), "--out-dir", str(tmp_path), "--own-only"]) == 0
+    assert "default never slower than Liger: PASS (1 shape)" in capsys.readouterr().out
