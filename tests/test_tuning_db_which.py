@@ -91,6 +91,27 @@ def test_the_real_shipped_h200_file_answers_without_a_gpu(monkeypatch):
     assert choice.config == choice.entry.config
 
 
+def test_the_real_shipped_h100_file_answers_with_the_h200s_where_it_has_no_entry(monkeypatch):
+    """tuning_db/h100.json holds the H100's own studies at a few shapes; an H100 call runs them there and the
+    H200's entry of its bucket elsewhere (closer than an H100 entry of another bucket)."""
+    monkeypatch.delenv(db.ENV_SHIPPED_DIR, raising=False)
+    monkeypatch.setenv(db.ENV_USER_DB, "/nonexistent/flce_user_db.json")
+    db.invalidate_cache()
+    try:
+        own = which_config(16384, 128256, 4096, gpu="h100")
+        other_bucket = which_config(8192, 128256, 4096, gpu="NVIDIA H100 80GB HBM3")
+        other_shape = which_config(16384, 151936, 5120, gpu="h100")
+    finally:
+        db.invalidate_cache()
+    h100 = db.read_file(REPO / "tuning_db" / "h100.json", strict=True)
+    assert {e.device for e in h100} == {"h100"}
+    assert (own.source, own.detail, own.borrowed_from) == ("shipped exact", "tuning_db:shipped_exact", None)
+    assert own.entry in h100 and own.config == own.entry.config
+    for choice in (other_bucket, other_shape):
+        assert (choice.source, choice.borrowed_from, choice.entry.device) == ("shipped exact", "h200", "h200")
+        assert choice.detail == "tuning_db:shipped_exact (borrowed from h200)"
+
+
 def test_readable_str_and_errors(dbs):
     _, shipped = dbs
     db.write_entries(shipped / "h200.json", [entry(tokens=4096, chunk=256)])
