@@ -56,7 +56,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flce_compile.plan.tuning_db import family_kinds  # noqa: E402
 
 TARGET = (256000, 2304, 8192)  # (V, H, tokens) of the 1.5x target
@@ -153,21 +154,30 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def entries_served(entries: Sequence[Any], kind: str, *, own_only: bool = False) -> list[Any]:
-    """The bf16 entries that answer calls on GPU ``kind`` at their own shape and token count: its own, then, for
-    each (V, H, tokens, tier) it holds none of, the entry of the first other kind of its family by name (the op's
-    lookup takes an entry of the call's bucket from the family before one of its own at another bucket), so an
-    H100 is judged on the H200's entries it runs. ``own_only``: its own alone. Sorted as the DB sorts them."""
+    """The bf16 entries to judge GPU ``kind`` on: its own, and each entry of another kind of its family that the
+    op's lookup answers ``kind``'s calls with at that entry's shape and token bucket (a tier entry: with a budget
+    of its tier), so an H100 is judged on the H200's entries it runs and on no others. ``own_only``: its own
+    alone. Sorted as the DB sorts them."""
     own = [e for e in entries if e.device == kind and e.dtype == "bf16"]
     if own_only:
         return own
-    held = {_entry_key(e) for e in own}
-    served = list(own)
-    for other in family_kinds(kind):
-        for e in entries:
-            if e.device == other and e.dtype == "bf16" and _entry_key(e) not in held:
-                served.append(e)
-                held.add(_entry_key(e))
-    return sorted(served, key=lambda e: (e.sort_key[1:], e.device))
+    family = set(family_kinds(kind))
+    borrowed = [e for e in entries if e.device in family and e.dtype == "bf16" and answered_with(e, kind)]
+    return sorted(own + borrowed, key=lambda e: (e.sort_key[1:], e.device))
+
+
+def answered_with(e: Any, kind: str) -> bool:
+    """Whether the tuning DB's lookup for a call on GPU ``kind`` at ``e``'s (V, H, dtype, token bucket) answers
+    with ``e`` (a budget-tier entry: the first of the tier entries a call with a budget of its tier may use)."""
+    from flce_compile.tuning import db  # noqa: PLC0415
+
+    shape = dict(vocab=e.vocab, hidden=e.hidden, dtype=e.dtype, tokens=e.tokens, device=kind)
+    if e.budget_tier_gb is None:
+        match = db.find_match(**shape)
+    else:
+        matches = db.find_budget_matches(**shape, budget_gb=e.budget_tier_gb)
+        match = matches[0] if matches else None
+    return match is not None and match.entry == e
 
 
 def select_entries(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]] | None = None,
@@ -447,7 +457,7 @@ def _pyplot() -> Any:
 def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, liger_rule: bool,
                    kind: str | None = None) -> dict[str, Any]:
     from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
-    from flce_compile.plan.choose import choose_config, heuristic_config  # noqa: PLC0415
+    from flce_compile.plan.choose import heuristic_config  # noqa: PLC0415
 
     device = torch.device("cuda")
     vocab, hidden, tokens = e.vocab, e.hidden, e.tokens
@@ -469,9 +479,8 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
                            "db_ms": e.ms, "db_default_ms": e.default_ms}
     if kind is not None and e.device != kind:
         row["borrowed_from"] = e.device
-    if e.budget_tier_gb is None:  # whether a call without options runs the timed entry here, and why
-        op_config, row["op_source"] = choose_config(tokens, vocab, hidden, torch.bfloat16, device)
-        row["op_runs_tuned"] = op_config == e.config
+    if e.budget_tier_gb is None:
+        row.update(op_choice(e, device))
     names = list(fns)
     try:
         with torch.no_grad():
@@ -497,12 +506,24 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     return row
 
 
-def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any]
+def op_choice(e: Any, device: torch.device) -> dict[str, Any]:
+    """Whether a call without options on ``device`` at plain entry ``e``'s shape and token count runs ``e``'s
+    config (``op_runs_tuned``; the op's own pick, ``plan.choose.op_config``), and the lookup's source of it."""
+    from flce_compile.plan.choose import choose_config, op_config  # noqa: PLC0415
+
+    return {"op_source": choose_config(e.tokens, e.vocab, e.hidden, torch.bfloat16, device)[1],
+            "op_runs_tuned": op_config("", e.tokens, e.vocab, e.hidden, torch.bfloat16, device) == e.config}
+
+
+def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any], kind: str | None = None
                 ) -> tuple[list[dict[str, Any]], list[Any], int]:
     """(for each of ``entries`` that some run timed with its current config, that row from the newest such run,
     marked with ``"run"`` = the run's date stamp, in ``entries``' order; the entries no run timed so; how many
-    rows were passed over because they timed another config). Runs are ordered by ``meta["date"]``."""
+    rows were passed over because they timed another config). Runs are ordered by ``meta["date"]``. With the
+    runs' GPU ``kind``, each row's ``borrowed_from`` names the kind of the entry it stands for now (a row timed
+    when the GPU borrowed a config it now holds as its own entry loses it)."""
     current = {_entry_key(e): e.config.to_dict() for e in entries}
+    devices = {_entry_key(e): e.device for e in entries}
     newest: dict[tuple, dict[str, Any]] = {}
     stale = 0
     for payload in sorted(payloads, key=lambda p: p["meta"]["date"]):
@@ -514,6 +535,10 @@ def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any]
                 stale += 1
                 continue
             newest[key] = {**r, "run": payload["meta"]["date"]}
+            if kind is not None:
+                newest[key].pop("borrowed_from", None)
+                if devices[key] != kind:
+                    newest[key]["borrowed_from"] = devices[key]
     rows = [newest[k] for k in current if k in newest]
     missing = [e for e in entries if _entry_key(e) not in newest]
     return rows, missing, stale
@@ -545,7 +570,8 @@ def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path, own_only: 
     meta = latest_meta(payloads)
     entries = entries_served(db.load_entries(layer="shipped" if shipped_only else "merged"), meta["gpu_kind"],
                              own_only=own_only)
-    rows, missing, stale = latest_rows(payloads, entries)
+    rows, missing, stale = latest_rows(payloads, entries, meta["gpu_kind"])
+    meta.update(shipped_only=shipped_only, own_only=own_only)
     meta["rows_from"] = {run: sum(1 for r in rows if r["run"] == run) for run in meta["merged"]}
     meta["rows_with_another_config"] = stale
     base = out_dir / f"bench_tuning_{meta['gpu_kind']}_latest"
@@ -555,6 +581,7 @@ def _latest(paths: Sequence[Path], shipped_only: bool, out_dir: Path, own_only: 
     print(f"rows per run: {meta['rows_from']}; {stale} rows timed another config than the current entry's")
     print(f"tuned never slower than default (tolerance {NOT_SLOWER_TOLERANCE}): {never_slower}")
     print(f"default never slower than Liger: {never_slower_than_liger(rows)}")
+    print(f"a call without options runs the entry timed: {op_runs_entries(rows)}")
     if missing:
         names = ", ".join(f"{e.vocab}x{e.hidden}x{e.tokens}" for e in missing)
         print(f"{len(missing)} entries without a row: {names}")
@@ -629,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "date": stamp, "dtype": "bf16", "pass": "fwd+bwd",
             "timing": "triton.testing.do_bench median, >= 10 timed runs", "rep_ms": args.rep_ms,
             "peak": "max_memory_allocated above inputs and returned dX/dW, 1e9 bytes", "liger": bool(liger),
-            "liger_rule_shapes": args.liger_rule_shapes}
+            "liger_rule_shapes": args.liger_rule_shapes, "shipped_only": args.shipped_only,
+            "own_only": args.own_only}
     base = args.out_dir / f"bench_tuning_{kind}_{stamp}"
     kept: list[dict[str, Any]] = []
     if args.resume is not None:

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flce_compile.plan.config import FLCEConfig
 from flce_compile.tuning import db
+from test_tuning_db import dbs  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,39 +231,77 @@ def test_latest_from_the_command_line(bench, tmp_path, monkeypatch, capsys):
         bench.main(["--latest", str(tmp_path / "missing.json")])
 
 
-def test_a_gpu_is_judged_on_the_entries_it_runs_from_its_family(bench, tmp_path, monkeypatch, capsys):
+def test_a_gpu_is_judged_on_the_entries_it_runs_from_its_family(bench, dbs, tmp_path, capsys, monkeypatch):
+    """An H100 is judged on its own entries and on those of its family the op's lookup answers its calls with."""
     def on(kind: str, e: db.Entry, **change) -> db.Entry:
         return db.Entry(**{**{f: getattr(e, f) for f in ("vocab", "hidden", "dtype", "tokens", "config", "ms",
                                                           "default_ms", "trials", "budget_tier_gb")},
                            "device": kind, **change})
 
-    own = on("h100", ENTRIES[3], ms=1.0)  # the H100's own 151936 x 4096 x 8192
-    tier = on("h200", ENTRIES[0], budget_tier_gb=0.5)
-    held = [*ENTRIES, own, on("h100", ENTRIES[0], dtype="fp16"), tier, on("gh200", ENTRIES[1], ms=9.0),
-            on("a100", ENTRIES[2])]
+    _, shipped = dbs
+    small = FLCEConfig(strategy="triton", chunk_tokens=1024)
+    h200 = [*ENTRIES, on("h200", ENTRIES[0], budget_tier_gb=0.5), on("h200", ENTRIES[2], budget_tier_gb=0.5)]
+    h100 = [on("h100", ENTRIES[3], ms=1.0),  # its own 151936 x 4096 x 8192: the H200's there is not run
+            on("h100", ENTRIES[2], config=small),  # its own 256000 x 2304 at 16384: the H200's 8192 one is closer
+            on("h100", ENTRIES[0], tokens=16384, budget_tier_gb=0.5),  # its own tier: the H200's 8192 one not run
+            on("h100", ENTRIES[0], dtype="fp16")]
+    db.write_entries(shipped / "h200.json", h200)
+    db.write_entries(shipped / "h100.json", h100)
+    db.write_entries(shipped / "gh200.json", [on("gh200", ENTRIES[1], ms=9.0), on("gh200", ENTRIES[0], config=small)])
+    db.write_entries(shipped / "a100.json", [on("a100", ENTRIES[2])])
+    db.invalidate_cache()
+    held = db.load_entries(layer="shipped")
+
+    def names(entries):
+        return [(e.device, e.vocab, e.tokens, e.budget_tier_gb) for e in entries]
+
     served = bench.entries_served(held, "h100")
-    # its own where it has one, else the first family kind's by name (gh200 before h200), bf16 only, DB order
-    assert [(e.device, e.vocab, e.tokens, e.budget_tier_gb) for e in served] == [
-        ("h200", 32064, 8192, None), ("h200", 32064, 8192, 0.5), ("h100", 151936, 8192, None),
-        ("gh200", 256000, 8192, None), ("h200", 256000, 16384, None)]
-    assert bench.entries_served(held, "h100", own_only=True) == [own]
-    assert bench.entries_served(held, "a100") == [held[-1]]  # no family: its own alone
-    assert bench.entries_served(held, "h200") == [ENTRIES[0], tier, ENTRIES[3], ENTRIES[1], ENTRIES[2]]  # its own
+    # the family's exact bucket before its own other bucket; gh200 before h200 by name; bf16; the family's tiers
+    # only for a (V, H) with none of its own within the tier
+    assert names(served) == [("gh200", 32064, 8192, None), ("h100", 32064, 16384, 0.5), ("h100", 151936, 8192, None),
+                             ("gh200", 256000, 8192, None), ("h100", 256000, 16384, None),
+                             ("h200", 256000, 16384, 0.5)]
+    for e in served:  # each is what the op's lookup answers an H100 call at its key with
+        found = (db.find_match(vocab=e.vocab, hidden=e.hidden, dtype="bf16", tokens=e.tokens, device="h100")
+                 if e.budget_tier_gb is None else db.find_budget_matches(
+                     vocab=e.vocab, hidden=e.hidden, dtype="bf16", tokens=e.tokens, device="h100",
+                     budget_gb=e.budget_tier_gb)[0])
+        assert found.entry == e
+    assert names(bench.entries_served(held, "h100", own_only=True)) == [
+        ("h100", 32064, 16384, 0.5), ("h100", 151936, 8192, None), ("h100", 256000, 16384, None)]
+    assert names(bench.entries_served(held, "a100")) == [("a100", 256000, 16384, None)]  # no family: its own
+    assert len(bench.entries_served(held, "h200")) == len(h200)  # every key its own: nothing borrowed
+    # on an H100 (the CUDA probe faked), a call without options runs each plain entry served, not the H200's
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    for e in served:
+        if e.budget_tier_gb is None:
+            assert bench.op_choice(e, cuda)["op_runs_tuned"], e
+    assert bench.op_choice(ENTRIES[0], cuda) == {"op_source": "tuning_db:shipped_exact (borrowed from gh200)",
+                                                 "op_runs_tuned": False}  # the H200's, where the GH200's is run
     # the tokens column names the kind a borrowed row is from; the op-choice line reports a row it would not run
     rows = [{**fake_row(e), "borrowed_from": e.device if e.device != "h100" else None, "op_runs_tuned": True}
             for e in served if e.budget_tier_gb is None]
     lines, _, _ = bench.summarize(rows)
-    assert "| 8192 (h200's) " in lines[2] and "| 8192 " in lines[3] and "(h200's)" not in lines[3]
+    assert "| 8192 (gh200's) " in lines[2] and "| 8192 " in lines[3] and "'s)" not in lines[3]
     assert bench.op_runs_entries(rows) == "yes (4 plain entries)"
     rows[1]["op_runs_tuned"], rows[1]["op_source"] = False, "heuristic"
     assert bench.op_runs_entries(rows) == "NO at 1 of 4: V=151936 H=4096 T=8192 (heuristic)"
     assert bench.op_runs_entries([fake_row(ENTRIES[0])]) == "NOT RECORDED"
-    # --latest on an H100's runs merges the rows of the family's entries too
-    monkeypatch.setattr(db, "load_entries", lambda layer="merged": held)
+    # --latest on an H100's runs merges the family's rows too, relabelled by the entries now held: a row timed
+    # as the H200's entry whose config is now the H100's own entry is the H100's
     run_rows = [{**fake_row(e), "tuned_config": e.config.to_dict(), "vs_liger": 1.05,
-                 "budget_tier_gb": e.budget_tier_gb} for e in served]
+                 "budget_tier_gb": e.budget_tier_gb, "borrowed_from": "h200"} for e in served]
+    for r in run_rows:  # as _measure_entry records it: for plain rows
+        if r["budget_tier_gb"] is None:
+            r["op_runs_tuned"] = True
     (tmp_path / "a.json").write_text(json.dumps(_run("20260101-000000", run_rows, kind="h100")))
     assert bench.main(["--latest", str(tmp_path / "a.json"), "--out-dir", str(tmp_path)]) == 0
-    assert "default never slower than Liger: PASS (4 shapes)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "default never slower than Liger: PASS (4 shapes)" in out
+    assert "a call without options runs the entry timed: yes (4 plain entries)" in out
+    merged = json.loads((tmp_path / "bench_tuning_h100_latest.json").read_text())
+    assert [r.get("borrowed_from") for r in merged["rows"]] == ["gh200", None, None, "gh200", None, "h200"]
+    assert merged["meta"]["own_only"] is False
     assert bench.main(["--latest", str(tmp_path / "a.json"), "--out-dir", str(tmp_path), "--own-only"]) == 0
-    assert "default never slower than Liger: PASS (1 shape)" in capsys.readouterr().out
+    assert "default never slower than Liger: PASS (2 shapes)" in capsys.readouterr().out

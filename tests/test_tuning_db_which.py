@@ -65,6 +65,26 @@ def test_an_h100_answer_names_the_kind_it_borrowed_from(dbs, monkeypatch):
     assert "no entries for GPU kind 'a100'" in which_config(16384, 2000, 128, gpu="a100").detail
 
 
+def test_a_plain_recompute_entry_is_answered_as_the_op_runs_it(dbs, monkeypatch):
+    """The op runs a plain pick of a "recompute" config as the heuristic (it runs one only when forced):
+    which_config answers what the op runs, and says why."""
+    import dataclasses
+
+    from flce_compile.plan.choose import op_config
+
+    user, _ = dbs
+    recompute = dataclasses.replace(entry().config, strategy="recompute")
+    db.write_entries(user, [dataclasses.replace(entry(), config=recompute)])
+    choice = which_config(16384, 151936, 4096, gpu="h200")
+    assert choice.config == heuristic_config(16384, 151936, 4096, torch.bfloat16, CUDA) != recompute
+    assert (choice.source, choice.entry, choice.borrowed_from) == ("heuristic", None, None)
+    assert choice.detail.startswith("heuristic (tuning_db:user_exact holds a 'recompute' config")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert op_config("", 16384, 151936, 4096, torch.bfloat16, CUDA) == choice.config
+    # with a budget the tier path forces its config, as before
+    assert which_config(16384, 151936, 4096, gpu="h200", memory_budget_gb=0.6).config.strategy == "recompute"
+
+
 def test_on_the_cpu_the_answer_says_the_db_is_for_gpus(dbs, monkeypatch):
     user, _ = dbs
     db.write_entries(user, [entry(device="cpu", chunk=512)])  # even a CPU entry is not used

@@ -68,6 +68,14 @@ def _op_config_key(config: str, num_tokens: int, vocab: int, hidden: int, dtype:
     return (config, num_tokens, vocab, hidden, dtype, device) + choice_generations(device.type == "cuda")
 
 
+def runs_unforced(strategy: str) -> bool:
+    """Whether the op runs a config of ``strategy`` that a call did not force. A strategy of the "recompute" loop
+    forms the gradients in backward, a loop the op fixes at trace time from the forced fields
+    (``op.grads_in_backward``), so a plain tuning-DB pick of one runs as the heuristic instead (``op_config``);
+    such configs reach the op forced, from a ``memory_budget_gb`` or the user's ``config``."""
+    return registry.get(strategy).loop != "recompute"
+
+
 def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype,
               device: torch.device) -> FLCEConfig:
     """``resolve_config`` for the op's ``config`` argument: the JSON of the forced fields ("" for none).
@@ -82,9 +90,7 @@ def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torc
     if cached is None:
         forced = forced_fields(config)
         cached = _resolve(forced, num_tokens, vocab, hidden, dtype, device)[0]
-        if "strategy" not in dict(forced) and registry.get(cached.strategy).loop == "recompute":
-            # The loop is fixed at trace time from the forced fields (``op.grads_in_backward``), so a DB entry
-            # that picked a recompute strategy cannot be run as measured here; the heuristic runs instead.
+        if "strategy" not in dict(forced) and not runs_unforced(cached.strategy):
             cached = dataclasses.replace(heuristic_config(num_tokens, vocab, hidden, dtype, device), **dict(forced))
         if key[-1] is None:
             return cached

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="input dtype (default bf16; also a filter for --list/--show; fp64 only for --which: the "
                            "op runs it with the heuristic, which has nothing to tune)")
     what.add_argument("--strategies", nargs="+", choices=registry.names(),
-                      help="strategies to search (default all): " + "; ".join(
+                      help="strategies to search (default all; without --budget-gb the \"recompute\" one is left "
+                           "out, as the op runs it only when forced): " + "; ".join(
                           f"{s.name}: {s.summary}" for s in map(registry.get, registry.names())))
     how = p.add_argument_group("how long / how much")
     how.add_argument("--trials", type=int, help="measured trials per study (default 40, 8 with --shipped-set)")
@@ -566,6 +567,17 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--memory-gain-margin must be in [0, 1), got {args.memory_gain_margin} (0.02 = 2%)")
     if args.keep_studies < 0:
         p.error(f"--keep-studies must be >= 0 (0 keeps no study), got {args.keep_studies}")
+    if args.budget_gb is None and args.strategies and not _plain_strategies(args.strategies):
+        p.error(f"--strategies {' '.join(args.strategies)}: a plain entry of these would not run (the op runs a "
+                "\"recompute\" config only when a memory_budget_gb or config forces it); add --budget-gb G to tune "
+                "a budget-tier entry, or search a strategy such as triton")
+
+
+def _plain_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``strategies`` whose configs a plain entry may hold: the op runs them without being forced."""
+    from ..plan.choose import runs_unforced  # noqa: PLC0415
+
+    return tuple(s for s in strategies if runs_unforced(s))
 
 
 def _study_budget(budget_bytes: int | None, over_default_gib: float | None, default_predicted: int | None,
@@ -710,8 +722,10 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             found = _db_seed(vocab, hidden, dtype, tokens, device_name, tier)
             space_kwargs: dict[str, Any] = {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": dtype,
                                             "base": default}
-            if args.strategies:
-                space_kwargs["strategies"] = tuple(args.strategies)
+            strategies = tuple(args.strategies or registry.names())
+            if tier is None:  # a plain entry's config runs unforced: a "recompute" one would not run at all
+                strategies = _plain_strategies(strategies)
+            space_kwargs["strategies"] = strategies
             space = SearchSpace(**space_kwargs)
             over_default = args.budget_over_default_gb
             if over_default is None and budget_bytes is None:
