@@ -126,6 +126,17 @@ def _is_non_tensor(node: fx.Node) -> bool:
     return val is not None and not isinstance(val, torch.Tensor) and not isinstance(val, (tuple, list))
 
 
+def _first_argument(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The tensors of a call's first argument, which an in-place call writes: one node, or each node of a list
+    (``torch._foreach_mul_(params, 0.5)`` writes every tensor of ``params``)."""
+    first = node.args[0] if node.args else None
+    if isinstance(first, fx.Node):
+        return (first,)
+    if isinstance(first, (tuple, list)):
+        return tuple(n for n in first if isinstance(n, fx.Node))
+    return ()
+
+
 def _out_nodes(node: fx.Node) -> tuple[fx.Node, ...]:
     out = node.kwargs.get("out")
     if isinstance(out, fx.Node):
@@ -139,7 +150,7 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
     """The memory effect of one node (see the module docstring for the rules)."""
     if node.op in ("placeholder", "get_attr", "output"):
         return Effect((), True)
-    first = (node.args[0],) if node.args and isinstance(node.args[0], fx.Node) else ()
+    first = _first_argument(node)
     unknown = Effect(_tensor_inputs(node), False)
     outs = _out_nodes(node)
     if outs:
@@ -212,6 +223,19 @@ def _by_aten_name(name: str, unknown: Effect) -> Effect:
     return Effect((), verdict[1])
 
 
+def _storage_root(node: fx.Node) -> tuple[Any, ...]:
+    """A graph input's memory, as its traced example value's storage: two inputs that share memory (a tensor
+    and a view of it, passed apart) share this root, so a write through one is a write to the other. None
+    known: ()."""
+    val = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(val, torch.Tensor):
+        return ()
+    try:
+        return (("storage", val.untyped_storage()._cdata),)
+    except Exception:  # noqa: BLE001 - a tensor without storage (a subclass, a sparse layout): its own root
+        return ()
+
+
 class AliasMap:
     """For each node: its position in the graph, its ``Effect``, and the set of fresh-memory nodes (roots) its
     tensor may share memory with."""
@@ -227,7 +251,9 @@ class AliasMap:
             self.effects[node] = eff
             if node.op == "get_attr":
                 self.roots[node] = frozenset({("attr", str(node.target))})  # one root per attribute name
-            elif eff.fresh or node.op == "placeholder":
+            elif node.op == "placeholder":
+                self.roots[node] = frozenset({node, *_storage_root(node)})
+            elif eff.fresh:
                 self.roots[node] = frozenset({node})
             else:
                 self.roots[node] = frozenset({node}).union(*(self.roots.get(i, frozenset()) for i in node.all_input_nodes))

@@ -57,17 +57,19 @@ class LogitsGrad(torch.autograd.Function):
     def _capped(ctx, xs: list[torch.Tensor], ws: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
         """The capped logits as the forward returned them, recomputed (from the joined pieces) when the caller wrote
         into them since."""
+        math = _math_dtype(ctx.capped.dtype)
         if ctx.capped._version == ctx.capped_version:
-            return ctx.capped.float()
+            return ctx.capped.to(math)
         x, weight = joined(xs), joined(ws)
         z = torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        return (ctx.softcap * torch.tanh(ctx.logit_scale * z.float() / ctx.softcap)).reshape(ctx.capped.shape)
+        return (ctx.softcap * torch.tanh(ctx.logit_scale * z.to(math) / ctx.softcap)).reshape(ctx.capped.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         bias, *pieces = ctx.saved_tensors
         xs, ws = pieces[:ctx.split], pieces[ctx.split:]
-        g = grad_out.float() if ctx.softcap is not None or ctx.logit_scale != 1.0 else grad_out
+        scaled = ctx.softcap is not None or ctx.logit_scale != 1.0
+        g = grad_out.to(_math_dtype(grad_out.dtype)) if scaled else grad_out
         if ctx.softcap is not None:
             g = g * (1.0 - (LogitsGrad._capped(ctx, xs, ws, bias) / ctx.softcap) ** 2)
         if ctx.logit_scale != 1.0:
@@ -80,6 +82,12 @@ class LogitsGrad(torch.autograd.Function):
                for x, n in zip(xs, need[len(xs):])]
         db = g.sum(0) if need_b and ctx.has_bias else None
         return (None, db, None, None, None, *dxs, *dws)
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cap's and the scale's derivatives are formed in: at least fp32 (half-precision logits are
+    upcast), and an fp64 model's own (fp32 would round its gradients to fp32's precision)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass
