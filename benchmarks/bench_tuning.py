@@ -169,10 +169,13 @@ def entries_served(entries: Sequence[Any], kind: str, *, own_only: bool = False)
 def answered_with(e: Any, kind: str) -> bool:
     """Whether the tuning DB's lookup for a call on GPU ``kind`` at ``e``'s (V, H, dtype, token bucket) answers
     with ``e`` (a budget-tier entry: the first of the tier entries a call with a budget of its tier may use)."""
+    from flce_compile.plan.choose import runs_unforced  # noqa: PLC0415
     from flce_compile.tuning import db  # noqa: PLC0415
 
     shape = dict(vocab=e.vocab, hidden=e.hidden, dtype=e.dtype, tokens=e.tokens, device=kind)
     if e.budget_tier_gb is None:
+        if not runs_unforced(e.config.strategy):  # the op answers with the heuristic there (plan.choose)
+            return False
         match = db.find_match(**shape)
     else:
         matches = db.find_budget_matches(**shape, budget_gb=e.budget_tier_gb)
@@ -460,7 +463,8 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     from flce_compile.plan.choose import heuristic_config  # noqa: PLC0415
 
     device = torch.device("cuda")
-    vocab, hidden, tokens = e.vocab, e.hidden, e.tokens
+    # timed at the token count the entry was measured at (its bucket unless a study measured another count)
+    vocab, hidden, tokens = e.vocab, e.hidden, e.measured_tokens
     # generated on the GPU: a CPU generator spends seconds per shape at 65536 x 8192
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16).requires_grad_(True)
@@ -474,7 +478,8 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
         name: (lambda c=c: fused_linear_cross_entropy(x, w, t, config=c)) for name, c in configs.items()}
     if liger is not None:
         fns["liger"] = lambda: liger(x, w, t)
-    row: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "tokens": tokens, "budget_tier_gb": e.budget_tier_gb,
+    row: dict[str, Any] = {"vocab": vocab, "hidden": hidden, "tokens": e.tokens, "measured_tokens": tokens,
+                           "budget_tier_gb": e.budget_tier_gb,
                            **{f"{name}_config": c.to_dict() for name, c in configs.items()},
                            "db_ms": e.ms, "db_default_ms": e.default_ms}
     if kind is not None and e.device != kind:
@@ -507,12 +512,13 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
 
 
 def op_choice(e: Any, device: torch.device) -> dict[str, Any]:
-    """Whether a call without options on ``device`` at plain entry ``e``'s shape and token count runs ``e``'s
-    config (``op_runs_tuned``; the op's own pick, ``plan.choose.op_config``), and the lookup's source of it."""
+    """Whether a call without options on ``device`` at plain entry ``e``'s shape and measured token count runs
+    ``e``'s config (``op_runs_tuned``; the op's own pick, ``plan.choose.op_config``), and the lookup's source."""
     from flce_compile.plan.choose import choose_config, op_config  # noqa: PLC0415
 
-    return {"op_source": choose_config(e.tokens, e.vocab, e.hidden, torch.bfloat16, device)[1],
-            "op_runs_tuned": op_config("", e.tokens, e.vocab, e.hidden, torch.bfloat16, device) == e.config}
+    tokens = e.measured_tokens
+    return {"op_source": choose_config(tokens, e.vocab, e.hidden, torch.bfloat16, device)[1],
+            "op_runs_tuned": op_config("", tokens, e.vocab, e.hidden, torch.bfloat16, device) == e.config}
 
 
 def latest_rows(payloads: Sequence[dict[str, Any]], entries: Sequence[Any], kind: str | None = None

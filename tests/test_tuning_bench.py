@@ -305,3 +305,18 @@ def test_a_gpu_is_judged_on_the_entries_it_runs_from_its_family(bench, dbs, tmp_
     assert merged["meta"]["own_only"] is False
     assert bench.main(["--latest", str(tmp_path / "a.json"), "--out-dir", str(tmp_path), "--own-only"]) == 0
     assert "default never slower than Liger: PASS (2 shapes)" in capsys.readouterr().out
+
+
+def test_an_entry_measured_below_its_bucket_is_judged_at_its_own_token_count(bench, dbs, monkeypatch):
+    """A study at 6000 tokens stores its entry in the 8192 bucket; at 8192 tokens the op runs such an entry as one
+    chunk, so the benchmark times it (and asks the op about it) at the 6000 tokens it was measured at."""
+    user, _ = dbs
+    measured = db.Entry(device="h200", vocab=32064, hidden=3072, dtype="bf16", tokens=8192,
+                        config=FLCEConfig(strategy="triton", chunk_tokens=6144), ms=2.0, default_ms=3.0, trials=5,
+                        extra={"measured_tokens": 6000})
+    db.write_entries(user, [measured])
+    db.invalidate_cache()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    [e] = db.load_entries()
+    assert e.measured_tokens == 6000
+    assert bench.op_choice(e, torch.device("cuda")) == {"op_source": "tuning_db:user_exact", "op_runs_tuned": True}

@@ -340,3 +340,28 @@ def test_a_shipped_dir_that_is_not_there_is_said_once(dbs, monkeypatch, caplog):
         db.invalidate_cache()
     warnings = [r.getMessage() for r in caplog.records if "is not a directory" in r.getMessage()]
     assert len(warnings) == 1 and db.ENV_SHIPPED_DIR in warnings[0]
+
+
+def test_a_strategy_registered_or_unregistered_after_loading_is_seen_at_once(dbs):
+    """Entries are checked against the registered strategies as the DB is read: one naming a plugin strategy
+    registered after the load was dropped until the file changed, and one naming a strategy unregistered since
+    stayed in the index and made the op's lookup raise. The registry's generation is part of the index's key."""
+    from flce_compile.plan import registry
+
+    user, _ = dbs
+    toy = dataclasses.replace(registry.get("torch"), name="toy_tuned", summary="a plugin strategy")
+    registry.register(toy)
+    try:
+        plugin = FLCEConfig(strategy="toy_tuned", chunk_tokens=512)
+        db.write_entries(user, [dataclasses.replace(entry(), config=plugin)])
+    finally:
+        registry.unregister("toy_tuned")
+    db.invalidate_cache()
+    assert find() is None  # not registered: the entry is skipped (and reported), the heuristic answers
+    registry.register(toy)
+    try:
+        config, source = find()
+        assert (config.strategy, config.chunk_tokens, source) == ("toy_tuned", 512, "tuning_db:user_exact")
+    finally:
+        registry.unregister("toy_tuned")
+    assert find() is None  # gone with its strategy, without an error

@@ -3,6 +3,7 @@ of source; and choose_config's CPU answer."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -81,7 +82,11 @@ def test_a_plain_recompute_entry_is_answered_as_the_op_runs_it(dbs, monkeypatch)
     assert choice.detail.startswith("heuristic (tuning_db:user_exact holds a 'recompute' config")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert op_config("", 16384, 151936, 4096, torch.bfloat16, CUDA) == choice.config
-    # with a budget the tier path forces its config, as before
+    # every other reporter says the same: choose_config (explain, bench_tuning) and the tuner's seed
+    assert choose_config(16384, 151936, 4096, torch.bfloat16, CUDA) == (choice.config, choice.detail)
+    from flce_compile.tuning.cli import _db_seed
+    assert _db_seed(151936, 4096, torch.bfloat16, 16384, "NVIDIA H200", None) is None
+    # with a budget: the heuristic fitted to 0.6 GiB is a recompute config, which the op then runs forced
     assert which_config(16384, 151936, 4096, gpu="h200", memory_budget_gb=0.6).config.strategy == "recompute"
 
 
@@ -245,3 +250,19 @@ def test_one_chunk_reads_only_the_entrys_own_config_and_a_sane_measured_count(db
     assert near.source == "nearest shape" and "one chunk" not in near.detail
     assert _db_seed(256000, 2304, torch.bfloat16, 10000, "h200", None).chunk_tokens == 10240
     assert _db_seed(256000, 2304, torch.bfloat16, 8192, "h200", None).chunk_tokens == 8192
+
+
+def test_an_empty_call_on_a_gpu_is_answered_by_the_heuristic_without_a_warning(dbs, monkeypatch, caplog):
+    """0 tokens, or H = 0, which the op supports, made the lookup raise inside (token_bucket(0), a distance
+    divided by H), reported as a failed tuning-DB lookup though nothing was wrong with the DB."""
+    from flce_compile.plan.choose import op_config
+
+    user, _ = dbs
+    db.write_entries(user, [entry()])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    with caplog.at_level(logging.DEBUG, logger="flce_compile"):
+        for tokens, hidden in ((0, 4096), (64, 0)):
+            config = op_config("", tokens, 151936, hidden, torch.bfloat16, CUDA)
+            assert config == heuristic_config(tokens, 151936, hidden, torch.bfloat16, CUDA)
+            assert choose_config(tokens, 151936, hidden, torch.bfloat16, CUDA, memory_budget_gb=4.0)[1] == "heuristic"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

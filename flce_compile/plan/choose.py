@@ -71,8 +71,9 @@ def _op_config_key(config: str, num_tokens: int, vocab: int, hidden: int, dtype:
 def runs_unforced(strategy: str) -> bool:
     """Whether the op runs a config of ``strategy`` that a call did not force. A strategy of the "recompute" loop
     forms the gradients in backward, a loop the op fixes at trace time from the forced fields
-    (``op.grads_in_backward``), so a plain tuning-DB pick of one runs as the heuristic instead (``op_config``);
-    such configs reach the op forced, from a ``memory_budget_gb`` or the user's ``config``."""
+    (``op.grads_in_backward``), so a plain tuning-DB entry of one is answered by the heuristic instead
+    (``choose_config_match``); such configs reach the op forced, from a ``memory_budget_gb`` or the user's
+    ``config``."""
     return registry.get(strategy).loop != "recompute"
 
 
@@ -90,8 +91,6 @@ def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torc
     if cached is None:
         forced = forced_fields(config)
         cached = _resolve(forced, num_tokens, vocab, hidden, dtype, device)[0]
-        if "strategy" not in dict(forced) and not runs_unforced(cached.strategy):
-            cached = dataclasses.replace(heuristic_config(num_tokens, vocab, hidden, dtype, device), **dict(forced))
         if key[-1] is None:
             return cached
         if len(_OP_CONFIGS) >= OP_CONFIG_CACHE_SIZE:
@@ -290,8 +289,8 @@ def _fitting_tier_match(num_tokens: int, vocab: int, hidden: int, dtype: torch.d
                         memory_budget_gb: float, gpu: str | None,
                         fits: Callable[[FLCEConfig], bool]) -> tuning_db.Match | None:
     """The first budget-tier match whose config ``fits`` (a predicate on the bound); None on a device or dtype
-    the tuning DB does not answer for (the CPU, fp64), as in ``choose_config_match``."""
-    if device.type != "cuda" or dtype == torch.float64:
+    the tuning DB does not answer for (the CPU, fp64), as in ``choose_config_match``, nor for an empty call."""
+    if device.type != "cuda" or dtype == torch.float64 or num_tokens < 1 or hidden < 1:
         return None
     matches = tuning_db.find_budget_matches(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                             device=device if gpu is None else gpu, budget_gb=memory_budget_gb)
@@ -325,16 +324,22 @@ def choose_config_match(
     """
     if device.type == "cuda" and dtype == torch.float64:
         source = FP64_SOURCE
+    elif device.type == "cuda" and (num_tokens < 1 or hidden < 1):
+        source = "heuristic"  # an empty call (no tokens, or H = 0): the DB holds no such shape, nothing to look up
     elif device.type == "cuda":
         match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                      device=device if gpu is None else gpu)
-        if match is not None:
+        if match is not None and runs_unforced(match.config.strategy):
             config = one_chunk_entry_config(match, num_tokens)
             source = match.source if config is match.config else (
                 f"{match.source}, one chunk of {config.chunk_tokens} tokens")
             logger.debug("config for V=%d H=%d tokens=%d from %s", vocab, hidden, num_tokens, source)
             return config, source, match
-        source = "heuristic" if gpu is None else _heuristic_for_kind(gpu)
+        if match is not None:  # an entry the op would not run unforced (a user DB's, written by hand or before)
+            source = (f"heuristic ({match.source} holds a {match.config.strategy!r} config, which the op runs only "
+                      "when a memory_budget_gb or config forces it)")
+        else:
+            source = "heuristic" if gpu is None else _heuristic_for_kind(gpu)
     else:
         source = CPU_SOURCE if device.type == "cpu" else (
             f"heuristic (the tuning DB holds CUDA GPU entries; {device.type} calls use the heuristic)")

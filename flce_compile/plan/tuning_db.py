@@ -55,6 +55,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..log import logger
+from . import registry
 from .config import FLCEConfig
 
 #: The value of the "format" key; a JSON file without it is foreign and ignored.
@@ -539,15 +540,17 @@ def invalidate_cache() -> None:
 
 
 def _signature() -> tuple[Any, ...]:
-    """What decides the loaded content: both environment variables, and the user file's identity (mtime,
-    size, inode: a rewrite by another process renames a new inode into place)."""
+    """What decides the loaded content: both environment variables, the user file's identity (mtime, size,
+    inode: a rewrite by another process renames a new inode into place), and, last, the strategy registry's
+    generation (entries are checked against the registered strategies as they are read: one naming a strategy
+    registered later is dropped until a reload, and one naming a strategy since unregistered must go)."""
     path = user_db_path()
     try:
         st = os.stat(path) if path is not None else None
     except OSError:
         st = None
     ident = None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino)
-    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR), path, ident)
+    return (os.environ.get(ENV_USER_DB), os.environ.get(ENV_SHIPPED_DIR), path, ident, registry.generation())
 
 
 def _read_layer(paths: Iterable[Path]) -> list[Entry]:
@@ -561,10 +564,11 @@ def _read_layer(paths: Iterable[Path]) -> list[Entry]:
 
 
 def _get_index() -> _Index:
-    """The loaded index; cheap (one clock read) until ``RECHECK_S`` has passed since it was last validated."""
+    """The loaded index; cheap (one clock read and the registry's generation) until ``RECHECK_S`` has passed since
+    it was last validated, or at once after the strategy registry changed."""
     global _index
     index = _index
-    if index is not None and _clock() < index.recheck_at:
+    if index is not None and _clock() < index.recheck_at and index.signature[-1] == registry.generation():
         return index
     sig = _signature()
     with _state_lock:

@@ -856,8 +856,11 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
 
 def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str, tier: float | None) -> Any:
     """The config a study enqueues as the database's current answer: for a budget-tier study the entry of the
-    same tier and bucket (a re-tune starts from it), else the plain lookup's answer; None when there is none."""
-    from ..plan.choose import one_chunk_entry_config  # noqa: PLC0415
+    same tier and bucket (a re-tune starts from it), else what the op runs from the plain lookup (a one-chunk
+    entry's longer calls: one chunk); None when the DB does not answer (the heuristic is the study's first trial)."""
+    import torch  # noqa: PLC0415
+
+    from ..plan.choose import choose_config_match  # noqa: PLC0415
     from . import db  # noqa: PLC0415
 
     if tier is not None:
@@ -866,9 +869,9 @@ def _db_seed(vocab: int, hidden: int, dtype: Any, tokens: int, device_name: str,
                 if m.entry.budget_tier_gb == tier and m.entry.tokens == db.token_bucket(tokens)]
         if same:
             return same[0].config
-    found = db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=tokens, device=device_name)
-    # What the op runs for this call, so a re-tune starts from it (a one-chunk entry's longer calls: one chunk).
-    return one_chunk_entry_config(found, tokens) if found else None
+    config, _source, match = choose_config_match(tokens, vocab, hidden, dtype, torch.device("cuda"),
+                                                 gpu=db.normalize_device_name(device_name))
+    return None if match is None else config
 
 
 def _install_sigterm() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan.choose import choose_config_match, choose_config_within_budget, heuristic_config, runs_unforced
+from ..plan.choose import choose_config_match, choose_config_within_budget
 from ..plan.config import FLCEConfig
 from ..plan.precision import accum_dtype_for
 from . import db
@@ -139,10 +139,6 @@ def which_config(
     kind = target if gpu else None
     if memory_budget_gb is None:
         config, detail, match = choose_config_match(tokens, vocab, hidden, torch_dtype, dev, gpu=kind)
-        if not runs_unforced(config.strategy):  # as the op (``plan.choose.op_config``): the heuristic runs instead
-            detail = (f"heuristic ({detail} holds a {config.strategy!r} config, which the op runs only when a "
-                      "memory_budget_gb or config forces it)")
-            config, match = heuristic_config(tokens, vocab, hidden, torch_dtype, dev), None
     else:
         # The op's default accumulators (``plan.precision.accum_dtype_for``): fp64 for fp64 weights, else fp32.
         config, detail, match = choose_config_within_budget(
