@@ -58,6 +58,12 @@ class Writes(nn.Module):
         elif kind == "foreach_write":  # a list-taking in-place op (an in-forward decay of the head's parameters)
             with torch.no_grad():
                 torch._foreach_mul_(list(self.lm_head.parameters()), 0.5)
+        elif kind == "foreach_keyword":  # the written list given by keyword
+            torch._foreach_mul_(self=[h], scalar=3.0)
+        elif kind == "aten_list_overload":  # an OpOverload whose written argument is a list
+            torch.ops.aten._foreach_mul_.Scalar([h], 3.0)
+        elif kind == "inplace_function_keyword":
+            torch.relu_(input=h)
         elif kind == "buffer_as_hidden":
             self.buf.add_(1.0)
         elif kind == "unrelated_buffer":
@@ -69,7 +75,8 @@ class Writes(nn.Module):
 
 
 WRITES = ["item_assignment", "inplace_keyword", "inplace_positional", "out", "copy_", "method_", "view_write",
-          "parameter_write", "foreach_write", "buffer_as_hidden"]
+          "parameter_write", "foreach_write", "foreach_keyword", "aten_list_overload", "inplace_function_keyword",
+          "buffer_as_hidden"]
 HARMLESS = ["unrelated_buffer", "unrelated_setitem"]
 X, Y = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)), torch.randint(0, V, (2, 5))
 

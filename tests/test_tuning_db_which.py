@@ -86,8 +86,11 @@ def test_a_plain_recompute_entry_is_answered_as_the_op_runs_it(dbs, monkeypatch)
     assert choose_config(16384, 151936, 4096, torch.bfloat16, CUDA) == (choice.config, choice.detail)
     from flce_compile.tuning.cli import _db_seed
     assert _db_seed(151936, 4096, torch.bfloat16, 16384, "NVIDIA H200", None) is None
-    # with a budget: the heuristic fitted to 0.6 GiB is a recompute config, which the op then runs forced
-    assert which_config(16384, 151936, 4096, gpu="h200", memory_budget_gb=0.6).config.strategy == "recompute"
+    # where the strategy is forced, the entry answers: under a budget (the whole pick is forced) and with a config
+    # naming the strategy (the entry gives the other fields)
+    budget = which_config(16384, 151936, 4096, gpu="h200", memory_budget_gb=0.6)
+    assert (budget.config, budget.source) == (recompute, "user exact")
+    assert op_config('{"strategy": "recompute"}', 16384, 151936, 4096, torch.bfloat16, CUDA) == recompute
 
 
 def test_on_the_cpu_the_answer_says_the_db_is_for_gpus(dbs, monkeypatch):

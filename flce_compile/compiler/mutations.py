@@ -127,13 +127,19 @@ def _is_non_tensor(node: fx.Node) -> bool:
 
 
 def _first_argument(node: fx.Node) -> tuple[fx.Node, ...]:
-    """The tensors of a call's first argument, which an in-place call writes: one node, or each node of a list
-    (``torch._foreach_mul_(params, 0.5)`` writes every tensor of ``params``)."""
-    first = node.args[0] if node.args else None
-    if isinstance(first, fx.Node):
-        return (first,)
-    if isinstance(first, (tuple, list)):
-        return tuple(n for n in first if isinstance(n, fx.Node))
+    """The tensors of a call's first argument, which an in-place call writes: one node, or each node of a list,
+    given by position or by its usual keyword (``F.relu(input=h, inplace=True)``)."""
+    if node.args:
+        return _nodes_in(node.args[0])
+    return next((_nodes_in(node.kwargs[k]) for k in ("self", "input") if k in node.kwargs), ())
+
+
+def _nodes_in(value: Any) -> tuple[fx.Node, ...]:
+    """The graph nodes of one argument: a node, or those of a list or tuple of them."""
+    if isinstance(value, fx.Node):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        return tuple(n for n in value if isinstance(n, fx.Node))
     return ()
 
 
@@ -178,14 +184,18 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(first if dtensor == "from_local" and from_local_may_broadcast(node) else (), False)
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
-        written = tuple(
-            a for a, arg in zip(node.args, schema.arguments)
-            if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write
-        )
+        # Each argument the schema marks written (``Tensor(a!)``, ``Tensor(a!)[]``), by position or by name.
+        written = tuple(n for i, arg in enumerate(schema.arguments)
+                        if arg.alias_info is not None and arg.alias_info.is_write
+                        for n in _nodes_in(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)))
         return Effect(written, not any(r.alias_info is not None for r in schema.returns))
     if not (getattr(target, "__module__", None) or "").startswith("torch"):
         return unknown  # user code or a library Dynamo did not inline: may write anything it is given
-    if _writes_self(name) or _inplace_flag(node):
+    if _writes_self(name):
+        # An in-place torch function may write more than its first argument (``torch._fused_adam_``, the found_inf
+        # of ``torch._amp_foreach_non_finite_check_and_unscale_``): every tensor it is given counts as written.
+        return unknown
+    if _inplace_flag(node):
         return Effect(first, False)
     if getattr(F, name, None) is target:
         # torch.nn.functional writes only through inplace= or a trailing underscore (both checked above).

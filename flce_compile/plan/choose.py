@@ -71,9 +71,9 @@ def _op_config_key(config: str, num_tokens: int, vocab: int, hidden: int, dtype:
 def runs_unforced(strategy: str) -> bool:
     """Whether the op runs a config of ``strategy`` that a call did not force. A strategy of the "recompute" loop
     forms the gradients in backward, a loop the op fixes at trace time from the forced fields
-    (``op.grads_in_backward``), so a plain tuning-DB entry of one is answered by the heuristic instead
-    (``choose_config_match``); such configs reach the op forced, from a ``memory_budget_gb`` or the user's
-    ``config``."""
+    (``op.grads_in_backward``), so for a call that forces no strategy a tuning-DB entry of one is answered by
+    the heuristic instead (``choose_config_match``). Such configs reach the op forced: from a
+    ``memory_budget_gb`` (the whole pick is forced, a plain entry of one too) or a ``config`` naming it."""
     return registry.get(strategy).loop != "recompute"
 
 
@@ -91,6 +91,10 @@ def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torc
     if cached is None:
         forced = forced_fields(config)
         cached = _resolve(forced, num_tokens, vocab, hidden, dtype, device)[0]
+        if "strategy" not in dict(forced) and not runs_unforced(cached.strategy):
+            # ``choose_config_match`` answers a DB entry of such a strategy with the heuristic already; this keeps
+            # the loop fixed at trace time (``op.grads_in_backward``) whatever the pick's source.
+            cached = dataclasses.replace(heuristic_config(num_tokens, vocab, hidden, dtype, device), **dict(forced))
         if key[-1] is None:
             return cached
         if len(_OP_CONFIGS) >= OP_CONFIG_CACHE_SIZE:
@@ -103,7 +107,8 @@ def _resolve(forced: Forced, num_tokens: int, vocab: int, hidden: int, dtype: to
              device: torch.device) -> tuple[FLCEConfig, str]:
     if len(forced) == _ALL_FIELDS:
         return _runnable(_overlay(None, forced, dtype, device.type, registry.generation()), device), "forced"
-    chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device)
+    chosen, source = choose_config(num_tokens, vocab, hidden, dtype, device,
+                                   strategy_forced="strategy" in dict(forced))
     config = _runnable(_overlay(chosen, forced, dtype, device.type, registry.generation()), device)
     return config, (f"{source}, forced {', '.join(name for name, _ in forced)}" if forced else source)
 
@@ -211,13 +216,14 @@ def kept_logits_config(vocab: int, dtype: torch.dtype, device: torch.device) -> 
 
 def choose_config(
     num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *,
-    memory_budget_gb: float | None = None, accum_dtype: torch.dtype = torch.float32,
+    memory_budget_gb: float | None = None, accum_dtype: torch.dtype = torch.float32, strategy_forced: bool = False,
 ) -> tuple[FLCEConfig, str]:
     """Pick the config for one call and say where it came from ("tuning_db:<source>", "heuristic", or on a
     non-CUDA device ``CPU_SOURCE``: the database holds GPU measurements only). With ``memory_budget_gb`` the
     pick is ``choose_config_within_budget``'s (a budget-tier entry, or the plain pick fitted to the budget;
     gradients of input and weight, ``accum_dtype`` accumulators), and the source says which. ``device``: a torch
-    device or its name ("cuda:0", "cpu")."""
+    device or its name ("cuda:0", "cpu"). ``strategy_forced``: the call's own config sets the strategy, so an
+    entry of a strategy the op runs only when forced (``runs_unforced``) may answer the other fields."""
     for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
             raise TypeError(f"choose_config: {name}={value!r} must be an int")
@@ -225,7 +231,8 @@ def choose_config(
             raise ValueError(f"choose_config: {name}={value!r} must be >= {least}")
     device = torch.device(device)
     if memory_budget_gb is None:
-        config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device)
+        config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device,
+                                                strategy_forced=strategy_forced)
         return config, source
     config, source, _ = choose_config_within_budget(num_tokens, vocab, hidden, dtype, device, memory_budget_gb,
                                                     accum_dtype=accum_dtype)
@@ -273,7 +280,8 @@ def choose_config_within_budget(
         return peak_bytes(config, num_tokens, vocab, hidden, dtype, accum_dtype, need_dw=need_dw, need_db=need_db,
                           softcap=softcap, need_dx=need_dx, frozen_columns=frozen_columns, device=device)
 
-    plain, source, match = choose_config_match(num_tokens, vocab, hidden, dtype, device, gpu=gpu)
+    # the plain pick is forced as a whole (``api._budget_config``): any entry may answer
+    plain, source, match = choose_config_match(num_tokens, vocab, hidden, dtype, device, gpu=gpu, strategy_forced=True)
     tuned = _fitting_tier_match(num_tokens, vocab, hidden, dtype, device, memory_budget_gb, gpu,
                                 lambda config: bound(config) <= limit)
     if tuned is not None and (bound(plain) > limit or _measured_faster(tuned.entry, plain, match)):
@@ -314,13 +322,15 @@ def _measured_faster(tier: tuning_db.Entry, plain: FLCEConfig, plain_match: tuni
 
 
 def choose_config_match(
-    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *, gpu: str | None = None
+    num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, *, gpu: str | None = None,
+    strategy_forced: bool = False,
 ) -> tuple[FLCEConfig, str, tuning_db.Match | None]:
     """``choose_config`` plus the tuning-DB match it used (None for the heuristic).
 
     ``gpu`` (a GPU kind such as "h200") looks up that kind's entries instead of ``device``'s own, so
     ``which_config`` can answer for a GPU this machine does not have; ``device`` must then be a CUDA device
-    (it picks the GPU heuristic, which needs no GPU).
+    (it picks the GPU heuristic, which needs no GPU). Unless ``strategy_forced``, an entry of a strategy the op
+    runs only when forced (``runs_unforced``) is answered by the heuristic, as the op would run it.
     """
     if device.type == "cuda" and dtype == torch.float64:
         source = FP64_SOURCE
@@ -329,7 +339,7 @@ def choose_config_match(
     elif device.type == "cuda":
         match = tuning_db.find_match(vocab=vocab, hidden=hidden, dtype=dtype, tokens=num_tokens,
                                      device=device if gpu is None else gpu)
-        if match is not None and runs_unforced(match.config.strategy):
+        if match is not None and (strategy_forced or runs_unforced(match.config.strategy)):
             config = one_chunk_entry_config(match, num_tokens)
             source = match.source if config is match.config else (
                 f"{match.source}, one chunk of {config.chunk_tokens} tokens")
