@@ -358,3 +358,18 @@ def test_registered_ops_have_plain_cpu_and_cuda_kernels(name):
         direct = op._fused_forward_body(*args)
         for a, b in zip(through_dispatcher, direct):
             assert torch.equal(a, b)
+
+
+def test_a_memoised_cpu_config_of_a_triton_strategy_follows_triton_interpret(monkeypatch):
+    """op_config memoised the verdict of whether a Triton strategy can run off the GPU, which TRITON_INTERPRET
+    decides at each call: with the variable unset afterwards, a repeated call still got the config (and would
+    have met Triton's own "0 active drivers" at the launch) instead of the error that names the fix."""
+    from flce_compile.plan import choose
+
+    monkeypatch.setattr(choose, "_OP_CONFIGS", {})
+    args = ('{"strategy": "triton"}', 64, 1000, 32, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose.op_config(*args).strategy == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        choose.op_config(*args)

@@ -88,6 +88,8 @@ def op_config(config: str, num_tokens: int, vocab: int, hidden: int, dtype: torc
     """
     key = _op_config_key(config, num_tokens, vocab, hidden, dtype, device)
     cached = _OP_CONFIGS.get(key)
+    if cached is not None and device.type != "cuda":
+        return _runnable(cached, device)  # off the GPU it depends on TRITON_INTERPRET, which the key leaves out
     if cached is None:
         forced = forced_fields(config)
         cached = _resolve(forced, num_tokens, vocab, hidden, dtype, device)[0]
