@@ -259,3 +259,22 @@ def test_the_least_memory_a_budget_error_names_fits_as_the_budget():
     for nbytes in (2**30, 2**30 + 1, 100 * 2**30 + 1, 555155456, 1):
         assert budget_bytes(float(gib_rounded_up(nbytes))) >= nbytes, nbytes
     assert gib_rounded_up(2**30) == "1"
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 0.01])
+@pytest.mark.parametrize("strategy", ["torch", "recompute"])
+def test_class_weights_summing_to_zero_give_nan_gradients_as_eager(strategy, z_loss):
+    """Every valid target's class weight 0: eager's "mean" divides by 0, its loss and gradients are NaN. The
+    recompute loop's backward zeroed the infinite CE factor as if no token were valid, so the gradients came out
+    0 (with a z-loss, finite: training went on under a NaN loss)."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    t, class_weight = torch.tensor([0, 0, 0]), torch.tensor([0.0, 1, 1, 1, 1], dtype=torch.float64)
+    config = {"strategy": strategy, "chunk_tokens": 2, "vocab_block": 2}
+    loss = fused_linear_cross_entropy(h, w, t, ce_weight=class_weight, z_loss=z_loss, config=config)
+    loss.backward()
+    assert loss.isnan() and h.grad.isnan().all() and w.grad.isnan().any()
+    eager_h = h.detach().clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(eager_h @ w.detach().T, t, weight=class_weight).backward()
+    assert eager_h.grad.isnan().all()

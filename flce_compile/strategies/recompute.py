@@ -56,15 +56,17 @@ def row_factors(ops: Operands, p: LossParams, grad_output: torch.Tensor,
                 num_classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The factors of the CE and z-loss terms of each row's gradient: the reduction's scales times grad_output
     (0-dim for mean/sum, per row for "none"), in the loss's math dtype. A fully masked "mean" has infinite
-    scales and every row ignored: its factors are 0, so its gradients are exactly 0. ``num_classes``: all the
-    classes when the weight holds a slice of them (default: its rows)."""
+    scales and every row ignored: its factors are 0, so its gradients are exactly 0. Class weights that sum to
+    0 over the valid tokens leave only the CE scale infinite: that factor stays so, and the gradients are NaN,
+    as eager's and the chunked loop's (``chunked._gradient_scales``). ``num_classes``: all the classes when the
+    weight holds a slice of them (default: its rows)."""
     dtype = math_dtype(ops.x.dtype)
     vocab = num_classes if num_classes is not None else ops.weight.shape[0]
     ce_scale, z_scale = _reduction_scales(ops.target, ops.ce_weight, p, vocab, dtype)
     g = grad_output.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=g.device)
-    return (torch.where(torch.isfinite(ce_scale), ce_scale * g, zero),
-            torch.where(torch.isfinite(z_scale), z_scale * g, zero))
+    valid = torch.isfinite(z_scale)  # some token counted: z_scale is 1 / their count
+    return torch.where(valid, ce_scale * g, zero), torch.where(valid, z_scale * g, zero)
 
 
 def recompute_backward(
