@@ -53,7 +53,7 @@ from .compile_cache_key import key_compile_caches
 from .plan.precision import accum_dtype_for, check_precision
 from .dtensor import describe_layout, is_dtensor, is_vocab_sharded
 from .log import logger
-from .op import _check_first_order, check_targets, op_context
+from .op import TargetError, _check_first_order, check_targets, op_context
 from .params import LossParams, decode_params, encode_params, math_dtype
 from .plan.choose import op_config
 from .plan.config import FLCEConfig, config_overrides
@@ -106,7 +106,7 @@ _CHECKED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, vocab_total: int,
-                  device: torch.device) -> None:
+                  device: torch.device, target: Tensor, ignore_index: int) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
     otherwise give a wrong loss. One all-gather of three numbers per rank and a host read (``_checks_every_call``:
@@ -114,13 +114,29 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
     first outside a CUDA-graph capture); later calls there have the device-side guard (each rank's layout
     rides in ``_slice_stats``' all-gather, ``_tiles`` checks it, ``_combine`` returns a NaN loss). Every rank
     checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
-    and none waits in a collective for a rank that raised."""
+    and none waits in a collective for a rank that raised. The same all-gather carries whether this rank's
+    ``target`` failed ``check_targets`` (CPU targets, or FLCE_DEBUG=1): a bad label on one rank's copy raises a
+    TargetError on every rank."""
     if not _checks_every_call(group) and (group in _CHECKED_GROUPS or _capturing()):
+        check_targets(target, vocab_total, ignore_index)
         return
-    problem = _tiling_problem(_all_gathered(group, [vocab_start, v_local, vocab_total], device).tolist())
+    try:
+        check_targets(target, vocab_total, ignore_index)
+        refused = None
+    except TargetError as exc:
+        refused = exc
+    every = _all_gathered(group, [vocab_start, v_local, vocab_total, refused is not None], device).tolist()
+    problem = _tiling_problem([row[:3] for row in every])
     if problem is not None:
         raise ValueError(problem)
     _CHECKED_GROUPS.add(group)
+    if refused is not None:
+        raise refused
+    bad = [rank for rank, row in enumerate(every) if row[3]]
+    if bad:
+        raise TargetError(f"the targets of rank(s) {', '.join(map(str, bad))} hold class ids outside [0, "
+                          f"{vocab_total}) and not ignore_index={ignore_index} (every rank raises this): fix the "
+                          "labels there; the targets must be the same on every rank")
 
 
 def _capturing() -> bool:
@@ -253,10 +269,9 @@ def vocab_parallel_cross_entropy_op(
     [vocab_start, +V_local) of ``vocab_total``, over the group ``group_name``; see the module docstring.
     ``accum_dtype`` is for backward."""
     group = _group(group_name)
-    # First: a rank whose own checks raised while the others waited in a collective would hang them.
-    _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device)
     p = decode_params(params)
-    check_targets(target, vocab_total, p.ignore_index)
+    # First: a rank whose own checks raised while the others waited in a collective would hang them.
+    _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device, target, p.ignore_index)
     ops = Operands(input, weight, target, bias, ce_weight)
     logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
                  vocab_start + weight.shape[0], vocab_total)

@@ -365,6 +365,8 @@ def _errors(mesh, group) -> dict:
             x, w[:24] if rank == 0 else w[24:], t, group=group, vocab_start=0 if rank == 0 else 24, vocab_size=24),
         "none_weight_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:12] if rank == 0 else None, t, group=group),
+        "target_range_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t if rank == 0 else t.clamp(max=V - 1) + 1, group=group),
         "uneven_ce_weight": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:13] if rank == 0 else w[13:], t, group=group, ce_weight=torch.ones(24)),
         "uneven_given": lambda: fc.vocab_parallel_linear_cross_entropy(
@@ -579,6 +581,7 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("off_by_one_start", ["refused on 1 of 2 ranks", "rank 1: ValueError: vocab_start=13"]),
     ("empty_shard", ["refused on 1 of 2 ranks", "rank 1: ValueError: weight has no classes"]),
     ("none_weight_one_rank", ["refused on 1 of 2 ranks", "rank 1: AttributeError"]),
+    ("target_range_one_rank", ["TargetError: ", "outside [0, 24)"]),  # rank 1's own; rank 0: "of rank(s) 1"
     ("uneven_ce_weight", ["refused on 2 of 2 ranks", "rank 0: ValueError: ce_weight", "(26,)", "rank 1:", "(22,)",
                           "vocab_size="]),
 ])
@@ -588,6 +591,15 @@ def test_errors_name_the_fix(ranks, name, fragments):
         assert message.split(":")[0] in ("ValueError", "TargetError"), message  # (TargetError: a ValueError)
         for fragment in fragments:
             assert fragment in message, (fragment, message)
+
+
+def test_a_bad_label_on_one_ranks_targets_raises_on_every_rank(ranks):
+    """The label check ran in the op after the layout's all-gather and before the statistics', so the other
+    ranks waited in the second until the process group's timeout (30 minutes by default): the first carries
+    each rank's verdict now."""
+    own, other = ranks[1]["errors"]["target_range_one_rank"], ranks[0]["errors"]["target_range_one_rank"]
+    assert own.startswith("TargetError: target holds class id ") and "outside [0, 24)" in own
+    assert other.startswith("TargetError: the targets of rank(s) 1 hold class ids outside [0, 24)")
 
 
 def test_uneven_local_shards_with_their_offsets_are_accepted(ranks):
