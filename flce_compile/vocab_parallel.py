@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import weakref
+import zlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -105,8 +106,34 @@ def _checks_every_call(group: dist.ProcessGroup) -> bool:
 _CHECKED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 
 
+#: The fields of ``_call_digest``, as the error that names a difference says them.
+_CALL_FIELDS = ("tokens", "hidden size", "dtype", "loss options", "bias", "ce_weight")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def _call_digest(input: Tensor, params: str, has_bias: bool, has_ce_weight: bool) -> list[int]:
+    """What must be the same on every rank of a call, as ints for the layout check's all-gather (``_CALL_FIELDS``):
+    a rank whose copy differs would give its own loss, or mismatched collectives (gloo aborts the process)."""
+    return [input.shape[0], input.shape[1], _DTYPE_CODES.get(input.dtype, 9),
+            zlib.crc32(params.encode()), int(has_bias), int(has_ce_weight)]
+
+
+def _call_problem(calls: list[list[int]]) -> str | None:
+    """Why the ranks' ``_call_digest`` rows differ, naming each differing field per rank, or None."""
+    fields = [i for i in range(len(_CALL_FIELDS)) if len({row[i] for row in calls}) > 1]
+    if not fields:
+        return None
+    names = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
+    shown = [", ".join(f"rank {rank} {names.get(row[i], row[i]) if _CALL_FIELDS[i] == 'dtype' else row[i]}"
+                       for rank, row in enumerate(calls)) for i in fields]
+    return ("vocab_parallel_linear_cross_entropy: the ranks' calls differ (every rank raises this): "
+            + "; ".join(f"{_CALL_FIELDS[i]}: {text}" for i, text in zip(fields, shown))
+            + ". The input, targets and loss options must be the same on every rank (loss options: a digest of "
+            "reduction, ignore_index, label_smoothing, softcap, logit_scale, z_loss)")
+
+
 def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, vocab_total: int,
-                  device: torch.device, target: Tensor, ignore_index: int) -> None:
+                  device: torch.device, target: Tensor, ignore_index: int, call: list[int]) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
     otherwise give a wrong loss. One all-gather of three numbers per rank and a host read (``_checks_every_call``:
@@ -116,7 +143,8 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
     checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
     and none waits in a collective for a rank that raised. The same all-gather carries whether this rank's
     ``target`` failed ``check_targets`` (CPU targets, or FLCE_DEBUG=1): a bad label on one rank's copy raises a
-    TargetError on every rank."""
+    TargetError on every rank; and the rank's ``call`` (``_call_digest``): a rank whose input shape, dtype or loss
+    options differ raises a ValueError on every rank."""
     if not _checks_every_call(group) and (group in _CHECKED_GROUPS or _capturing()):
         check_targets(target, vocab_total, ignore_index)
         return
@@ -125,8 +153,8 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
         refused = None
     except TargetError as exc:
         refused = exc
-    every = _all_gathered(group, [vocab_start, v_local, vocab_total, refused is not None], device).tolist()
-    problem = _tiling_problem([row[:3] for row in every])
+    every = _all_gathered(group, [vocab_start, v_local, vocab_total, refused is not None, *call], device).tolist()
+    problem = _tiling_problem([row[:3] for row in every]) or _call_problem([row[4:] for row in every])
     if problem is not None:
         raise ValueError(problem)
     _CHECKED_GROUPS.add(group)
@@ -271,7 +299,8 @@ def vocab_parallel_cross_entropy_op(
     group = _group(group_name)
     p = decode_params(params)
     # First: a rank whose own checks raised while the others waited in a collective would hang them.
-    _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device, target, p.ignore_index)
+    _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device, target, p.ignore_index,
+                  _call_digest(input, params, bias is not None, ce_weight is not None))
     ops = Operands(input, weight, target, bias, ce_weight)
     logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
                  vocab_start + weight.shape[0], vocab_total)

@@ -365,6 +365,15 @@ def _errors(mesh, group) -> dict:
             x, w[:24] if rank == 0 else w[24:], t, group=group, vocab_start=0 if rank == 0 else 24, vocab_size=24),
         "none_weight_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:12] if rank == 0 else None, t, group=group),
+        # the same input and options on every rank, or an error on every rank (not gloo's abort, not a loss per rank)
+        "tokens_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x if rank == 0 else x[:9], w[:12], t if rank == 0 else t[:9], group=group),
+        "hidden_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x if rank == 0 else x[:, :7], w[:12] if rank == 0 else w[:12, :7], t, group=group),
+        "dtype_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x if rank == 0 else x.double(), w[:12] if rank == 0 else w[:12].double(), t, group=group),
+        "reduction_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t, group=group, reduction="mean" if rank == 0 else "sum"),
         "target_range_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:12], t if rank == 0 else t.clamp(max=V - 1) + 1, group=group),
         "uneven_ce_weight": lambda: fc.vocab_parallel_linear_cross_entropy(
@@ -582,6 +591,10 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("empty_shard", ["refused on 1 of 2 ranks", "rank 1: ValueError: weight has no classes"]),
     ("none_weight_one_rank", ["refused on 1 of 2 ranks", "rank 1: AttributeError"]),
     ("target_range_one_rank", ["TargetError: ", "outside [0, 24)"]),  # rank 1's own; rank 0: "of rank(s) 1"
+    ("tokens_one_rank", ["the ranks' calls differ", "tokens: rank 0 10, rank 1 9", "the same on every rank"]),
+    ("hidden_one_rank", ["the ranks' calls differ", "hidden size: rank 0 8, rank 1 7"]),
+    ("dtype_one_rank", ["the ranks' calls differ", "dtype: rank 0 float32, rank 1 float64"]),
+    ("reduction_one_rank", ["the ranks' calls differ", "loss options: rank 0 "]),
     ("uneven_ce_weight", ["refused on 2 of 2 ranks", "rank 0: ValueError: ce_weight", "(26,)", "rank 1:", "(22,)",
                           "vocab_size="]),
 ])
