@@ -136,7 +136,7 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
                   device: torch.device, target: Tensor, ignore_index: int, call: list[int]) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
-    otherwise give a wrong loss. One all-gather of three numbers per rank and a host read (``_checks_every_call``:
+    otherwise give a wrong loss. One all-gather of ten numbers per rank and a host read (``_checks_every_call``:
     at every call on the CPU; on the GPU, where the read is a host sync, at the group's first call only, or the
     first outside a CUDA-graph capture); later calls there have the device-side guard (each rank's layout
     rides in ``_slice_stats``' all-gather, ``_tiles`` checks it, ``_combine`` returns a NaN loss). Every rank
