@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import weakref
 import zlib
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,8 @@ def _call_problem(calls: list[list[int]]) -> str | None:
 
 
 def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, vocab_total: int,
-                  device: torch.device, target: Tensor, ignore_index: int, call: list[int]) -> None:
+                  device: torch.device, target: Tensor, ignore_index: int,
+                  call: Callable[[], list[int]]) -> None:
     """Raise the same ValueError on every rank when the ranks' shards do not tile the classes [0, V): uneven
     shards given as local tensors without ``vocab_start``/``vocab_size``, whose defaults assume equal ones, would
     otherwise give a wrong loss. One all-gather of ten numbers per rank and a host read (``_checks_every_call``:
@@ -143,8 +144,8 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
     checks the same gathered numbers and every rank of a group makes the same calls, so all raise or none does,
     and none waits in a collective for a rank that raised. The same all-gather carries whether this rank's
     ``target`` failed ``check_targets`` (CPU targets, or FLCE_DEBUG=1): a bad label on one rank's copy raises a
-    TargetError on every rank; and the rank's ``call`` (``_call_digest``): a rank whose input shape, dtype or loss
-    options differ raises a ValueError on every rank."""
+    TargetError on every rank; and the rank's ``call()`` (``_call_digest``, formed only when the check runs): a
+    rank whose input shape, dtype or loss options differ raises a ValueError on every rank."""
     if not _checks_every_call(group) and (group in _CHECKED_GROUPS or _capturing()):
         check_targets(target, vocab_total, ignore_index)
         return
@@ -153,7 +154,7 @@ def _check_tiling(group: dist.ProcessGroup, vocab_start: int, v_local: int, voca
         refused = None
     except TargetError as exc:
         refused = exc
-    every = _all_gathered(group, [vocab_start, v_local, vocab_total, refused is not None, *call], device).tolist()
+    every = _all_gathered(group, [vocab_start, v_local, vocab_total, refused is not None, *call()], device).tolist()
     problem = _tiling_problem([row[:3] for row in every]) or _call_problem([row[4:] for row in every])
     if problem is not None:
         raise ValueError(problem)
@@ -300,7 +301,7 @@ def vocab_parallel_cross_entropy_op(
     p = decode_params(params)
     # First: a rank whose own checks raised while the others waited in a collective would hang them.
     _check_tiling(group, vocab_start, weight.shape[0], vocab_total, input.device, target, p.ignore_index,
-                  _call_digest(input, params, bias is not None, ce_weight is not None))
+                  lambda: _call_digest(input, params, bias is not None, ce_weight is not None))
     ops = Operands(input, weight, target, bias, ce_weight)
     logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
                  vocab_start + weight.shape[0], vocab_total)

@@ -144,12 +144,7 @@ def _nodes_in(value: Any) -> tuple[fx.Node, ...]:
 
 
 def _out_nodes(node: fx.Node) -> tuple[fx.Node, ...]:
-    out = node.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return (out,)
-    if isinstance(out, (tuple, list)):
-        return tuple(n for n in out if isinstance(n, fx.Node))
-    return ()
+    return _nodes_in(node.kwargs.get("out"))
 
 
 def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:

@@ -81,8 +81,9 @@ MAX_SHAPE_DISTANCE = 1.5
 #: GPU kinds whose configs carry over to one another: the same SM design (shared memory, registers, tensor cores),
 #: so a config tuned on one runs as it was measured on the others, and its chunk and tile trade-offs hold there. A
 #: kind with no entry for a call, or only a farther one, reads its family's (``_lookup_in_family``). Measured for
-#: the Hopper kinds: on an H100 (then without entries of its own), the H200's entries ran the four multi-chunk benchmark
-#: shapes in 4-20% less time than the heuristic's (``benchmarks/results/bench_flce_NVIDIA_H100_80GB_HBM3_s40_h100_*``).
+#: the Hopper kinds: on an H100 (then without entries of its own), the H200's entries ran the four multi-chunk
+#: benchmark shapes in 4-20% less time than the heuristic's
+#: (``benchmarks/results/bench_flce_NVIDIA_H100_80GB_HBM3_s40_h100_*``).
 #: A MIG slice ("h100_mig") is in no family: it has a fraction of the SMs and memory.
 GPU_FAMILIES: dict[str, str] = {"h100": "hopper", "h200": "hopper", "h800": "hopper", "gh200": "hopper"}
 
