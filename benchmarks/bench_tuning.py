@@ -167,18 +167,18 @@ def entries_served(entries: Sequence[Any], kind: str, *, own_only: bool = False)
 
 
 def answered_with(e: Any, kind: str) -> bool:
-    """Whether the tuning DB's lookup for a call on GPU ``kind`` at ``e``'s (V, H, dtype, token bucket) answers
-    with ``e`` (a budget-tier entry: the first of the tier entries a call with a budget of its tier may use)."""
-    from flce_compile.plan.choose import runs_unforced  # noqa: PLC0415
+    """Whether the op's pick for a call on GPU ``kind`` at ``e``'s (V, H, dtype, token bucket) comes from ``e``
+    (``plan.choose.choose_config_match``, as a call without options; a budget-tier entry: the first of the tier
+    entries a call with a budget of its tier may use)."""
+    from flce_compile.plan.choose import choose_config_match  # noqa: PLC0415
     from flce_compile.tuning import db  # noqa: PLC0415
 
-    shape = dict(vocab=e.vocab, hidden=e.hidden, dtype=e.dtype, tokens=e.tokens, device=kind)
     if e.budget_tier_gb is None:
-        if not runs_unforced(e.config.strategy):  # the op answers with the heuristic there (plan.choose)
-            return False
-        match = db.find_match(**shape)
+        match = choose_config_match(e.tokens, e.vocab, e.hidden, db.torch_dtype(e.dtype), torch.device("cuda"),
+                                    gpu=kind)[2]
     else:
-        matches = db.find_budget_matches(**shape, budget_gb=e.budget_tier_gb)
+        matches = db.find_budget_matches(vocab=e.vocab, hidden=e.hidden, dtype=e.dtype, tokens=e.tokens,
+                                         device=kind, budget_gb=e.budget_tier_gb)
         match = matches[0] if matches else None
     return match is not None and match.entry == e
 
