@@ -282,9 +282,9 @@ class Entry:
             tokens=token_bucket(tokens),
             config=FLCEConfig.from_dict(data["config"]),
             ms=ms,
-            peak_gb=_opt_float(data.get("peak_gb")),
-            default_ms=_opt_float(data.get("default_ms")),
-            default_peak_gb=_opt_float(data.get("default_peak_gb")),
+            peak_gb=_opt_float(data, "peak_gb"),
+            default_ms=_opt_float(data, "default_ms"),
+            default_peak_gb=_opt_float(data, "default_peak_gb"),
             trials=int(data.get("trials") or 0),
             torch=data.get("torch"),
             triton=data.get("triton"),
@@ -302,8 +302,15 @@ def _positive_int(data: Mapping[str, Any], name: str) -> int:
     return value
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _opt_float(data: Mapping[str, Any], name: str) -> float | None:
+    """``data[name]`` as a finite float, or None when absent/null. A string, a bool or a non-finite number (JSON's
+    ``1e999`` reads as infinity) is an error: the writer could not write it back as strict JSON."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number or null")
+    return float(value)
 
 
 class DBFileError(ValueError):
@@ -333,10 +340,21 @@ def _parse_json(path: Path, raw: bytes) -> Any:
         raise DBCorruptError(f"tuning DB file {path} is not valid JSON ({exc}); {fix}") from exc
 
 
-def parse_file(path: Path) -> tuple[list[Entry], list[str]]:
-    """Read one file; returns its valid entries and a list of per-entry problems. Raises DBFileError (its
-    subclass DBCorruptError for bytes that are not strict JSON, which the writer moves aside), or
-    FileNotFoundError for a missing file."""
+@dataclass(frozen=True)
+class FileScan:
+    """What one file holds: its valid ``entries`` (one a key, the file's last), the per-entry ``problems``, the
+    raw objects this version cannot parse (``unread``: a plugin strategy's entries, fields of a newer
+    version, hand edits; a rewrite keeps them as they are) and the file's ``schema_version``."""
+
+    entries: list[Entry]
+    problems: list[str]
+    unread: list[Mapping[str, Any]]
+    schema_version: int
+
+
+def scan_file(path: Path) -> FileScan:
+    """Read one file. Raises DBFileError (its subclass DBCorruptError for bytes that are not strict JSON, which
+    the writer moves aside), or FileNotFoundError for a missing file."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -359,6 +377,7 @@ def parse_file(path: Path) -> tuple[list[Entry], list[str]]:
         raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
     by_key: dict[tuple, tuple[int, Entry]] = {}  # one entry a key, the file's last (a hand edit can repeat one)
     problems: list[str] = []
+    unread: list[Mapping[str, Any]] = []
     for i, item in enumerate(raw_entries):
         try:
             if not isinstance(item, Mapping):
@@ -366,12 +385,21 @@ def parse_file(path: Path) -> tuple[list[Entry], list[str]]:
             entry = Entry.from_dict(item)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
             problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
+            if isinstance(item, Mapping):
+                unread.append(item)
             continue
         if entry.key in by_key:
             problems.append(f"entry {by_key[entry.key][0]}: the same GPU kind, V, H, dtype, token bucket and tier as "
                             f"entry {i}, which is used instead")
         by_key[entry.key] = (i, entry)
-    return [entry for _, entry in sorted(by_key.values(), key=lambda pair: pair[0])], problems
+    entries = [entry for _, entry in sorted(by_key.values(), key=lambda pair: pair[0])]
+    return FileScan(entries, problems, unread, version)
+
+
+def parse_file(path: Path) -> tuple[list[Entry], list[str]]:
+    """Read one file; returns its valid entries and a list of per-entry problems (``scan_file``'s)."""
+    scan = scan_file(path)
+    return scan.entries, scan.problems
 
 
 def read_file(path: str | os.PathLike[str], *, strict: bool = False) -> list[Entry]:

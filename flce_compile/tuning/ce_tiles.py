@@ -87,8 +87,9 @@ def retunable(entry: Entry) -> str | None:
 
 
 def ce_rows(entry: Entry) -> int:
-    """The rows of the chunk the entry's config launches the CE step on."""
-    return max(1, min(entry.config.chunk_tokens, entry.tokens))
+    """The rows of the chunk the entry's config launches the CE step on, at the token count the entry was timed
+    at (``measured_tokens``: a ``--tokens 10000`` entry's bucket is 8192, its chunk may hold 10000)."""
+    return max(1, min(entry.config.chunk_tokens, entry.measured_tokens))
 
 
 #: times a CE step: (rows, vocab, dtype, tile) -> median ms

@@ -490,9 +490,26 @@ def _studies(args: argparse.Namespace) -> list[tuple[int, int, int]]:
         shapes = args.shapes
     else:
         shapes = [(args.vocab, args.hidden)]
-    tokens = args.tokens or ([8192] if args.shipped_set else [16384])
+    tokens = _one_per_bucket(args.tokens or ([8192] if args.shipped_set else [16384]))
     # token-major: every shape gets its first bucket before any shape gets a second one
     return [(v, h, t) for t in tokens for v, h in shapes]
+
+
+def _one_per_bucket(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` with one count per token bucket, the first given: a DB file holds one entry a bucket, so a
+    second study of it would spend device time only to overwrite the first one's entry."""
+    from . import db  # noqa: PLC0415
+
+    kept: dict[int, int] = {}
+    for t in tokens:
+        bucket = db.token_bucket(t)
+        if bucket in kept:
+            if t != kept[bucket]:
+                print(f"flce-tune: --tokens {t} shares the {bucket}-token bucket with {kept[bucket]}; tuning "
+                      f"{kept[bucket]} only (the DB holds one entry a bucket)", file=sys.stderr)
+            continue
+        kept[bucket] = t
+    return list(kept.values())
 
 
 def _time_share(left: float, studies: Sequence[tuple[int, int, int]]) -> float:
@@ -540,7 +557,11 @@ def _cuda_device(args: argparse.Namespace) -> Any:
     """--device as an indexed CUDA device, made current; None after saying why when it is not a CUDA device."""
     import torch  # noqa: PLC0415
 
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        print(f"flce-tune: --device {args.device!r} is not a device; use e.g. --device cuda:0", file=sys.stderr)
+        return None
     if device.type != "cuda":
         print(f"flce-tune: --device {args.device} is not a CUDA device; use e.g. --device cuda:0", file=sys.stderr)
         return None
@@ -559,6 +580,8 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     _validate_shape_args(p, args)
     if args.trials is not None and args.trials < 1:
         p.error(f"--trials must be >= 1, got {args.trials}")
+    if not 0 <= args.seed < 2**32:
+        p.error(f"--seed must be in [0, 2**32 - 1] (the sampler's seed range), got {args.seed}")
     _validate_timing_args(p, args, (("budget_gb", "GiB"), ("timeout", "seconds"), ("time_budget_s", "seconds")))
     if args.budget_over_default_gb is not None and not (math.isfinite(args.budget_over_default_gb)
                                                         and args.budget_over_default_gb >= 0):
@@ -649,6 +672,23 @@ def _output_file(args: argparse.Namespace, kind: str) -> Path | None:
     return args.out if args.out.suffix == ".json" else args.out / f"{kind}.json"
 
 
+def _writable_target(args: argparse.Namespace, target: Path) -> bool:
+    """Whether the results can go to ``target``; after saying why not, False. Asked before the first study, so
+    a run never spends device time on results it then cannot keep."""
+    from . import db  # noqa: PLC0415
+
+    if args.out is not None and args.out.suffix != ".json" and args.out.is_file():
+        print(f"flce-tune: --out {args.out} is a file but not a .json one; name a .json file or a directory (results "
+              f"go to <dir>/<GPU kind>.json)", file=sys.stderr)
+        return False
+    try:
+        db.check_target(target)
+    except (OSError, db.DBFileError) as exc:
+        print(f"flce-tune: cannot write the results to {target}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_tune(args: argparse.Namespace, started: float) -> int:
     import torch  # noqa: PLC0415
 
@@ -687,6 +727,8 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     target = _output_file(args, kind)
     if target is None:
         print(f"flce-tune: nowhere to write the results: {NO_USER_DB} (or --out DIR)", file=sys.stderr)
+        return 2
+    if not _writable_target(args, target):
         return 2
     keep_dir = _studies_dir(args) if args.keep_studies > 0 else None
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
@@ -776,7 +818,13 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
         note = result.stopped
         if result.failures():
             note += " (" + ", ".join(f"{k} {v}" for k, v in sorted(result.failures().items())) + ")"
-        if result.best is not None and result.best_ms is not None:
+        if result.best is not None and not result.db_config_tried:
+            # Its winner was never measured against the entry that answers now (a tuned one, say): writing it
+            # would replace that entry with an unproven config, and --skip-existing would then keep it.
+            print(f"flce-tune: {label}: stopped after {result.n_measured} trials, before trying the tuning DB's "
+                  f"current answer; not written (give more --trials or time)", file=sys.stderr)
+            note += " (NOT WRITTEN: the DB's answer untried)"
+        elif result.best is not None and result.best_ms is not None:
             versions = db.versions()
             entry = db.Entry(
                 device=kind, vocab=vocab, hidden=hidden, dtype=args.dtype, tokens=db.token_bucket(tokens),
@@ -906,6 +954,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import db  # noqa: PLC0415
 
         db.invalidate_cache()  # lookups re-check the environment only once a second
+    user = _user_path(args)
+    if user is not None and (not user.name or user.is_dir()):
+        parser.error(f"the tuning DB {user} ({'--db' if args.db else '$FLCE_TUNING_DB'}) is a directory; name a .json "
+                     f"file, e.g. {user / 'tuning_db.json'}")
     from .which import is_gpu_kind  # noqa: PLC0415
 
     if args.device_kind is not None and not is_gpu_kind(args.device_kind):

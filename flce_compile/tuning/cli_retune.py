@@ -96,7 +96,16 @@ def retune_ce_tiles(args: argparse.Namespace, target: Path, device: Any,
             rows.append((label, ce_tiles.tile_name(ce_tiles.tile_of(entry.config)), "-", "-", "-",
                          f"kept: {result.skipped}"))
             continue
-        db.write_entries(target, [result.new])
+        try:
+            db.write_entries(target, [result.new], unchanged=[entry])
+        except db.DBConflictError:
+            rows.append((label, "-", "-", "-", "-", "skipped (rewritten by another tuner meanwhile)"))
+            continue
+        except (OSError, ValueError) as exc:  # DBFileError is a ValueError; the next entry may still be written
+            print(f"flce-tune: could not write {label} to {target}: {exc}", file=sys.stderr)
+            rows.append((label, "-", "-", "-", "-", "NOT WRITTEN"))
+            status = 1
+            continue
         written += 1
         pick = result.pick
         note = "default faster: took it" if result.took_default else ("new tile" if pick.changed else "tile kept")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -40,6 +41,7 @@ from ..plan.tuning_db import (
     normalize_dtype,
     parse_file,
     read_file,
+    scan_file,
     schema_version_for,
     shipped_dirs,
     shipped_files,
@@ -54,7 +56,7 @@ __all__ = [  # the read side's public names, then the writer's
     "PLAIN_SCHEMA_VERSION", "SCHEMA_VERSION", "DBCorruptError", "DBFileError", "Entry", "Match", "device_key",
     "find_budget_matches", "find_match", "invalidate_cache", "load_entries", "lookup", "normalize_device_name",
     "normalize_dtype", "parse_file", "read_file", "schema_version_for", "shipped_dirs", "shipped_files", "token_bucket", "torch_dtype", "user_db_path",
-    "export_shipped", "now_iso", "versions", "write_entries",
+    "scan_file", "check_target", "DBConflictError", "export_shipped", "now_iso", "versions", "write_entries",
 ]
 
 
@@ -73,54 +75,146 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def _dump(entries: Iterable[Entry]) -> str:
-    """The file's text: entries in key order (plain before tiers), under the lowest schema version that holds
-    them (``schema_version_for``)."""
+def _dump(entries: Iterable[Entry], unread: Sequence[Mapping[str, Any]] = (), min_version: int = 1) -> str:
+    """The file's text: entries in key order (plain before tiers), then the ``unread`` raw objects as they were,
+    under the lowest schema version that holds them (``schema_version_for``; at least ``min_version``, the
+    version of the file the unread objects came from). Strict JSON: a NaN or infinity raises ValueError."""
     ordered = sorted(entries, key=lambda e: e.sort_key)
-    payload = {"format": FORMAT, "schema_version": schema_version_for(ordered),
-               "entries": [e.to_dict() for e in ordered]}
-    return json.dumps(payload, indent=1, sort_keys=False) + "\n"
+    version = max(schema_version_for(ordered), min_version if unread else 1)
+    payload = {"format": FORMAT, "schema_version": version,
+               "entries": [e.to_dict() for e in ordered] + list(unread)}
+    return json.dumps(payload, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
 
-def _entries_to_keep(path: Path) -> list[Entry]:
-    """The entries of the file a write merges into. A corrupt file (DBCorruptError) is moved aside to
-    ``<path>.corrupt`` with a warning; a foreign, newer-schema or unreadable one is never overwritten."""
+class DBConflictError(RuntimeError):
+    """A write based on an entry that another writer has changed since (``write_entries(unchanged=...)``)."""
+
+
+def _check_finite(entries: Sequence[Entry]) -> None:
+    """Entries a strict JSON reader (ours) can read back: every time and peak finite."""
+    for e in entries:
+        for name in ("ms", "peak_gb", "default_ms", "default_peak_gb"):
+            value = getattr(e, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"tuning DB entry {e.key}: {name}={value!r} must be a finite number (or None for "
+                                 f"peak_gb, default_ms and default_peak_gb); it was not written")
+
+
+def _aside_name(path: Path) -> Path:
+    """A new name for a corrupt file moved aside: ``<path>.corrupt``, or ``.corrupt.1``, ``.2`` ... when that is
+    taken, so an earlier corrupt copy is never overwritten."""
+    aside = path.with_name(path.name + ".corrupt")
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt.{n}")
+    return aside
+
+
+def _raw_key(item: Mapping[str, Any]) -> tuple | None:
+    """An unread object's entry key where its key fields parse (so a new entry of that key replaces it), else
+    None."""
     try:
-        old, problems = parse_file(path)
+        return (normalize_device_name(item["device"]), int(item["vocab"]), int(item["hidden"]),
+                normalize_dtype(item["dtype"]), token_bucket(int(item["tokens"])),
+                None if item.get("budget_tier_gb") is None else float(item["budget_tier_gb"]))
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def _strict_json(item: Mapping[str, Any]) -> bool:
+    try:
+        json.dumps(item, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _file_to_merge(path: Path) -> tuple[list[Entry], list[Mapping[str, Any]], int]:
+    """The entries of the file a write merges into, the raw objects this version cannot parse (kept as they
+    are: a plugin strategy's entries, fields of a newer version) and the file's schema version. A corrupt file
+    (DBCorruptError) is moved aside to ``<path>.corrupt`` (never over an earlier one) with a warning; a foreign,
+    newer-schema or unreadable one is never overwritten (DBFileError)."""
+    try:
+        scan = scan_file(path)
     except FileNotFoundError:
-        return []
+        return [], [], 1
     except DBCorruptError as exc:
-        aside = path.with_name(path.name + ".corrupt")
+        aside = _aside_name(path)
         os.replace(path, aside)
         logger.warning("%s; moved it to %s and started a new file", exc, aside)
-        return []
+        return [], [], 1
     except DBFileError as exc:
         raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
-    if problems:
-        logger.warning("tuning DB file %s: dropping %d malformed entries on rewrite (%s)", path, len(problems), problems[0])
-    return old
+    unread = [item for item in scan.unread if _strict_json(item)]
+    if len(unread) < len(scan.unread):
+        logger.warning("tuning DB file %s: dropping %d entries with non-finite numbers on rewrite", path,
+                       len(scan.unread) - len(unread))
+    if unread:
+        logger.info("tuning DB file %s: keeping %d entries this version cannot read as they are", path, len(unread))
+    return scan.entries, unread, scan.schema_version
+
+
+def check_target(path: str | os.PathLike[str], lock_timeout: float = 60.0) -> Path:
+    """Raise now what ``write_entries(path, ...)`` would raise later for the file itself (a foreign or
+    newer-schema file: DBFileError; a directory that cannot hold the file or its lock: OSError), so a tuner
+    can refuse before it spends device time on results it could not keep. Writes nothing but the lock file and
+    the parent directory."""
+    target = atomic.real_path(Path(path))
+    if target.is_dir():
+        raise IsADirectoryError(f"the tuning DB path {path} is a directory; name a .json file in it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.file_lock(target, lock_timeout):
+        try:
+            scan_file(target)
+        except FileNotFoundError:
+            pass
+        except DBCorruptError:
+            pass  # the write moves it aside: nothing is lost
+        except DBFileError as exc:
+            raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"cannot write the tuning DB {path}: its directory {target.parent} is not writable")
+    return Path(path)
 
 
 def write_entries(
-    path: str | os.PathLike[str], entries: Sequence[Entry], *, replace: bool = False, lock_timeout: float = 60.0
+    path: str | os.PathLike[str], entries: Sequence[Entry], *, replace: bool = False, lock_timeout: float = 60.0,
+    unchanged: Sequence[Entry] = (),
 ) -> Path:
     """Merge ``entries`` into the file at ``path`` (new entries replace old ones with the same key: a budget-tier
-    entry replaces only the entry of its own tier, never the plain one) and return the path. With ``replace=True`` the file holds exactly ``entries``.
+    entry replaces only the entry of its own tier, never the plain one) and return the path. With
+    ``replace=True`` the file holds exactly ``entries``.
 
     Safe with several writers and with writers killed mid-write: see ``atomic``. The read-merge-write happens
     under a file lock, temporary files a killed writer left are swept first, and the file is replaced
     atomically, keeping its permission bits; a symlinked path is written through (the link stays a link). A
     corrupt existing file is moved aside to ``<path>.corrupt`` (with a warning) rather than merged; a foreign
-    or newer-schema file is never overwritten (DBFileError).
+    or newer-schema file is never overwritten (DBFileError), with ``replace`` too. Entries this version cannot
+    parse (a plugin strategy's, a newer version's) are kept as they are unless ``replace`` or a new entry of
+    their key replaces them. An entry with a non-finite time or peak raises ValueError, writing nothing.
+
+    ``unchanged``: entries read earlier that the new ones were derived from; if the file no longer holds one of
+    them with the same config (another tuner rewrote it meanwhile), DBConflictError is raised and nothing is
+    written, so a slow read-modify-write never undoes a newer result.
     """
+    _check_finite(entries)
     p = Path(path).expanduser()
     target = atomic.real_path(p)
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic.file_lock(target, lock_timeout):
         atomic.sweep_stale_temps(target)
-        merged = {} if replace else {e.key: e for e in _entries_to_keep(target)}
+        old, unread, version = _file_to_merge(target)
+        held = {e.key: e.config for e in old}
+        for e in unchanged:
+            if held.get(e.key) != e.config:
+                raise DBConflictError(f"{p}: the entry {e.key} changed since it was read (another flce-tune wrote it); "
+                                      "not overwritten")
+        merged = {} if replace else {e.key: e for e in old}
         merged.update((e.key, e) for e in entries)
-        atomic.replace_text(target, _dump(merged.values()))
+        new_keys = {e.key for e in entries}
+        kept = [] if replace else [item for item in unread if _raw_key(item) not in new_keys]
+        atomic.replace_text(target, _dump(merged.values(), kept, version))
     invalidate_cache()
     logger.debug("tuning DB: wrote %d entries to %s", len(entries), p)
     return p

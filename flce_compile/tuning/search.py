@@ -99,6 +99,8 @@ class SearchResult:
     records: list[TrialRecord] = field(default_factory=list)
     elapsed_s: float = 0.0
     stopped: str = "done"
+    #: The database's current answer the study was seeded with (as the space spells it), or None.
+    db_config: FLCEConfig | None = None
     #: The Optuna study the search ran (in memory, or in the ``storage`` given to ``run_search``): its trials
     #: are what ``tuning.plots`` draws. None if the study could not be created.
     study: Any = field(default=None, repr=False, compare=False)
@@ -106,6 +108,12 @@ class SearchResult:
     @property
     def n_measured(self) -> int:
         return sum(r.measured for r in self.records)
+
+    @property
+    def db_config_tried(self) -> bool:
+        """Whether the database's current answer, if there is one, had a trial (measured, pruned by the budget,
+        failed, or answered as a duplicate). A study that stopped before it cannot say its winner beats it."""
+        return self.db_config is None or any(r.config == self.db_config for r in self.records)
 
     @property
     def speedup(self) -> float | None:
@@ -216,7 +224,7 @@ def run_search(
     space = space.including(seeds)
 
     result = SearchResult(best=None, best_ms=None, best_peak_bytes=None, default=default, default_ms=None,
-                          default_peak_bytes=None)
+                          default_peak_bytes=None, db_config=db_config)
     cache: dict[FLCEConfig, TrialRecord] = {}
     use_set_constraint = _has_set_constraint()
     idle = 0
