@@ -35,6 +35,7 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
               reduction: str, label_smoothing: float, softcap: float | Tensor | None) -> None:
     if not isinstance(input, Tensor) or not isinstance(weight, Tensor) or not isinstance(target, Tensor):
         raise TypeError("input, weight and target must be tensors")
+    _check_dense(input=input, weight=weight, target=target, bias=bias, ce_weight=ce_weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
     if weight.shape[0] == 0:
@@ -84,12 +85,29 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
                 f"ce_weight must be a floating tensor of shape ({weight.shape[0]},) (a weight per class), "
                 f"got {tuple(ce_weight.shape)} {ce_weight.dtype}"
             )
-        if ce_weight.device != weight.device:
-            raise ValueError(f"ce_weight must be on {weight.device}, got {ce_weight.device}")
-        if ce_weight.requires_grad and torch.is_grad_enabled():  # as F.cross_entropy refuses it (with grad on)
-            raise TypeError("ce_weight requires grad, but cross-entropy's class weights get no gradient (nor do "
-                            "they in F.cross_entropy, which refuses them): pass ce_weight.detach()")
+        check_ce_weight_placement(ce_weight, weight.device)
     _validate_loss_options(reduction, label_smoothing, softcap)
+
+
+def _check_dense(**tensors: Tensor | None) -> None:
+    """Each of ``tensors`` (by argument name) a dense strided tensor or None: a sparse or nested one failed deep
+    inside (``.contiguous()``'s "unsupported memory format") with no argument named."""
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and (t.is_nested or t.layout != torch.strided):
+            kind = "nested" if t.is_nested else str(t.layout)
+            raise TypeError(f"{name} must be a dense tensor, got a {kind} one; pass {name}.to_dense()"
+                            + (" (or one tensor per sequence, concatenated)" if t.is_nested else ""))
+
+
+def check_ce_weight_placement(ce_weight: Tensor, device: torch.device) -> None:
+    """``ce_weight`` (its shape already checked) on ``device`` and not asking for a gradient, as F.cross_entropy
+    refuses class weights that do (with grad on): they get none. The vocab-parallel op asks this too."""
+    _check_dense(ce_weight=ce_weight)
+    if ce_weight.device != device:
+        raise ValueError(f"ce_weight must be on {device}, got {ce_weight.device}")
+    if ce_weight.requires_grad and torch.is_grad_enabled():
+        raise TypeError("ce_weight requires grad, but cross-entropy's class weights get no gradient (nor do "
+                        "they in F.cross_entropy, which refuses them): pass ce_weight.detach()")
 
 
 def _validate_loss_options(reduction: str, label_smoothing: float, softcap: float | Tensor | None) -> None:
@@ -594,7 +612,7 @@ def _validate_module_options(options: Mapping[str, Any]) -> None:
     _check_frozen_columns(get("frozen_weight_columns", 0))
     precision = check_precision(get("precision", "exact"))
     accum_dtype = get("accum_dtype")
-    if accum_dtype is not None:  # against fp32 weights; the weight's own dtype is checked at each call
+    if accum_dtype is not None:  # its type, and its agreement with precision; the weight's dtype is checked per call
         accum_dtype_for(precision, accum_dtype, accum_dtype)
     config_overrides(get("config"))
     if get("memory_budget_gb") is not None:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .api import _autocast, _softcap_arg, _validate, _validate_scalars
+from .api import _autocast, _softcap_arg, _validate, _validate_scalars, check_ce_weight_placement
 from .compile_cache_key import key_compile_caches
 from .plan.precision import accum_dtype_for, check_precision
 from .dtensor import describe_layout, is_dtensor, is_vocab_sharded
@@ -603,6 +603,8 @@ def vocab_parallel_linear_cross_entropy(
             raise ValueError(f"ce_weight must be a floating tensor of shape ({total},) (a weight per class of the "
                              f"whole vocabulary, on every rank), got {tuple(ce_weight.shape)} {ce_weight.dtype} (V is "
                              "vocab_size= when given, else the world size x this rank's rows)")
+        if ce_weight is not None:
+            check_ce_weight_placement(ce_weight, weight_local.device)
     except Exception as exc:  # any refusal (a None weight's AttributeError too) is agreed on before it is raised
         _agree_on_arguments(agreeing, exc, input)
         raise

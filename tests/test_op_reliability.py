@@ -477,6 +477,22 @@ def test_tensor_logit_scale_without_grad_is_a_constant():
 # -- edge shapes and devices ------------------------------------------------------------------------------------
 
 
+def test_sparse_and_nested_tensors_are_refused_by_name():
+    """A sparse weight failed in ``.contiguous()`` with "unsupported memory format option", naming nothing."""
+    x, w, t = _inputs()
+    b, cw = torch.zeros(w.shape[0]), torch.ones(w.shape[0])
+    cases = {"input": dict(input=x.to_sparse()), "weight": dict(weight=w.to_sparse()),
+             "target": dict(target=t.to_sparse()), "bias": dict(bias=b.to_sparse()),
+             "ce_weight": dict(ce_weight=cw.to_sparse())}
+    for name, change in cases.items():
+        kwargs = {"input": x, "weight": w, "target": t, **change}
+        with pytest.raises(TypeError, match=f"{name} must be a dense tensor, got a torch.sparse_coo one"):
+            fused_linear_cross_entropy(**kwargs)
+    nested = torch.nested.nested_tensor([x[:5], x[5:]], layout=torch.jagged)
+    with pytest.raises(TypeError, match="input must be a dense tensor, got a nested one"):
+        fused_linear_cross_entropy(nested, w, t)
+
+
 def test_zero_classes_is_an_error_naming_weight():
     x, _, t = _inputs()
     with pytest.raises(ValueError, match="weight has no classes"):

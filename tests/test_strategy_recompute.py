@@ -181,6 +181,29 @@ def test_fit_budget_moves_from_smaller_chunks_to_recompute():
         fit_budget(base, *args, int(0.01 * 2**30))
 
 
+def test_a_budget_fits_the_fields_a_config_leaves_free_and_never_overrides_forced_ones():
+    """A config= beside memory_budget_gb: the budget used to replace the forced fields silently (an FLCEConfig's
+    strategy="torch" ran as "recompute", a forced chunk_tokens=4096 as 512). Forced fields stay; the budget fits
+    the others, or the error says the forced ones do not fit."""
+    from flce_compile.plan.choose import BudgetError, config_within_budget
+
+    args = (16384, 128256, 4096, torch.bfloat16, torch.device("cuda"), torch.float32)
+    free, _ = config_within_budget({"chunk_tokens": 4096}, 0.5, *args)
+    assert free.chunk_tokens == 4096 and free.strategy == "recompute" and peak_bytes(free, *args[:4]) <= 0.5 * 2**30
+    with pytest.raises(BudgetError, match=r"with the forced fields chunk_tokens=4096, strategy='triton' fits .* "
+                                          r"raise the budget or force fewer fields"):
+        config_within_budget({"strategy": "triton", "chunk_tokens": 4096}, 0.5, *args)
+    everything = FLCEConfig(strategy="triton", chunk_tokens=1024).to_dict()
+    assert config_within_budget(everything, 3.0, *args)[0] == FLCEConfig(**everything)
+    with pytest.raises(BudgetError, match="force fewer fields"):
+        config_within_budget(everything, 0.5, *args)
+    # through the op, on the CPU: an FLCEConfig forcing the torch strategy keeps it or says why it cannot
+    x, w, t = random_inputs(n=512, h=256, v=8192, dtype=torch.bfloat16)
+    with pytest.raises(BudgetError, match="with the forced fields"):
+        fused_linear_cross_entropy(x.requires_grad_(), w.requires_grad_(), t,
+                                   config=FLCEConfig(strategy="torch", chunk_tokens=512), memory_budget_gb=7 / 1024)
+
+
 def test_memory_budget_of_the_op(monkeypatch):
     """memory_budget_gb: bf16 on the CPU, where the chunked strategy's fp32 dW accumulator (8 MiB) cannot fit
     7 MiB; the op then runs the recompute strategy, with eager's gradients."""

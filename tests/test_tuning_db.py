@@ -230,6 +230,23 @@ def test_a_gpu_without_entries_borrows_its_familys(dbs, monkeypatch):
     assert find(device=H100) == borrowed
     cfg, src = find(vocab=140000, device=H100)
     assert src.startswith("tuning_db:nearest_shape(user V=131072") and "borrowed" not in src
+    # between two answers of one kind of closeness the nearer wins: the H100's own entry at another shape was
+    # taken over the H200's much nearer one (V=32000 H=4096: 32768 x 4096 against the H100's 32064 x 3072)
+    db.write_entries(shipped / "h200.json", [entry(vocab=32768, hidden=4096, chunk=8192, tokens=16384)])
+    db.write_entries(user, [entry(device="h100", vocab=32064, hidden=3072, chunk=4096, tokens=65536)])
+    cfg, src = find(vocab=32000, hidden=4096, device=H100)
+    assert src.startswith("tuning_db:nearest_shape(shipped V=32768 H=4096") and src.endswith("(borrowed from h200)")
+    cfg, src = find(vocab=32000, hidden=3072, tokens=65536, device=H100)
+    assert src.startswith("tuning_db:nearest_shape(user V=32064 H=3072") and "borrowed" not in src
+    # and between two nearest buckets: the H200's 16384 over the H100's 65536 for an 8192-token call at 32064 x 3072
+    # (equally near, at 32768 tokens: the GPU's own)
+    db.write_entries(shipped / "h200.json", [entry(vocab=32064, hidden=3072, chunk=8192, tokens=16384)])
+    assert find(vocab=32064, hidden=3072, tokens=8192, device=H100)[1] == (
+        "tuning_db:nearest_tokens(shipped tokens=16384) (borrowed from h200)")
+    assert find(vocab=32064, hidden=3072, tokens=32768, device=H100)[1] == "tuning_db:nearest_tokens(user tokens=65536)"
+    db.write_entries(user, [entry(device="h100", vocab=131072, chunk=2048)], replace=True)
+    (shipped / "h200.json").unlink()
+    db.write_entries(shipped / "h200.json", [entry(chunk=1024), entry(vocab=128256, chunk=4096, tokens=8192)])
     # the family is every kind of it, the closest answer first: a GH200's nearest shape does not hide the H200's
     # exact entry; between equally close answers, the first kind by name; and the H200 borrows the H100's too
     db.write_entries(user, [entry(device="gh200", vocab=131072, chunk=2048)])

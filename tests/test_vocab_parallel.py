@@ -714,6 +714,28 @@ def test_a_softcap_tensor_is_refused(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_ce_weight_is_checked_as_the_plain_op_checks_it(monkeypatch):
+    """Class weights asking for a gradient got none without a word, and weights on another device gave a wrong
+    loss (6e31 from a meta tensor); the plain op refuses both, and so does this one now."""
+    import torch.distributed as dist
+
+    x, w, _b, t, _o, _g = _inputs("mean")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        cases = [(torch.rand(V, requires_grad=True), TypeError, "pass ce_weight.detach()"),
+                 (torch.ones(V, device="meta"), ValueError, "ce_weight must be on cpu, got meta"),
+                 (torch.ones(V).to_sparse(), TypeError, "ce_weight must be a dense tensor")]
+        for ce_weight, error, message in cases:
+            with pytest.raises(error, match=message):
+                fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, ce_weight=ce_weight)
+        assert torch.isfinite(fc.vocab_parallel_linear_cross_entropy(x, w, t, group=group, ce_weight=torch.rand(V)))
+    finally:
+        dist.destroy_process_group()
+
+
 def _stats_of_both_steps(logits, target, ce_weight, p) -> list[torch.Tensor]:
     """The fp64 statistics (3, rows) of a slice at classes [8, 8 + width) of 24, from the torch step and the CE
     kernel (TRITON_INTERPRET=1 on the CPU)."""

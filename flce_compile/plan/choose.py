@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -429,10 +429,12 @@ def fit_budget(
     softcap: bool = False,
     frozen_columns: int = 0,
     device: torch.device | str = "cuda",
+    fixed: Collection[str] = (),
 ) -> FLCEConfig:
     """The first of ``budget_candidates(config, dtype)`` whose memory bound (``plan.memory.peak_bytes``, on
-    ``device``) fits ``budget_bytes``. An error names the budget and the least memory any of them needs when none
-    fits."""
+    ``device``) fits ``budget_bytes``. ``fixed``: fields the caller forced (a ``config=``), which every candidate
+    keeps as ``config`` has them: a budget fits the rest around them and never overrides them. An error names the
+    budget and the least memory any of them needs when none fits."""
     from .memory import peak_bytes
 
     def bound(candidate: FLCEConfig) -> int:
@@ -442,14 +444,21 @@ def fit_budget(
 
     best = None
     for candidate in budget_candidates(config, dtype):
+        if any(getattr(candidate, name) != getattr(config, name) for name in fixed):
+            continue
         needed = bound(candidate)
         if needed <= budget_bytes:
             return candidate
         best = min(best or (needed, candidate), (needed, candidate), key=lambda pair: pair[0])
+    assert best is not None  # ``config`` itself is a candidate, and it keeps every field
+    forced = ", ".join(f"{name}={getattr(config, name)!r}" for name in sorted(fixed))
     raise BudgetError(
-        f"memory_budget_gb={budget_bytes / 2**30:.5g}: no config fits {num_tokens} tokens x V={vocab} x H={hidden} "
-        f"in it; the least memory any needs is {gib_rounded_up(best[0])} GiB ({best[1].strategy}, chunk_tokens="
-        f"{best[1].chunk_tokens}); raise the budget"
+        f"memory_budget_gb={budget_bytes / 2**30:.5g}: no config "
+        + (f"with the forced fields {forced} " if fixed else "")
+        + f"fits {num_tokens} tokens x V={vocab} x H={hidden} in it; the least memory any "
+        + ("such config " if fixed else "")
+        + f"needs is {gib_rounded_up(best[0])} GiB ({best[1].strategy}, chunk_tokens={best[1].chunk_tokens}); raise "
+        + ("the budget or force fewer fields" if fixed else "the budget")
     )
 
 
@@ -471,7 +480,8 @@ def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: flo
                          accum_dtype: torch.dtype, **needs: bool) -> tuple[FLCEConfig, str]:
     """The config of a call with the forced fields ``forced`` under ``memory_budget_gb``, and its source. Without
     forced fields the pick may be a tuning-DB entry tuned under a budget (``choose_config_within_budget``);
-    forced fields are laid over the plain pick, which is then fitted (``fit_budget``). ``needs``: need_dx,
+    forced fields are laid over the plain pick, whose other fields are then fitted (``fit_budget``: the forced
+    ones are kept, or the error says they do not fit). ``needs``: need_dx,
     need_dw, need_db, softcap, frozen_columns. A ValueError names the budget when nothing fits (or when it is not
     a positive number). The op (``api``) and ``explain`` both ask this."""
     limit = budget_bytes(memory_budget_gb)
@@ -480,5 +490,6 @@ def config_within_budget(forced: Mapping[str, Any] | None, memory_budget_gb: flo
                                                              memory_budget_gb, accum_dtype=accum_dtype, **needs)
         return config, source
     base, source = resolve_config(forced, num_tokens, vocab, hidden, dtype, device)
-    fitted = fit_budget(base, num_tokens, vocab, hidden, dtype, accum_dtype, limit, device=device, **needs)
+    fitted = fit_budget(base, num_tokens, vocab, hidden, dtype, accum_dtype, limit, device=device,
+                        fixed=tuple(forced), **needs)
     return fitted, source if fitted == base else f"{source}, fitted to memory_budget_gb={memory_budget_gb:g}"

@@ -27,8 +27,8 @@ versions. This reader reads both.
 Lookup (``lookup``, plain entries only) answers, in this order: user exact -> shipped exact -> nearest token bucket (same GPU, V, H,
 dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic); and a kind of the GPU's
 family (``GPU_FAMILIES``: the H100 and H200 are one) answers too where it has a closer entry (exact before nearest
-bucket before nearest shape; the GPU's own first among equally close ones): an H100 runs the H200's entries. It
-sits on the op's hot path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The
+bucket before nearest shape, then the nearer bucket or shape; the GPU's own first among equally close ones): an
+H100 runs the H200's entries. It sits on the op's hot path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The
 loaded index is re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime,
 size and inode), so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at
 once (tests, and the writer after every write).
@@ -665,9 +665,7 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     for e, layer in candidates:
         if _TORCH_DTYPES[e.dtype].itemsize != _TORCH_DTYPES[dtype].itemsize:
             continue
-        dist = (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden))
-                + (0.0 if e.dtype == dtype else 0.5) + 0.05 * abs(math.log2(e.tokens) - log_bucket)
-                + (0.0 if layer == "user" else 1e-9))
+        dist = _shape_distance(e, vocab, hidden, dtype, log_bucket) + (0.0 if layer == "user" else 1e-9)
         if best is None or dist < best[0]:
             best = (dist, e, layer)
     if best is not None and best[0] <= MAX_SHAPE_DISTANCE:
@@ -675,6 +673,13 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
         source = f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
         return Match(_rescale_chunk(e.config, e.vocab, vocab), source, "nearest shape", e)
     return None
+
+
+def _shape_distance(e: Entry, vocab: int, hidden: int, dtype: str, log_bucket: float) -> float:
+    """How far entry ``e`` is from a call of another (V, H): log-ratio distance, a dtype penalty (same itemsize
+    only: the caller filters), a small token term."""
+    return (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden)) + (0.0 if e.dtype == dtype else 0.5)
+            + 0.05 * abs(math.log2(e.tokens) - log_bucket))
 
 
 def family_kinds(kind: str) -> list[str]:
@@ -700,17 +705,27 @@ _CLOSENESS = {"user exact": 0, "shipped exact": 0, "nearest bucket": 1, "nearest
 
 
 def _lookup_in_family(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
-    """``_lookup_uncached`` on ``dev`` and on the other kinds of its family: the closest answer (``_CLOSENESS``),
+    """``_lookup_uncached`` on ``dev`` and on the other kinds of its family: the closest answer (``_CLOSENESS``,
+    then, between two nearest-bucket or two nearest-shape answers, the distance each kind's lookup minimised),
     ``dev``'s own where it is as close as a borrowed one, then the first kind by name. An entry of the call's
     token bucket measured on a GPU of the family is a better guess than one of ``dev``'s own at another bucket
     or shape: the chunk and tile trade-offs follow the shape and token count more than the kind."""
     candidates = [(dev, _lookup_uncached(index, dev, vocab, hidden, dtype, bucket))]
     candidates += [(kind, _lookup_uncached(index, kind, vocab, hidden, dtype, bucket))
                    for kind in family_kinds(dev) if kind in index.by_device]
-    found = [(_CLOSENESS[m.kind], kind != dev, kind, m) for kind, m in candidates if m is not None]
+    log_bucket = math.log2(bucket)
+
+    def distance(m: Match) -> float:  # within a closeness class: the distance the kind's own lookup minimised
+        if m.kind == "nearest bucket":
+            return abs(math.log2(m.entry.tokens) - log_bucket)
+        if m.kind == "nearest shape":
+            return _shape_distance(m.entry, vocab, hidden, dtype, log_bucket)
+        return 0.0
+
+    found = [(_CLOSENESS[m.kind], distance(m), kind != dev, kind, m) for kind, m in candidates if m is not None]
     if not found:
         return None
-    _, borrowed, kind, match = min(found, key=lambda c: c[:3])
+    _, _, borrowed, kind, match = min(found, key=lambda c: c[:4])
     return _borrowed(match, kind) if borrowed else match
 
 
