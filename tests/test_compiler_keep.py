@@ -1339,3 +1339,70 @@ def test_an_fp64_models_gradient_through_returned_logits_is_fp64(head):
     got = step(torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}))
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+class SuffixLoss(LM):
+    """The loss on the logits of a label suffix (``logits[:, -labels.size(1):]``), plus a z-loss that reads the
+    logits (so fused_keep): under dynamic shapes the slice's bound is a symbolic size Dynamo traces after the
+    lm_head."""
+
+    def forward(self, idx, labels):
+        logits = self.lm_head(torch.tanh(self.proj(self.emb(idx))))
+        tail = logits[:, -labels.size(1):]
+        loss = F.cross_entropy(tail.reshape(-1, V), labels.reshape(-1))
+        return loss + 1e-2 * logits.logsumexp(-1).square().mean(), logits
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_a_slice_bound_traced_after_the_head_moves_before_the_op(dynamic, caplog):
+    """The op with logits reads its row selection where the lm_head ran, and a symbolic bound computed after the
+    head was used before it was defined: the graph failed its lint, so the site ran unfused (dynamic=None, from
+    the recompile for a second length on), or the compile crashed (dynamic=True: Dynamo's restart met the half
+    rewritten graph)."""
+    torch.manual_seed(0)
+    model = SuffixLoss()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=dynamic)
+    g = torch.Generator().manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        for seq, tail in ((8, 5), (11, 6)):
+            idx, labels = torch.randint(0, V, (B, seq), generator=g), torch.randint(0, V, (B, tail), generator=g)
+            (site,) = fc.explain(compiled, idx, labels)
+            assert site.fused and site.path == "fused_keep", site
+            ref = _reference(model, idx, labels)
+            model.zero_grad(set_to_none=True)
+            loss, logits = compiled(idx, labels)
+            loss.backward()
+            _assert_as_eager(model, (loss, logits), ref)
+    assert "fusion pass failed" not in caplog.text
+
+
+def test_a_failed_pass_leaves_dynamos_own_graph_as_traced(monkeypatch, caplog):
+    """A pass that fails halfway is undone; Dynamo restarting its analysis afterwards (under dynamic=True, an
+    embedding's float norm_type does) then clears its graph without meeting the pass's half-made nodes."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    real = rewrite.run_pass
+
+    def fails_halfway(gm, *args, **kwargs):
+        nodes = list(gm.graph.nodes)
+        first = next(n for n in nodes if n.op != "placeholder")
+        late = next(n for n in reversed(nodes) if n.op == "call_function")
+        with gm.graph.inserting_before(first):  # as the pass once did: a node used before it is defined, so
+            gm.graph.call_function(torch.neg, (late,))  # erasing the graph from its end meets a node still used
+        raise RuntimeError("a bug in the pass")
+
+    monkeypatch.setattr(rewrite, "run_pass", fails_halfway)
+    torch.manual_seed(0)
+    model = LM()
+    idx, labels = _data()
+    ref = _reference(model, idx, labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}, dynamic=True)
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="flce_compile"):
+        loss, logits = compiled(idx, labels)
+    loss.backward()
+    _assert_as_eager(model, (loss, logits), ref)
+    assert "fusion pass failed, compiling the graph unchanged: RuntimeError('a bug in the pass')" in caplog.text
+    monkeypatch.setattr(rewrite, "run_pass", real)

@@ -73,21 +73,25 @@ def _fusion_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FLCEOp
             return None, False
     except Exception as exc:  # noqa: BLE001 - a reading bug: the guarded pass below decides
         logger.debug("flce: looking for loss sites failed, running the pass: %r", exc)
+    # The pass rewrites a copy. Dynamo's own graph object stays as traced: Dynamo keeps it, and a restart of its
+    # analysis after this backend ran (a TensorifyScalarRestartAnalysis under dynamic=True) erases its nodes,
+    # which failed on a graph a failed pass had left half rewritten.
+    as_traced = gm.graph
     try:
-        as_traced = copy_graph(gm.graph)
+        gm.graph = copy_graph(as_traced)
     except Exception as exc:  # noqa: BLE001 - with no way back from a failure, the pass is not run
         logger.warning("flce: could not copy the graph before the fusion pass, compiling it unchanged: %r", exc)
         return None, False
     try:
         result = run_pass(gm, example_inputs, logits=opts.logits, config=opts.config, precision=opts.precision,
                           memory_budget_gb=opts.memory_budget_gb)
-    except BudgetError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - analysis bugs must not break the user's compile
-        logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)
+    except BaseException as exc:
         gm.graph = as_traced
         gm.recompile()
-        return None, False
+        if isinstance(exc, BudgetError) or not isinstance(exc, Exception):
+            raise
+        logger.warning("flce: fusion pass failed, compiling the graph unchanged: %r", exc)  # analysis bugs must
+        return None, False  # not break the user's compile
     return result.wrap, any(site.new_node is not None for site in result.sites)
 
 

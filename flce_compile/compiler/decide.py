@@ -382,6 +382,9 @@ def _fused_keep_obstacle(site: Site, res: SiteResult, aliases: AliasMap) -> str 
     also = [plan.softcap] if runtime_softcap(plan) else []
     if site.linear.added_bias is not None:  # the op runs where the GEMM ran: a bias computed after it moves too
         also.append(site.linear.added_bias)
+    # A slice bound the loss took from a symbolic size (``logits[:, n - 1:-1]``, ``[:, -labels.size(1):]``) may be
+    # traced after the lm_head: the op's row selection reads it before, so it moves too.
+    fx.node.map_arg(tuple(plan.indices), also.append)
     prelude = _target_prelude(site, aliases, also)
     if isinstance(prelude, str):
         return prelude
@@ -468,8 +471,8 @@ def _head_roots(site: Site, aliases: AliasMap, *nodes: fx.Node) -> frozenset:
 
 def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[fx.Node] | str:
     """The nodes between the lm_head and the loss that compute the loss's target and class weights (and ``also``:
-    a softcap's read of a graph input, ``patterns.runtime_float``), which fused_keep moves before the lm_head; a
-    str says why they can't move."""
+    a softcap's read of a graph input, ``patterns.runtime_float``; an added bias; the symbolic bounds of the loss's
+    slice of the logits), which fused_keep moves before the lm_head; a str says why they can't move."""
     loss, lin = site.loss, site.linear
     start, stop = aliases.position[lin.start], aliases.position[site.loss_node]
     needed = [n for n in (loss.target, loss.ce_weight) if isinstance(n, fx.Node)] + also
@@ -479,7 +482,7 @@ def _target_prelude(site: Site, aliases: AliasMap, also: list[fx.Node]) -> list[
         node = work.pop()
         if node in prelude or aliases.position[node] <= start:
             if node is lin.node or node is lin.start:
-                return "the target is computed from the logits"
+                return "the target, class weights or slice bounds of the loss are computed from the logits"
             continue
         if aliases.position[node] >= stop:
             return f"{node.name} comes after the loss"
