@@ -320,7 +320,7 @@ def fused_linear_cross_entropy(
     shortcut = None
     # Dynamo traces the full path: one op node in the user's graph. (The eager shortcut's replayed backward hands
     # out dW as the graph wrote it: a call with frozen columns, whose dW the op's backward pads, takes the full path.)
-    if not torch.compiler.is_compiling() and frozen_weight_columns == 0:
+    if not torch.compiler.is_compiling() and type(frozen_weight_columns) is int and frozen_weight_columns == 0:
         options = (ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss, accum_dtype, config,
                    return_logits, precision, memory_budget_gb)
         loss = eager_shortcut.replay_recent(input, weight, target, bias, ce_weight, options)

@@ -177,17 +177,20 @@ _HAS_FP16_ACCUMULATION = hasattr(torch._C, "_get_cublas_allow_fp16_accumulation"
 
 def math_settings() -> tuple:
     """torch's global settings that decide which kernels the op's GEMMs and operators run, and so what a capture
-    fixes: TF32 for fp32 matmuls, fp16 accumulation, the preferred BLAS library, deterministic algorithms. In every
-    graph and shortcut key: after a change a call takes the full path and gets a graph of its own, as the
-    uncaptured op would follow the change. (The reduced-precision reductions are not: the chunk loop turns them
-    off itself.)"""
+    fixes: TF32 for fp32 matmuls, fp16 accumulation, the preferred BLAS library, deterministic algorithms, and
+    cuBLAS's reduced-precision (split-K) reductions of bf16 and fp16 GEMMs. In every graph and shortcut key: after
+    a change a call takes the full path and gets a graph of its own, as the uncaptured op would follow the change.
+    (A one-chunk call runs under the user's reduction flags; a chunked loop turns them off while it runs, in every
+    thread: a capture then is keyed on the flags it ran under, so calls after the loop do not replay it.)"""
     C = torch._C
     try:
         tf32 = C._get_cublas_allow_tf32()
     except RuntimeError:  # the legacy and new precision APIs were mixed, and torch refuses the legacy read
         tf32 = C._get_fp32_precision_getter("cuda", "matmul")
     fp16_accumulation = C._get_cublas_allow_fp16_accumulation() if _HAS_FP16_ACCUMULATION else None
-    return tf32, fp16_accumulation, C._get_blas_preferred_backend(), C._get_deterministic_algorithms()
+    return (tf32, fp16_accumulation, C._get_blas_preferred_backend(), C._get_deterministic_algorithms(),
+            C._get_cublas_allow_bf16_reduced_precision_reduction(),
+            C._get_cublas_allow_fp16_reduced_precision_reduction())
 
 
 def _python_refs(objects: tuple) -> tuple[int, ...]:
@@ -863,8 +866,8 @@ def body_shortcut_key(ops: Operands, extra: tuple) -> tuple | None:
     cuda = x.is_cuda
     index = x.get_device()
     return GraphKey((_body_varying(extra, weight, cuda, index), (
-        cuda, index, x.shape, x.dtype, target.shape, target.dtype, weight.shape, weight.dtype, weight.stride(),
-        weight.get_device())))
+        cuda, index, x.shape, x.dtype, target.shape, target.get_device(), target.dtype, weight.shape, weight.dtype,
+        weight.stride(), weight.get_device())))
 
 
 def _body_varying(extra: tuple, weight: torch.Tensor, cuda: bool, index: int) -> tuple:

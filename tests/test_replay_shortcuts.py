@@ -509,7 +509,20 @@ _MATH_CHANGES = {
     "deterministic algorithms": lambda mp: torch.use_deterministic_algorithms(True),
     "tf32": lambda mp: mp.setattr(torch._C, "_get_cublas_allow_tf32", lambda: True),
     "blas library": lambda mp: mp.setattr(torch._C, "_get_blas_preferred_backend", lambda: "cublaslt"),
+    # a one-chunk call (those graphs are for) runs under the user's split-K reduction flags: they were in no key,
+    # so after a change the graph of before kept replaying (a bug hunt of 2026-12-06)
+    "bf16 reduced-precision reductions": lambda mp: setattr(
+        torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction",
+        not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+    "fp16 reduced-precision reductions": lambda mp: setattr(
+        torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction",
+        not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
 }
+
+
+def _as_pair(flag) -> tuple:
+    """A reduction flag's getter value as its setter's arguments (a (reduced, split_k) pair on torch >= 2.12)."""
+    return tuple(flag) if isinstance(flag, tuple) else (flag,)
 
 
 @pytest.mark.parametrize("change", _MATH_CHANGES)
@@ -541,11 +554,29 @@ def test_a_math_setting_change_gets_a_graph_of_its_own(cpu_graphs, eager_hits, m
     calls()
     captures = len(cpu_graphs)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    flags = (torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
+             torch._C._get_cublas_allow_fp16_reduced_precision_reduction())
     try:
         _MATH_CHANGES[change](monkeypatch)
         calls()
     finally:
         torch.use_deterministic_algorithms(deterministic)
+        torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*_as_pair(flags[0]))
+        torch._C._set_cublas_allow_fp16_reduced_precision_reduction(*_as_pair(flags[1]))
     # each: warm-up, capture (recorded), then the new graph's shortcut
     assert eager_hits == [False, False, True] and body_hits == [False, False, True]
     assert len(cpu_graphs) == captures + 2  # the eager calls' graph and the op body's (which asks for dX too)
+
+
+@pytest.mark.parametrize("frozen", [0.0, False])
+def test_frozen_weight_columns_of_another_type_is_refused_after_a_shortcut_too(cpu_graphs, eager_hits, frozen):
+    """``frozen_weight_columns`` must be an int: 0.0 or False equal 0, so once a key was recorded the shortcut
+    took them and gave a loss, where the full path raises (a bug hunt of 2026-12-06)."""
+    x, w, t = _inputs(3)
+    w.requires_grad_()
+    for _ in range(3):  # warm-up, capture, shortcut
+        fused_linear_cross_entropy(x, w, t).backward()
+        w.grad = None
+    assert eager_hits[-1]
+    with pytest.raises(TypeError, match="must be an int .how many leading weight"):
+        fused_linear_cross_entropy(x, w, t, frozen_weight_columns=frozen)

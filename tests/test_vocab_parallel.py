@@ -271,6 +271,47 @@ class _FP32HeadUnderAutocast(torch.nn.Module):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
 
+class _NoGradHead(torch.nn.Module):
+    """A tensor-parallel head run under no_grad (a reference or metric head) whose loss is added to a loss with a
+    gradient: no gradient may reach the head or the trunk through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, labels):
+        h = torch.tanh(self.emb(idx))
+        with torch.no_grad():
+            logits = self.lm_head(h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1)), (h ** 2).mean()
+
+
+def _run_tp_head_under_no_grad(mesh) -> dict:
+    """``_NoGradHead`` with a ColwiseParallel lm_head, compiled with backend="flce" under loss_parallel, against
+    eager loss_parallel."""
+    import torch._dynamo
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = parallelize_module(_NoGradHead(), mesh, {
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}) if compiled else model
+        with loss_parallel():
+            ce, aux = step(idx, labels)
+            (ce.full_tensor() + aux).backward()
+        out["compiled" if compiled else "eager"] = {
+            "ce": ce.full_tensor().detach(), "ce_requires_grad": ce.requires_grad,
+            "emb_grad": model.emb.weight.grad.clone(), "head_grad": model.lm_head.weight.grad}
+    return out
+
+
 def _run_tp_fp32_head_under_autocast(mesh) -> dict:
     """``_FP32HeadUnderAutocast`` with a ColwiseParallel lm_head, compiled with backend="flce" under
     loss_parallel, against eager loss_parallel."""
@@ -449,6 +490,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["mode_on_rank0"] = _run_with_a_mode_on_rank0(rank, world, group)
         results["tp_site"] = _run_tp_site(mesh)
         results["tp_fp32_head"] = _run_tp_fp32_head_under_autocast(mesh)
+        results["tp_no_grad_head"] = _run_tp_head_under_no_grad(mesh)
         results["confident"] = _run_confident(rank, world, group)
     except Exception:  # noqa: BLE001 - reported by the test
         results["crash"] = traceback.format_exc()
@@ -899,6 +941,18 @@ def test_tensor_parallel_lm_head_kept_out_of_autocast_computes_in_fp32(ranks):
         for name, grad in got["grads"].items():
             assert grad.dtype == torch.float32, name
             torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_tensor_parallel_head_under_no_grad_gives_no_gradient_once_fused(ranks):
+    """The vocabulary-parallel rewrite read the head's operands with grad where the head ran under no_grad: the
+    loss gained a grad_fn, and gradients reached the head (none in eager) and the trunk (2.9x eager's norm). It
+    now reads them detached, as the single-device rewrite does."""
+    for r in ranks:
+        eager, compiled = r["tp_no_grad_head"]["eager"], r["tp_no_grad_head"]["compiled"]
+        assert not eager["ce_requires_grad"] and not compiled["ce_requires_grad"]
+        assert eager["head_grad"] is None and compiled["head_grad"] is None
+        torch.testing.assert_close(compiled["ce"], eager["ce"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled["emb_grad"], eager["emb_grad"], rtol=1e-5, atol=1e-7)
 
 
 def test_tensor_parallel_site_with_returned_logits_says_why(ranks):

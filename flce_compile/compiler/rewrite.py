@@ -468,8 +468,9 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                 x = local_input(site)
                 for idx in plan.indices:
                     x = new.add("call_function", operator.getitem, (x, idx))
+                x, weight_read, bias_read = _detached_without_grad(new, lin, (x, weight, bias))
                 result = new.add("call_function", flce_vocab_parallel_loss, (
-                    x, weight, loss.target, bias, *loss_args, cfg, out_dtype, is_dtensor(loss_val),
+                    x, weight_read, loss.target, bias_read, *loss_args, cfg, out_dtype, is_dtensor(loss_val),
                     head_compute_dtype(gm, lin)),
                     {k: v for k, v in op_kwargs.items() if k == "precision"})
             elif res.path == "kept_logits":
@@ -488,12 +489,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
                     for idx in plan.indices:
                         x = new.add("call_function", operator.getitem, (x, idx))
                     x = _gathered_rows(new, x, loss)
-                    operands = (x, weight, bias)
-                    if not meta_value(lin.node).requires_grad:
-                        # The head ran without grad (under no_grad, say) and the op runs where the loss does,
-                        # maybe with it: no gradient may reach its operands, as none reaches eager's logits.
-                        operands = tuple(new.add("call_method", "detach", (t,)) if isinstance(t, fx.Node) else t
-                                         for t in operands)
+                    operands = _detached_without_grad(new, lin, (x, weight, bias))
                     result = new.add("call_function", flce_fused_loss, (
                         operands[0], operands[1], loss.target, operands[2], *loss_args, *tail),
                         {**op_kwargs, "wide_bias": True} if lin.wide_bias else op_kwargs)
@@ -538,6 +534,15 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     gm.graph.erase_node(loss.node)
     res.new_node = result
     return maybe_dead
+
+
+def _detached_without_grad(new: _NewNodes, lin: Any, operands: tuple) -> tuple:
+    """``operands`` (the op's input, weight and bias nodes), each detached where the head ran without grad (under
+    no_grad, say): the op runs where the loss does, maybe with grad, and no gradient may reach them, as none
+    reaches eager's logits."""
+    if meta_value(lin.node).requires_grad:
+        return operands
+    return tuple(new.add("call_method", "detach", (t,)) if isinstance(t, fx.Node) else t for t in operands)
 
 
 def _lazy_outputs(gm: fx.GraphModule, res: SiteResult, lin: Any, weight: fx.Node, bias: fx.Node | None,
