@@ -21,7 +21,7 @@ from . import eager_shortcut
 from .dtensor import refuse_dtensors
 from .op import RUNTIME_SOFTCAP, autocast_on, call_fused, refuse_unsupported_autodiff
 from .params import REDUCTIONS, LossParams, encode_params, math_dtype
-from .plan.choose import budget_bytes, config_within_budget
+from .plan.choose import BudgetError, budget_bytes, config_within_budget
 from .plan.config import FLCEConfig, config_overrides
 from .plan.precision import accum_dtype_for, check_precision, forced_by
 
@@ -380,7 +380,9 @@ def fused_linear_cross_entropy(
     params, params_text = _params_arg(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss,
                                       frozen_weight_columns)
     if memory_budget_gb is not None:
-        forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on)
+        copied = ((x2d.numel() * x2d.element_size() if x2d is not input and x2d._base is None else 0)
+                  + (0 if weight.is_contiguous() else weight.numel() * weight.element_size()))
+        forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on, copied)
     if not fast_config:
         config_text = _forced_text(forced)
     loss, logits = call_fused(
@@ -563,17 +565,32 @@ def _config_key(config: Any) -> tuple[Any, ...] | None:
 
 
 def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor, weight: Tensor,
-                   bias: Tensor | None, accum_dtype: torch.dtype, params: LossParams, grad_on: bool) -> dict[str, Any]:
+                   bias: Tensor | None, accum_dtype: torch.dtype, params: LossParams, grad_on: bool,
+                   copied_bytes: int = 0) -> dict[str, Any]:
     """Every field of the config that fits ``budget_gb`` (``config_within_budget``), chosen now and forced: under
     torch.compile this runs while tracing, with the traced token count, so the loop (gradients in forward or, for
     "recompute", in backward) is fixed in the graph, and only a config's numbers could change with the token
-    count."""
+    count. ``copied_bytes``: the contiguous copies made of a non-contiguous input or weight, which the op's bound
+    (above its inputs) does not hold and the budget must."""
     vocab, hidden = weight.shape
-    config, _source = config_within_budget(
-        forced, budget_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
-        need_dx=grad_on and _needs_grad(x2d), need_dw=grad_on and _needs_grad(weight),
-        need_db=grad_on and bias is not None and _needs_grad(bias), softcap=bool(params.softcap),
-        frozen_columns=params.frozen_weight_columns)
+    budget_bytes(budget_gb)  # a bad budget is named as given
+    left_gb = budget_gb - _size_hint(copied_bytes) / 2**30
+    if left_gb <= 0:
+        raise BudgetError(f"memory_budget_gb={budget_gb:g}: the contiguous copies of a non-contiguous input or "
+                          f"weight alone take {_size_hint(copied_bytes) / 2**30:.4g} GiB of it; pass contiguous "
+                          "tensors (or raise the budget)")
+    try:
+        config, _source = config_within_budget(
+            forced, left_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
+            need_dx=grad_on and _needs_grad(x2d), need_dw=grad_on and _needs_grad(weight),
+            need_db=grad_on and bias is not None and _needs_grad(bias), softcap=bool(params.softcap),
+            frozen_columns=params.frozen_weight_columns)
+    except BudgetError as exc:
+        if not copied_bytes:
+            raise
+        raise BudgetError(f"{exc} (of memory_budget_gb={budget_gb:g}, {_size_hint(copied_bytes) / 2**30:.4g} GiB go "
+                          "to the contiguous copies of a non-contiguous input or weight: pass contiguous tensors)"
+                          ) from None
     return config.to_dict()
 
 

@@ -341,3 +341,65 @@ def test_the_recompute_bound_counts_the_cpu_step():
     assert peak_bytes(*args, softcap=True, device="cpu") - peak_bytes(*args, device="cpu") == fp32_chunk
     fp64 = (config, 4096, 32000, 256, torch.float64)
     assert peak_bytes(*fp64, device="cpu") == peak_bytes(*fp64, device=torch.device("cuda"))
+
+
+#: Cases where the measured CPU peak passed the bound (a bug hunt of 2026-12-06), n x v x h, MiB over it:
+#: off CUDA each fp32 sum of bf16 products upcasts its operands (a recompute block's weight rows, +12.0; a chunk's
+#: hidden states for dW, +11.9); frozen columns pad dW at the end while the unpadded one lives (+4.5); fp64
+#: returns scaled copies of its gradients (+29.0).
+_MISSED = {
+    "recompute upcast": dict(n=512, v=4096, h=2048, config=FLCEConfig(strategy="recompute", chunk_tokens=128,
+                                                                       vocab_block=2048)),
+    "chunked upcast": dict(n=2048, v=256, h=4096, config=FLCEConfig(strategy="torch", chunk_tokens=1024)),
+    "frozen columns": dict(n=64, v=4096, h=2048, frozen=1024, config=FLCEConfig(strategy="torch", chunk_tokens=64)),
+    "frozen columns, recompute": dict(n=64, v=4096, h=2048, frozen=1024,
+                                      config=FLCEConfig(strategy="recompute", chunk_tokens=64, vocab_block=512)),
+    "fp64": dict(n=256, v=4096, h=1024, dtype=torch.float64, config=FLCEConfig(strategy="torch", chunk_tokens=64)),
+}
+
+
+@pytest.mark.parametrize("case", _MISSED)
+def test_cpu_peak_within_bound_where_it_was_missed(case):
+    c = dict(_MISSED[case])
+    n, v, h, config = c["n"], c["v"], c["h"], c["config"]
+    dtype, frozen = c.get("dtype", torch.bfloat16), c.get("frozen", 0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+
+    def step():
+        fused_linear_cross_entropy(x, w, t, config=config, frozen_weight_columns=frozen).backward()
+
+    step()
+    x.grad = w.grad = None
+    measured = cpu_peak_bytes(step) - (n * h + v * h) * x.element_size()  # less the returned gradients
+    bound = peak_bytes(config, n, v, h, dtype, frozen_columns=frozen, device="cpu")
+    assert measured <= bound, f"measured {measured / 2**20:.2f} MiB above outputs > bound {bound / 2**20:.2f} MiB"
+
+
+def test_a_budget_counts_the_copies_of_a_non_contiguous_input_and_weight():
+    """The bound is above the op's inputs, and a non-contiguous input (hidden states sliced before the head) or
+    weight (given as ``w.t()``) is copied first: a budget holds those copies too (they took 13-14 MiB past the
+    bound), or says they do not fit."""
+    from flce_compile.plan.choose import BudgetError
+
+    n, v, h = 4096, 512, 1024
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(n, h + 8, generator=g).to(torch.bfloat16)
+    w_t = (torch.randn(h, v, generator=g) / 8).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    copies = (n * h + v * h) * 2  # 9 MiB
+    budget = 14 / 1024
+
+    def step():
+        fused_linear_cross_entropy(base[:, 4:4 + h], w_t.t(), t, memory_budget_gb=budget).backward()
+
+    step()
+    w_t.grad = None
+    measured = cpu_peak_bytes(step) - v * h * 2  # less the returned dW
+    assert copies < measured <= budget * 2**30
+    with pytest.raises(BudgetError, match="contiguous copies of a non-contiguous input or weight alone take"):
+        fused_linear_cross_entropy(base[:, 4:4 + h], w_t.t(), t, memory_budget_gb=8 / 1024)
+    with pytest.raises(BudgetError, match="go to the contiguous copies"):
+        fused_linear_cross_entropy(base[:, 4:4 + h], w_t.t(), t, memory_budget_gb=9.2 / 1024)

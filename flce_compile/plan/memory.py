@@ -37,6 +37,16 @@ IN_PLACE = sympy.symbols("acc_in_place", integer=True, nonnegative=True)
 
 #: 0/1: fp32 logits (``FLCEConfig.fp32_logits`` with bf16/fp16 inputs, the "precise" policy).
 FP32L = sympy.symbols("fp32_logits", integer=True, nonnegative=True)
+#: 0/1: fp32 sums of bf16/fp16 products where there is no mixed-dtype GEMM (off CUDA): ``add_product`` upcasts both
+#: operands of each product it adds into an fp32 buffer (the chunked loop's dW sums; the recompute loop's dX sum
+#: and a block's dW rows).
+UPCAST = sympy.symbols("upcast_operands", integer=True, nonnegative=True)
+#: 0/1: frozen weight columns with dW wanted: dW's own ``HW`` columns are padded to H at the end
+#: (``op._input_grads``), the unpadded dW alive beside the returned one.
+FROZEN = sympy.symbols("frozen_pad", integer=True, nonnegative=True)
+#: 0/1: fp64 inputs to the chunked loop: backward returns scaled copies of the forward's gradients and keeps the
+#: originals (``op._scaled_forward_grads``: backward may run again, as gradcheck runs it).
+F64 = sympy.symbols("fp64_copies", integer=True, nonnegative=True)
 
 #: Per-token vectors (fp32 loss rows, the fp64 lse and target z kept for backward: ``chunked.kept_rows``) and
 #: int64/bool masks of one chunk, bytes per token.
@@ -90,8 +100,11 @@ def _chunked_terms() -> sympy.Expr:
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
     wide = _fp32_logits_bytes(rows, V + PAD * pad_rows, row_bytes)
+    upcast = UPCAST * NEED_DW * 4 * rows * (V + PAD * pad_rows + H)  # a chunk's gradient and hidden states, in fp32
+    frozen_pad = FROZEN * NEED_DW * V * HW * S
+    fp64_copies = F64 * (NEED_DX * BT * H * S + NEED_DW * V * HW * S + NEED_DB * V * S)
     return (logits_chunk + ce_temporaries + wide + dw_accumulator + db_accumulator + padding + per_token
-            + side_stream + SLACK_BYTES)
+            + side_stream + upcast + frozen_pad + fp64_copies + SLACK_BYTES)
 
 
 #: The recompute strategy: vocabulary rows per backward block, 0/1 for dX wanted, and the itemsize of its block
@@ -122,11 +135,14 @@ def _recompute_terms() -> sympy.Expr:
     # logits (1.05 GB) fits under the 1.18 GB of dX + dW at 16384 x 4096 x 128256.
     returned = NEED_DX * BT * H * S + NEED_DW * V * HW * S + NEED_DB * V * S
     forward = rows * row_bytes + K32 * rows * V * 4 + _fp32_logits_bytes(rows, V, row_bytes) - returned
+    # Off CUDA each product summed in fp32 has both operands upcast: a block's weight rows and its gradient for
+    # dX, the chunk's hidden states for the block's dW rows (the larger pair at once, bounded by all three).
+    upcast = UPCAST * 4 * (block * H + rows * block + rows * H)
     backward = (NEED_DX * BT * H * ACC + NEED_DW * block * HW * ACC_BLOCK + NEED_DB * block * 4
                 + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
-                + FP32L * V * 4)  # the whole fp32 bias
+                + FP32L * V * 4 + upcast)  # FP32L * V * 4: the whole fp32 bias
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
-    return sympy.Max(forward, backward) + per_token + SLACK_BYTES
+    return sympy.Max(forward, backward) + FROZEN * NEED_DW * V * HW * S + per_token + SLACK_BYTES
 
 
 def peak_bytes(
@@ -172,6 +188,8 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
                 device_type: str) -> int:
     strategy = registry.get(config.strategy)
     k32 = strategy.temporaries(softcap, device_type, dtype)
+    off_cuda = device_type != "cuda"
+    frozen_pad = int(frozen_columns > 0)
     if strategy.loop == "recompute":
         return int(_recompute_terms().subs({
             BT: max(num_tokens, 1), V: vocab, H: hidden, HW: hidden - frozen_columns, CHUNK: config.chunk_tokens,
@@ -180,6 +198,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
             ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
             NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: k32,
             FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
+            UPCAST: int(off_cuda and accum_dtype.itemsize > dtype.itemsize), FROZEN: frozen_pad,
         }))
     wide = fp32_logits_on(config.fp32_logits, dtype)
     # One chunk (the loop's own test) writes dW in the weight dtype and has nothing to overlap (chunked.py).
@@ -206,5 +225,9 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc and not (single_chunk and not wide)),
         FP32L: int(wide),
+        UPCAST: int(off_cuda and separate_acc and accum_dtype.itemsize > dtype.itemsize),
+        FROZEN: frozen_pad,
+        F64: int(dtype == torch.float64),
+        NEED_DX: int(need_dx),
     }
     return int(_chunked_terms().subs(values))
