@@ -467,6 +467,37 @@ def test_a_tf32_change_after_capture_gets_a_graph_of_its_own():
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_reduction_flag_change_after_capture_gets_a_graph_of_its_own(dtype):
+    """A one-chunk call runs under the user's cuBLAS reduced-precision (split-K) reduction flags, and a capture
+    fixes the kernels they chose: after a toggle the calls match the uncaptured loop under the new flag bit for
+    bit (the flags were in no key until 2026-12-06, so the graph of before kept replaying). A shape whose dW GEMM
+    sums over many tokens into a small output, where cuBLAS may split K. On an H100 with torch 2.11 the flags
+    changed no result at the seven one-chunk shapes tried (this one included), so there this holds the replayed
+    calls to the uncaptured op under both settings; test_replay_shortcuts checks that the key follows the flags."""
+    shape = {"n": 8192, "h": 64, "v": 1024, "dtype": dtype}
+    name = ("allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16
+            else "allow_fp16_reduced_precision_reduction")
+    matmul = torch.backends.cuda.matmul
+    _, w0, _ = _inputs(0, **shape)
+    batches = [_inputs(s, **shape)[::2] for s in range(1, 5)]
+    before = getattr(matmul, name)
+    try:
+        setattr(matmul, name, True)
+        graphed_reduced = _training_run(w0, batches)
+        setattr(matmul, name, False)
+        graphed_full = _training_run(w0, batches)
+        set_cuda_graphs("off")
+        plain_full = _training_run(w0, batches)
+        setattr(matmul, name, True)
+        plain_reduced = _training_run(w0, batches)
+    finally:
+        setattr(matmul, name, before)
+    for graphed, plain in ((graphed_full, plain_full), (graphed_reduced, plain_reduced)):
+        for got, expected in zip(graphed, plain):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_fully_masked_batch_keeps_zero_gradients_under_replay_whatever_grad_output_is(dtype, reduction):
