@@ -93,10 +93,11 @@ def _check_dense(**tensors: Tensor | None) -> None:
     """Each of ``tensors`` (by argument name) a dense strided tensor or None: a sparse or nested one failed deep
     inside (``.contiguous()``'s "unsupported memory format") with no argument named."""
     for name, t in tensors.items():
-        if isinstance(t, Tensor) and (t.is_nested or t.layout != torch.strided):
-            kind = "nested" if t.is_nested else str(t.layout)
-            raise TypeError(f"{name} must be a dense tensor, got a {kind} one; pass {name}.to_dense()"
-                            + (" (or one tensor per sequence, concatenated)" if t.is_nested else ""))
+        if isinstance(t, Tensor) and t.is_nested:
+            raise TypeError(f"{name} must be a dense tensor, got a nested one; pass its sequences concatenated "
+                            f"(torch.cat({name}.unbind())), and the other tensors' likewise")
+        if isinstance(t, Tensor) and t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense tensor, got a {t.layout} one; pass {name}.to_dense()")
 
 
 def check_ce_weight_placement(ce_weight: Tensor, device: torch.device) -> None:
@@ -380,8 +381,12 @@ def fused_linear_cross_entropy(
     params, params_text = _params_arg(ignore_index, reduction, label_smoothing, softcap, logit_scale, z_loss,
                                       frozen_weight_columns)
     if memory_budget_gb is not None:
-        copied = ((x2d.numel() * x2d.element_size() if x2d is not input and x2d._base is None else 0)
-                  + (0 if weight.is_contiguous() else weight.numel() * weight.element_size()))
+        # An eager call counts the copies it makes of a non-contiguous input or weight against the budget. (In a
+        # compiled graph the copies are the graph's, made before the op and sized by it as any other op's; an
+        # explain() of the graph asks the op's budget alone.)
+        copied = 0 if torch.compiler.is_compiling() else (
+            (0 if input.is_contiguous() else input.numel() * input.element_size())
+            + (0 if weight.is_contiguous() else weight.numel() * weight.element_size()))
         forced = _budget_config(forced, memory_budget_gb, x2d, weight, bias, accum_dtype, params, grad_on, copied)
     if not fast_config:
         config_text = _forced_text(forced)
@@ -574,11 +579,11 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
     (above its inputs) does not hold and the budget must."""
     vocab, hidden = weight.shape
     budget_bytes(budget_gb)  # a bad budget is named as given
-    left_gb = budget_gb - _size_hint(copied_bytes) / 2**30
+    copies = (f"memory_budget_gb={budget_gb:g}: {copied_bytes / 2**30:.4g} GiB of it go to the contiguous copies of "
+              "a non-contiguous input or weight (pass contiguous tensors to spare them)")
+    left_gb = budget_gb - copied_bytes / 2**30
     if left_gb <= 0:
-        raise BudgetError(f"memory_budget_gb={budget_gb:g}: the contiguous copies of a non-contiguous input or "
-                          f"weight alone take {_size_hint(copied_bytes) / 2**30:.4g} GiB of it; pass contiguous "
-                          "tensors (or raise the budget)")
+        raise BudgetError(f"{copies}, which leaves nothing for the op; raise the budget")
     try:
         config, _source = config_within_budget(
             forced, left_gb, _size_hint(x2d.shape[0]), vocab, hidden, weight.dtype, weight.device, accum_dtype,
@@ -588,9 +593,8 @@ def _budget_config(forced: dict[str, Any] | None, budget_gb: float, x2d: Tensor,
     except BudgetError as exc:
         if not copied_bytes:
             raise
-        raise BudgetError(f"{exc} (of memory_budget_gb={budget_gb:g}, {_size_hint(copied_bytes) / 2**30:.4g} GiB go "
-                          "to the contiguous copies of a non-contiguous input or weight: pass contiguous tensors)"
-                          ) from None
+        rest = str(exc).split(": ", 1)[-1]  # (its budget is what the copies left)
+        raise BudgetError(f"{copies}; in the {left_gb:.4g} GiB left, {rest}") from None
     return config.to_dict()
 
 

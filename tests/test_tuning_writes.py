@@ -67,6 +67,11 @@ def test_a_study_that_stops_before_the_dbs_answer_does_not_replace_it(tuner, tmp
     assert cli.main([*argv, "--trials", "2"]) == 0
     [kept] = db.read_file(user, strict=True)
     assert kept.config == TUNED and kept.trials == 2 and TUNED in tuner
+    # a study of another strategy cannot try the answer: its winner is written, as asked
+    out = tmp_path / "torch_only.json"
+    assert cli.main([*argv, "--trials", "2", "--strategies", "torch", "--out", str(out)]) == 0
+    [torch_entry] = db.read_file(out, strict=True)
+    assert torch_entry.config.strategy == "torch" and "NOT WRITTEN" not in capsys.readouterr().out
 
 
 def test_an_output_it_cannot_write_is_refused_before_any_study(tuner, tmp_path, capsys):
@@ -154,6 +159,11 @@ def test_non_finite_numbers_are_neither_written_nor_read(tmp_path, caplog):
     written = _strict(path)  # no Infinity in it: the entry with 1e999 is dropped, the string one kept as it was
     assert bad_string in written["entries"] and len(written["entries"]) == 3
     assert db.read_file(path, strict=True) == [good, new]
+    # a number written as a string by hand is read as before
+    data = _strict(path)
+    data["entries"][0]["peak_gb"] = "1.5"
+    path.write_text(json.dumps(data))
+    assert db.read_file(path, strict=True)[0].peak_gb == 1.5
 
 
 def test_corrupt_files_are_moved_aside_without_overwriting_an_earlier_copy(tmp_path):

@@ -294,21 +294,32 @@ def _run_tp_head_under_no_grad(mesh) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from flce_compile.compiler.tensor_parallel import flce_vocab_parallel_loss
+
     idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
     out = {}
+    graphs = []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
     for compiled in (False, True):
         torch.manual_seed(0)
         model = parallelize_module(_NoGradHead(), mesh, {
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
         torch._dynamo.reset()
-        step = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"}) if compiled else model
+        step = torch.compile(model, backend="flce", options={"flce.inner": capture}) if compiled else model
         with loss_parallel():
             ce, aux = step(idx, labels)
             (ce.full_tensor() + aux).backward()
         out["compiled" if compiled else "eager"] = {
             "ce": ce.full_tensor().detach(), "ce_requires_grad": ce.requires_grad,
             "emb_grad": model.emb.weight.grad.clone(), "head_grad": model.lm_head.weight.grad}
+    out["fused"] = [n.target is flce_vocab_parallel_loss for gm in graphs for n in gm.graph.nodes].count(True)
     return out
 
 
@@ -949,6 +960,7 @@ def test_a_tensor_parallel_head_under_no_grad_gives_no_gradient_once_fused(ranks
     now reads them detached, as the single-device rewrite does."""
     for r in ranks:
         eager, compiled = r["tp_no_grad_head"]["eager"], r["tp_no_grad_head"]["compiled"]
+        assert r["tp_no_grad_head"]["fused"] == 1
         assert not eager["ce_requires_grad"] and not compiled["ce_requires_grad"]
         assert eager["head_grad"] is None and compiled["head_grad"] is None
         torch.testing.assert_close(compiled["ce"], eager["ce"], rtol=1e-5, atol=1e-6)

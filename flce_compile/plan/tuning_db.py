@@ -303,14 +303,19 @@ def _positive_int(data: Mapping[str, Any], name: str) -> int:
 
 
 def _opt_float(data: Mapping[str, Any], name: str) -> float | None:
-    """``data[name]`` as a finite float, or None when absent/null. A string, a bool or a non-finite number (JSON's
-    ``1e999`` reads as infinity) is an error: the writer could not write it back as strict JSON."""
+    """``data[name]`` as a finite float, or None when absent/null. A number written as a string (a hand edit) is
+    read as before; a bool, anything else, or a non-finite value (JSON's ``1e999`` reads as infinity, "nan" as NaN)
+    is an error: the writer could not write it back as strict JSON."""
     value = data.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
         raise ValueError(f"{name}={value!r} must be a finite number or null")
-    return float(value)
+    return number
 
 
 class DBFileError(ValueError):

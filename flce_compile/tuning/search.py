@@ -99,7 +99,8 @@ class SearchResult:
     records: list[TrialRecord] = field(default_factory=list)
     elapsed_s: float = 0.0
     stopped: str = "done"
-    #: The database's current answer the study was seeded with (as the space spells it), or None.
+    #: The database's current answer the study was seeded with (as the space spells it), or None (also where the
+    #: space cannot hold it: another strategy, over the budget).
     db_config: FLCEConfig | None = None
     #: The Optuna study the search ran (in memory, or in the ``storage`` given to ``run_search``): its trials
     #: are what ``tuning.plots`` draws. None if the study could not be created.
@@ -223,8 +224,11 @@ def run_search(
         seeds.extend(c for c in neighbours if c not in seeds and space.over_budget(c) is None)
     space = space.including(seeds)
 
+    # The DB's answer counts as a seed to try only where the space can hold it: a study of other strategies
+    # (``--strategies torch``), or under a budget it does not fit, cannot try it, and its winner still stands.
+    tryable = db_config if db_config is not None and space.check(db_config) is None else None
     result = SearchResult(best=None, best_ms=None, best_peak_bytes=None, default=default, default_ms=None,
-                          default_peak_bytes=None, db_config=db_config)
+                          default_peak_bytes=None, db_config=tryable)
     cache: dict[FLCEConfig, TrialRecord] = {}
     use_set_constraint = _has_set_constraint()
     idle = 0
