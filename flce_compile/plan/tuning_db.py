@@ -28,8 +28,8 @@ Lookup (``lookup``, plain entries only) answers, in this order: user exact -> sh
 dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuristic); and a kind of the GPU's
 family (``GPU_FAMILIES``: the H100 and H200 are one) answers too where it has a closer entry (exact before nearest
 bucket before nearest shape, then the nearer bucket or shape; the GPU's own first among equally close ones): an
-H100 runs the H200's entries. It sits on the op's hot path, so the files are parsed once into dicts and every answer, a miss too, is memoised. The
-loaded index is re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime,
+H100 runs the H200's entries. It sits on the op's hot path, so the files are parsed once into dicts and every
+answer, a miss too, is memoised. The loaded index is re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime,
 size and inode), so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at
 once (tests, and the writer after every write).
 
