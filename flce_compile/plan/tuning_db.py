@@ -29,9 +29,9 @@ dtype) -> nearest (V, H) on the same GPU -> ``None`` (the caller uses its heuris
 family (``GPU_FAMILIES``: the H100 and H200 are one) answers too where it has a closer entry (exact before nearest
 bucket before nearest shape, then the nearer bucket or shape; the GPU's own first among equally close ones): an
 H100 runs the H200's entries. It sits on the op's hot path, so the files are parsed once into dicts and every
-answer, a miss too, is memoised. The loaded index is re-validated at most every ``RECHECK_S`` (the environment variables and the user file's mtime,
-size and inode), so a user file rewritten by another process is noticed; ``invalidate_cache`` drops everything at
-once (tests, and the writer after every write).
+answer, a miss too, is memoised. The loaded index is re-validated at most every ``RECHECK_S`` (the environment
+variables and the user file's mtime, size and inode), so a user file rewritten by another process is noticed;
+``invalidate_cache`` drops everything at once (tests, and the writer after every write).
 
 Robustness: a corrupt, foreign or newer-schema file is reported once through the logger and ignored until it
 changes; the other files still answer. Without a home directory (and no ``$FLCE_TUNING_DB``) there is no user
@@ -663,7 +663,7 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     # Nearest token bucket, same (V, H, dtype); the user layer wins ties.
     same_shape = [(e, layer) for e, layer in candidates if (e.vocab, e.hidden, e.dtype) == (vocab, hidden, dtype)]
     if same_shape:
-        e, layer = min(same_shape, key=lambda el: (abs(math.log2(el[0].tokens) - log_bucket), el[1] != "user", el[0].tokens))
+        e, layer = min(same_shape, key=lambda el: (_bucket_distance(el[0], log_bucket), el[1] != "user", el[0].tokens))
         return Match(e.config, f"tuning_db:nearest_tokens({layer} tokens={e.tokens})", "nearest bucket", e)
     # Nearest (V, H) on the same GPU: log-ratio distance, a dtype penalty (same itemsize only), a small token term.
     best: tuple[float, Entry, str] | None = None
@@ -680,11 +680,16 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     return None
 
 
+def _bucket_distance(e: Entry, log_bucket: float) -> float:
+    """How far entry ``e``'s token bucket is from a call's (``log_bucket``: log2 of it), in doublings."""
+    return abs(math.log2(e.tokens) - log_bucket)
+
+
 def _shape_distance(e: Entry, vocab: int, hidden: int, dtype: str, log_bucket: float) -> float:
     """How far entry ``e`` is from a call of another (V, H): log-ratio distance, a dtype penalty (same itemsize
     only: the caller filters), a small token term."""
     return (abs(math.log(e.vocab / vocab)) + abs(math.log(e.hidden / hidden)) + (0.0 if e.dtype == dtype else 0.5)
-            + 0.05 * abs(math.log2(e.tokens) - log_bucket))
+            + 0.05 * _bucket_distance(e, log_bucket))
 
 
 def family_kinds(kind: str) -> list[str]:
@@ -722,7 +727,7 @@ def _lookup_in_family(index: _Index, dev: str, vocab: int, hidden: int, dtype: s
 
     def distance(m: Match) -> float:  # within a closeness class: the distance the kind's own lookup minimised
         if m.kind == "nearest bucket":
-            return abs(math.log2(m.entry.tokens) - log_bucket)
+            return _bucket_distance(m.entry, log_bucket)
         if m.kind == "nearest shape":
             return _shape_distance(m.entry, vocab, hidden, dtype, log_bucket)
         return 0.0

@@ -30,6 +30,7 @@ from ..plan.tuning_db import (
     DBCorruptError,
     DBFileError,
     Entry,
+    FileScan,
     Match,
     device_key,
     find_budget_matches,
@@ -130,22 +131,33 @@ def _strict_json(item: Mapping[str, Any]) -> bool:
     return True
 
 
+def _scan_to_overwrite(path: Path) -> FileScan | None:
+    """``scan_file`` for a writer: None for a missing file; a corrupt one's DBCorruptError as it is (the write
+    moves the file aside); a foreign, newer-schema or unreadable file refused (DBFileError), never overwritten."""
+    try:
+        return scan_file(path)
+    except FileNotFoundError:
+        return None
+    except DBCorruptError:
+        raise
+    except DBFileError as exc:
+        raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
+
+
 def _file_to_merge(path: Path) -> tuple[list[Entry], list[Mapping[str, Any]], int]:
     """The entries of the file a write merges into, the raw objects this version cannot parse (kept as they
     are: a plugin strategy's entries, fields of a newer version) and the file's schema version. A corrupt file
     (DBCorruptError) is moved aside to ``<path>.corrupt`` (never over an earlier one) with a warning; a foreign,
     newer-schema or unreadable one is never overwritten (DBFileError)."""
     try:
-        scan = scan_file(path)
-    except FileNotFoundError:
-        return [], [], 1
+        scan = _scan_to_overwrite(path)
     except DBCorruptError as exc:
         aside = _aside_name(path)
         os.replace(path, aside)
         logger.warning("%s; moved it to %s and started a new file", exc, aside)
         return [], [], 1
-    except DBFileError as exc:
-        raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
+    if scan is None:
+        return [], [], 1
     unread = [item for item in scan.unread if _strict_json(item)]
     if len(unread) < len(scan.unread):
         logger.warning("tuning DB file %s: dropping %d entries with non-finite numbers on rewrite", path,
@@ -166,13 +178,9 @@ def check_target(path: str | os.PathLike[str], lock_timeout: float = 60.0) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic.file_lock(target, lock_timeout):
         try:
-            scan_file(target)
-        except FileNotFoundError:
-            pass
+            _scan_to_overwrite(target)
         except DBCorruptError:
             pass  # the write moves it aside: nothing is lost
-        except DBFileError as exc:
-            raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
         if not os.access(target.parent, os.W_OK | os.X_OK):
             raise PermissionError(f"cannot write the tuning DB {path}: its directory {target.parent} is not writable")
     return Path(path)
