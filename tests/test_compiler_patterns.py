@@ -884,6 +884,45 @@ def test_explain_reports_sites_and_graph_breaks():
     assert "3 graph break(s)" in text and "graph break: 2 more that Dynamo gave no reason for" in text
 
 
+def test_explain_tries_the_rewrite_and_reports_a_failed_one_unfused(monkeypatch, caplog):
+    """explain tries the backend's rewrite on a copy of each graph: a site whose rewrite raises, or a pass that fails
+    as a whole, is reported unfused, as the backend leaves it (explain only analyzed, and called such sites fused).
+    The trial logs nothing, and leaves the pass's once-a-process warnings to the compile."""
+    import flce_compile.compiler.rewrite as rewrite
+
+    idx, t = _data()
+    t = t.clamp_min(0)
+    with caplog.at_level("INFO", logger="flce_compile"):
+        (fine,) = fc.explain(Escaping(), idx, t)
+    assert fine.fused and "fused_lazy" in caplog.text and "-> fused" not in caplog.text  # (the report; no pass log)
+
+    class LossAfterBreak(nn.Module):  # an unfused site whose pass warns once a process
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+        def forward(self, x, t):
+            logits = self.lm_head(x)
+            torch._dynamo.graph_break()
+            return F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+    monkeypatch.setattr(rewrite, "_warned_graph_break", False)
+    assert not any(r.fused for r in fc.explain(LossAfterBreak(), torch.randn(2, 5, H), t[:, :5].contiguous()))
+    assert rewrite._warned_graph_break is False  # the compile still warns
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rewrite, "_rewrite", broken)
+    (site,) = fc.explain(Escaping(), idx, t)
+    assert not site.fused and site.path == "unchanged" and site.reason == "rewrite failed: RuntimeError('boom')"
+    assert "NOT fused - rewrite failed" in str(site)
+    monkeypatch.undo()
+    monkeypatch.setattr(rewrite.OutputFixup, "apply", broken)  # after every site's rewrite: the pass fails whole
+    (site,) = fc.explain(Escaping(), idx, t)
+    assert not site.fused and "the fusion pass failed on this graph (RuntimeError('boom'))" in site.reason
+
+
 def _explained_path(model_or_compiled, idx, t, **kw):
     report = fc.explain(model_or_compiled, idx, t, **kw)
     assert len(report) == 1

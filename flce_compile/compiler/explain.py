@@ -1,10 +1,11 @@
 """``explain(model, *args, options=None, **kwargs)``: what ``backend="flce"`` does with each lm_head/loss site.
 
 It captures the model's Dynamo graphs with ``torch._dynamo.explain`` (which runs the model once and resets
-Dynamo's caches, like any ``torch._dynamo.explain`` call), analyzes every graph without rewriting it, and reports
-one entry per loss site plus one per lm_head that a graph break separated from its loss, and notes (attention
-masks the backend drops, checkpointed regions it opens). The options are the ones a compiled model was compiled
-with, or ``options=`` (the same dict ``torch.compile`` takes).
+Dynamo's caches, like any ``torch._dynamo.explain`` call), analyzes every graph, tries the backend's rewrite on a
+copy of it (a site whose rewrite fails is reported unfused, as the backend leaves it), and reports one entry per
+loss site plus one per lm_head that a graph break separated from its loss, and notes (attention masks the backend
+drops, checkpointed regions it opens). The options are the ones a compiled model was compiled with, or
+``options=`` (the same dict ``torch.compile`` takes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from ..log import logger
+from ..plan.choose import BudgetError
 from ..plan.config import FLCEConfig
 from . import checkpoint_side_effects
 from .backend import compiled_dynamic, compiled_options
@@ -27,6 +29,7 @@ from .decide import LONE_HEAD_REASON, SiteResult, lone_heads, mark_unkept
 from .hf_logging import keep_loss_in_graph
 from .lora_head import FROZEN_COLUMNS, analyze_with_folded_heads
 from .options import FLCEOptions, split_options
+from .rewrite import REWRITE_FAILED, has_loss_site, trial_pass
 from .patterns import Plan, meta_value
 from .tensor_parallel import LONE_HEAD
 
@@ -245,15 +248,21 @@ def _op_bytes(res: SiteResult, cfg: FLCEConfig | None, options: FLCEOptions) -> 
 
 
 def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCEOptions()) -> list[SiteReport]:
-    """Site reports for one Dynamo graph under ``options`` (no rewrite)."""
+    """Site reports for one Dynamo graph under ``options``. ``gm`` is analyzed (which may fold a LoRA head into it);
+    the rewrite is tried on a copy, so that a site the backend would leave unfused because its rewrite fails is
+    reported so."""
     reports: list[SiteReport] = []
+    failed = _rewrite_failures(gm, options)
     results = analyze_with_folded_heads(gm, options.logits)
     mark_unkept(results)  # (as the rewrite will find them)
     for res in results:
         site = res.site
         plan = res.plan
+        why_unfused = failed.get(site.loss_node.name) or failed.get(None)
         if not options.enabled:
             res = SiteResult(site, "unchanged", "flce.enabled=False")
+        elif res.fused and why_unfused:
+            res = SiteResult(site, "unchanged", why_unfused)
         try:
             strategy, cfg = _strategy(res, options)
         except ValueError as exc:  # the memory budget fits no config: the backend raises (BudgetError)
@@ -274,6 +283,23 @@ def report_graph(gm: fx.GraphModule, index: int = 0, options: FLCEOptions = FLCE
             reason=LONE_HEAD if head.tensor_parallel else LONE_HEAD_REASON,
         ))
     return reports
+
+
+def _rewrite_failures(gm: fx.GraphModule, options: FLCEOptions) -> dict[str | None, str]:
+    """The backend's pass tried on a copy of ``gm`` (``rewrite.trial_pass``): loss node name -> why its rewrite
+    failed, with the key None when the whole pass failed (the backend then compiles the graph as traced). Empty
+    when nothing failed, and for a memory budget no config fits, which the site's report names already."""
+    if not options.enabled or not has_loss_site(gm):
+        return {}
+    outcome = trial_pass(gm, logits=options.logits, config=options.config, precision=options.precision,
+                         memory_budget_gb=options.memory_budget_gb)
+    if isinstance(outcome, BudgetError):
+        return {}
+    if isinstance(outcome, Exception):
+        return {None: f"the fusion pass failed on this graph ({outcome!r}): the backend logs it and compiles the "
+                      f"graph unfused"}
+    return {res.site.loss_node.name: res.reason for res in outcome.sites
+            if res.path == "unchanged" and (res.reason or "").startswith(REWRITE_FAILED)}
 
 
 def explain(model: nn.Module | Any, *args: Any, options: Mapping[str, Any] | None = None,

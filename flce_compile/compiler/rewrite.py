@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -175,6 +176,9 @@ class PassResult:
     regions: list[CheckpointRegion] = field(default_factory=list)  # checkpointed regions holding sites
 
 
+#: The start of the reason of a site whose rewrite raised (left unfused, the pass goes on).
+REWRITE_FAILED = "rewrite failed"
+
 _logged_keep = False
 _logged_lazy = False
 _warned_kept_logits = False
@@ -232,7 +236,7 @@ def run_pass(
             raise
         except Exception as exc:  # noqa: BLE001 - the pass must never break a compile otherwise
             logger.warning("flce: rewriting loss %s failed, left unfused: %r", res.site.loss_node.name, exc)
-            res.path, res.reason = "unchanged", f"rewrite failed: {exc!r}"
+            res.path, res.reason = "unchanged", f"{REWRITE_FAILED}: {exc!r}"
             continue
         rewritten.append(res)
     if rewritten:
@@ -251,6 +255,41 @@ def run_pass(
         gm.graph.lint()
         gm.recompile()
     return PassResult(results, wrap, regions)
+
+
+#: The once-a-process log flags above, which a trial of the pass must leave as it found them.
+_ONCE_FLAGS = ("_logged_keep", "_logged_lazy", "_warned_kept_logits", "_warned_graph_break", "_warned_symbolic_float",
+               "_warned_unfused")
+
+
+def trial_pass(gm: fx.GraphModule, **options: Any) -> PassResult | Exception:
+    """What ``run_pass(gm, **options)`` does, tried on a copy of ``gm`` without a word in the logs (the pass's own
+    logs come when the graph is compiled): its result, or the exception it raises (the backend logs a failure and
+    compiles the graph as traced). For ``explain``, which otherwise only analyzes: a site whose rewrite fails, or a
+    pass that fails as a whole, is reported as the backend leaves it, unfused."""
+    from .graph_meta import copy_graph
+
+    flags = {name: globals()[name] for name in _ONCE_FLAGS}
+    this_thread = _OtherThreadsOnly()
+    logger.addFilter(this_thread)
+    try:
+        return run_pass(fx.GraphModule(gm, copy_graph(gm.graph)), **options)
+    except Exception as exc:  # noqa: BLE001 - reported, as the backend logs it
+        return exc
+    finally:
+        logger.removeFilter(this_thread)
+        globals().update(flags)
+
+
+class _OtherThreadsOnly(logging.Filter):
+    """Drops the records the thread that made it logs (a trial's), not another thread's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
 
 
 def has_loss_site(gm: fx.GraphModule) -> bool:
