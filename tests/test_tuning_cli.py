@@ -329,6 +329,51 @@ def test_time_budget_is_shared_by_work():
     assert cli._time_share(3.0, [small, big]) == 3.0
 
 
+def test_time_budget_goes_to_the_studies_skip_existing_leaves(tmp_path, monkeypatch):
+    """--time-budget-s with --skip-existing: a study's share counts only the studies that will run. It counted the
+    ones already in the file too, so the last study left got a fraction of the budget (5 of 60 s in a review's
+    run) and the rest went unused."""
+    from flce_compile.tuning import cli, measure, search
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    monkeypatch.setenv(db.ENV_USER_DB, str(tmp_path / "user.json"))
+    db.invalidate_cache()
+    monkeypatch.setattr(measure, "make_objective", lambda problem, **kw: lambda c: (10.0 / c.chunk_tokens, 1000))
+    given = []
+    real = search.run_search
+    monkeypatch.setattr(search, "run_search", lambda *a, **kw: given.append(kw["timeout_s"]) or real(*a, **kw))
+    out = tmp_path / "h200.json"
+    db.write_entries(out, [db.Entry(device="h200", vocab=256000, hidden=2304, dtype="bf16", tokens=8192,
+                                    config=FLCEConfig(strategy="triton"), ms=1.0)])  # 4.4x the other's work
+    assert cli.main(["--shapes", "32768x4096,256000x2304", "--tokens", "8192", "--trials", "3", "--time-budget-s",
+                     "60", "--skip-existing", "--out", str(out), "--no-confirm"]) == 0
+    assert len(given) == 1 and given[0] > 50, given  # (11 s before)
+
+
+def test_tuning_into_another_kinds_shipped_file_is_refused(tmp_path, monkeypatch, capsys):
+    """--out tuning_db/h100.json on an H200 put h200 entries into the H100's file of the shipped layout, which keeps
+    one kind a file (``export_shipped`` refuses the same). It is refused before any study, naming the file to use; a
+    file of mixed kinds (a user DB) is written as before."""
+    from flce_compile.tuning import cli, measure
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr("flce_compile.tuning.space.predicted_peak_bytes", lambda *a, **k: None)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    monkeypatch.setattr(measure, "make_objective", lambda problem, **kw: lambda c: (10.0 / c.chunk_tokens, 1000))
+    shipped_h100 = tmp_path / "h100.json"
+    db.write_entries(shipped_h100, [make_entry(device="h100", vocab=32768, hidden=4096)])
+    args = ["--vocab", "32768", "--hidden", "4096", "--tokens", "8192", "--trials", "3", "--no-confirm", "--out"]
+    assert cli.main(args + [str(shipped_h100)]) == 2
+    assert f"{tmp_path / 'h200.json'}" in capsys.readouterr().err
+    assert {e.device for e in db.read_file(shipped_h100)} == {"h100"}
+    mixed = tmp_path / "mine.json"
+    db.write_entries(mixed, [make_entry(device="h100", vocab=32768, hidden=4096)])
+    assert cli.main(args + [str(mixed)]) == 0
+    assert {e.device for e in db.read_file(mixed)} == {"h100", "h200"}
+
+
 def test_budget_over_default_with_a_fake_gpu(tmp_path, monkeypatch, capsys):
     """--budget-over-default-gb: each study's budget is the default config's predicted peak plus GB (GiB), the
     smaller one wins with --budget-gb, and without a memory model it is not applied (with a warning)."""
@@ -410,6 +455,9 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys):
     (["--shapes", "151936x0"], "needs a positive VOCAB and HIDDEN"),
     (["--vocab", "8", "--hidden", "8", "--budget-gb", "nan"], "--budget-gb must be a positive finite number"),
     (["--vocab", "8", "--hidden", "8", "--budget-gb", "inf"], "--budget-gb must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--budget-gb", "1e300"], "--budget-gb must be a positive finite number"),
+    (["--vocab", "8", "--hidden", "8", "--budget-over-default-gb", "1e300"],
+     "--budget-over-default-gb must be >= 0 (GiB, finite), got 1e+300"),
     (["--vocab", "8", "--hidden", "8", "--timeout", "nan"], "--timeout must be a positive finite number"),
     (["--vocab", "8", "--hidden", "8", "--time-budget-s", "nan"], "--time-budget-s must be a positive finite"),
     (["--vocab", "8", "--hidden", "8", "--budget-over-default-gb", "nan"], "--budget-over-default-gb must be >= 0"),

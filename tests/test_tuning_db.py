@@ -320,16 +320,35 @@ def test_rescaled_chunk_stays_on_the_tuning_grid():
     """A borrowed chunk is rescaled to the grid the tuner searches (powers of two and 1.5x steps), keeping the
     logits chunk (chunk x V) at most RESCALE_TOLERANCE larger than the measured one."""
     cfg = FLCEConfig(strategy="triton", chunk_tokens=3072)
-    assert tuning_db._rescale_chunk(cfg, 151936, 151936) is cfg
-    assert tuning_db._rescale_chunk(cfg, 151936, 152064).chunk_tokens == 3072  # 0.1% larger V: kept
-    assert tuning_db._rescale_chunk(cfg, 151936, 262144).chunk_tokens == 1536  # 1781 tokens of logits -> grid 1536
-    assert tuning_db._rescale_chunk(cfg, 151936, 75968).chunk_tokens == 6144  # half the V: twice the chunk
+    assert tuning_db._at_vocab(cfg, 151936, 151936, "bf16") is cfg
+    assert tuning_db._at_vocab(cfg, 151936, 152064, "bf16").chunk_tokens == 3072  # 0.1% larger V: kept
+    assert tuning_db._at_vocab(cfg, 151936, 262144, "bf16").chunk_tokens == 1536  # 1781 tokens of logits -> grid 1536
+    assert tuning_db._at_vocab(cfg, 151936, 75968, "bf16").chunk_tokens == 6144  # half the V: twice the chunk
     for from_v, to_v in ((128256, 131072), (151936, 262144), (32000, 50257), (256000, 128256)):
         for chunk in (1024, 1536, 2048, 3072, 8192):
-            got = tuning_db._rescale_chunk(FLCEConfig(chunk_tokens=chunk), from_v, to_v).chunk_tokens
+            got = tuning_db._at_vocab(FLCEConfig(chunk_tokens=chunk), from_v, to_v, "bf16").chunk_tokens
             assert got * to_v <= chunk * from_v * (1 + db.RESCALE_TOLERANCE)
             low = 1 << (got.bit_length() - 1)
             assert got in (low, 3 * low // 2)
+
+
+def test_a_borrowed_config_pads_an_odd_vocab_as_the_heuristic_does(dbs):
+    """An entry at an aligned V (128256) holds pad_vocab=False, a no-op there. Borrowed by a call at an odd V (128257:
+    a pad token added) it left the GEMMs unaligned (3.2x slower at GPT-2's shape); the call now pads, as the
+    heuristic would. An entry measured at an odd V keeps its own choice; an aligned V never pads."""
+    user, shipped = dbs
+    db.write_entries(shipped / "h200.json", [entry(vocab=128256, chunk=4096, tokens=8192),
+                                             entry(vocab=50257, hidden=768, chunk=4096, tokens=8192)])
+    for vocab, hidden, pad, near in ((128257, 4096, True, 128256), (151655, 4096, True, 128256),
+                                     (131072, 4096, False, 128256), (50280, 768, False, 50257),
+                                     (50263, 768, False, 50257)):
+        cfg, src = find(vocab=vocab, hidden=hidden, tokens=8192)
+        assert f"nearest_shape(shipped V={near} " in src and cfg.pad_vocab is pad, (vocab, cfg, src)
+    db.write_entries(shipped / "h200.json", [dataclasses.replace(entry(vocab=50257, hidden=768, chunk=4096, tokens=8192),
+                                                     config=FLCEConfig(strategy="triton", chunk_tokens=4096,
+                                                                       pad_vocab=True))])
+    assert find(vocab=50263, hidden=768, tokens=8192)[0].pad_vocab is True  # odd to odd: the measured choice
+    assert find(vocab=50304, hidden=768, tokens=8192)[0].pad_vocab is False  # aligned: nothing to pad
 
 
 def test_export_layout(tmp_path):

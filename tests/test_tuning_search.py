@@ -80,6 +80,22 @@ def test_finds_optimum_and_default_first():
     assert len(set(calls)) == len(calls) - 2  # only the two confirmation runs repeat a config
 
 
+@pytest.mark.parametrize("vocab", [100, 1000, 2048, 4000])
+def test_the_heuristic_default_is_measured_at_a_small_vocab(vocab):
+    """The GPU heuristic's CE block is the one that holds V, with threads to match, where V is below 4096: its
+    4096 block broke the kernel's launch rules at V <= 2048, so the tuner never measured the default there (no
+    default time, no confirmation against it)."""
+    from flce_compile.plan.choose import heuristic_config
+
+    default = heuristic_config(512, vocab, 64, torch.bfloat16, torch.device("cuda"))
+    assert registry._kernel_launch_rules(default, vocab) is None and default.block_v >= min(vocab, 4096)
+    sp = SearchSpace(tokens=512, vocab=vocab, hidden=64, base=default, strategies=("triton",))
+    calls = []
+    result = run_search(lambda c: calls.append(c) or (1 + c.num_warps / 100, 0), sp, default=default, n_trials=4,
+                        seed=0)
+    assert calls[0] == default and result.default_ms is not None and result.speedup is not None
+
+
 def test_budget_is_respected():
     sp = small_space()
     budget = int(1.5e9)  # chunk 2048 (the unconstrained optimum) needs 2.048e9

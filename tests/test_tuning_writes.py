@@ -5,6 +5,7 @@ cannot parse, corrupt files moved aside, a stale read-modify-write, and argument
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -150,13 +151,18 @@ def test_non_finite_numbers_are_neither_written_nor_read(tmp_path, caplog):
     bad_string = {**good.to_dict(), "tokens": 8192, "peak_gb": "nan"}
     data["entries"].append(bad_string)
     path.write_text(json.dumps(data)[:-2] + ', {"device": "h200", "vocab": 1000, "hidden": 64, "dtype": "bf16", '
-                    '"tokens": 2048, "config": {"strategy": "triton"}, "ms": 1.0, "peak_gb": 1e999}]}')
+                    '"tokens": 2048, "config": {"strategy": "triton"}, "ms": 1.0, "peak_gb": 1e999}, '
+                    '{"device": "h200", "vocab": 1000, "hidden": 64, "dtype": "bf16", "tokens": 1024, '
+                    '"config": {"strategy": "triton"}, "ms": 1.0, "note": [1e999]}]}')
     with caplog.at_level("WARNING", logger="flce_compile"):
-        assert db.read_file(path) == [good]  # both bad entries are skipped, the file is not
-    assert "peak_gb='nan' must be a finite number or null" in caplog.text
+        assert db.read_file(path) == [good]  # the bad entries are skipped, the file is not
+    assert "peak_gb='nan' must be a finite number or null" in caplog.text and "skipped 3 malformed" in caplog.text
+    # (1e999 in a field outside the schema was read into the entry's extra, and every later write then failed)
+    with pytest.raises(ValueError, match=r"a field outside the schema holds a non-finite number \(\['note'\]\)"):
+        db.Entry.from_dict({**good.to_dict(), "note": [float("inf")]})
     new = make_entry(tokens=16384)
     db.write_entries(path, [new])
-    written = _strict(path)  # no Infinity in it: the entry with 1e999 is dropped, the string one kept as it was
+    written = _strict(path)  # no Infinity in it: the entries with 1e999 are dropped, the string one kept as it was
     assert bad_string in written["entries"] and len(written["entries"]) == 3
     assert db.read_file(path, strict=True) == [good, new]
     # a number written as a string by hand is read as before
@@ -185,13 +191,15 @@ def test_entries_this_version_cannot_parse_are_kept_through_a_rewrite(tmp_path):
     plugin = {**good.to_dict(), "tokens": 8192, "config": {"strategy": "my_plugin", "chunk_tokens": 4096}}
     newer = {**good.to_dict(), "tokens": 16384, "config": {**good.config.to_dict(), "future_knob": 3}}
     tier = {**plugin, "budget_tier_gb": 2.0}
+    note = "hand-written: keep 151936x4096 at 2048 tokens"  # (items that are not objects were dropped silently)
     path.write_text(json.dumps({"format": db.FORMAT, "schema_version": db.SCHEMA_VERSION,
-                                "entries": [good.to_dict(), plugin, newer, tier]}))
+                                "entries": [good.to_dict(), plugin, newer, tier, note, 42]}))
     other = make_entry(tokens=32768)
     db.write_entries(path, [other])
     written = _strict(path)
     assert written["schema_version"] == db.SCHEMA_VERSION  # the kept tier entry still needs it
-    assert [plugin, newer, tier] == [e for e in written["entries"] if e in (plugin, newer, tier)]
+    kept = (plugin, newer, tier, note, 42)
+    assert list(kept) == [e for e in written["entries"] if e in kept]
     assert db.read_file(path) == [good, other]
     # a new entry of an unread one's key replaces it; replace=True keeps none
     replacing = make_entry(tokens=8192)
@@ -220,6 +228,14 @@ def test_a_stale_read_modify_write_is_refused(tmp_path):
     assert db.read_file(path, strict=True) == [newer]
     db.write_entries(path, [make_entry(config=TUNED, ms=0.5)], unchanged=[newer])
     assert db.read_file(path, strict=True)[0].ms == 0.5
+    # Another re-tune that found the same config again, with a newer time and more trials: refused as well (only
+    # a changed config was; the 40-trial result was lost in a review's run).
+    [read] = db.read_file(path, strict=True)
+    retuned = dataclasses.replace(read, ms=0.4, trials=40, date="2026-12-06T12:00:00+00:00")
+    db.write_entries(path, [retuned])
+    with pytest.raises(db.DBConflictError, match="changed since it was read"):
+        db.write_entries(path, [dataclasses.replace(read, ms=0.45)], unchanged=[read])
+    assert db.read_file(path, strict=True) == [retuned]
 
 
 def test_retune_skips_an_entry_rewritten_meanwhile_and_times_its_measured_rows(tmp_path, monkeypatch, capsys):

@@ -182,20 +182,23 @@ def heuristic_config(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtyp
     chunk = max(256, min(8192, chunk // 256 * 256))
     chunk = max(1, min(chunk, _round_up(max(1, num_tokens), 256)))
     pad = on_gpu and vocab_needs_padding(vocab, itemsize)
-    return _heuristic(chunk, device.type, dtype, pad, registry.generation())
+    # 8 warps: the CE step alone took 15-18% less time than with 16 at V = 50304-256000 on an H200
+    # (benchmarks/results/ce_kernel_tiles_NVIDIA_H200.md). A V below the 4096 block (a byte-level head) takes the
+    # block that holds it and no more threads than the block has values, as the kernel's launch rules ask
+    # (``registry``): the tuner measures the default only where they pass (it never measured it at V <= 2048).
+    block_v = min(4096, max(32, registry.next_pow2(vocab))) if on_gpu else 1024
+    warps = min(8, max(1, block_v // 32)) if on_gpu else 4
+    return _heuristic(chunk, device.type, dtype, pad, block_v, warps, registry.generation())
 
 
 @functools.lru_cache(maxsize=256)
-def _heuristic(chunk: int, device_type: str, dtype: torch.dtype, pad_vocab: bool,
+def _heuristic(chunk: int, device_type: str, dtype: torch.dtype, pad_vocab: bool, block_v: int, num_warps: int,
                generation: int) -> FLCEConfig:  # noqa: ARG001 - generation: registry changes miss the cache
-    on_gpu = device_type == "cuda"
     return FLCEConfig(
         strategy=registry.default_for(device_type, dtype).name,
         chunk_tokens=chunk,
-        block_v=4096 if on_gpu else 1024,
-        # 8 warps: the CE step alone took 15-18% less time than with 16 at V = 50304-256000 on an H200
-        # (benchmarks/results/ce_kernel_tiles_NVIDIA_H200.md).
-        num_warps=8 if on_gpu else 4,
+        block_v=block_v,
+        num_warps=num_warps,
         num_stages=1,
         dw_path="addmm",
         streams=False,
@@ -252,7 +255,8 @@ def budget_bytes(memory_budget_gb: float) -> int:
     if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, numbers.Real):
         raise TypeError(f"memory_budget_gb={memory_budget_gb!r} must be a number of GiB (or None for no budget), got "
                         f"{type(memory_budget_gb).__name__}")
-    if not math.isfinite(memory_budget_gb) or memory_budget_gb <= 0:
+    # (a finite number whose bytes are not, 1e300 GiB, is refused too: int() of them raised OverflowError)
+    if not math.isfinite(float(memory_budget_gb) * 2**30) or memory_budget_gb <= 0:
         raise ValueError(f"memory_budget_gb={memory_budget_gb!r} must be a positive finite number of GiB (or None for "
                          "no budget)")
     return int(memory_budget_gb * 2**30)

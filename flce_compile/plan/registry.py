@@ -96,7 +96,8 @@ def kernel_step_runs(device_type: str, dtype: torch.dtype) -> bool:
 MAX_ELEMENTS_PER_THREAD = 128
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -112,7 +113,7 @@ def _kernel_fp32_temporaries(softcap: bool) -> int:  # noqa: ARG001
 
 def _kernel_launch_rules(config: Config, vocab: int) -> str | None:
     """The CE kernel's block and launch parameters that cannot run well for ``vocab``."""
-    if config.block_v > _next_pow2(vocab):
+    if config.block_v > next_pow2(vocab):
         return f"block_v={config.block_v} > vocab={vocab}"
     threads = 32 * config.num_warps
     if config.block_v < threads:

@@ -57,6 +57,7 @@ import torch
 from ..log import logger
 from . import registry
 from .config import FLCEConfig
+from .layout import vocab_needs_padding
 
 #: The value of the "format" key; a JSON file without it is foreign and ignored.
 FORMAT = "flce_compile.tuning_db"
@@ -274,6 +275,11 @@ class Entry:
         if data["config"].get("fp32_logits"):
             raise ValueError("config.fp32_logits=true: fp32 logits are the caller's precision choice "
                              "(precision=\"precise\"), never a tuned field; set it false")
+        extra = {k: v for k, v in data.items() if k not in known}
+        try:  # (JSON's 1e999 reads as infinity: the writer could not write it back as strict JSON)
+            json.dumps(extra, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"a field outside the schema holds a non-finite number ({sorted(extra)})") from None
         return cls(
             device=normalize_device_name(data["device"]),
             vocab=vocab,
@@ -289,7 +295,7 @@ class Entry:
             torch=data.get("torch"),
             triton=data.get("triton"),
             date=data.get("date"),
-            extra={k: v for k, v in data.items() if k not in known},
+            extra=extra,
             budget_tier_gb=_budget_tier(data.get("budget_tier_gb")),
         )
 
@@ -353,7 +359,7 @@ class FileScan:
 
     entries: list[Entry]
     problems: list[str]
-    unread: list[Mapping[str, Any]]
+    unread: list[Any]
     schema_version: int
 
 
@@ -382,7 +388,7 @@ def scan_file(path: Path) -> FileScan:
         raise DBFileError(f"tuning DB file {path} has no \"entries\" list")
     by_key: dict[tuple, tuple[int, Entry]] = {}  # one entry a key, the file's last (a hand edit can repeat one)
     problems: list[str] = []
-    unread: list[Mapping[str, Any]] = []
+    unread: list[Any] = []
     for i, item in enumerate(raw_entries):
         try:
             if not isinstance(item, Mapping):
@@ -390,8 +396,7 @@ def scan_file(path: Path) -> FileScan:
             entry = Entry.from_dict(item)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
             problems.append(f"entry {i}: {type(exc).__name__}: {exc}")
-            if isinstance(item, Mapping):
-                unread.append(item)
+            unread.append(item)  # (a hand-written note in the list too: a rewrite keeps it)
             continue
         if entry.key in by_key:
             problems.append(f"entry {by_key[entry.key][0]}: the same GPU kind, V, H, dtype, token bucket and tier as "
@@ -641,13 +646,23 @@ def _chunk_grid_floor(limit: float) -> int:
     return 3 * low // 2 if low >= 2 and 3 * low // 2 <= limit else low
 
 
-def _rescale_chunk(config: FLCEConfig, from_vocab: int, to_vocab: int) -> FLCEConfig:
-    """Keep a borrowed config's logits chunk (chunk_tokens x V) about the same size at another vocab: the
-    largest grid chunk whose logits are at most ``RESCALE_TOLERANCE`` larger than the measured ones."""
+def _at_vocab(config: FLCEConfig, from_vocab: int, to_vocab: int, dtype: str) -> FLCEConfig:
+    """A config measured at ``from_vocab``, for a call at ``to_vocab``.
+
+    The logits chunk (chunk_tokens x V) keeps about its size: the largest grid chunk whose logits are at most
+    ``RESCALE_TOLERANCE`` larger than the measured ones. ``pad_vocab`` follows the call's V as the heuristic's does:
+    an entry at an aligned V (128256) holds False because padding changes nothing there, which at an odd V
+    (128257, a pad token added) would leave the GEMMs unaligned, 3.2x slower at GPT-2's shape
+    (``choose.heuristic_config``); an entry measured at an odd V keeps its own choice."""
     if from_vocab == to_vocab:
         return config
     chunk = _chunk_grid_floor(config.chunk_tokens * from_vocab / to_vocab * (1 + RESCALE_TOLERANCE))
-    return config if chunk == config.chunk_tokens else dataclasses.replace(config, chunk_tokens=chunk)
+    itemsize = _TORCH_DTYPES[dtype].itemsize
+    odd = vocab_needs_padding(to_vocab, itemsize)
+    pad = odd and (config.pad_vocab or not vocab_needs_padding(from_vocab, itemsize))
+    if (chunk, pad) == (config.chunk_tokens, config.pad_vocab):
+        return config
+    return dataclasses.replace(config, chunk_tokens=chunk, pad_vocab=pad)
 
 
 def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: str, bucket: int) -> Match | None:
@@ -676,7 +691,7 @@ def _lookup_uncached(index: _Index, dev: str, vocab: int, hidden: int, dtype: st
     if best is not None and best[0] <= MAX_SHAPE_DISTANCE:
         _, e, layer = best
         source = f"tuning_db:nearest_shape({layer} V={e.vocab} H={e.hidden} dtype={e.dtype} tokens={e.tokens})"
-        return Match(_rescale_chunk(e.config, e.vocab, vocab), source, "nearest shape", e)
+        return Match(_at_vocab(e.config, e.vocab, vocab, dtype), source, "nearest shape", e)
     return None
 
 

@@ -549,7 +549,8 @@ def _validate_positive(p: argparse.ArgumentParser, args: argparse.Namespace,
     # "not (x > 0)" rather than "x <= 0": NaN compares false both ways and must not pass
     for name, unit in positive:
         value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
+        scale = 2**30 if unit == "GiB" else 1  # (GiB become bytes: 1e300 GiB are not a finite number of them)
+        if value is not None and not (math.isfinite(value * scale) and value > 0):
             p.error(f"--{name.replace('_', '-')} must be a positive finite number of {unit}, got {value}")
 
 
@@ -583,7 +584,7 @@ def _validate_tune_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not 0 <= args.seed < 2**32:
         p.error(f"--seed must be in [0, 2**32 - 1] (the sampler's seed range), got {args.seed}")
     _validate_timing_args(p, args, (("budget_gb", "GiB"), ("timeout", "seconds"), ("time_budget_s", "seconds")))
-    if args.budget_over_default_gb is not None and not (math.isfinite(args.budget_over_default_gb)
+    if args.budget_over_default_gb is not None and not (math.isfinite(args.budget_over_default_gb * 2**30)
                                                         and args.budget_over_default_gb >= 0):
         p.error(f"--budget-over-default-gb must be >= 0 (GiB, finite), got {args.budget_over_default_gb}")
     if args.memory_gain_margin is not None and not 0 <= args.memory_gain_margin < 1:
@@ -672,7 +673,7 @@ def _output_file(args: argparse.Namespace, kind: str) -> Path | None:
     return args.out if args.out.suffix == ".json" else args.out / f"{kind}.json"
 
 
-def _writable_target(args: argparse.Namespace, target: Path) -> bool:
+def _writable_target(args: argparse.Namespace, target: Path, kind: str) -> bool:
     """Whether the results can go to ``target``; after saying why not, False. Asked before the first study, so
     a run never spends device time on results it then cannot keep."""
     from . import db  # noqa: PLC0415
@@ -683,8 +684,14 @@ def _writable_target(args: argparse.Namespace, target: Path) -> bool:
         return False
     try:
         db.check_target(target)
+        held = {e.device for e in db.read_file(target)} if target.is_file() else set()
     except (OSError, db.DBFileError) as exc:
         print(f"flce-tune: cannot write the results to {target}: {exc}", file=sys.stderr)
+        return False
+    if held == {target.stem} and target.stem != kind:  # the shipped layout keeps one kind a file (export_shipped)
+        print(f"flce-tune: {target} holds the {target.stem} entries of the shipped layout, and this GPU is a {kind}; "
+              f"write to {target.with_name(kind + '.json')} or to the directory (--out {target.parent})",
+              file=sys.stderr)
         return False
     return True
 
@@ -728,7 +735,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     if target is None:
         print(f"flce-tune: nowhere to write the results: {NO_USER_DB} (or --out DIR)", file=sys.stderr)
         return 2
-    if not _writable_target(args, target):
+    if not _writable_target(args, target, kind):
         return 2
     keep_dir = _studies_dir(args) if args.keep_studies > 0 else None
     print(f"flce-tune: {device_name} ({kind}), {len(studies)} studies, {trials} trials each, dtype {args.dtype}, "
@@ -741,8 +748,14 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     for index, (vocab, hidden, tokens) in enumerate(studies):
         label = f"V={vocab} H={hidden} T={tokens}"
         remaining_studies = len(studies) - index
-        if args.skip_existing and (kind, vocab, hidden, args.dtype, db.token_bucket(tokens), tier) in {
-                e.key for e in db.read_file(target)}:
+        # (read at each study: another flce-tune may have written the file meanwhile)
+        held = {e.key for e in db.read_file(target)} if args.skip_existing else set()
+
+        def exists(study: tuple[int, int, int]) -> bool:
+            v, h, t = study
+            return (kind, v, h, args.dtype, db.token_bucket(t), tier) in held
+
+        if exists((vocab, hidden, tokens)):
             summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", "skipped (exists)"))
             continue
         study_timeout = args.timeout
@@ -753,7 +766,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                     summary.append((str(v), str(h), str(t), "-", "-", "-", "-", "-", "0", "skipped (time budget)"))
                 print(f"flce-tune: time budget spent; skipping {remaining_studies} studies", file=sys.stderr)
                 break
-            share = _time_share(left, studies[index:])
+            share = _time_share(left, [study for study in studies[index:] if not exists(study)])  # (the ones to run)
             study_timeout = share if study_timeout is None else min(study_timeout, share)
         study_start = time.monotonic()
         progress = _Progress(trials, label)

@@ -76,7 +76,7 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def _dump(entries: Iterable[Entry], unread: Sequence[Mapping[str, Any]] = (), min_version: int = 1) -> str:
+def _dump(entries: Iterable[Entry], unread: Sequence[Any] = (), min_version: int = 1) -> str:
     """The file's text: entries in key order (plain before tiers), then the ``unread`` raw objects as they were,
     under the lowest schema version that holds them (``schema_version_for``; at least ``min_version``, the
     version of the file the unread objects came from). Strict JSON: a NaN or infinity raises ValueError."""
@@ -112,7 +112,7 @@ def _aside_name(path: Path) -> Path:
     return aside
 
 
-def _raw_key(item: Mapping[str, Any]) -> tuple | None:
+def _raw_key(item: Any) -> tuple | None:
     """An unread object's entry key where its key fields parse (so a new entry of that key replaces it), else
     None."""
     try:
@@ -123,7 +123,7 @@ def _raw_key(item: Mapping[str, Any]) -> tuple | None:
         return None
 
 
-def _strict_json(item: Mapping[str, Any]) -> bool:
+def _strict_json(item: Any) -> bool:
     try:
         json.dumps(item, allow_nan=False)
     except (TypeError, ValueError):
@@ -203,8 +203,8 @@ def write_entries(
     their key replaces them. An entry with a non-finite time or peak raises ValueError, writing nothing.
 
     ``unchanged``: entries read earlier that the new ones were derived from; if the file no longer holds one of
-    them with the same config (another tuner rewrote it meanwhile), DBConflictError is raised and nothing is
-    written, so a slow read-modify-write never undoes a newer result.
+    them as it was read (another tuner rewrote it meanwhile, even with the same config), DBConflictError is raised
+    and nothing is written, so a slow read-modify-write never undoes a newer result.
     """
     _check_finite(entries)
     p = Path(path).expanduser()
@@ -213,9 +213,9 @@ def write_entries(
     with atomic.file_lock(target, lock_timeout):
         atomic.sweep_stale_temps(target)
         old, unread, version = _file_to_merge(target)
-        held = {e.key: e.config for e in old}
-        for e in unchanged:
-            if held.get(e.key) != e.config:
+        held = {e.key: e for e in old}
+        for e in unchanged:  # (the whole entry: a re-tune that kept the config has a newer time and trial count)
+            if held.get(e.key) != e:
                 raise DBConflictError(f"{p}: the entry {e.key} changed since it was read (another flce-tune wrote it); "
                                       "not overwritten")
         merged = {} if replace else {e.key: e for e in old}

@@ -27,10 +27,6 @@ from ..plan.memory import peak_bytes
 TUNABLE_FIELDS = tuple(f.name for f in dataclasses.fields(FLCEConfig) if f.name != "strategy")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def _pow2_range(low: int, high: int) -> tuple[int, ...]:
     out, v = [], low
     while v <= high:
@@ -101,14 +97,14 @@ class SearchSpace:
                 raise ValueError(f"SearchSpace.{name} is empty; give at least one candidate value")
         if not self.legal_chunks():
             raise ValueError(
-                f"SearchSpace.chunk_tokens={self.chunk_tokens} has no value <= {_next_pow2(self.tokens)} "
+                f"SearchSpace.chunk_tokens={self.chunk_tokens} has no value <= {registry.next_pow2(self.tokens)} "
                 f"(tokens={self.tokens}); add smaller chunk sizes"
             )
 
     # -- candidate values ------------------------------------------------------------------------------
     def legal_chunks(self) -> tuple[int, ...]:
         """Chunk sizes not larger than the token count rounded up to a power of two."""
-        limit = _next_pow2(self.tokens)
+        limit = registry.next_pow2(self.tokens)
         return tuple(sorted({c for c in self.chunk_tokens if c <= limit}))
 
     def choices(self, name: str) -> tuple[Any, ...]:
@@ -185,7 +181,7 @@ class SearchSpace:
         ``predicted_bytes``) because the memory model may be slow or missing."""
         if config.strategy not in self.strategies:
             return f"strategy {config.strategy!r} is not in this search ({self.strategies})"
-        if config.chunk_tokens > _next_pow2(self.tokens):
+        if config.chunk_tokens > registry.next_pow2(self.tokens):
             return f"chunk_tokens={config.chunk_tokens} > tokens={self.tokens}"
         return registry.get(config.strategy).check(config, self.vocab)
 
