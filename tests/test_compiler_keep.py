@@ -437,6 +437,37 @@ def test_held_logits_of_a_head_that_is_a_view_survive_the_step():
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+class _PromptHead(nn.Module):
+    """An lm_head reading a parameter directly (learned query vectors): the hidden states are a graph input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(4 * S, H))
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, labels):
+        logits = self.lm_head(self.queries)
+        return F.cross_entropy(logits, labels), logits
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_held_logits_of_a_head_reading_a_parameter_survive_the_step(fused):
+    """Held, unread logits whose hidden states are a parameter: the step's hook copies them as it copies the weight.
+    Only the weight was copied: under a fused Adam (no version counters bumped) the logits read the stepped
+    parameter (0.22 off in a review's run), under a plain one reading them raised StaleLogitsError."""
+    torch.manual_seed(0)
+    model = _PromptHead()
+    labels = torch.randint(0, V, (4 * S,))
+    expected = model(labels)[1].detach()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="flce", options={"flce.inner": "aot_eager"})
+    loss, logits = compiled(labels)
+    loss.backward()
+    torch.optim.Adam(model.parameters(), lr=0.1, fused=fused).step()
+    assert not logits.computed and not torch.equal(model.queries.detach(), logits._source.xs[0])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_compiled_optimizer_step_with_logits_held_compiles_once(compiled_models):
     """``torch.compile(opt.step)`` (PyTorch's compiled-optimizer recipe) while the model's output is held, as a
     Hugging Face loop holds it: Dynamo traced the step pre-hook that secures held logits, guarded on each of them

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import flce_compile
 from flce_compile import FLCEConfig, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from flce_compile.params import LossParams, decode_params, encode_params
+from flce_compile.plan.config import config_overrides
 from flce_reference import random_inputs as _inputs
 from flce_reference import reference_loss
 
@@ -564,6 +565,27 @@ def test_a_bad_config_inside_a_compiled_function_raises_its_own_error(config, er
     with pytest.raises(error, match=message):
         compiled(x, w, t)
     torch._dynamo.reset()
+
+
+def test_numpy_ints_in_a_config_and_dtypes_the_helpers_refuse():
+    """Config fields take NumPy ints, as frozen_weight_columns does, held as plain ints (they were refused as not
+    "a positive int"); choose_config and peak_bytes refuse a dtype that is no floating torch.dtype by name (a
+    string raised AttributeError, an integer dtype was taken)."""
+    import numpy as np
+
+    from flce_compile import choose_config, peak_bytes
+
+    x, w, t = _inputs(n=16, h=8, v=32)
+    config = {"chunk_tokens": np.int64(4)}
+    assert torch.equal(fused_linear_cross_entropy(x, w, t, config=config),
+                       fused_linear_cross_entropy(x, w, t, config={"chunk_tokens": 4}))
+    assert type(FLCEConfig(chunk_tokens=np.int32(8)).chunk_tokens) is int
+    assert config_overrides(config) == {"chunk_tokens": 4} and type(config_overrides(config)["chunk_tokens"]) is int
+    for dtype in ("bfloat16", torch.int32):
+        with pytest.raises(TypeError, match=f"choose_config: dtype={dtype!r} must be a floating-point torch.dtype"):
+            choose_config(100, 1000, 64, dtype, "cpu")
+    with pytest.raises(TypeError, match="peak_bytes: dtype=torch.int64 must be a floating-point torch.dtype"):
+        peak_bytes(FLCEConfig(), 100, 10, 64, torch.int64)
 
 
 @pytest.mark.parametrize("known_at_import", [True, False])

@@ -3,6 +3,7 @@ allocator's peak), and that the bound stays far below materialised logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -376,6 +377,64 @@ def test_cpu_peak_within_bound_where_it_was_missed(case):
     measured = cpu_peak_bytes(step) - (n * h + v * h) * x.element_size()  # less the returned gradients
     bound = peak_bytes(config, n, v, h, dtype, frozen_columns=frozen, device="cpu")
     assert measured <= bound, f"measured {measured / 2**20:.2f} MiB above outputs > bound {bound / 2**20:.2f} MiB"
+
+
+#: More cases a bug hunt of 2026-12-06 found past the bound (over it, measured then): the recompute forward's
+#: zero-padded weight copy (pad_vocab, +3.2 MiB); the int64 copy of int32 targets (8 B a token); the recompute
+#: loop's per-row factors of a "none" loss (+2.7 B a token in fp32, +8.3 in bf16).
+_MISSED_TOO = {
+    "recompute, padded V": dict(n=256, v=4097, h=1024, dtype=torch.float32, softcap=30.0, dx=False,
+                                config=FLCEConfig(strategy="recompute", chunk_tokens=256, vocab_block=512,
+                                                  pad_vocab=True)),
+    "int32 targets": dict(n=2**19, v=8, h=4, dtype=torch.float32, targets=torch.int32,
+                          config=FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=8)),
+    "recompute none, bf16": dict(n=2**19, v=8, h=4, dtype=torch.bfloat16, reduction="none",
+                                 config=FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=8)),
+    "recompute none, fp32": dict(n=2**19, v=8, h=4, dtype=torch.float32, reduction="none",
+                                 config=FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=8)),
+}
+
+
+@pytest.mark.parametrize("case", _MISSED_TOO)
+def test_cpu_peak_within_bound_where_it_was_missed_too(case):
+    c = dict(_MISSED_TOO[case])
+    n, v, h, config, dtype = c["n"], c["v"], c["h"], c["config"], c["dtype"]
+    reduction, dx = c.get("reduction", "mean"), c.get("dx", True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(dtype).requires_grad_(dx)
+    w = (torch.randn(v, h, generator=g) / 8).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(c.get("targets", torch.int64))
+    grad_output = torch.ones(n if reduction == "none" else (), dtype=dtype)
+
+    def step():
+        loss = fused_linear_cross_entropy(x, w, t, reduction=reduction, softcap=c.get("softcap"), config=config)
+        loss.backward(grad_output)
+
+    step()
+    x.grad = w.grad = None
+    returned = (dx * n * h + v * h + (n if reduction == "none" else 0)) * x.element_size()  # gradients, the loss
+    measured = cpu_peak_bytes(step) - returned
+    bound = peak_bytes(config, n, v, h, dtype, need_dx=dx, softcap="softcap" in c, device="cpu")
+    assert measured <= bound, f"measured {measured / 2**20:.2f} MiB above outputs > bound {bound / 2**20:.2f} MiB"
+
+
+def test_a_budget_drops_the_padded_weight_copy_of_a_recompute_config_last():
+    """A budget's recompute candidates inherit the heuristic's pad_vocab (an odd V on the GPU), whose weight copy
+    the bound now counts; a budget that only an unpadded one fits gets it (before, the padded one was chosen, its
+    bound blind to the 77 MB copy at GPT-2's V and H)."""
+    from flce_compile.plan.choose import budget_candidates, choose_config_within_budget
+
+    cuda = torch.device("cuda")
+    padded = FLCEConfig(strategy="triton", chunk_tokens=4096, pad_vocab=True)
+    candidates = budget_candidates(padded, torch.bfloat16)
+    first_unpadded = next(i for i, c in enumerate(candidates) if not c.pad_vocab)
+    assert all(c.strategy == "recompute" and not c.pad_vocab for c in candidates[first_unpadded:])
+    assert not [c for c in budget_candidates(FLCEConfig(strategy="triton"), torch.bfloat16) if c.pad_vocab]
+    config, _, _ = choose_config_within_budget(4096, 50257, 768, torch.bfloat16, cuda, 0.05, need_dw=False)
+    assert config.strategy == "recompute" and not config.pad_vocab
+    assert peak_bytes(config, 4096, 50257, 768, torch.bfloat16, need_dw=False) <= 0.05 * 2**30
+    assert peak_bytes(dataclasses.replace(config, pad_vocab=True), 4096, 50257, 768, torch.bfloat16,
+                      need_dw=False) > 0.05 * 2**30
 
 
 def test_a_budget_counts_the_copies_of_a_non_contiguous_input_and_weight():

@@ -13,8 +13,8 @@ lm_head's backward, recomputing the logits once: a fourth GEMM, only for a loss 
 
 The values must be those of the forward that returned them. Before any optimizer's step (a global step pre-hook:
 fused optimizers write the weights without telling their version counters), the logits still held and not yet
-computed are secured: their weight and bias are copied (``_Source.freeze``), or, when the logits are the smaller,
-computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
+computed are secured: their weight and bias are copied (``_Source.freeze``; hidden states that are a parameter, or
+a view of one, too), or, when the logits are the smaller, computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
 whose memory was moved or freed (FSDP's resharding after backward), makes reading not-yet-computed logits an error
 that says so, never another weight's values. Writes through ``param.data`` reach no version counter: logits held
 across such a write must be read before it. (Nothing runs in backward: a hook on the compiled graph's autograd
@@ -98,12 +98,13 @@ class _Source:
                 "options={'flce.logits': 'materialize'} to compute them in the forward.")
 
     def freeze(self, copies: dict[int, Tensor]) -> None:
-        """Copy the weight and bias, so that what the forward read survives an optimizer step (the hidden states
-        are the graph's own output: only a write in place reaches them, which ``check`` sees). ``copies``: the
-        copies made in this step so far, by the id of the tensor copied (held logits of one weight share one).
-        Every piece is copied, a frozen one too: a view of a parameter (an (H, V) weight's transpose) is no leaf,
-        and a head frozen now may be unfrozen before a later step (keeping either by reference gave a fused
-        optimizer's new values, a review found)."""
+        """Copy the weight and bias, and the pieces of the hidden states an optimizer may write (``_steppable``),
+        so that what the forward read survives an optimizer step (hidden states the graph computed are reached
+        only by a write in place, which ``check`` sees). ``copies``: the copies made in this step so far, by the
+        id of the tensor copied (held logits of one weight share one). Every weight piece is copied, a frozen one
+        too: a view of a parameter (an (H, V) weight's transpose) is no leaf, and a head frozen now may be
+        unfrozen before a later step (keeping either by reference gave a fused optimizer's new values, a review
+        found)."""
         self.check()
 
         def copy(t: Tensor) -> Tensor:
@@ -111,17 +112,28 @@ class _Source:
                 copies[id(t)] = t.detach().clone()
             return copies[id(t)]
 
+        self.xs = tuple(copy(x) if _steppable(x) else x for x in self.xs)
         self.ws = tuple(copy(w) for w in self.ws)
         self.bias = copy(self.bias) if self.bias is not None else None
         self.versions = tuple(t._version for t in self.operands())
         self.weight_memory = [_memory(w) for w in self.ws]
 
-    def weight_numel(self) -> int:
-        return sum(w.numel() for w in self.ws)
+    def frozen_numel(self) -> int:
+        """The elements ``freeze`` copies (the bias aside)."""
+        return sum(t.numel() for t in (*self.ws, *filter(_steppable, self.xs)))
 
     def value(self) -> Tensor:
         self.check()
         return _values(self.xs, self.ws, self.bias, self.replay, self.dtype, self.gemm_dtype)
+
+
+def _steppable(x: Tensor) -> bool:
+    """Whether an optimizer's step may write ``x`` in place unseen: a leaf that requires grad (a parameter: learned
+    prompt or query vectors the head reads directly), or a view of one (the graph returns an input's alias as a
+    view of it). Such hidden states held by reference read the step's new values (a fused optimizer bumps no
+    version counter). Hidden states the graph computed, even without grad (a frozen trunk's), no step writes."""
+    base = x if x._base is None else x._base
+    return base.is_leaf and base.requires_grad
 
 
 def _operands(xs: Pieces, ws: Pieces, bias: Tensor | None) -> tuple[Tensor, ...]:
@@ -186,13 +198,13 @@ class LazyLogits(Tensor):
         return self._value is not None
 
     def secure(self, copies: dict[int, Tensor]) -> None:
-        """Make the values survive writes to the weight: copy the weight and bias (``_Source.freeze``; ``copies``
-        shares copies between logits of one weight), or compute the values when they take less memory than the
-        weight."""
+        """Make the values survive an optimizer's writes: copy the weight and bias, and hidden states a step may
+        write (``_Source.freeze``; ``copies`` shares copies between logits of one weight), or compute the values
+        when they take less memory than those copies."""
         source = self._source
         if source is None:
             return
-        if self.numel() <= source.weight_numel():
+        if self.numel() <= source.frozen_numel():
             self.compute()
             return
         source.freeze(copies)

@@ -234,6 +234,9 @@ def choose_config(
             raise TypeError(f"choose_config: {name}={value!r} must be an int")
         if value < least:
             raise ValueError(f"choose_config: {name}={value!r} must be >= {least}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"choose_config: dtype={dtype!r} must be a floating-point torch.dtype (torch.bfloat16, "
+                        "torch.float16, torch.float32 or torch.float64); which_config also takes names such as 'bf16'")
     device = torch.device(device)
     if memory_budget_gb is None:
         config, source, _ = choose_config_match(num_tokens, vocab, hidden, dtype, device,
@@ -405,17 +408,20 @@ def one_chunk_entry_config(match: tuning_db.Match, num_tokens: int) -> FLCEConfi
 def budget_candidates(config: FLCEConfig, dtype: torch.dtype) -> list[FLCEConfig]:
     """The configs ``fit_budget`` tries, in order: ``config`` itself; then ``config`` with halved chunks (down to
     128 tokens), which keeps its speed longest; then each strategy of the "recompute" loop that runs ``dtype``,
-    larger chunks and vocabulary blocks first, which drop the V x H accumulator for one more GEMM. The tuner
-    walks the same list to find the default a budget-tier study measures against."""
+    larger chunks and vocabulary blocks first, which drop the V x H accumulator for one more GEMM; then, where
+    ``config`` pads V, the same without the padded weight copy. The tuner walks the same list to find the default
+    a budget-tier study measures against."""
     candidates = [config]
     chunk = config.chunk_tokens
     while chunk > 128:
         chunk //= 2
         candidates.append(dataclasses.replace(config, chunk_tokens=chunk))
-    for strategy in (s for s in map(registry.get, registry.names()) if s.loop == "recompute" and s.supports(dtype)):
-        candidates += [dataclasses.replace(config, strategy=strategy.name, chunk_tokens=c, vocab_block=b)
-                       for c in (4096, 2048, 1024, 512, 256, 128) for b in (8192, 4096, 2048, 1024, 512)]
-    return candidates
+    recompute = [dataclasses.replace(config, strategy=strategy.name, chunk_tokens=c, vocab_block=b)
+                 for strategy in map(registry.get, registry.names()) if strategy.loop == "recompute"
+                 and strategy.supports(dtype)
+                 for c in (4096, 2048, 1024, 512, 256, 128) for b in (8192, 4096, 2048, 1024, 512)]
+    # Last, without pad_vocab: its zero-padded weight copy is the recompute forward's largest buffer (V x H).
+    return candidates + recompute + [dataclasses.replace(c, pad_vocab=False) for c in recompute if c.pad_vocab]
 
 
 def fit_budget(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -53,8 +54,10 @@ class FLCEConfig:
             raise ValueError(f"config.dw_path={self.dw_path!r} is unknown; use one of {DW_PATHS}")
         for name in ("chunk_tokens", "block_v", "num_warps", "num_stages", "vocab_block"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"config.{name}={value!r} must be a positive int")
+            if type(value) is not int:  # a NumPy int, say: a plain one in keys, JSON and the op's schema
+                object.__setattr__(self, name, int(value))
         for name in ("block_v", "num_warps"):
             value = getattr(self, name)
             if value & (value - 1):
@@ -94,8 +97,8 @@ def config_overrides(config: "FLCEConfig | Mapping[str, Any] | str | None") -> d
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be an FLCEConfig, a dict, a JSON object or None, got {type(config).__name__}")
     fields = dict(config)
-    FLCEConfig.from_dict({**FLCEConfig().to_dict(), **fields})  # unknown keys and bad values raise here
-    return fields or None
+    full = FLCEConfig.from_dict({**FLCEConfig().to_dict(), **fields})  # unknown keys and bad values raise here
+    return {name: getattr(full, name) for name in fields} or None  # (as the config holds them: plain ints)
 
 
 @functools.lru_cache(maxsize=256)

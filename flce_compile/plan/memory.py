@@ -48,9 +48,14 @@ FROZEN = sympy.symbols("frozen_pad", integer=True, nonnegative=True)
 #: originals (``op._scaled_forward_grads``: backward may run again, as gradcheck runs it).
 F64 = sympy.symbols("fp64_copies", integer=True, nonnegative=True)
 
-#: Per-token vectors (fp32 loss rows, the fp64 lse and target z kept for backward: ``chunked.kept_rows``) and
-#: int64/bool masks of one chunk, bytes per token.
-PER_TOKEN_BYTES = 20
+#: Per-token vectors, bytes per token: fp32 loss rows, the fp64 lse and target z kept for backward
+#: (``chunked.kept_rows``), and the int64 copy of targets of another integer dtype (int32 ones: 8 bytes a token
+#: the bound missed, a bug hunt measured). Per chunk row: int64/bool masks of one chunk.
+PER_TOKEN_BYTES = 28
+#: The recompute loop's per-row factors of a "none" loss (``recompute.row_factors``): grad_output in the math
+#: dtype, the two factors and a temporary, bytes per token (fp32; an fp64 loss's larger ones fit in the fp64
+#: terms' slack, measured at 1M tokens). Counted for every reduction: the bound does not know it.
+RECOMPUTE_ROW_FACTOR_BYTES = 16
 PER_CHUNK_ROW_BYTES = 64
 #: Fixed slack for allocator rounding and small scalars.
 SLACK_BYTES = 1 << 20
@@ -134,14 +139,18 @@ def _recompute_terms() -> sympy.Expr:
     # they take later (the bound is the peak above inputs and gradients): a chunk of 4096 x 128256 bf16
     # logits (1.05 GB) fits under the 1.18 GB of dX + dW at 16384 x 4096 x 128256.
     returned = NEED_DX * BT * H * S + NEED_DW * V * HW * S + NEED_DB * V * S
-    forward = rows * row_bytes + K32 * rows * V * 4 + _fp32_logits_bytes(rows, V, row_bytes) - returned
+    # With pad_vocab the forward's chunk loop runs on a zero-padded copy of the weight and bias (as the chunked
+    # loop's): a bound without it was exceeded by 3 MiB at V = 4097, H = 1024 (a bug hunt).
+    padded_copy = PAD * (row_bytes * H + row_bytes)
+    forward = (rows * row_bytes + K32 * rows * V * 4 + _fp32_logits_bytes(rows, V, row_bytes) + padded_copy
+               - returned)
     # Off CUDA each product summed in fp32 has both operands upcast: a block's weight rows and its gradient for
     # dX, the chunk's hidden states for the block's dW rows (the larger pair at once, bounded by all three).
     upcast = UPCAST * 4 * (block * H + rows * block + rows * H)
     backward = (NEED_DX * BT * H * ACC + NEED_DW * block * HW * ACC_BLOCK + NEED_DB * block * 4
                 + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
                 + FP32L * V * 4 + upcast)  # FP32L * V * 4: the whole fp32 bias
-    per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
+    per_token = BT * (PER_TOKEN_BYTES + RECOMPUTE_ROW_FACTOR_BYTES) + rows * PER_CHUNK_ROW_BYTES
     return sympy.Max(forward, backward) + FROZEN * NEED_DW * V * HW * S + per_token + SLACK_BYTES
 
 
@@ -169,8 +178,8 @@ def peak_bytes(
         raise TypeError(f"peak_bytes: config must be an FLCEConfig (e.g. FLCEConfig(chunk_tokens=1024) or "
                         f"flce_compile.which_config(...).config), got {type(config).__name__}")
     for name, value in (("dtype", dtype), ("accum_dtype", accum_dtype)):
-        if not isinstance(value, torch.dtype):
-            raise TypeError(f"peak_bytes: {name}={value!r} must be a torch.dtype, e.g. torch.bfloat16")
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise TypeError(f"peak_bytes: {name}={value!r} must be a floating-point torch.dtype, e.g. torch.bfloat16")
     for name, value, least in (("num_tokens", num_tokens, 0), ("vocab", vocab, 1), ("hidden", hidden, 0),
                                ("frozen_columns", frozen_columns, 0)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
@@ -199,6 +208,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
             NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: k32,
             FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
             UPCAST: int(off_cuda and accum_dtype.itemsize > dtype.itemsize), FROZEN: frozen_pad,
+            PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),
         }))
     wide = fp32_logits_on(config.fp32_logits, dtype)
     # One chunk (the loop's own test) writes dW in the weight dtype and has nothing to overlap (chunked.py).
