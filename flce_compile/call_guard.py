@@ -45,7 +45,18 @@ class CallGuard:
 
     def admits(self, *tensors: Tensor) -> bool:
         """Whether ``tensors`` (in the recorded call's order) and torch's state now are as at the recorded call."""
-        return self._tensors.check(*tensors) and self._state.check()
+        # Dynamo's C check reads strides, which a nested tensor's C++ throws past Python on (the process aborted)
+        # and a sparse one's raises on: neither was recorded, so neither is admitted.
+        try:
+            for t in tensors:
+                if t.is_nested:
+                    return False
+        except AttributeError:  # not a tensor: the check refuses it
+            pass
+        try:
+            return self._tensors.check(*tensors) and self._state.check()
+        except RuntimeError:  # a sparse layout's strides
+            return False
 
 
 def _build(tensors: tuple[Tensor, ...]) -> CallGuard:

@@ -738,9 +738,14 @@ def direct_tensors(*tensors: Tensor | None) -> bool:
         # that outlived its transform (a "dead" one, leaked out of torch.func.grad) is a plain Tensor by type; the
         # registered op unwraps it, as Function.apply's Python wrapper, which the direct call skips, would.
         if t is not None and (type(t) not in _DIRECT_TYPES or not (t.is_cuda or t.is_cpu)
-                              or _is_functorch_wrapped(t)):
+                              or _is_functorch_wrapped(t) or t.is_neg() or t.is_nested or t.layout is not _STRIDED):
+            # (a negative view's memory is not its value: a graph keyed on the address would read -t; sparse and
+            # nested tensors get the full path's error, which names the argument)
             return False
     return True
+
+
+_STRIDED = torch.strided
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

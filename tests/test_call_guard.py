@@ -102,6 +102,52 @@ def test_a_call_the_recent_guard_admits_reuses_its_key_with_the_same_results(eag
         _equal(got, expected)
 
 
+def test_a_nested_tensor_is_refused_by_the_guard_without_aborting_the_process():
+    """Dynamo's C check reads a tensor's strides, which a nested tensor's C++ throws on past Python: once a training
+    step had recorded a guard, a nested argument aborted the process (rc 134). Run in a child process, so that a
+    regression fails this test, not the test run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import warnings, torch
+        from flce_compile import call_guard
+        warnings.simplefilter("ignore")
+        x, w, t = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long)
+        with torch.enable_grad():
+            guard = call_guard.guard_of(x, w, t)
+            nested = torch.nested.nested_tensor([torch.randn(2, 8)] * 2)
+            print(guard.admits(x, w, t), guard.admits(nested, w, t), guard.admits(x, nested, t),
+                  guard.admits(x, w.to_sparse_csr(), t), guard.admits(x, w.to_sparse(), t), guard.admits([1], w, t))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False", "False", "False", "False", "False"]
+
+
+def test_sparse_nested_and_negative_tensors_after_a_recorded_call(eager_hits):
+    """After calls that recorded the shortcut: a sparse weight or a nested input gets the full path's error that
+    names it (key_of read their contiguity or shape first: "Sparse CSR tensors do not have is_contiguous"), and a
+    negative view of the weight, at the weight's address with its shape, strides and dtype, gets its own values
+    (it replayed the weight's graph, which reads +w there: 6.33 for 3.52 in a bug hunt's run)."""
+    x, w, t = _inputs(2)
+    for _ in range(3):
+        _step(x, w, t)
+    assert eager_hits[-1]
+    xl = x.clone().requires_grad_()
+    with pytest.raises(TypeError, match="weight must be a dense tensor, got a torch.sparse_csr one"):
+        fused_linear_cross_entropy(xl, w.detach().to_sparse_csr(), t)
+    nested = torch.nested.nested_tensor([x[:6], x[6:]])
+    with pytest.raises(TypeError, match="input must be a dense tensor, got a nested one"):
+        fused_linear_cross_entropy(nested, w, t)
+    negative = torch._neg_view(w)
+    assert negative.data_ptr() == w.data_ptr() and negative.stride() == w.stride()
+    loss = fused_linear_cross_entropy(xl, negative, t)
+    expected = torch.nn.functional.cross_entropy(x @ -w.detach().t(), t)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_what_the_guard_covers_sends_a_changed_call_to_the_full_path(eager_hits):
     """With the guard live, a call whose tensors differ in a part the guard checks (type, strides, dtype,
     requires_grad, negative bit) or whose state differs (grad mode, inference mode, autocast) does not reuse the
