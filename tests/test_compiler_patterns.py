@@ -923,6 +923,41 @@ def test_explain_tries_the_rewrite_and_reports_a_failed_one_unfused(monkeypatch,
     assert not site.fused and "the fusion pass failed on this graph (RuntimeError('boom'))" in site.reason
 
 
+def test_a_trial_of_the_pass_quiets_its_own_thread_and_the_compilers_modules_only():
+    """The trial's quiet is its thread's, and the compiler's: a compile in another thread meanwhile logs (and warns
+    once) as it would (the trial restored the once-a-process flags it found, losing a warning the other thread's
+    compile had taken, a review showed), and a warning from elsewhere in the package in the trial's own thread (the
+    tuning DB's, read by a budget's config choice) still shows."""
+    import logging
+    import threading
+
+    import flce_compile.compiler.rewrite as rewrite
+    import flce_compile.plan.tuning_db as tuning_db
+
+    quiet = rewrite._TrialRecords()
+
+    def record(path):
+        return logging.LogRecord("flce_compile", logging.WARNING, path, 1, "m", None, None)
+
+    ours, elsewhere = record(rewrite.__file__), record(tuning_db.__file__)
+    assert not quiet.filter(ours) and quiet.filter(elsewhere)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(quiet.filter(record(rewrite.__file__))))
+    thread.start()
+    thread.join()
+    assert other == [True]
+    rewrite._trial.active = True
+    try:  # in a trial the log helpers neither log nor set their flags
+        assert rewrite._in_trial()
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(rewrite._in_trial()))
+        thread.start()
+        thread.join()
+        assert seen == [False]
+    finally:
+        rewrite._trial.active = False
+
+
 def _explained_path(model_or_compiled, idx, t, **kw):
     report = fc.explain(model_or_compiled, idx, t, **kw)
     assert len(report) == 1

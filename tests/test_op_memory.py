@@ -392,6 +392,13 @@ _MISSED_TOO = {
                                  config=FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=8)),
     "recompute none, fp32": dict(n=2**19, v=8, h=4, dtype=torch.float32, reduction="none",
                                  config=FLCEConfig(strategy="recompute", chunk_tokens=4096, vocab_block=8)),
+    # each of the two per-token terms alone (the recompute cases above hold both: one covered for the other)
+    "int32 targets, chunked none": dict(n=2**19, v=8, h=4, dtype=torch.float32, reduction="none",
+                                        targets=torch.int32, config=FLCEConfig(strategy="torch", chunk_tokens=4096)),
+    "int32 targets, recompute none, bf16": dict(n=2**19, v=8, h=4, dtype=torch.bfloat16, reduction="none",
+                                                targets=torch.int32,
+                                                config=FLCEConfig(strategy="recompute", chunk_tokens=4096,
+                                                                  vocab_block=8)),
 }
 
 

@@ -344,9 +344,9 @@ def test_a_borrowed_config_pads_an_odd_vocab_as_the_heuristic_does(dbs):
                                      (50263, 768, False, 50257)):
         cfg, src = find(vocab=vocab, hidden=hidden, tokens=8192)
         assert f"nearest_shape(shipped V={near} " in src and cfg.pad_vocab is pad, (vocab, cfg, src)
-    db.write_entries(shipped / "h200.json", [dataclasses.replace(entry(vocab=50257, hidden=768, chunk=4096, tokens=8192),
-                                                     config=FLCEConfig(strategy="triton", chunk_tokens=4096,
-                                                                       pad_vocab=True))])
+    padded = FLCEConfig(strategy="triton", chunk_tokens=4096, pad_vocab=True)
+    db.write_entries(shipped / "h200.json",
+                     [dataclasses.replace(entry(vocab=50257, hidden=768, chunk=4096, tokens=8192), config=padded)])
     assert find(vocab=50263, hidden=768, tokens=8192)[0].pad_vocab is True  # odd to odd: the measured choice
     assert find(vocab=50304, hidden=768, tokens=8192)[0].pad_vocab is False  # aligned: nothing to pad
 

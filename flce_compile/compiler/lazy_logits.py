@@ -14,11 +14,12 @@ lm_head's backward, recomputing the logits once: a fourth GEMM, only for a loss 
 The values must be those of the forward that returned them. Before any optimizer's step (a global step pre-hook:
 fused optimizers write the weights without telling their version counters), the logits still held and not yet
 computed are secured: their weight and bias are copied (``_Source.freeze``; hidden states that are a parameter, or
-a view of one, too), or, when the logits are the smaller, computed. Any other write to the hidden states, weight or bias in place (their version counters), or a weight
-whose memory was moved or freed (FSDP's resharding after backward), makes reading not-yet-computed logits an error
-that says so, never another weight's values. Writes through ``param.data`` reach no version counter: logits held
-across such a write must be read before it. (Nothing runs in backward: a hook on the compiled graph's autograd
-node breaks compiled autograd's tracing of backward, torch 2.13.)
+a view of one, too), or, when the logits are the smaller, computed. Any other write to the hidden states, weight or
+bias in place (their version counters), or a weight whose memory was moved or freed (FSDP's resharding after
+backward), makes reading not-yet-computed logits an error that says so, never another weight's values. Writes
+through ``param.data`` reach no version counter: logits held across such a write must be read before it. (Nothing
+runs in backward: a hook on the compiled graph's autograd node breaks compiled autograd's tracing of backward,
+torch 2.13.)
 
 They are computed with autocast off (a read inside an autocast region gets the forward's dtype and values).
 Under inference mode they are computed at once (inference tensors keep no version counter to check).
@@ -43,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
@@ -128,12 +129,13 @@ class _Source:
 
 
 def _steppable(x: Tensor) -> bool:
-    """Whether an optimizer's step may write ``x`` in place unseen: a leaf that requires grad (a parameter: learned
-    prompt or query vectors the head reads directly), or a view of one (the graph returns an input's alias as a
-    view of it). Such hidden states held by reference read the step's new values (a fused optimizer bumps no
-    version counter). Hidden states the graph computed, even without grad (a frozen trunk's), no step writes."""
+    """Whether an optimizer's step may write ``x`` in place unseen: a parameter (learned prompt or query vectors the
+    head reads directly) or another leaf that requires grad or holds one (a step writes any tensor with a ``.grad``,
+    frozen after backward or not), or a view of one (the graph returns an input's alias as a view of it). Such
+    hidden states held by reference read the step's new values (a fused optimizer bumps no version counter).
+    Hidden states the graph computed, even without grad (a frozen trunk's), no step writes."""
     base = x if x._base is None else x._base
-    return base.is_leaf and base.requires_grad
+    return isinstance(base, nn.Parameter) or (base.is_leaf and (base.requires_grad or base.grad is not None))
 
 
 def _operands(xs: Pieces, ws: Pieces, bias: Tensor | None) -> tuple[Tensor, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -257,39 +258,47 @@ def run_pass(
     return PassResult(results, wrap, regions)
 
 
-#: The once-a-process log flags above, which a trial of the pass must leave as it found them.
-_ONCE_FLAGS = ("_logged_keep", "_logged_lazy", "_warned_kept_logits", "_warned_graph_break", "_warned_symbolic_float",
-               "_warned_unfused")
-
-
 def trial_pass(gm: fx.GraphModule, **options: Any) -> PassResult | Exception:
     """What ``run_pass(gm, **options)`` does, tried on a copy of ``gm`` without a word in the logs (the pass's own
     logs come when the graph is compiled): its result, or the exception it raises (the backend logs a failure and
     compiles the graph as traced). For ``explain``, which otherwise only analyzes: a site whose rewrite fails, or a
-    pass that fails as a whole, is reported as the backend leaves it, unfused."""
+    pass that fails as a whole, is reported as the backend leaves it, unfused. The trial's thread logs nothing from
+    the compiler's modules and sets none of the once-a-process flags above (``_in_trial``): another thread's compile
+    still warns as it would, and so does the tuning DB's reading, should the pass's config choice read it."""
     from .graph_meta import copy_graph
 
-    flags = {name: globals()[name] for name in _ONCE_FLAGS}
-    this_thread = _OtherThreadsOnly()
-    logger.addFilter(this_thread)
+    quiet = _TrialRecords()
+    logger.addFilter(quiet)
+    _trial.active = True
     try:
         return run_pass(fx.GraphModule(gm, copy_graph(gm.graph)), **options)
     except Exception as exc:  # noqa: BLE001 - reported, as the backend logs it
         return exc
     finally:
-        logger.removeFilter(this_thread)
-        globals().update(flags)
+        _trial.active = False
+        logger.removeFilter(quiet)
 
 
-class _OtherThreadsOnly(logging.Filter):
-    """Drops the records the thread that made it logs (a trial's), not another thread's."""
+#: ``_trial.active``: this thread runs ``trial_pass`` (the log helpers below then neither log nor set their flags).
+_trial = threading.local()
+
+
+def _in_trial() -> bool:
+    return getattr(_trial, "active", False)
+
+
+class _TrialRecords(logging.Filter):
+    """Drops the records the compiler's modules log in the thread that made it (a trial's), no other."""
 
     def __init__(self) -> None:
         super().__init__()
         self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread != self.thread
+        return record.thread != self.thread or not record.pathname.startswith(_COMPILER_DIR)
+
+
+_COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def has_loss_site(gm: fx.GraphModule) -> bool:
@@ -353,6 +362,8 @@ def _log_unfused(res: SiteResult) -> None:
     loss whose logits come from outside the compiled graph (only the loss was compiled, or a graph break separates
     it from the lm_head, whose usual cause in Hugging Face models has a one-line fix)."""
     global _warned_graph_break, _warned_symbolic_float, _warned_unfused
+    if _in_trial():
+        return
     if SYMBOLIC_FLOAT_FIX in (res.reason or "") and not _warned_symbolic_float:
         _warned_symbolic_float = True  # a model that fuses without dynamic=True: the user loses the fusion silently
         logger.warning("flce: loss %s not fused: %s", res.site.loss_node.name, res.reason)
@@ -383,7 +394,7 @@ def _log_lone_head(head: LoneHead) -> None:
     a loss whose logits come from outside the graph: the same split, seen from the loss's side), when they require
     grad: a training loop computes the loss after the compiled code, and nothing is fused."""
     global _warned_graph_break
-    if head.tensor_parallel:
+    if head.tensor_parallel or _in_trial():
         return  # (its loss under loss_parallel() after the compiled code is tensor_parallel's advice, in explain)
     warn = head.requires_grad and not _warned_graph_break
     _warned_graph_break = _warned_graph_break or warn
@@ -393,6 +404,8 @@ def _log_lone_head(head: LoneHead) -> None:
 
 def _log_rewrite(res: SiteResult) -> None:
     global _logged_keep, _logged_lazy, _warned_kept_logits
+    if _in_trial():
+        return
     logger.info("flce: loss %s -> %s (vocab %s, hidden %s, tokens~%s)%s", res.site.loss_node.name, res.path,
                 res.site.vocab, res.site.hidden, res.tokens, f"; {res.note}" if res.note else "")
     if res.path == "fused_lazy" and not _logged_lazy:

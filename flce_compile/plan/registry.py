@@ -113,7 +113,7 @@ def _kernel_fp32_temporaries(softcap: bool) -> int:  # noqa: ARG001
 
 def _kernel_launch_rules(config: Config, vocab: int) -> str | None:
     """The CE kernel's block and launch parameters that cannot run well for ``vocab``."""
-    if config.block_v > next_pow2(vocab):
+    if config.block_v > max(32, next_pow2(vocab)):  # (32: one warp's threads, the least block below)
         return f"block_v={config.block_v} > vocab={vocab}"
     threads = 32 * config.num_warps
     if config.block_v < threads:

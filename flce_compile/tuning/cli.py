@@ -750,12 +750,9 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
         remaining_studies = len(studies) - index
         # (read at each study: another flce-tune may have written the file meanwhile)
         held = {e.key for e in db.read_file(target)} if args.skip_existing else set()
-
-        def exists(study: tuple[int, int, int]) -> bool:
-            v, h, t = study
-            return (kind, v, h, args.dtype, db.token_bucket(t), tier) in held
-
-        if exists((vocab, hidden, tokens)):
+        to_run = [(v, h, t) for v, h, t in studies[index:]
+                  if (kind, v, h, args.dtype, db.token_bucket(t), tier) not in held]
+        if not to_run or to_run[0] != (vocab, hidden, tokens):
             summary.append((str(vocab), str(hidden), str(tokens), "-", "-", "-", "-", "-", "0", "skipped (exists)"))
             continue
         study_timeout = args.timeout
@@ -766,7 +763,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
                     summary.append((str(v), str(h), str(t), "-", "-", "-", "-", "-", "0", "skipped (time budget)"))
                 print(f"flce-tune: time budget spent; skipping {remaining_studies} studies", file=sys.stderr)
                 break
-            share = _time_share(left, [study for study in studies[index:] if not exists(study)])  # (the ones to run)
+            share = _time_share(left, to_run)
             study_timeout = share if study_timeout is None else min(study_timeout, share)
         study_start = time.monotonic()
         progress = _Progress(trials, label)

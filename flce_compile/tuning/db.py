@@ -13,7 +13,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -144,7 +144,7 @@ def _scan_to_overwrite(path: Path) -> FileScan | None:
         raise DBFileError(f"refusing to overwrite {path}: {exc}") from exc
 
 
-def _file_to_merge(path: Path) -> tuple[list[Entry], list[Mapping[str, Any]], int]:
+def _file_to_merge(path: Path) -> tuple[list[Entry], list[Any], int]:
     """The entries of the file a write merges into, the raw objects this version cannot parse (kept as they
     are: a plugin strategy's entries, fields of a newer version) and the file's schema version. A corrupt file
     (DBCorruptError) is moved aside to ``<path>.corrupt`` (never over an earlier one) with a warning; a foreign,
