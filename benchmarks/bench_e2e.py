@@ -136,14 +136,16 @@ def build_model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, famil
     """The benchmark's model in training mode: seeded initialisation on the CPU (the same weights on every
     device and in every process), no KV cache, non-reentrant gradient checkpointing per decoder layer.
     ``shape``: llama_config's vocab / hidden / layers (qwen3moe_config's layers / experts, bart_config's layers).
-    ``family`` "gpt2": GPT-2 small with ``positions`` learned positions (the longest sequence it is run at),
-    otherwise as transformers builds it; "bart": BART-large's shape with as many positions, its
+    ``family`` "gpt2": GPT-2 small with ``positions`` learned positions (the longest sequence it is run at) and
+    dropout off, otherwise as transformers builds it; "bart": BART-large's shape with as many positions, its
     final_logits_bias random."""
     import transformers
 
     torch.manual_seed(0)
     if family == "gpt2":
-        config = transformers.GPT2Config(n_positions=positions)
+        # dropout off, as for BART (GPT2Config's defaults are 0.1: each variant drew its own masks, and the loss
+        # read by a variant's place in the run order, 10.9734 second and 10.9793 third, a review found)
+        config = transformers.GPT2Config(n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config).to(device, dtype)
     elif family == "llama":
         model = transformers.LlamaForCausalLM(llama_config(**shape)).to(device, dtype)

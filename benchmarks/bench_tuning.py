@@ -7,8 +7,9 @@ chunk size buys from what the kernels buy. By default it is measured at the targ
 (``--liger-rule-shapes``).
 
 bf16, forward + backward (dX and dW), median ms from ``triton.testing.do_bench`` with at least 10 timed runs.
-Peak GB: ``torch.cuda.max_memory_allocated`` over one warm fwd+bwd, above the inputs and the returned dX and dW
-(the definition of the DB's ``peak_gb`` and of ``flce_compile.plan.memory.peak_bytes``), in 1e9 bytes.
+Peak GB: ``torch.cuda.max_memory_allocated`` over one warm fwd+bwd with the op's CUDA-graph replay off, above the
+inputs and the returned dX and dW (the definition of the DB's ``peak_gb`` and of
+``flce_compile.plan.memory.peak_bytes``), in 1e9 bytes: the working set that a replayed call's graph holds.
 
 Writes ``bench_tuning_<gpu>_<time>.json`` and ``.md`` (GPU name, torch/triton versions) under
 ``benchmarks/results/`` (or ``--out-dir``) after every shape, so a run stopped by a time limit still leaves
@@ -112,7 +113,13 @@ def _bench(fn: Callable[[], Any], grads: list[torch.Tensor], rep_ms: float) -> f
 
 
 def _peak_gb(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
-    """Peak of one fwd+bwd above the inputs and the returned gradients (run after ``_bench``: warm)."""
+    """Peak of one fwd+bwd above the inputs and the returned gradients (run after ``_bench``: warm), with the op's
+    CUDA-graph replay off: a replayed call allocates nothing (its graph's pool, the working set it holds between
+    calls, was allocated at the capture, before ``before``) and hands out its gradients as views of that pool, so
+    the peak read minus the gradients, negative (-0.08 GB at GPT-2's shape in the H100 table of 2026-12-06); the
+    uncaptured call's peak is the working set a graph keeps."""
+    from flce_compile import graph_replay
+
     for g in grads:
         g.grad = None
     gc.collect()
@@ -121,7 +128,8 @@ def _peak_gb(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
     torch.cuda.reset_peak_memory_stats()
     gc.disable()  # a collection during the run could free unrelated memory and hide the run's own
     try:
-        fn().backward()
+        with graph_replay.disabled():
+            fn().backward()
         torch.cuda.synchronize()
     finally:
         gc.enable()
@@ -129,6 +137,8 @@ def _peak_gb(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
     peak = torch.cuda.max_memory_allocated() - before - returned
     for g in grads:
         g.grad = None
+    if peak < 0:
+        raise RuntimeError(f"peak {peak} B below the returned gradients: the call allocated them elsewhere")
     return peak / 1e9
 
 
@@ -493,10 +503,15 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
         for name, fn in fns.items():
             try:
                 row[f"{name}_ms"] = _bench(fn, [x, w], rep_ms)
-                row[f"{name}_peak_gb"] = _peak_gb(fn, [x, w])
             except Exception as exc:  # noqa: BLE001 - report, go on
                 row[f"{name}_ms"] = None
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.empty_cache()
+                continue
+            try:
+                row[f"{name}_peak_gb"] = _peak_gb(fn, [x, w])
+            except Exception as exc:  # noqa: BLE001 - the time stands; the peak is reported missing
+                row[f"{name}_peak_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 torch.cuda.empty_cache()
     finally:
         del x, w, t, fns

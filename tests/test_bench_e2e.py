@@ -61,11 +61,14 @@ def test_rows_as_users_run_them_come_first():
 
 def test_gpt2_is_built_as_transformers_builds_it():
     """``--model gpt2``: GPT-2 small with as many positions as the longest run, its loss type unset (the case the
-    backend keeps in one graph, ``hf_logging``), checkpointed, in training mode; an unknown family is refused."""
+    backend keeps in one graph, ``hf_logging``), dropout off, checkpointed, in training mode; an unknown family is
+    refused."""
     bench = _bench()
     model = bench.build_model("cpu", torch.float32, family="gpt2", positions=64)
     assert type(model).__name__ == "GPT2LMHeadModel" and model.loss_type is None and model.training
     assert (model.config.n_positions, model.config.vocab_size, model.config.n_embd) == (64, 50257, 768)
+    # dropout off: the variants' losses compare (each drew its own masks, 0.1 by default)
+    assert (model.config.resid_pdrop, model.config.embd_pdrop, model.config.attn_pdrop) == (0.0, 0.0, 0.0)
     assert model.is_gradient_checkpointing
     with pytest.raises(ValueError, match="family='bert' is unknown"):
         bench.build_model("cpu", torch.float32, family="bert")

@@ -1,5 +1,5 @@
 """benchmarks/bench_flce.py's ratio to the floor: each variant against a floor timed right before it, paired by
-round (CPU: the GPU timers are replaced by scripted ones)."""
+round (CPU: the GPU timers are replaced by scripted ones), the floor's GEMMs on the loss's own logit gradient."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")  # bench_flce imports triton.testing
 
@@ -18,7 +19,7 @@ def _scripted(monkeypatch, floors, variants):
     calls = []
     floors, variants = iter(floors), iter(variants)
 
-    def time_floor(x, w):
+    def time_floor(x, w, t):
         calls.append("floor")
         return next(floors)
 
@@ -80,3 +81,19 @@ def test_main_passes_the_turns_and_the_row_floor_is_the_median_of_the_variants_f
     assert [r["turns"] for r in row["results"].values()] == [3, 3, 3]
     assert [r["floor_ms"] for r in row["results"].values()] == [10.0, 30.0, 20.0]
     assert row["floor_ms"] == 20.0  # the median, not the first variant's
+
+
+def test_the_floors_dx_and_dw_read_the_losss_own_logit_gradient():
+    """The floor's dX and dW GEMMs read d(loss)/d(logits), softmax - one_hot over the valid tokens, zero on ignored
+    rows and padded columns (they read the logits, about N(0, 1), which a GPU at its power cap ran slower than the
+    op's own GEMMs on the gradient), formed a few rows at a time."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randn(13, 6, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 13, (10,), generator=g)
+    t[[1, 7]] = -100
+    logits = (x @ w.T).requires_grad_()
+    torch.nn.functional.cross_entropy(logits, t).backward()
+    grad = bench.logit_gradient(x, w, t, 16, rows=3)
+    assert grad.shape == (10, 16) and grad.dtype == torch.float64
+    torch.testing.assert_close(grad[:, :13], logits.grad)
+    assert not grad[:, 13:].any() and not grad[[1, 7]].any()
