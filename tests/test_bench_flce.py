@@ -97,3 +97,18 @@ def test_the_floors_dx_and_dw_read_the_losss_own_logit_gradient():
     assert grad.shape == (10, 16) and grad.dtype == torch.float64
     torch.testing.assert_close(grad[:, :13], logits.grad)
     assert not grad[:, 13:].any() and not grad[[1, 7]].any()
+
+
+def test_the_error_table_also_runs_our_variants_in_several_chunks(monkeypatch):
+    """At the error shape's 2048 tokens the op's own config runs one chunk, so a bf16 accumulator summed nothing
+    across chunks and read exactly the exact row's errors: each of our variants gets a row in ERROR_CHUNKS chunks
+    too, where the bf16 accumulator's dW error shows."""
+    from benchmarks._common import make_inputs
+
+    monkeypatch.setattr(bench, "ERROR_SHAPE", (256, 32, 96))
+    monkeypatch.setattr(bench, "make_inputs", lambda *a, **k: make_inputs(*a, **{**k, "device": "cpu"}))
+    out = bench.errors(bench.variants(["flce", "flce-bf16acc"]))
+    assert list(out) == ["flce", "flce bf16-acc", "flce, 4 chunks", "flce bf16-acc, 4 chunks"]
+    assert all(e["dW"] < 2e-2 and e["dX"] < 2e-2 for e in out.values()), out
+    assert out["flce bf16-acc"]["dW"] == out["flce"]["dW"]  # one chunk: nothing summed in bf16
+    assert out["flce bf16-acc, 4 chunks"]["dW"] > out["flce, 4 chunks"]["dW"]
