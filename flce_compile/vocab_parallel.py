@@ -498,20 +498,30 @@ def _traced() -> bool:
     return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
 
 
-def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None:
+def _agree_on_arguments(group: Any, error: Exception | None, input: Any, grads: int = 0) -> None:
     """Raise on every rank of ``group`` when any rank refused its arguments (``error``: this rank's refusal, or
     None), so that no rank waits in the op's first collective for one that raised: an uneven or mistyped
-    layout (``vocab_start``, ``vocab_size``, a shard's rows, a class-weight shape) can be wrong on some ranks
-    only. One all-gather of a flag per rank and a host read (at every call on CPU groups, at a group's first
-    call on NCCL ones: ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused.
-    While the call is traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
+    layout (``vocab_start``, ``vocab_size``, a shard's rows, a class-weight shape) or an option can be wrong on
+    some ranks only. ``grads``: the gradients this rank's call asks for (``_grads_asked``), which must agree too
+    (backward's all-reduce of dX runs only where dX is asked: ranks that differ hung there). One all-gather of two
+    numbers per rank and a host read (at every call on CPU groups, at a group's first call on NCCL ones:
+    ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused. While the call is
+    traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
     if (group is None or _traced() or _capturing()
             or (not _checks_every_call(group) and group in _AGREED_GROUPS)):  # no exchange: a rank's own error
         if error is not None:
             raise error
         return
     world = dist.get_world_size(group)
-    if not bool(_all_gathered(group, [error is not None], _collective_device(group, input)).any()):
+    rows = _all_gathered(group, [error is not None, grads], _collective_device(group, input)).tolist()
+    if not any(refused for refused, _ in rows):
+        asked = [_grad_names(g) for _, g in rows]
+        if len(set(asked)) > 1:
+            raise ValueError("vocab_parallel_linear_cross_entropy: the ranks' calls ask for different gradients "
+                             "(every rank raises this) - " + "; ".join(f"rank {r}: {a or 'none'}"
+                                                                      for r, a in enumerate(asked))
+                             + ". The hidden states, weight shard and bias shard must require grad alike on every "
+                             "rank")
         _AGREED_GROUPS.add(group)
         return
     refusals: list[Any] = [None] * world
@@ -524,6 +534,19 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any) -> None
                      f"{world} ranks (every rank raises this) - {ranks}") from error
 
 
+def _grads_asked(input: Tensor, weight: Tensor, bias: Tensor | None) -> int:
+    """The gradients a call asks for, as bits (input 1, weight 2, bias 4; none without grad mode)."""
+    if not torch.is_grad_enabled():
+        return 0
+    return (int(input.requires_grad) | int(weight.requires_grad) << 1
+            | int(bias is not None and bias.requires_grad) << 2)
+
+
+def _grad_names(bits: int) -> str:
+    """``_grads_asked``'s bits by name."""
+    return ", ".join(name for bit, name in ((1, "input"), (2, "weight"), (4, "bias")) if bits & bit)
+
+
 def _collective_device(group: Any, input: Any) -> torch.device:
     """Where this rank's tensors for a collective on ``group`` go: the CPU for gloo; for NCCL the input's GPU, or
     the current one when the input is not a CUDA tensor (a refused call's)."""
@@ -532,6 +555,38 @@ def _collective_device(group: Any, input: Any) -> torch.device:
     if isinstance(input, Tensor) and input.is_cuda:
         return input.device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_supported(return_logits: bool, memory_budget_gb: float | None, precision: str,
+                     config: Any) -> dict[str, Any] | None:
+    """The config's forced fields, after refusing the options this op does not take, and bad ones, before any
+    collective (``_agree_on_arguments``: an option wrong on one rank raised there alone, while the others waited
+    in the op's first collective)."""
+    if return_logits:
+        raise NotImplementedError(
+            "return_logits=True is not supported by vocab_parallel_linear_cross_entropy: no rank ever holds the "
+            "whole logits. Compute the sharded logits with F.linear on the local shard if you need them"
+        )
+    if memory_budget_gb is not None:
+        raise NotImplementedError(
+            "memory_budget_gb is not supported by vocab_parallel_linear_cross_entropy: its memory is one chunk of "
+            "local logits and the recompute backward's buffers; pass config={'chunk_tokens': ..., 'vocab_block': "
+            "...} to make them smaller"
+        )
+    if check_precision(precision) == "precise":
+        # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
+        raise NotImplementedError(
+            "precision='precise' is not supported by vocab_parallel_linear_cross_entropy: its forward combines "
+            "the ranks' statistics of compute-dtype logits; use 'exact' (errors no larger than eager's) or "
+            "'compact'"
+        )
+    forced = config_overrides(config)
+    if forced and forced.get("fp32_logits"):
+        raise NotImplementedError(
+            "config fp32_logits=True is not supported by vocab_parallel_linear_cross_entropy (its forward combines "
+            "the ranks' statistics of compute-dtype logits); leave it out"
+        )
+    return forced
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -577,19 +632,9 @@ def vocab_parallel_linear_cross_entropy(
     "none". Its gradient reaches ``input`` in full (every slice's share, all-reduced), and the weight and bias
     shards with their own rows only (a Shard(0) DTensor gradient for a DTensor weight).
     """
-    if return_logits:
-        raise NotImplementedError(
-            "return_logits=True is not supported by vocab_parallel_linear_cross_entropy: no rank ever holds the "
-            "whole logits. Compute the sharded logits with F.linear on the local shard if you need them"
-        )
-    if memory_budget_gb is not None:
-        raise NotImplementedError(
-            "memory_budget_gb is not supported by vocab_parallel_linear_cross_entropy: its memory is one chunk of "
-            "local logits and the recompute backward's buffers; pass config={'chunk_tokens': ..., 'vocab_block': "
-            "...} to make them smaller"
-        )
     agreeing = _agreement_group(weight, group)
     try:  # checks that may fail on some ranks only: every rank hears of a refusal before any raises
+        forced = _check_supported(return_logits, memory_budget_gb, precision, config)
         weight_local, bias_local, group, start, total = _shard_of(weight, bias, group, vocab_start, vocab_size)
         input = _replicated_local(input, "input")
         target = _replicated_local(target, "target")
@@ -605,25 +650,13 @@ def vocab_parallel_linear_cross_entropy(
                              "vocab_size= when given, else the world size x this rank's rows)")
         if ce_weight is not None:
             check_ce_weight_placement(ce_weight, weight_local.device)
+        grads = _grads_asked(input, weight_local, bias_local)
+        input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
+        accum = accum_dtype_for(precision, accum_dtype, weight_local.dtype)
     except Exception as exc:  # any refusal (a None weight's AttributeError too) is agreed on before it is raised
         _agree_on_arguments(agreeing, exc, input)
         raise
-    _agree_on_arguments(agreeing, None, input)
-    if check_precision(precision) == "precise":
-        # Its forward reduces per-slice statistics of bf16 logits; fp32 logits there are not implemented.
-        raise NotImplementedError(
-            "precision='precise' is not supported by vocab_parallel_linear_cross_entropy: its forward combines "
-            "the ranks' statistics of compute-dtype logits; use 'exact' (errors no larger than eager's) or "
-            "'compact'"
-        )
-    forced = config_overrides(config)
-    if forced and forced.get("fp32_logits"):
-        raise NotImplementedError(
-            "config fp32_logits=True is not supported by vocab_parallel_linear_cross_entropy (its forward combines "
-            "the ranks' statistics of compute-dtype logits); leave it out"
-        )
-    input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
-    accum = accum_dtype_for(precision, accum_dtype, weight_local.dtype)
+    _agree_on_arguments(agreeing, None, input, grads)
     hidden = weight_local.shape[1]
     x2d = input.reshape(target.numel(), hidden)
     params = LossParams(int(ignore_index), reduction, float(label_smoothing), _softcap_arg(softcap),

@@ -417,6 +417,16 @@ def _errors(mesh, group) -> dict:
             x, w[:24] if rank == 0 else w[24:], t, group=group, vocab_start=0 if rank == 0 else 24, vocab_size=24),
         "none_weight_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:12] if rank == 0 else None, t, group=group),
+        # options wrong on one rank only (they were checked after the agreement: the others hung in a collective)
+        "config_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t, group=group, config={"chunk_tokens": 0} if rank == 1 else None),
+        "precise_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t, group=group, precision="precise" if rank == 1 else "exact"),
+        "accum_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x, w[:12], t, group=group, accum_dtype=torch.int32 if rank == 1 else None),
+        # gradients asked on one rank only: backward's all-reduce of dX ran on that rank alone, and hung
+        "grads_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x.detach().requires_grad_(rank == 0), w[:12].detach().requires_grad_(), t, group=group),
         # the same input and options on every rank, or an error on every rank (not gloo's abort, not a loss per rank)
         "tokens_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x if rank == 0 else x[:9], w[:12], t if rank == 0 else t[:9], group=group),
@@ -643,6 +653,10 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("off_by_one_start", ["refused on 1 of 2 ranks", "rank 1: ValueError: vocab_start=13"]),
     ("empty_shard", ["refused on 1 of 2 ranks", "rank 1: ValueError: weight has no classes"]),
     ("none_weight_one_rank", ["refused on 1 of 2 ranks", "rank 1: AttributeError"]),
+    ("config_one_rank", ["refused on 1 of 2 ranks", "rank 1: ValueError: config.chunk_tokens=0"]),
+    ("precise_one_rank", ["refused on 1 of 2 ranks", "rank 1: NotImplementedError: precision='precise'"]),
+    ("accum_one_rank", ["refused on 1 of 2 ranks", "rank 1: TypeError: accum_dtype must be a floating"]),
+    ("grads_one_rank", ["ask for different gradients", "rank 0: input, weight; rank 1: weight"]),
     ("target_range_one_rank", ["TargetError: ", "outside [0, 24)"]),  # rank 1's own; rank 0: "of rank(s) 1"
     ("tokens_one_rank", ["the ranks' calls differ", "tokens: rank 0 10, rank 1 9", "the same on every rank"]),
     ("hidden_one_rank", ["the ranks' calls differ", "hidden size: rank 0 8, rank 1 7"]),
