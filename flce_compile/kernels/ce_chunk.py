@@ -47,9 +47,17 @@ def _transform(raw, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, SCALED: tl.
         s = s * logit_scale
     if HAS_SOFTCAP:
         u = s / softcap
-        # tanh through exp(-2|u|): no overflow for any u, exact sign.
-        e = tl.exp(-2.0 * tl.abs(u))
-        t = (1.0 - e) / (1.0 + e)
+        a = tl.abs(u)
+        # tanh(|u|) through exp(-2|u|): no overflow for any u, exact sign. Below |u| = 0.4 its 1 - e cancels (an
+        # absolute error of ~3e-8 whatever u: a per-token loss 3-11x eager's error against fp64 at softcaps 30-100,
+        # a bug hunt found), so there the odd Taylor series to u^13 (truncation below 1e-9; at most 2.4e-7
+        # relative, fp32, against 3.4e-3 before).
+        e = tl.exp(-2.0 * a)
+        u2 = u * u
+        series = a + a * u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (
+            -0.05396825396825397 + u2 * (0.021869488536155203 + u2 * (-0.008863235529902197
+                                                                        + u2 * 0.003592128036572481)))))
+        t = tl.where(a < 0.4, series, (1.0 - e) / (1.0 + e))
         t = tl.where(u < 0, -t, t)
         return t * softcap, t
     return s, s
