@@ -502,8 +502,9 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any, grads: 
     """Raise on every rank of ``group`` when any rank refused its arguments (``error``: this rank's refusal, or
     None), so that no rank waits in the op's first collective for one that raised: an uneven or mistyped
     layout (``vocab_start``, ``vocab_size``, a shard's rows, a class-weight shape) or an option can be wrong on
-    some ranks only. ``grads``: the gradients this rank's call asks for (``_grads_asked``), which must agree too
-    (backward's all-reduce of dX runs only where dX is asked: ranks that differ hung there). One all-gather of two
+    some ranks only. ``grads``: whether this rank's call asks for dX (``_input_grad_asked``), which must agree too
+    (backward's all-reduce of dX runs only where dX is asked: ranks that differ hung there; dW and db are each
+    rank's own, so a shard frozen on some ranks only is fine). One all-gather of two
     numbers per rank and a host read (at every call on CPU groups, at a group's first call on NCCL ones:
     ``_checks_every_call``); the refusals' messages are exchanged only when some rank refused. While the call is
     traced (``_traced``) or a CUDA graph is being captured, a rank raises its own error alone."""
@@ -515,13 +516,11 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any, grads: 
     world = dist.get_world_size(group)
     rows = _all_gathered(group, [error is not None, grads], _collective_device(group, input)).tolist()
     if not any(refused for refused, _ in rows):
-        asked = [_grad_names(g) for _, g in rows]
-        if len(set(asked)) > 1:
-            raise ValueError("vocab_parallel_linear_cross_entropy: the ranks' calls ask for different gradients "
-                             "(every rank raises this) - " + "; ".join(f"rank {r}: {a or 'none'}"
-                                                                      for r, a in enumerate(asked))
-                             + ". The hidden states, weight shard and bias shard must require grad alike on every "
-                             "rank")
+        if len({asked for _, asked in rows}) > 1:
+            asking = ", ".join(str(rank) for rank, (_, asked) in enumerate(rows) if asked)
+            raise ValueError("vocab_parallel_linear_cross_entropy: the hidden states require grad on some ranks "
+                             f"only (rank(s) {asking} of {world}; every rank raises this): backward all-reduces dX "
+                             "across the ranks, so they must require grad (or not) on every rank alike")
         _AGREED_GROUPS.add(group)
         return
     refusals: list[Any] = [None] * world
@@ -534,17 +533,9 @@ def _agree_on_arguments(group: Any, error: Exception | None, input: Any, grads: 
                      f"{world} ranks (every rank raises this) - {ranks}") from error
 
 
-def _grads_asked(input: Tensor, weight: Tensor, bias: Tensor | None) -> int:
-    """The gradients a call asks for, as bits (input 1, weight 2, bias 4; none without grad mode)."""
-    if not torch.is_grad_enabled():
-        return 0
-    return (int(input.requires_grad) | int(weight.requires_grad) << 1
-            | int(bias is not None and bias.requires_grad) << 2)
-
-
-def _grad_names(bits: int) -> str:
-    """``_grads_asked``'s bits by name."""
-    return ", ".join(name for bit, name in ((1, "input"), (2, "weight"), (4, "bias")) if bits & bit)
+def _input_grad_asked(input: Tensor) -> int:
+    """1 when a call asks for dX (the one gradient whose backward is a collective), else 0."""
+    return int(torch.is_grad_enabled() and input.requires_grad)
 
 
 def _collective_device(group: Any, input: Any) -> torch.device:
@@ -650,7 +641,7 @@ def vocab_parallel_linear_cross_entropy(
                              "vocab_size= when given, else the world size x this rank's rows)")
         if ce_weight is not None:
             check_ce_weight_placement(ce_weight, weight_local.device)
-        grads = _grads_asked(input, weight_local, bias_local)
+        grads = _input_grad_asked(input)
         input, weight_local, bias_local = _autocast(input, weight_local, bias_local)
         accum = accum_dtype_for(precision, accum_dtype, weight_local.dtype)
     except Exception as exc:  # any refusal (a None weight's AttributeError too) is agreed on before it is raised

@@ -424,9 +424,12 @@ def _errors(mesh, group) -> dict:
             x, w[:12], t, group=group, precision="precise" if rank == 1 else "exact"),
         "accum_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x, w[:12], t, group=group, accum_dtype=torch.int32 if rank == 1 else None),
-        # gradients asked on one rank only: backward's all-reduce of dX ran on that rank alone, and hung
+        # dX asked on one rank only: backward's all-reduce of dX ran on that rank alone, and hung; a weight shard
+        # frozen on one rank only is fine (dW is each rank's own)
         "grads_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x.detach().requires_grad_(rank == 0), w[:12].detach().requires_grad_(), t, group=group),
+        "frozen_shard_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
+            x.detach().requires_grad_(), w[:12].detach().requires_grad_(rank == 0), t, group=group).backward(),
         # the same input and options on every rank, or an error on every rank (not gloo's abort, not a loss per rank)
         "tokens_one_rank": lambda: fc.vocab_parallel_linear_cross_entropy(
             x if rank == 0 else x[:9], w[:12], t if rank == 0 else t[:9], group=group),
@@ -656,7 +659,7 @@ def test_compiled_call_on_a_dtensor_weight(ranks):
     ("config_one_rank", ["refused on 1 of 2 ranks", "rank 1: ValueError: config.chunk_tokens=0"]),
     ("precise_one_rank", ["refused on 1 of 2 ranks", "rank 1: NotImplementedError: precision='precise'"]),
     ("accum_one_rank", ["refused on 1 of 2 ranks", "rank 1: TypeError: accum_dtype must be a floating"]),
-    ("grads_one_rank", ["ask for different gradients", "rank 0: input, weight; rank 1: weight"]),
+    ("grads_one_rank", ["the hidden states require grad on some ranks only (rank(s) 0 of 2;"]),
     ("target_range_one_rank", ["TargetError: ", "outside [0, 24)"]),  # rank 1's own; rank 0: "of rank(s) 1"
     ("tokens_one_rank", ["the ranks' calls differ", "tokens: rank 0 10, rank 1 9", "the same on every rank"]),
     ("hidden_one_rank", ["the ranks' calls differ", "hidden size: rank 0 8, rank 1 7"]),
@@ -680,6 +683,12 @@ def test_a_bad_label_on_one_ranks_targets_raises_on_every_rank(ranks):
     own, other = ranks[1]["errors"]["target_range_one_rank"], ranks[0]["errors"]["target_range_one_rank"]
     assert own.startswith("TargetError: target holds class id ") and "outside [0, 24)" in own
     assert other.startswith("TargetError: the targets of rank(s) 1 hold class ids outside [0, 24)")
+
+
+def test_a_weight_shard_frozen_on_some_ranks_only_is_accepted(ranks):
+    """Only dX's backward is a collective: a shard that takes no gradient on one rank (new tokens' rows trained
+    alone, say) runs forward and backward (the first check of the gradients asked refused it)."""
+    assert [r["errors"]["frozen_shard_one_rank"] for r in ranks] == ["no error", "no error"]
 
 
 def test_uneven_local_shards_with_their_offsets_are_accepted(ranks):
