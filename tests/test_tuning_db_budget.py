@@ -205,6 +205,8 @@ def test_which_config_reports_the_tier_entry(dbs, h200):
         which_config(16384, V, H, gpu="h200", memory_budget_gb=float("inf"))
     with pytest.raises(ValueError, match="memory_budget_gb=1e[+]?300 must be a positive finite number"):
         which_config(16384, V, H, gpu="h200", memory_budget_gb=1e300)  # (its bytes overflowed int())
+    with pytest.raises(ValueError, match="memory_budget_gb=1000000000000000000000000000000000000000000000"):
+        which_config(16384, V, H, gpu="h200", memory_budget_gb=10**400)
     with pytest.raises(TypeError, match="memory_budget_gb='1' must be a number of GiB"):
         which_config(16384, V, H, gpu="h200", memory_budget_gb="1")
 

@@ -258,8 +258,13 @@ def budget_bytes(memory_budget_gb: float) -> int:
     if isinstance(memory_budget_gb, bool) or not isinstance(memory_budget_gb, numbers.Real):
         raise TypeError(f"memory_budget_gb={memory_budget_gb!r} must be a number of GiB (or None for no budget), got "
                         f"{type(memory_budget_gb).__name__}")
-    # (a finite number whose bytes are not, 1e300 GiB, is refused too: int() of them raised OverflowError)
-    if not math.isfinite(float(memory_budget_gb) * 2**30) or memory_budget_gb <= 0:
+    # (a finite number whose bytes are not, 1e300 GiB or an int past float's range, is refused too: int() of them
+    # raised OverflowError)
+    try:
+        finite = math.isfinite(float(memory_budget_gb) * 2**30)
+    except OverflowError:
+        finite = False
+    if not finite or memory_budget_gb <= 0:
         raise ValueError(f"memory_budget_gb={memory_budget_gb!r} must be a positive finite number of GiB (or None for "
                          "no budget)")
     return int(memory_budget_gb * 2**30)
