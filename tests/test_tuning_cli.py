@@ -352,6 +352,26 @@ def test_time_budget_goes_to_the_studies_skip_existing_leaves(tmp_path, monkeypa
     assert len(given) == 1 and given[0] > 50, given  # (11 s before)
 
 
+def test_a_spent_time_budget_names_the_studies_skip_existing_skips_as_existing(tmp_path, monkeypatch, capsys):
+    """A budget spent before a study: the studies left that the file holds read "skipped (exists)", the others
+    "skipped (time budget)", and the count is of those (all read "time budget" before)."""
+    from flce_compile.tuning import cli
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setenv(db.ENV_SHIPPED_DIR, str(tmp_path / "noshipped"))
+    monkeypatch.setenv(db.ENV_USER_DB, str(tmp_path / "user.json"))
+    db.invalidate_cache()
+    out = tmp_path / "h200.json"
+    db.write_entries(out, [db.Entry(device="h200", vocab=256000, hidden=2304, dtype="bf16", tokens=8192,
+                                    config=FLCEConfig(strategy="triton"), ms=1.0)])
+    assert cli.main(["--shapes", "32768x4096,256000x2304", "--tokens", "8192", "--trials", "3", "--time-budget-s",
+                     "1", "--skip-existing", "--out", str(out), "--no-confirm"]) == 0
+    captured = capsys.readouterr()
+    rows = {line.split()[0]: line for line in captured.out.splitlines() if "skipped" in line}
+    assert "skipped (time budget)" in rows["32768"] and "skipped (exists)" in rows["256000"], captured.out
+    assert "skipping 1 studies" in captured.err
+
+
 def test_tuning_into_another_kinds_shipped_file_is_refused(tmp_path, monkeypatch, capsys):
     """--out tuning_db/h100.json on an H200 put h200 entries into the H100's file of the shipped layout, which keeps
     one kind a file (``export_shipped`` refuses the same). It is refused before any study, naming the file to use; a

@@ -747,7 +747,6 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
     status = 0
     for index, (vocab, hidden, tokens) in enumerate(studies):
         label = f"V={vocab} H={hidden} T={tokens}"
-        remaining_studies = len(studies) - index
         # (read at each study: another flce-tune may have written the file meanwhile)
         held = {e.key for e in db.read_file(target)} if args.skip_existing else set()
         to_run = [(v, h, t) for v, h, t in studies[index:]
@@ -760,8 +759,9 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
             left = deadline - time.monotonic()
             if left < MIN_STUDY_S:
                 for v, h, t in studies[index:]:
-                    summary.append((str(v), str(h), str(t), "-", "-", "-", "-", "-", "0", "skipped (time budget)"))
-                print(f"flce-tune: time budget spent; skipping {remaining_studies} studies", file=sys.stderr)
+                    why = "skipped (time budget)" if (v, h, t) in to_run else "skipped (exists)"
+                    summary.append((str(v), str(h), str(t), "-", "-", "-", "-", "-", "0", why))
+                print(f"flce-tune: time budget spent; skipping {len(to_run)} studies", file=sys.stderr)
                 break
             share = _time_share(left, to_run)
             study_timeout = share if study_timeout is None else min(study_timeout, share)
