@@ -203,6 +203,23 @@ def median_ms(step: Callable[[], object], reps: int, device: str,
     return statistics.median(times)
 
 
+def do_bench_ms(step: Callable[[], object], warmup_ms: float, rep_ms: float,
+                grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """``triton.testing.do_bench``'s median over at least about 10 timed runs: it repeats ``rep_ms`` / (one run's
+    time), which at ``rep_ms`` = 1000 timed 1-3 runs of a 300-700 ms step (65536 tokens; a review read 1 for CCE),
+    so one timed run first sets a longer ``rep`` and ``warmup`` where the step needs them."""
+    import triton  # noqa: PLC0415
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end)
+    return float(triton.testing.do_bench(step, warmup=max(warmup_ms, 2 * estimate), rep=max(rep_ms, 11 * estimate),
+                                         grad_to_none=grad_to_none, return_mode="median"))
+
+
 def output_dirs(out_dir: Path | str) -> list[Path]:
     """``out_dir`` and, when set, $OUT (the GPU machine's way back), created."""
     dirs = [Path(out_dir)] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])

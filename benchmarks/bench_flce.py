@@ -25,11 +25,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import (  # noqa: E402
-    cce_loss, eager_loss, liger_loss, make_inputs, native_loss, save_results, versions)
+    cce_loss, do_bench_ms, eager_loss, liger_loss, make_inputs, native_loss, save_results, versions)
 from benchmarks.host_overhead import e2e_ms, host_ms  # noqa: E402
 from flce_compile import fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
@@ -111,20 +110,8 @@ def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
     torch.cuda.synchronize()
     grads = xg.grad.numel() * xg.grad.element_size() + wg.grad.numel() * wg.grad.element_size()
     peak = (torch.cuda.max_memory_allocated() - base - grads) / GB
-    ms = timed(step)
+    ms = do_bench_ms(step, warmup_ms=200, rep_ms=1000)
     return ms, peak
-
-
-def timed(step: Callable[[], Any]) -> float:
-    """do_bench's median over at least about 10 timed runs: its ``rep=1000`` (ms) timed 1-3 runs of a
-    300-700 ms step at 65536 tokens (a review read 1 for CCE there); the estimate of one run sets a longer one."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = start.elapsed_time(end)
-    return do_bench(step, warmup=max(200, 2 * estimate), rep=max(1000, 11 * estimate), return_mode="median")
 
 
 def time_host(fns: dict[str, Callable], shape: str, calls: int = 200) -> dict[str, dict[str, float]]:
@@ -166,7 +153,7 @@ def time_floor(x, w, t) -> float:
         torch.mm(grad, w_padded)
         torch.mm(grad.T, x)
 
-    return timed(gemms)
+    return do_bench_ms(gemms, warmup_ms=200, rep_ms=1000)
 
 
 def logit_gradient(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, v_padded: int,

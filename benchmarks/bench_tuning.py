@@ -59,6 +59,7 @@ import torch
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import do_bench_ms  # noqa: E402
 from flce_compile.plan.tuning_db import family_kinds  # noqa: E402
 
 TARGET = (256000, 2304, 8192)  # (V, H, tokens) of the 1.5x target
@@ -93,23 +94,12 @@ def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
 
 
 def _bench(fn: Callable[[], Any], grads: list[torch.Tensor], rep_ms: float) -> float:
-    import triton  # noqa: PLC0415
-
     def step():
         fn().backward()
 
     step()  # compile / autotune outside the timing
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = start.elapsed_time(end)
-    # do_bench repeats rep_ms / estimate times: make that >= 10 timed runs
-    rep = max(rep_ms, 11 * estimate)
-    return float(triton.testing.do_bench(step, warmup=max(25, 2 * estimate), rep=rep, grad_to_none=grads,
-                                         return_mode="median"))
+    return do_bench_ms(step, warmup_ms=25, rep_ms=rep_ms, grad_to_none=grads)
 
 
 def _peak_gb(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:

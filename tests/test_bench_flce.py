@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")  # bench_flce imports triton.testing
+pytest.importorskip("triton")  # bench_flce times with triton.testing (_common.do_bench_ms)
 
 import benchmarks.bench_flce as bench  # noqa: E402
 

@@ -940,20 +940,17 @@ def test_a_trial_of_the_pass_quiets_its_own_thread_and_the_compilers_modules_onl
         return logging.LogRecord("flce_compile", logging.WARNING, path, 1, "m", None, None)
 
     ours, elsewhere = record(rewrite.__file__), record(tuning_db.__file__)
-    assert not quiet.filter(ours) and quiet.filter(elsewhere)
-    other = []
-    thread = threading.Thread(target=lambda: other.append(quiet.filter(record(rewrite.__file__))))
-    thread.start()
-    thread.join()
-    assert other == [True]
+    assert quiet.filter(ours)  # no trial under way
     rewrite._trial.active = True
     try:  # in a trial the log helpers neither log nor set their flags
         assert rewrite._in_trial()
-        seen = []
-        thread = threading.Thread(target=lambda: seen.append(rewrite._in_trial()))
+        assert not quiet.filter(ours) and quiet.filter(elsewhere)
+        other = []
+        thread = threading.Thread(target=lambda: other.append((rewrite._in_trial(),
+                                                               quiet.filter(record(rewrite.__file__)))))
         thread.start()
         thread.join()
-        assert seen == [False]
+        assert other == [(False, True)]
     finally:
         rewrite._trial.active = False
 

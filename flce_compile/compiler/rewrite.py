@@ -288,14 +288,11 @@ def _in_trial() -> bool:
 
 
 class _TrialRecords(logging.Filter):
-    """Drops the records the compiler's modules log in the thread that made it (a trial's), no other."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.thread = threading.get_ident()
+    """Drops the records the compiler's modules log in a thread that runs a trial (``_in_trial``; a logger's
+    filters run in the logging thread), no other."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread != self.thread or not record.pathname.startswith(_COMPILER_DIR)
+        return not (_in_trial() and record.pathname.startswith(_COMPILER_DIR))
 
 
 _COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

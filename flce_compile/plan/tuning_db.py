@@ -276,10 +276,8 @@ class Entry:
             raise ValueError("config.fp32_logits=true: fp32 logits are the caller's precision choice "
                              "(precision=\"precise\"), never a tuned field; set it false")
         extra = {k: v for k, v in data.items() if k not in known}
-        try:  # (JSON's 1e999 reads as infinity: the writer could not write it back as strict JSON)
-            json.dumps(extra, allow_nan=False)
-        except ValueError:
-            raise ValueError(f"a field outside the schema holds a non-finite number ({sorted(extra)})") from None
+        if not strict_json(extra):  # (JSON's 1e999 reads as infinity: the writer could not write it back)
+            raise ValueError(f"a field outside the schema holds a non-finite number ({sorted(extra)})")
         return cls(
             device=normalize_device_name(data["device"]),
             vocab=vocab,
@@ -298,6 +296,15 @@ class Entry:
             extra=extra,
             budget_tier_gb=_budget_tier(data.get("budget_tier_gb")),
         )
+
+
+def strict_json(item: Any) -> bool:
+    """Whether ``item`` is strict JSON (no NaN or infinity, nothing JSON cannot hold): what the writer can write."""
+    try:
+        json.dumps(item, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _positive_int(data: Mapping[str, Any], name: str) -> int:

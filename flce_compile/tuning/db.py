@@ -44,6 +44,7 @@ from ..plan.tuning_db import (
     read_file,
     scan_file,
     schema_version_for,
+    strict_json,
     shipped_dirs,
     shipped_files,
     token_bucket,
@@ -123,14 +124,6 @@ def _raw_key(item: Any) -> tuple | None:
         return None
 
 
-def _strict_json(item: Any) -> bool:
-    try:
-        json.dumps(item, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def _scan_to_overwrite(path: Path) -> FileScan | None:
     """``scan_file`` for a writer: None for a missing file; a corrupt one's DBCorruptError as it is (the write
     moves the file aside); a foreign, newer-schema or unreadable file refused (DBFileError), never overwritten."""
@@ -158,7 +151,7 @@ def _file_to_merge(path: Path) -> tuple[list[Entry], list[Any], int]:
         return [], [], 1
     if scan is None:
         return [], [], 1
-    unread = [item for item in scan.unread if _strict_json(item)]
+    unread = [item for item in scan.unread if strict_json(item)]
     if len(unread) < len(scan.unread):
         logger.warning("tuning DB file %s: dropping %d entries with non-finite numbers on rewrite", path,
                        len(scan.unread) - len(unread))
