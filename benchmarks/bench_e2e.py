@@ -259,8 +259,10 @@ def prepare(variant: str, model, objective: str = "loss"):
 
 def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, autocast: bool = False,
             objective: str = "loss") -> dict:
-    """One variant's row: the first step's time (with the compile), then the median step time and the peak memory
-    after ``warmup`` steps; ``autocast``: each step under bf16 autocast (the model's weights fp32)."""
+    """One variant's row: the first step's time (with the compile), then the median (and range) of ``steps`` step
+    times and the peak memory after ``warmup`` steps: the absolute peak, and ``base_gb``, what was allocated before
+    the timed steps (the weights; gradients are set to None before each step), so that peak - base is the step's
+    own memory; ``autocast``: each step under bf16 autocast (the model's weights fp32)."""
     row: dict = {"variant": variant, "seq": seq, "mask": mask}
     ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).cuda()
     try:
@@ -271,6 +273,7 @@ def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, a
             if i == warmup:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                row["base_gb"] = torch.cuda.memory_allocated() / 1e9  # weights (and optimizer-free state)
             start = time.perf_counter()
             with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 loss = step_fn(ids)
@@ -280,8 +283,8 @@ def run_one(variant: str, model, seq: int, steps: int, warmup: int, mask: str, a
                 row["first_step_s"] = time.perf_counter() - start  # includes the compile
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
-        row.update(status="ok", loss=float(loss), step_ms=statistics.median(times),
-                   peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+        row.update(status="ok", loss=float(loss), step_ms=statistics.median(times), steps=len(times),
+                   step_ms_range=[min(times), max(times)], peak_gb=torch.cuda.max_memory_allocated() / 1e9)
     except torch.cuda.OutOfMemoryError:
         row.update(status="OOM")
     except RuntimeError as exc:
@@ -322,8 +325,8 @@ def main() -> None:
     parser.add_argument("--mask", choices=["as-is", "patched", "both"], default="both",
                         help="as-is: installed transformers, nothing patched; patched: the bench-only mask patch "
                              "(see allow_causal_skip_under_compile); both (default): as-is rows first")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row (median and range reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama", help="the model (default llama)")
     parser.add_argument("--autocast", action="store_true",
@@ -383,16 +386,20 @@ def _table(rows: list[dict]) -> str:
         if not mode_rows:
             continue
         out += [f"{mode}: {title}", "",
-                "| seq | variant | status | peak GB | step ms | loss | vs same inner w/o pass (time, peak) |",
-                "|---|---|---|---|---|---|---|"]
+                "| seq | variant | status | peak GB | step's own GB | step ms (range) | loss "
+                "| vs same inner w/o pass (time, peak) |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in sorted(mode_rows, key=lambda r: r["seq"]):
             base = by_key.get((BASELINES.get(r["variant"]), r["seq"], mode))
             vs = ""
             if base is not None and r["status"] == "ok" and base["status"] == "ok":
                 vs = (f"{r['step_ms'] / base['step_ms']:.2f}x, {r['peak_gb'] / base['peak_gb']:.2f}x "
                       f"(vs {base['variant']})")
+            own = r["peak_gb"] - r["base_gb"] if "base_gb" in r and "peak_gb" in r else float("nan")
+            spread = f" ({r['step_ms_range'][0]:.0f}-{r['step_ms_range'][1]:.0f})" if "step_ms_range" in r else ""
             out.append(f"| {r['seq']} | {r['variant']} | {r['status']} | {r.get('peak_gb', float('nan')):.2f} | "
-                       f"{r.get('step_ms', float('nan')):.0f} | {r.get('loss', float('nan')):.4f} | {vs} |")
+                       f"{own:.2f} | {r.get('step_ms', float('nan')):.0f}{spread} | {r.get('loss', float('nan')):.4f} "
+                       f"| {vs} |")
         out.append("")
     return "\n".join(out)
 

@@ -57,6 +57,10 @@ def test_rows_as_users_run_them_come_first():
                           {"variant": "inductor", "seq": 8, "mask": "patched", "status": "ok", "peak_gb": 2.0,
                            "step_ms": 2.0, "loss": 3.0}])
     assert "bench-only mask patch" in table and "1.00x, 0.50x (vs inductor)" in table
+    # the step's own memory (peak above what the timed steps started from) and the steps' range
+    table = bench._table([{"variant": "flce", "seq": 8, "mask": "as-is", "status": "ok", "peak_gb": 7.25,
+                           "base_gb": 2.5, "step_ms": 433.0, "step_ms_range": [431.2, 440.7], "loss": 3.0}])
+    assert "| 8 | flce | ok | 7.25 | 4.75 | 433 (431-441) | 3.0000 |" in table
 
 
 def test_gpt2_is_built_as_transformers_builds_it():
