@@ -4,8 +4,9 @@
 grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
 grad_scale (1, or for an fp16 "mean" a power of two, 0 when fully masked: ``chunked._gradient_scales``), and
 backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and
-"lse", (2, N): each token's lse and its target's z (``chunked.kept_rows``), and backward calls
-``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth GEMM).
+"lse", (4, N): each token's lse, its target's z and its largest z with that class (``chunked.kept_rows``), and
+backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth
+GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles. Through the dispatcher (compiled graphs),
 the CPU and CUDA kernels are the bodies themselves (``_KERNELS``). In eager mode ``call_fused`` runs the same
@@ -44,7 +45,7 @@ from .plan.config import FLCEConfig, forced_fields
 from .plan.memory import peak_bytes
 from .scaled_gradients import kernel_scales, scaled_gradients_body, scaled_gradients_op, traced_for_cuda_graphs
 from .strategies import ForwardResult, GradRequest, Operands, fused_backward_per_token, fused_forward
-from .strategies.chunked import LSE_DTYPE, output_factor
+from .strategies.chunked import KEPT_ROWS, LSE_DTYPE, output_factor
 from .strategies.recompute import recompute_backward
 
 _EMPTY = (0,)
@@ -316,7 +317,7 @@ def _fused_linear_cross_entropy_fake(input, weight, target, bias, ce_weight, par
     per_token, later = p.reduction == "none", grads_in_backward(p, config)
     dtype = math_dtype(input.dtype)
     loss = input.new_empty((n,) if per_token else (), dtype=dtype)
-    lse = input.new_empty((2, n), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
+    lse = input.new_empty((KEPT_ROWS, n), dtype=LSE_DTYPE) if later else input.new_empty(_EMPTY, dtype=dtype)
     grads = _fake_grads(input, weight, bias, not later, compute_dx, compute_dw, compute_db, frozen_columns(p, weight))
     return (loss, lse) + grads + (input.new_empty((), dtype=dtype),)
 

@@ -13,11 +13,12 @@ Every rank holds the same input (N, H) and target (N,) and a contiguous slice of
   combines them in the same order (lse = logsumexp over ranks, the others summed: ``_smoothing_term``), so the
   loss, formed by the CE step's own row formula (``ce_torch.row_loss``, which covers class weights, label
   smoothing, z-loss), is bitwise identical on every rank. Softcap and logit_scale act per logit, inside the CE
-  step. Only the per-token lse and target z are saved (``chunked.kept_rows``, fp64).
+  step. Only the per-token lse and target z are saved, with this slice's own largest z and its class, which the
+  CE step finds beside its statistics (``chunked.kept_rows``, fp64).
 * Backward recomputes the local logits by vocabulary block and token chunk (``recompute_backward`` with the
-  shard's class offset): the logit gradient of the slice from the saved global lse (the target's probability from
-  the forward's target z: backward's vocabulary blocks are other GEMMs than forward's, whose roundings can
-  differ by more than a confident row's 1 - p), dW and db of the shard's
+  shard's class offset): the logit gradient of the slice from the saved global lse (the target's and the slice's
+  largest class's probabilities from the forward's z: backward's vocabulary blocks are other GEMMs than forward's,
+  whose roundings can differ by more than a confident row's 1 - p), dW and db of the shard's
   rows (kept local: they are this rank's gradient), and this slice's share of dX, summed over ranks with one
   all-reduce (in fp32 by default, rounded once afterwards).
 
@@ -63,7 +64,7 @@ from .strategies import GradRequest, Operands
 from .strategies.ce_common import CEStepArgs
 from .strategies.ce_torch import row_loss
 from .strategies.chunked import (
-    LSE_DTYPE, _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _weight_sum,
+    KEPT_ROWS, LSE_DTYPE, _ce_step, _gradient_scales, _reduced_loss, _reduction_scales, _weight_sum,
     full_precision_gemm_reductions,
 )
 from .strategies.recompute import recompute_backward
@@ -194,15 +195,19 @@ def _tiling_problem(layouts: list[list[int]]) -> str | None:
             "Shard(0) of a V the world size does not divide leaves the last shards short), or a DTensor weight")
 
 
-def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int, vocab_total: int) -> Tensor:
-    """(3, N + 1) in ``LSE_DTYPE``: this slice's lse, target z and smoothing sum per token
+def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: int,
+                 vocab_total: int) -> tuple[Tensor, Tensor]:
+    """(stats, top). stats, (3, N + 1) in ``LSE_DTYPE``: this slice's lse, target z and smoothing sum per token
     (``CEStepArgs.stats_out``), chunk by chunk, and in the last column this rank's first class, rows and classes
-    in all (for ``_tiles``)."""
+    in all (for ``_tiles``). top, (2, N): the slice's largest z per token and its class (``CEStepArgs.top_out``),
+    which this rank's backward keeps: the class near p = 1 of a confident row lies in one slice, whose backward
+    then forms its probability from the forward's z."""
     x, weight, bias = ops.x, ops.weight, ops.bias
     n = x.shape[0]
     v_local = weight.shape[0]
     dtype = math_dtype(x.dtype)
     stats = torch.empty(3, n + 1, dtype=LSE_DTYPE, device=x.device)
+    top = torch.empty(2, n, dtype=LSE_DTYPE, device=x.device)
     for row, number in enumerate((vocab_start, v_local, vocab_total)):  # fills: no host memory, capturable
         stats[row, n].fill_(number)
     chunk = max(1, min(config.chunk_tokens, n))
@@ -223,8 +228,9 @@ def _slice_stats(ops: Operands, p: LossParams, config: FLCEConfig, vocab_start: 
                 logits=logits, target=ops.target[t0:t1], ce_weight=ops.ce_weight, weight_sum=weight_sum,
                 ce_scale=one, z_scale=one, loss_out=None, lse_out=None, lse_in=None, write_grad=False,
                 class_offset=vocab_start, num_classes=vocab_total, stats_out=stats[:, t0:t1], scratch=True,
+                top_out=top[:, t0:t1],
             ), p)
-    return stats
+    return stats, top
 
 
 def _tiles(layouts: Tensor, vocab_total: int) -> Tensor:
@@ -237,9 +243,10 @@ def _tiles(layouts: Tensor, vocab_total: int) -> Tensor:
             & (totals == vocab_total).all())
 
 
-def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -> tuple[Tensor, Tensor]:
+def _combine(gathered: Tensor, top: Tensor, ops: Operands, p: LossParams,
+             vocab_total: int) -> tuple[Tensor, Tensor]:
     """(loss, kept) from every rank's ``_slice_stats``, ``gathered`` (world, 3, N + 1), combined in rank order:
-    kept (2, N) holds each token's lse and target z, for backward (``chunked.kept_rows``).
+    kept (4, N) holds each token's lse and target z, and this rank's ``top``, for backward (``chunked.kept_rows``).
     When the ranks' layouts (the last column) do not tile the vocabulary, the loss and the lse are NaN: the
     guard of the calls whose layout ``_check_tiling`` did not read on the host."""
     target, ce_weight = ops.target, ops.ce_weight
@@ -258,7 +265,7 @@ def _combine(gathered: Tensor, ops: Operands, p: LossParams, vocab_total: int) -
     smoothing = _smoothing_term(stats, gathered[:, :, -1], lse, ce_weight) if p.label_smoothing else None
     rows = row_loss(p, lse, z_y, smoothing, w_y, vocab_total, scales.ce, scales.z, ignored, invalid).to(dtype)
     loss = rows if p.reduction == "none" else _reduced_loss(rows, ce_scale, scales, p)
-    return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), torch.stack((lse, z_y))
+    return torch.where(tiled, loss, torch.full_like(loss, float("nan"))), torch.cat((lse[None], z_y[None], top))
 
 
 def _smoothing_term(stats: Tensor, layouts: Tensor, lse: Tensor, ce_weight: Tensor | None) -> Tensor:
@@ -294,7 +301,7 @@ def vocab_parallel_cross_entropy_op(
     group_name: str,
     config: str,
 ) -> tuple[Tensor, Tensor]:
-    """(loss, kept: each token's lse and target z) of this rank's shard ``weight`` (V_local, H), rows
+    """(loss, kept: ``_combine``'s) of this rank's shard ``weight`` (V_local, H), rows
     [vocab_start, +V_local) of ``vocab_total``, over the group ``group_name``; see the module docstring.
     ``accum_dtype`` is for backward."""
     group = _group(group_name)
@@ -306,10 +313,10 @@ def vocab_parallel_cross_entropy_op(
     logger.debug("flce: vocab-parallel loss over group %s, classes [%d, %d) of %d", group_name, vocab_start,
                  vocab_start + weight.shape[0], vocab_total)
     with op_context(input.device):
-        stats = _slice_stats(ops, p, _config(config, input, weight), vocab_start, vocab_total)
+        stats, top = _slice_stats(ops, p, _config(config, input, weight), vocab_start, vocab_total)
         gathered = stats.new_empty((dist.get_world_size(group) * 3, stats.shape[1]))
         _all_gather_single(gathered, stats, group=group)
-        return _combine(gathered.view(-1, 3, stats.shape[1]), ops, p, vocab_total)
+        return _combine(gathered.view(-1, 3, stats.shape[1]), top, ops, p, vocab_total)
 
 
 @vocab_parallel_cross_entropy_op.register_fake
@@ -319,7 +326,8 @@ def _vocab_parallel_fake(input, weight, target, bias, ce_weight, params, accum_d
     n = input.shape[0]
     dtype = math_dtype(input.dtype)
     per_token = decode_params(params).reduction == "none"
-    return input.new_empty((n,) if per_token else (), dtype=dtype), input.new_empty((2, n), dtype=LSE_DTYPE)
+    return (input.new_empty((n,) if per_token else (), dtype=dtype),
+            input.new_empty((KEPT_ROWS, n), dtype=LSE_DTYPE))
 
 
 @torch.library.custom_op("flce::vocab_parallel_cross_entropy_backward", mutates_args=())

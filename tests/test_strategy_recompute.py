@@ -93,6 +93,79 @@ def test_the_targets_probability_comes_from_the_forwards_z(backend, options):
     assert float(lost.abs().max()) > 100 * float((got[at_target] - exact[at_target]).abs().max())
 
 
+@pytest.mark.parametrize("backend", list(STEPS))
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "logit_scale": 1.1}])
+def test_the_largest_class_probability_comes_from_the_forwards_z(backend, options):
+    """The same for a confident wrong class, the row's largest z and not its target: its p near 1 took the
+    recomputed logit's ulps whole (an H100, fp32, backward blocks of 1000: dX 32x eager's error at margins of 24,
+    found 2026-12-06). The forward keeps the row's largest z and its class (``top_out``); backward's step takes
+    them (``top_in``), in whichever slice of the classes holds that class, and no other slice changes."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 6, 40
+    logits = torch.randn(rows, vocab, generator=g)
+    target = torch.tensor([10, 20, 30, 39, 3, -100])
+    wrong = torch.tensor([11, 0, 35, 2, 39])
+    cols = torch.arange(5)
+    logits[cols, wrong] += 16.0  # confident rows, each sure of another class than its target
+    p = LossParams(softcap=options.get("softcap", 0.0), logit_scale=options.get("logit_scale", 1.0))
+    config = FLCEConfig(strategy=backend, block_v=16, num_warps=1)
+    step = STEPS[backend]
+    kept = torch.full((4, rows), float("nan"), dtype=torch.float64)  # as ``chunked.kept_rows``
+    forward = CEStepArgs(**{**_args(logits, target, None, None, None).__dict__, "write_grad": False,
+                            "loss_out": torch.empty(rows), "lse_out": kept[0], "target_z_out": kept[1],
+                            "top_out": kept[2:]})
+    step(forward, p, config)
+    z = logits * p.logit_scale
+    z = p.softcap * torch.tanh(z / p.softcap) if p.softcap else z
+    assert torch.equal(kept[3, :5], wrong.double())
+    torch.testing.assert_close(kept[2], z.max(dim=1).values.double(), rtol=1e-6, atol=0.0)
+    nudged = logits.clone()
+    for r in range(5):  # four ulps up at the confident wrong class
+        for _ in range(4):
+            nudged[r, wrong[r]] = torch.nextafter(nudged[r, wrong[r]], torch.tensor(1e9))
+
+    def grad(lgts, top, start=0, stop=vocab):
+        out = torch.empty(rows, stop - start)
+        args = CEStepArgs(**{**_args(lgts[:, start:stop].contiguous(), target, None, kept[0], out, start,
+                                     vocab).__dict__, "target_z_in": kept[1], "top_in": top})
+        step(args, p, config)
+        return out
+
+    exact = grad(logits, None)  # from the forward's own logits
+    at_wrong = (cols, wrong)
+    got = grad(nudged, kept[2:])
+    torch.testing.assert_close(got[at_wrong], exact[at_wrong], rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-9)
+    lost = grad(nudged, None)[at_wrong] - exact[at_wrong]
+    # (a softcap's derivative, 1 - tanh^2, still reads the recomputed logit: an fp32 ulp of the entry is left)
+    assert float(lost.abs().max()) > 10 * float((got[at_wrong] - exact[at_wrong]).abs().max())
+    # by slices of 16, 16 and 8 classes: each row's class substituted in its own slice only
+    sliced = torch.cat([grad(nudged, kept[2:], start, min(start + 16, vocab)) for start in range(0, vocab, 16)], 1)
+    torch.testing.assert_close(sliced, got, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_forward_keeps_each_rows_largest_z_and_its_class(reduction):
+    """The recompute forward keeps ``chunked.kept_rows`` whole: the lse, the target's z, the largest z and its
+    class; the chunked loop's "none" keeps class -1 there (its backward recomputes each chunk in the same GEMM)."""
+    from flce_compile.strategies import GradRequest, Operands, fused_forward
+    from flce_compile.strategies.recompute import recompute_forward
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(50, 8, generator=g), torch.randn(70, 8, generator=g)
+    t = torch.randint(0, 70, (50,), generator=g)
+    t[4] = -100
+    ops, p = Operands(x, w, t, None, None), LossParams(reduction=reduction)
+    kept = recompute_forward(ops, p, FLCEConfig(strategy="recompute", chunk_tokens=16), torch.float32).lse
+    z = x @ w.t()
+    torch.testing.assert_close(kept[0], torch.logsumexp(z.double(), dim=1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kept[2], z.max(dim=1).values.double(), rtol=1e-6, atol=0.0)
+    assert torch.equal(kept[3], z.argmax(dim=1).double())
+    if reduction == "none":
+        chunked = fused_forward(ops, p, FLCEConfig(strategy="torch", chunk_tokens=16), torch.float32, GradRequest())
+        assert torch.equal(chunked.lse[3], torch.full((50,), -1.0, dtype=torch.float64))
+
+
 def test_a_slice_needs_the_lse_and_has_no_loss():
     logits, target = torch.randn(3, 8), torch.randint(0, 16, (3,))
     args = _args(logits, target, None, None, None, offset=8, classes=16)
@@ -102,6 +175,11 @@ def test_a_slice_needs_the_lse_and_has_no_loss():
     args = CEStepArgs(**{**_args(logits, target, None, torch.zeros(3), None, offset=8, classes=16).__dict__,
                          "target_z_out": torch.empty(3, dtype=torch.float64)})
     with pytest.raises(ValueError, match="target_z_out"):
+        ce_step_torch(args, LossParams())
+    # the largest z is found with the lse: not from a kept one
+    args = CEStepArgs(**{**_args(logits, target, None, torch.zeros(3), None).__dict__,
+                         "top_out": torch.empty(2, 3, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="top_out"):
         ce_step_torch(args, LossParams())
 
 

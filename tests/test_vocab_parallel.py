@@ -462,14 +462,17 @@ CONFIDENT = [(reduction, margin, block) for reduction in ("mean", "none") for ma
              for block in (16, 12)]
 
 
-def _confident_inputs(margin: float, n: int = 256, h: int = 32, v: int = 64, device: str = "cpu"):
+def _confident_inputs(margin: float, n: int = 256, h: int = 32, v: int = 64, device: str = "cpu",
+                      wrong: bool = False):
     """Unit-norm weight rows and hidden states ``margin`` along their target's row (as test_op_reliability's
-    confident rows), drawn on ``device`` from a generator seeded with the margin."""
+    confident rows), drawn on ``device`` from a generator seeded with the margin; ``wrong``: along another
+    class's row (confident and wrong)."""
     g = torch.Generator(device=device).manual_seed(int(margin))
     w = torch.randn(v, h, device=device, generator=g)
     w = w / w.norm(dim=1, keepdim=True)
     t = torch.randint(0, v, (n,), device=device, generator=g)
-    return w[t] * margin + torch.randn(n, h, device=device, generator=g) * 0.1, w, t
+    sure = (t + torch.randint(1, v, (n,), device=device, generator=g)) % v if wrong else t
+    return w[sure] * margin + torch.randn(n, h, device=device, generator=g) * 0.1, w, t
 
 
 def _run_confident(rank: int, world: int, group) -> dict:
@@ -572,6 +575,26 @@ def _check(got_ranks: list[dict], ref: dict, sharded: bool = True) -> None:
 @pytest.mark.parametrize("case", [c for c in CASES if c != "all_ignored"])
 def test_matches_unsharded(ranks, case):
     _check([r[case] for r in ranks], _reference(case))
+
+
+def test_each_slice_keeps_its_own_largest_z_and_class():
+    """``_slice_stats`` keeps, beside the statistics it gathers, each token's largest z of this rank's slice and
+    that class's global index: the backward of the rank holding a confident row's class near p = 1 forms its
+    probability from the forward's z (``CEStepArgs.top_in``); the softcap applied, as the CE step's z."""
+    from flce_compile.params import LossParams
+    from flce_compile.plan.config import FLCEConfig
+    from flce_compile.strategies import Operands
+    from flce_compile.vocab_parallel import _slice_stats
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 16, generator=g), torch.randn(30, 16, generator=g)
+    t = torch.randint(0, 90, (40,), generator=g)
+    p = LossParams(softcap=20.0)
+    _stats, top = _slice_stats(Operands(x, w, t, None, None), p, FLCEConfig(strategy="torch", chunk_tokens=16),
+                               30, 90)  # this rank: classes [30, 60) of 90
+    z = 20.0 * torch.tanh(x @ w.t() / 20.0)
+    torch.testing.assert_close(top[0], z.max(dim=1).values.double(), rtol=1e-6, atol=0.0)
+    assert torch.equal(top[1], (z.argmax(dim=1) + 30).double())
 
 
 @pytest.mark.parametrize("reduction, margin, block", CONFIDENT)
@@ -730,8 +753,10 @@ def test_the_device_side_tiling_guard(layouts, tiled):
     stats = torch.randn(len(layouts), 3, n + 1)
     stats[:, :, -1] = as_tensor
     target = torch.tensor([0, 3, -100, 23, 7])
-    loss, kept = _combine(stats, Operands(torch.zeros(n, 2), torch.zeros(12, 2), target, None, None),
+    top = torch.randn(2, n, dtype=torch.float64)
+    loss, kept = _combine(stats, top, Operands(torch.zeros(n, 2), torch.zeros(12, 2), target, None, None),
                           LossParams(), total)
+    assert torch.equal(kept[2:], top)  # this rank's largest z and class, kept as they came
     assert bool(loss.isnan()) is not tiled and bool(kept[0].isnan().all()) is not tiled  # (row 0: the lse)
 
 
@@ -899,7 +924,8 @@ def _combined_smoothing_errors(step, weighted: bool, offset: float, device: str,
                         scratch=True), p, config)
         gathered[rank, :, n] = torch.tensor([start, end - start, vocab], dtype=torch.float64)
     ops = Operands(torch.zeros(n, 2, device=device), torch.zeros(vocab, 2, device=device), target, None, ce_weight)
-    ours, _kept = _combine(gathered, ops, p, vocab)
+    top = torch.zeros(2, n, dtype=torch.float64, device=device)
+    ours, _kept = _combine(gathered, top, ops, p, vocab)
     ref = F.cross_entropy(logits.double(), target, weight=None if ce_weight is None else ce_weight.double(),
                           label_smoothing=eps, reduction="none")
     eager = F.cross_entropy(logits, target, weight=ce_weight, label_smoothing=eps, reduction="none")
@@ -1066,22 +1092,25 @@ def test_two_gpus_match_the_single_device_op(tmp_path):
     assert rel(torch.cat([r["dw"] for r in got]), w.grad.cpu()) < 1e-2
 
 
-def _confident_gpu_inputs(shape: str, margin: float):
+def _confident_gpu_inputs(shape: str, margin: float, wrong: bool = False):
     """"small": the CPU test's confident rows; "wide": 2048 x 1024 x 16384, where backward's vocabulary blocks of
     1000 round the logits apart from forward's one GEMM (the review's case, 2026-12-04)."""
     if shape == "small":
-        return (a.cuda() for a in _confident_inputs(margin))
-    return _confident_inputs(margin, 2048, 1024, 16384, device="cuda")
+        return (a.cuda() for a in _confident_inputs(margin, wrong=wrong))
+    return _confident_inputs(margin, 2048, 1024, 16384, device="cuda", wrong=wrong)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, config", [("small", {"chunk_tokens": 128}),
                                            ("wide", {"chunk_tokens": 1024, "vocab_block": 1000})])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_one_gpu_confident_rows_are_as_exact_as_eager(monkeypatch, reduction, shape, config):
-    """The Triton CE step's statistics (fp64 lse) and the recompute backward from them (the target's probability
-    from the forward's target z), on one GPU over NCCL (world 1), and the single-device op's recompute strategy,
-    at confident rows: dX and dW within eager CUDA's error against fp64 (fp32, TF32 off)."""
+@pytest.mark.parametrize("sure_of", ["target", "another class"])
+def test_one_gpu_confident_rows_are_as_exact_as_eager(monkeypatch, reduction, shape, config, sure_of):
+    """The Triton CE step's statistics (fp64 lse) and the recompute backward from them (the target's and the
+    largest class's probabilities from the forward's z), on one GPU over NCCL (world 1), and the single-device
+    op's recompute strategy, at confident rows, sure of their target or of another class: dX and dW within eager
+    CUDA's error against fp64 (fp32, TF32 off). Sure of another class at a margin of 24, "wide" read 32x eager's
+    error before the largest class's z was kept (an H100, 2026-12-06)."""
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
@@ -1091,8 +1120,8 @@ def test_one_gpu_confident_rows_are_as_exact_as_eager(monkeypatch, reduction, sh
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
-        for margin in (10.0, 16.0):
-            x, w, t = _confident_gpu_inputs(shape, margin)
+        for margin in (10.0, 16.0) if sure_of == "target" else (16.0, 24.0):
+            x, w, t = _confident_gpu_inputs(shape, margin, wrong=sure_of != "target")
 
             def run(dtype, fn):
                 a, b = x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
@@ -1112,6 +1141,6 @@ def test_one_gpu_confident_rows_are_as_exact_as_eager(monkeypatch, reduction, sh
             for op, grads in ours.items():
                 for name, o, e, r in zip(("dX", "dW"), grads, ref, exact):
                     assert float((o - r).norm() / r.norm()) <= 1.35 * float((e - r).norm() / r.norm()), (
-                        op, margin, name)
+                        op, margin, name, sure_of)
     finally:
         dist.destroy_process_group()

@@ -89,9 +89,9 @@ def _smoothing_shift(running_max):
 
 @triton.jit
 def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, running_sum, smooth_sum, seen,
-                   logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                   top_col, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                    HAS_CE_WEIGHT: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr,
-                   PADDED: tl.constexpr):
+                   PADDED: tl.constexpr, TRACK_TOP: tl.constexpr):
     """One block of pass 1: the online max/sum (and the smoothing sum) updated with the logits at ``offs``.
     MASKED: the block may run past ``vocab`` (see the module's docstring for when a block is not); loads stop at
     ``width`` (V, or with PADDED the padded row: the columns past V then load whatever they hold and are masked
@@ -100,7 +100,10 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
     The smoothing sum is sum_c w_c (z_c - shift) over the classes seen so far, relative to the running shift (the
     max), with ``seen`` = sum_c w_c over them: when the max rises, the sum moves by seen * (old - new shift).
     With non-negative class weights every term is <= 0, so nothing cancels; the raw sum_c w_c z_c cancelled
-    against W lse when every logit carried a large common offset (fp32 at +1000: the loss 4-27x eager's error)."""
+    against W lse when every logit carried a large common offset (fp32 at +1000: the loss 4-27x eager's error).
+
+    TRACK_TOP: ``top_col`` follows the column of the row's largest z (the first of equal ones; -1 while none is
+    finite), for a backward that recomputes the logits (``CEStepArgs.top_out``)."""
     if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED and not HAS_SMOOTHING:
         # The load's mask is the class mask and z is the raw logit: loading -inf past V masks the max and the
         # sum without a select an element (the kernel is near its issue limit).
@@ -113,7 +116,11 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
             z_max = tl.where(offs < vocab, z, -float("inf"))
         else:
             z_max = z
-    new_max = tl.maximum(running_max, tl.max(z_max, axis=0))
+    block_max = tl.max(z_max, axis=0)
+    if TRACK_TOP:
+        first = tl.min(tl.where(z_max == block_max, offs, 2147483647), axis=0)
+        top_col = tl.where(block_max > running_max, first, top_col)
+    new_max = tl.maximum(running_max, block_max)
     # While every logit so far is -inf (classes masked through the bias) the max is -inf too: shift by 0
     # then, since -inf - -inf would make the sum nan. Exact either way: the sum is 0 until a finite logit.
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -134,21 +141,25 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
             seen += tl.sum(tl.where(offs < vocab, 1.0, 0.0), axis=0)
         else:
             seen += offs.shape[0] * 1.0
-    return new_max, running_sum, smooth_sum, seen
+    return new_max, running_sum, smooth_sum, seen, top_col
 
 
 @triton.jit
-def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width, target_col, z_target, shift, inv_sum,
-                    coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual,
+def _gradient_block(row_ptr, grad_row_ptr, class_weight_ptr, offs, vocab, width, target_col, z_target, top_col, z_top,
+                    shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual,
                     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
-                    HAS_TARGET_Z: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
-                    MASKED: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr):
+                    HAS_TARGET_Z: tl.constexpr, HAS_TOP: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
+                    EMULATE_BF16_RTNE: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
+                    SCALED: tl.constexpr):
     """One block of pass 2: dloss/dlogits at ``offs`` stored to the gradient row (of a row that is not ignored:
     ``_zero_row`` writes those); returns the running residual. MASKED and ``width`` as in ``_softmax_block``;
     with PADDED (``width`` > V) the columns past V get 0. HAS_TARGET_Z: the target's column takes ``z_target``,
-    the forward's z, for its probability (``CEStepArgs.target_z_in``)."""
+    the forward's z, for its probability (``CEStepArgs.target_z_in``); HAS_TOP: so does the column of the row's
+    largest z (``CEStepArgs.top_in``)."""
     raw = _load_block(row_ptr, offs, width, MASKED)
     z, t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)
+    if HAS_TOP:
+        z = tl.where(offs == top_col, z_top, z)
     if HAS_TARGET_Z:
         z = tl.where(offs == target_col, z_target, z)
     # p = exp(z - max) / sum, as eager's softmax, not exp(z - lse): lse rounded at the logits' magnitude (2e-6 at
@@ -188,39 +199,42 @@ def _zero_row(grad_row_ptr, cols, width, BLOCK_V: tl.constexpr):
 def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, logit_scale, softcap,
                   HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
                   UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
-    """Pass 1 over a row: (running max, running sum, smoothing sum, its weight) of its classes; the smoothing
-    sum is sum_c w_c (z_c - max), and its weight sum_c w_c (``_softmax_block``)."""
+                  TRACK_TOP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over a row: (running max, running sum, smoothing sum, its weight, the max's column) of its classes;
+    the smoothing sum is sum_c w_c (z_c - max), and its weight sum_c w_c; the column only with TRACK_TOP, else
+    -1 (``_softmax_block``)."""
     running_max = -float("inf")
     running_sum = 0.0
     smooth_sum = 0.0
     seen = 0.0
+    top_col = -1
     if UNMASKED_BLOCKS:
         for start in range(0, vocab_full, BLOCK_V):
-            running_max, running_sum, smooth_sum, seen = _softmax_block(
+            running_max, running_sum, smooth_sum, seen, top_col = _softmax_block(
                 row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
-                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False, SCALED=SCALED,
-                PADDED=False)
+                top_col, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=False,
+                SCALED=SCALED, PADDED=False, TRACK_TOP=TRACK_TOP)
         if vocab_full < vocab:
-            running_max, running_sum, smooth_sum, seen = _softmax_block(
+            running_max, running_sum, smooth_sum, seen, top_col = _softmax_block(
                 row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, running_max, running_sum, smooth_sum,
-                seen, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=False)
+                seen, top_col, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True,
+                SCALED=SCALED, PADDED=False, TRACK_TOP=TRACK_TOP)
     else:
         for start in range(0, width, BLOCK_V):
-            running_max, running_sum, smooth_sum, seen = _softmax_block(
+            running_max, running_sum, smooth_sum, seen, top_col = _softmax_block(
                 row_ptr, class_weight_ptr, start + cols, vocab, width, running_max, running_sum, smooth_sum, seen,
-                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True, SCALED=SCALED,
-                PADDED=PADDED)
-    return running_max, running_sum, smooth_sum, seen
+                top_col, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, MASKED=True,
+                SCALED=SCALED, PADDED=PADDED, TRACK_TOP=TRACK_TOP)
+    return running_max, running_sum, smooth_sum, seen, top_col
 
 
 @triton.jit
-def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, z_target, shift,
-                   inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
+def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, z_target,
+                   top_col, z_top, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
                    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
-                   HAS_TARGET_Z: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, EMULATE_BF16_RTNE: tl.constexpr,
-                   UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
+                   HAS_TARGET_Z: tl.constexpr, HAS_TOP: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
+                   EMULATE_BF16_RTNE: tl.constexpr, UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr,
+                   SCALED: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 2 over a row that is not ignored: its gradient written; returns the true-class residual.
 
     The blocks go from the row's end back to its start: the blocks pass 1 read last are the likeliest to be in L2
@@ -229,19 +243,20 @@ def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_f
     if UNMASKED_BLOCKS:  # the partial last block first, masked; then the whole blocks without a mask
         if vocab_full < vocab:
             residual = _gradient_block(
-                row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, z_target, shift,
-                inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap, residual, HAS_SOFTCAP,
-                HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=True,
-                PADDED=PADDED, SCALED=SCALED)
+                row_ptr, grad_row_ptr, class_weight_ptr, vocab_full + cols, vocab, width, target_col, z_target,
+                top_col, z_top, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
+                residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, HAS_TOP, WRITE_RESIDUAL,
+                EMULATE_BF16_RTNE, MASKED=True, PADDED=PADDED, SCALED=SCALED)
         blocks = vocab_full // BLOCK_V
     else:  # every block masked up to width
         blocks = tl.cdiv(width, BLOCK_V)
     for index in range(0, blocks):
         residual = _gradient_block(
             row_ptr, grad_row_ptr, class_weight_ptr, (blocks - 1 - index) * BLOCK_V + cols, vocab, width,
-            target_col, z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale,
-            softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, WRITE_RESIDUAL,
-            EMULATE_BF16_RTNE, MASKED=not UNMASKED_BLOCKS, PADDED=PADDED and not UNMASKED_BLOCKS, SCALED=SCALED)
+            target_col, z_target, top_col, z_top, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class,
+            logit_scale, softcap, residual, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z, HAS_TOP,
+            WRITE_RESIDUAL, EMULATE_BF16_RTNE, MASKED=not UNMASKED_BLOCKS, PADDED=PADDED and not UNMASKED_BLOCKS,
+            SCALED=SCALED)
     return residual
 
 
@@ -262,6 +277,9 @@ def ce_chunk_kernel(
     lse_in_ptr,
     target_z_out_ptr,
     target_z_in_ptr,
+    top_out_ptr,
+    top_in_ptr,
+    top_stride,
     stats_ptr,
     stats_stride,
     residual_ptr,
@@ -281,9 +299,11 @@ def ce_chunk_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_LSE_IN: tl.constexpr,
     HAS_TARGET_Z_IN: tl.constexpr,
+    HAS_TOP_IN: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     WRITE_TARGET_Z: tl.constexpr,
+    WRITE_TOP: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     WRITE_STATS: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
@@ -317,9 +337,9 @@ def ce_chunk_kernel(
         shift, inv_sum = lse, tl.exp(-rest)
     else:
         if WRITE_LSE or WRITE_STATS:  # every row's statistics are outputs
-            running_max, running_sum, smooth_sum, seen = _softmax_pass(
+            running_max, running_sum, smooth_sum, seen, top_col = _softmax_pass(
                 row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, WRITE_TOP, BLOCK_V)
         else:
             # An ignored row's loss is 0 and its gradient 0: its logits are not read (padding and prompt tokens
             # can be a large share of a batch). Its lse stays -inf, unused.
@@ -327,10 +347,11 @@ def ce_chunk_kernel(
             running_sum = 0.0
             smooth_sum = 0.0
             seen = 0.0
+            top_col = -1
             if ignored == 0:
-                running_max, running_sum, smooth_sum, seen = _softmax_pass(
+                running_max, running_sum, smooth_sum, seen, top_col = _softmax_pass(
                     row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, False, BLOCK_V)
         log_sum = tl.log(running_sum)
         lse = running_max + log_sum
         shift, inv_sum = running_max, 1.0 / running_sum
@@ -375,6 +396,9 @@ def ce_chunk_kernel(
             tl.store(lse_out_ptr + row, lse_exact)
     if WRITE_TARGET_Z:  # the target's z, for a backward that recomputes the logits (a whole row: ``CEStepArgs``)
         tl.store(target_z_out_ptr + row, z_y)
+    if WRITE_TOP:  # the largest z and its class, for a backward that recomputes the logits (``CEStepArgs.top_out``)
+        tl.store(top_out_ptr + row, running_max)
+        tl.store(top_out_ptr + top_stride + row, tl.where(top_col >= 0, class_offset + top_col, -1))
     if WRITE_STATS:
         here = (target_col >= 0) & (target_col < vocab)
         raw_t = tl.load(row_ptr + tl.where(here, target_col, 0))
@@ -407,6 +431,12 @@ def ce_chunk_kernel(
             z_target = tl.load(target_z_in_ptr + row).to(tl.float32)
         else:
             z_target = 0.0
+        if HAS_TOP_IN:  # (class -1, none, matches no column; nor does a class another slice holds)
+            z_top = tl.load(top_in_ptr + row).to(tl.float32)
+            kept_top_col = (tl.load(top_in_ptr + top_stride + row) - class_offset).to(tl.int32)
+        else:
+            z_top = 0.0
+            kept_top_col = -1
         grad_row_ptr = grad_ptr + row * grad_stride_row
         residual = 0.0
         if ignored:
@@ -414,8 +444,8 @@ def ce_chunk_kernel(
         else:
             residual = _gradient_pass(
                 row_ptr, grad_row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, target_col,
-                z_target, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z_IN, WRITE_RESIDUAL, EMULATE_BF16_RTNE,
-                UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
+                z_target, kept_top_col, z_top, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class,
+                logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, HAS_TARGET_Z_IN, HAS_TOP_IN,
+                WRITE_RESIDUAL, EMULATE_BF16_RTNE, UNMASKED_BLOCKS, PADDED, SCALED, BLOCK_V)
         if WRITE_RESIDUAL:
             tl.store(residual_ptr + row, residual)

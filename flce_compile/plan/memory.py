@@ -48,10 +48,10 @@ FROZEN = sympy.symbols("frozen_pad", integer=True, nonnegative=True)
 #: originals (``op._scaled_forward_grads``: backward may run again, as gradcheck runs it).
 F64 = sympy.symbols("fp64_copies", integer=True, nonnegative=True)
 
-#: Per-token vectors, bytes per token: fp32 loss rows, the fp64 lse and target z kept for backward
+#: Per-token vectors, bytes per token: fp32 loss rows, the four fp64 rows kept for backward
 #: (``chunked.kept_rows``), and the int64 copy of targets of another integer dtype (int32 ones: 8 bytes a token
 #: the bound missed, a bug hunt measured). Per chunk row: int64/bool masks of one chunk.
-PER_TOKEN_BYTES = 28
+PER_TOKEN_BYTES = 44
 #: The recompute loop's per-row factors of a "none" loss (``recompute.row_factors``): grad_output in the math
 #: dtype, the two factors and a temporary, bytes per token (fp32; an fp64 loss's larger ones fit in the fp64
 #: terms' slack, measured at 1M tokens). Counted for every reduction: the bound does not know it.

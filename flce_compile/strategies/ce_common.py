@@ -31,6 +31,13 @@ class CEStepArgs:
         probability is formed from that z, not from the logits at hand: recomputed in another GEMM (a vocabulary
         block, another rank's shard layout), a logit can round 1-2 ulps apart from the forward's, and at a
         confident row's target that is more than its 1 - p (dX 6-11x eager's error, found 2026-12-04).
+    top_out, top_in: (2, rows) fp64 or None, the same for the row's largest z, which may be another class than
+        the target: a confident wrong class's p near 1 moved by the ulps (fp32 on an H100, backward blocks of 1000:
+        dX 32x eager's error at margins of 24, found 2026-12-06). Out: row 0 the largest z of the columns (after
+        logit_scale and softcap), row 1 its class (``class_offset`` + its column, as a float; -1 for a row with
+        no finite z), written by the pass that finds the lse (needs ``lse_out`` or ``stats_out``; a slice's own
+        largest). In: with ``lse_in`` and ``write_grad``, that class's column, where it lies among the columns,
+        takes that z.
     grad_out: (rows, V) in the compute dtype, unit column stride, that receives dloss/dlogits instead of the
         logits (the keep path: the logits are returned to the caller and must stay intact; fp32 logits); None =
         in place.
@@ -64,6 +71,8 @@ class CEStepArgs:
     grad_out: torch.Tensor | None = None
     target_z_out: torch.Tensor | None = None
     target_z_in: torch.Tensor | None = None
+    top_out: torch.Tensor | None = None
+    top_in: torch.Tensor | None = None
     #: The logits' columns are classes [class_offset, class_offset + columns) of num_classes (None: all of
     #: them). A slice needs ``lse_in`` for its gradient; its loss cannot be computed (``loss_out`` None).
     class_offset: int = 0
@@ -87,3 +96,5 @@ class CEStepArgs:
                                  "no loss_out or target_z_out")
             if self.stats_out is not None and (self.lse_in is not None or self.write_grad):
                 raise ValueError("a CE step writing a slice's stats_out takes no lse_in and writes no gradient")
+        if self.top_out is not None and ((self.lse_out is None and self.stats_out is None) or self.lse_in is not None):
+            raise ValueError("a CE step writing top_out finds the lse: it needs lse_out (or stats_out) and no lse_in")

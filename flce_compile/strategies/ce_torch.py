@@ -50,6 +50,18 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     z_y = z.gather(1, col_index).squeeze(1) if wants_stats else None
     if args.target_z_out is not None:
         args.target_z_out.copy_(z_y)
+    if args.top_out is not None:  # the row's largest z and its class, for a recomputing backward (``CEStepArgs``)
+        top, top_col = z.max(dim=1)
+        args.top_out[0].copy_(top)
+        args.top_out[1].copy_(torch.where(top > float("-inf"), top_col + offset, -1))
+    if args.top_in is not None and args.lse_in is not None and args.write_grad:
+        # The forward's largest z in its class's column, where that lies in this slice (as the target's, below)
+        top_class = args.top_in[1].to(torch.int64)
+        top_col = top_class - offset
+        has_top = (top_class >= 0) & (top_col >= 0) & (top_col < columns)
+        top_index = torch.where(has_top, top_col, 0)[:, None]
+        kept_top = torch.where(has_top, args.top_in[0].to(z.dtype), z.gather(1, top_index).squeeze(1))
+        z.scatter_(1, top_index, kept_top[:, None])
     if args.target_z_in is not None and args.lse_in is not None:
         # The forward's target z in the target's column, where the target lies in this slice: the probability
         # formed from it is the forward's, whatever rounding the recomputed logits got (``CEStepArgs``)

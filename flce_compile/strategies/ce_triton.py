@@ -32,6 +32,9 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
     width = -(-vocab // _VECTOR) * _VECTOR if args.padded else vocab
     padded = width > vocab and logits.stride(0) >= width and grad.stride(0) >= width
     width = width if padded else vocab
+    # (never both: top_out finds the lse, top_in takes a kept one; ``CEStepArgs.check_slice``)
+    top = args.top_out
+    top_in = args.top_in if args.lse_in is not None and args.write_grad else None
     ce_chunk_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -48,6 +51,9 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         args.lse_in if args.lse_in is not None else dummy,
         args.target_z_out if args.target_z_out is not None else dummy,
         args.target_z_in if args.target_z_in is not None else dummy,
+        top if top is not None else dummy,
+        top_in if top_in is not None else dummy,
+        (top if top is not None else top_in).stride(0) if top is not None or top_in is not None else 0,
         args.stats_out if args.stats_out is not None else dummy,
         args.stats_out.stride(0) if args.stats_out is not None else 0,
         args.residual_out if args.residual_out is not None else dummy,
@@ -67,9 +73,11 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         HAS_Z_LOSS=p.z_loss != 0,
         HAS_LSE_IN=args.lse_in is not None,
         HAS_TARGET_Z_IN=args.lse_in is not None and args.target_z_in is not None and args.write_grad,
+        HAS_TOP_IN=top_in is not None,
         WRITE_LOSS=args.loss_out is not None,
         WRITE_LSE=args.lse_out is not None,
         WRITE_TARGET_Z=args.target_z_out is not None,
+        WRITE_TOP=top is not None,
         WRITE_GRAD=args.write_grad,
         WRITE_STATS=args.stats_out is not None,
         WRITE_RESIDUAL=args.write_grad and args.residual_out is not None,

@@ -462,9 +462,12 @@ def _run_chunks(
     logits_out: torch.Tensor | None = None,
     weight_sum: torch.Tensor | None = None,
     raw_sums: bool = False,
+    track_top: bool = False,
 ) -> Grads:
     """The chunk loop. ``logits_out`` (N, V) contiguous, when given, receives the logits, which stay intact.
-    ``kept_out`` receives, and ``kept_in`` gives, what a backward that recomputes the logits needs (``kept_rows``).
+    ``kept_out`` receives, and ``kept_in`` gives, what a backward that recomputes the logits needs (``kept_rows``):
+    the lse and the target's z, and with ``track_top`` each row's largest z and its class too (otherwise those rows
+    are left as they are: a backward that recomputes each chunk in the same GEMM as here gets the same logits).
 
     With ``raw_sums`` dW and db come back as their fp32 sums over the padded vocabulary, for
     ``_fit_stored_sums`` to round.
@@ -486,10 +489,10 @@ def _run_chunks(
     ce_step = _ce_step(config)
     if weight_sum is None:
         weight_sum = _weight_sum(ce_weight, vocab, math_dtype(x.dtype), device)
-    lse_rows, target_z_rows = kept_out.unbind(0) if kept_out is not None else (None, None)
-    lse_in, target_z_in = kept_in.unbind(0) if kept_in is not None else (None, None)
+    lse_rows, target_z_rows = (kept_out[0], kept_out[1]) if kept_out is not None else (None, None)
+    lse_in, target_z_in = (kept_in[0], kept_in[1]) if kept_in is not None else (None, None)
     step_rows = _StepRows(target, ce_weight, weight_sum, ce_scale, z_scale, loss_rows, lse_rows, target_z_rows,
-                          lse_in, target_z_in)
+                          lse_in, target_z_in, top_rows=kept_out[2:] if kept_out is not None and track_top else None)
     chunk = max(1, min(config.chunk_tokens, n))
     # One chunk has nothing to overlap: its dW GEMM would wait for its dX GEMM on the side stream anyway, and the
     # stream switch, two events and a second chunk buffer would be pure cost.
@@ -683,6 +686,8 @@ class _StepRows:
     target_z_rows: torch.Tensor | None = None
     lse_in: torch.Tensor | None = None
     target_z_in: torch.Tensor | None = None
+    top_rows: torch.Tensor | None = None
+    top_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
               grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
@@ -699,6 +704,8 @@ class _StepRows:
             lse_in=_rows_of(self.lse_in, rows),
             target_z_out=_rows_of(self.target_z_rows, rows),
             target_z_in=_rows_of(self.target_z_in, rows),
+            top_out=self.top_rows[:, rows] if self.top_rows is not None else None,
+            top_in=self.top_in[:, rows] if self.top_in is not None else None,
             write_grad=write_grad,
             grad_out=grad_out,
             residual_out=residual_out,
@@ -721,19 +728,26 @@ def _accumulate_weight_grads(
 LSE_DTYPE = torch.float64
 
 
+#: Rows of ``kept_rows``.
+KEPT_ROWS = 4
+
+
 def kept_rows(n: int, device: torch.device) -> torch.Tensor:
-    """What a forward keeps per token for a backward that recomputes the logits, (2, N) in ``LSE_DTYPE``: row 0
-    the lse, row 1 the target's z as the forward's logits had it, from which backward forms the target's
-    probability (``CEStepArgs.target_z_in``: recomputed logits can round apart from the forward's)."""
-    return torch.empty(2, n, dtype=LSE_DTYPE, device=device)
+    """What a forward keeps per token for a backward that recomputes the logits, (KEPT_ROWS, N) in ``LSE_DTYPE``:
+    row 0 the lse, row 1 the target's z as the forward's logits had it, rows 2-3 the row's largest z and its
+    class (``CEStepArgs.top_out``); backward forms those two classes' probabilities from them
+    (``CEStepArgs.target_z_in``, ``top_in``: recomputed logits can round apart from the forward's, and a class
+    near p = 1 takes that whole)."""
+    return torch.empty(KEPT_ROWS, n, dtype=LSE_DTYPE, device=device)
 
 
 class ForwardResult(NamedTuple):
-    """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse, (2, N) from
-    ``kept_rows`` (the lse and the target's z), only for "none" or when asked (a backward that recomputes the
-    logits needs it); gradients only for mean/sum, divided by ``grad_scale`` and unscaled by grad_output
-    (the true gradient is ``grad_scale * grad_output * dx``, see ``_gradient_scales``); logits (N, V) only when
-    asked to keep them, contiguous. The loss and grad_scale are in ``math_dtype``, the lse in ``LSE_DTYPE``."""
+    """What ``fused_forward`` returns: loss is 0-dim for mean/sum and (N,) for "none"; lse, from ``kept_rows``
+    (the lse, the target's z and, when asked, the largest z and its class), only for "none" or when asked (a
+    backward that recomputes the logits needs it); gradients only for mean/sum, divided by ``grad_scale`` and
+    unscaled by grad_output (the true gradient is ``grad_scale * grad_output * dx``, see ``_gradient_scales``);
+    logits (N, V) only when asked to keep them, contiguous. The loss and grad_scale are in ``math_dtype``, the lse
+    in ``LSE_DTYPE``."""
 
     loss: torch.Tensor
     lse: torch.Tensor | None
@@ -756,7 +770,8 @@ def fused_forward(
     *, keep_logits: bool = False, keep_lse: bool = False,
 ) -> ForwardResult:
     """Loss of ``ops`` and, when asked, its gradients (and the logits, and each token's lse), in one chunked
-    pass."""
+    pass. ``keep_lse``: keep ``kept_rows`` whole, the largest z and its class included, for a backward that
+    recomputes the logits in other GEMMs (``recompute``); "none" keeps them without the largest z."""
     n = ops.x.shape[0]
     vocab = ops.weight.shape[0]
     dtype = math_dtype(ops.x.dtype)
@@ -779,6 +794,9 @@ def fused_forward(
     # fp64: backward forms p = exp(z - lse) from it, and an fp32 lse rounded at the logits' magnitude (2e-6 at
     # 20) took a confident row's 1 - p with it (``LSE_DTYPE``)
     kept = kept_rows(n, ops.x.device) if per_token or keep_lse else None
+    if kept is not None and not keep_lse:
+        # Largest z not tracked (its backward recomputes each chunk in this loop's GEMM): class -1, none
+        kept[3].fill_(-1)
     logits = torch.empty(n, vocab, dtype=ops.x.dtype, device=ops.x.device) if keep_logits else None
     # fp16: dW and db sum over all tokens, divided by post for a "mean" and before grad_output (often 1/count
     # after a "sum") in both, which can pass fp16's range (``_fit_stored_sums``)
@@ -786,7 +804,7 @@ def fused_forward(
     dx, dw, db = _run_chunks(
         ops, p, config, accum_dtype, GradRequest() if per_token else grads,
         ce_scale=scales.ce, z_scale=scales.z, loss_rows=loss_rows, kept_out=kept, kept_in=None, logits_out=logits,
-        weight_sum=weight_sum, raw_sums=fit_sums,
+        weight_sum=weight_sum, raw_sums=fit_sums, track_top=keep_lse,
     )
     if per_token:
         return ForwardResult(loss_rows, kept, None, None, None, logits, scales.post)

@@ -1,16 +1,16 @@
 """The "recompute" strategy: the checkpointed LM head, for little memory at one more GEMM.
 
-Forward runs the chunk loop without gradients and keeps each token's log-sum-exp and its target's z: 2N
-numbers (``chunked.kept_rows``). Backward recomputes the logits one block of vocabulary rows at a time; for each
-block it walks the token chunks, forms the logit gradient from the saved lse (the CE step over a slice of the
-classes; the target's probability from the forward's z, as recomputed logits can round apart from the
-forward's), adds the block's share of dX into an fp32 N x H sum and accumulates the block's dW rows in fp32,
-which are rounded once when the block is done. So there is no V x H fp32 buffer (the chunked strategies' dW
-accumulator): the extra memory is the N x H fp32 dX sum, one block's fp32 dW rows and one chunk x block buffer
-of logits. The matrix work is four GEMMs instead of three: the logits twice, then dX and dW. With
-``FLCEConfig.fp32_logits`` (the "precise" policy) both logits GEMMs write fp32 (the forward through the chunk
-loop, the backward into an fp32 chunk x block buffer beside the gradient's) and each row's true-class rounding
-goes back into the fp32 sums (``true_class``), at no extra GEMM.
+Forward runs the chunk loop without gradients and keeps each token's log-sum-exp, its target's z and its largest
+z with that class: 4N numbers (``chunked.kept_rows``). Backward recomputes the logits one block of vocabulary rows
+at a time; for each block it walks the token chunks, forms the logit gradient from the saved lse (the CE step over a
+slice of the classes; the target's and the largest class's probabilities from the forward's z, as recomputed
+logits can round apart from the forward's), adds the block's share of dX into an fp32 N x H sum and accumulates
+the block's dW rows in fp32, which are rounded once when the block is done. So there is no V x H fp32 buffer (the
+chunked strategies' dW accumulator): the extra memory is the N x H fp32 dX sum, one block's fp32 dW rows and one
+chunk x block buffer of logits. The matrix work is four GEMMs instead of three: the logits twice, then dX and dW.
+With ``FLCEConfig.fp32_logits`` (the "precise" policy) both logits GEMMs write fp32 (the forward through the
+chunk loop, the backward into an fp32 chunk x block buffer beside the gradient's) and each row's true-class
+rounding goes back into the fp32 sums (``true_class``), at no extra GEMM.
 
 Every factor of the gradient (the reduction's scales and grad_output) goes into the logit gradient before its
 one rounding, as in eager PyTorch, so a loss scale reaches fp16 gradients before any underflow.
@@ -82,7 +82,7 @@ def recompute_backward(
     round_dx: bool = True,
 ) -> Grads:
     """dX, dW and db of the loss (times ``grad_output``: 0-dim, or per row for "none") from what the forward kept,
-    ``kept`` (``chunked.kept_rows``: each token's lse and its target's z).
+    ``kept`` (``chunked.kept_rows``: each token's lse, its target's z, its largest z and that class).
 
     ``accum_dtype`` sets the dX sum and the dW blocks' dtype (fp32 by default; the weight dtype saves the N x H
     fp32 sum at the usual accuracy cost). ``classes`` = (offset, total): the weight's rows are classes
@@ -116,7 +116,7 @@ def recompute_backward(
     residual = torch.empty(chunk, dtype=torch.float32, device=device) if wide is not None else None
     ce_step = _ce_step(config)
     per_row = ce_rows.dim() == 1
-    lse, target_z = kept.unbind(0)
+    lse, target_z, top = kept[0], kept[1], kept[2:]
     # One block's sums, allocated once and zeroed per block: a fresh tensor per block would be allocated
     # while the previous block's is still referenced, two blocks at the peak.
     dw_block = torch.empty(block, dw_columns, dtype=acc_dtype, device=device) if dw is not None else None
@@ -144,7 +144,7 @@ def recompute_backward(
                     logits=wide_logits if wide is not None else logits, target=target[rows], ce_weight=ce_weight,
                     weight_sum=weight_sum, ce_scale=ce_rows[rows] if per_row else ce_rows,
                     z_scale=z_rows[rows] if per_row else z_rows, loss_out=None, lse_out=None, lse_in=lse[rows],
-                    target_z_in=target_z[rows],
+                    target_z_in=target_z[rows], top_in=top[:, rows],
                     write_grad=True, grad_out=logits if wide is not None else None, class_offset=offset + v0,
                     num_classes=total, residual_out=residual[: t1 - t0] if residual is not None else None,
                 ), p)
