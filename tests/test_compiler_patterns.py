@@ -100,7 +100,15 @@ FORMS = {
     "ce_difference": lambda m, x, t: _lse_minus_pick(m.lm_head(x) * 0.5, t),
     # TRL's selective_log_softmax in fp32: the logsumexp a row at a time, stacked (Dynamo unrolls the loop)
     "log_prob_rows_stacked": lambda m, x, t: _trl_selective_log_softmax(m.lm_head(x).float(), t),
+    # a view of the logits whose result is discarded: Dynamo keeps it with no user (the site was left with the
+    # lm_head's GEMM in the graph, its logits taken for returned ones)
+    "discarded_view": lambda m, x, t: _discarding_a_view(m.lm_head(x), t),
 }
+
+
+def _discarding_a_view(logits, t):
+    logits.view(-1, V)  # (unused)
+    return F.cross_entropy(logits.view(-1, V), t.view(-1))
 
 
 def _trl_selective_log_softmax(logits, index):

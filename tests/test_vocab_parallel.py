@@ -114,28 +114,31 @@ def _run_compiled(rank: int, world: int, group) -> dict:
 
 
 class _TPHead(torch.nn.Module):
-    """An embedding, a tensor-parallel lm_head (ColwiseParallel, logits sharded over V) and the loss."""
+    """An embedding, a tensor-parallel lm_head (ColwiseParallel, logits sharded over V) and the loss; with
+    ``discard_view``, a view of the logits the code discards, which Dynamo keeps in its graph with no user."""
 
-    def __init__(self, return_logits: bool = False) -> None:
+    def __init__(self, return_logits: bool = False, discard_view: bool = False) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(V, H)
         self.lm_head = torch.nn.Linear(H, V, bias=False)
-        self.return_logits = return_logits
+        self.return_logits, self.discard_view = return_logits, discard_view
 
     def forward(self, idx, labels=None):
         logits = self.lm_head(torch.tanh(self.emb(idx)))
         if labels is None:  # the loss is the caller's
             return logits
+        if self.discard_view:
+            logits.view(-1, V)  # (its result unused: Dynamo records the view all the same)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
         return (loss, logits) if self.return_logits else loss
 
 
-def _tp_model(mesh, return_logits: bool = False) -> torch.nn.Module:
+def _tp_model(mesh, return_logits: bool = False, discard_view: bool = False) -> torch.nn.Module:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    model = _TPHead(return_logits)
+    model = _TPHead(return_logits, discard_view)
     return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
                                                                        use_local_output=False)})
 
@@ -252,6 +255,56 @@ def _run_tp_site(mesh) -> dict:
         "left": sorted({str(n.target) for gm in graphs for n in gm.graph.nodes
                         if n.op in ("call_method", "call_function") and ("linear" in str(n.target)
                                                                           or "redistribute" in str(n.target))}),
+    }
+
+
+def _run_tp_discarded_view(mesh) -> dict:
+    """``_TPHead`` with a view of its logits discarded, compiled with backend="flce" under loss_parallel: the dead
+    view Dynamo traced (recorded before the pass), explain's report, what the pass left, and the loss and full
+    gradients against eager loss_parallel (fp32) and the unsharded model in fp64."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from flce_compile.compiler.backend import flce_backend
+    from flce_compile.compiler.tensor_parallel import flce_vocab_parallel_loss
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(2))
+    labels[0, 0] = -100
+    model = _tp_model(mesh, discard_view=True)
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g.clone()  # noqa: E731
+    emb, head = model.emb.weight.detach().double().requires_grad_(), full(model.lm_head.weight.detach()).double()
+    head.requires_grad_()
+    exact = torch.nn.functional.cross_entropy(torch.tanh(emb[idx]).flatten(0, 1) @ head.T, labels.flatten(0, 1))
+    exact.backward()
+    with loss_parallel():
+        ref = model(idx, labels)
+        ref.backward()
+    ref_grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graphs, dead = [], []
+
+    def capture(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs, **kw)
+
+    def traced_then_flce(gm, example_inputs, **kw):
+        dead.extend(n.name for n in gm.graph.nodes if n.op == "call_method" and n.target == "view" and not n.users)
+        return flce_backend(gm, example_inputs, options={"flce.inner": capture})
+
+    torch._dynamo.reset()
+    with loss_parallel():
+        report = [(r.path, r.reason) for r in fc.explain(model, idx, labels)]
+        loss = torch.compile(model, backend=traced_then_flce)(idx, labels)
+        loss.backward()
+    return {
+        "dead": dead, "report": report, "loss": loss.full_tensor().detach(), "ref_loss": ref.full_tensor().detach(),
+        "grads": {n: full(p.grad) for n, p in model.named_parameters()}, "ref_grads": ref_grads,
+        "exact_loss": exact.detach(), "exact_grads": {"emb.weight": emb.grad, "lm_head.weight": head.grad},
+        "fused": [n.target is flce_vocab_parallel_loss for gm in graphs for n in gm.graph.nodes].count(True),
+        "left": sorted({str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_method"
+                        or n.op == "call_function" and "linear" in str(n.target)}),
     }
 
 
@@ -516,6 +569,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["errors"] = _errors(mesh, group)
         results["mode_on_rank0"] = _run_with_a_mode_on_rank0(rank, world, group)
         results["tp_site"] = _run_tp_site(mesh)
+        results["tp_discarded_view"] = _run_tp_discarded_view(mesh)
         results["tp_fp32_head"] = _run_tp_fp32_head_under_autocast(mesh)
         results["tp_no_grad_head"] = _run_tp_head_under_no_grad(mesh)
         results["confident"] = _run_confident(rank, world, group)
@@ -1014,6 +1068,23 @@ def test_a_tensor_parallel_head_under_no_grad_gives_no_gradient_once_fused(ranks
         assert eager["head_grad"] is None and compiled["head_grad"] is None
         torch.testing.assert_close(compiled["ce"], eager["ce"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled["emb_grad"], eager["emb_grad"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_discarded_view_of_tensor_parallel_logits_does_not_keep_them(ranks):
+    """A view of the logits whose result the model discards: Dynamo keeps it in its graph with no user, and the
+    pass took it for a use of the logits outside the loss (the site left unfused, its logits formed; explain said
+    they were only returned). Nothing reads it: the site is the vocabulary-parallel op, the view and the lm_head's
+    GEMM are gone, and the loss and gradients are eager's, as near the fp64 result."""
+    for r in ranks:
+        got = r["tp_discarded_view"]
+        assert got["dead"] == ["view"], got["dead"]  # the graph Dynamo traced does hold the dead view
+        assert got["report"] == [("vocab_parallel", None)], got["report"]
+        assert got["fused"] == 1 and got["left"] == ["flatten"], got["left"]  # (the labels' flatten)
+        torch.testing.assert_close(got["loss"], got["ref_loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["loss"].double(), got["exact_loss"], rtol=1e-5, atol=1e-6)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, got["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(grad.double(), got["exact_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_tensor_parallel_site_with_returned_logits_says_why(ranks):

@@ -340,14 +340,34 @@ def erase_dead(gm: fx.GraphModule, candidates: list[fx.Node]) -> None:
     Not ``graph.eliminate_dead_code()``: that also removes the user's own unused in-place ops (a buffer's
     ``add_``, an input's ``clamp_``), which FX considers pure. Only nodes known to write nothing go.
     """
-    work, erased = list(candidates), set()
+    # A candidate may be gone already: a site's unread uses (``patterns.Site.unread_uses``) can take in another
+    # site's discarded loss, which that site's rewrite erased itself.
+    work, erased, alive = list(candidates), set(), set(gm.graph.nodes)
     while work:
         node = work.pop()
-        if node in erased or node.users or not _removable(gm, node):
+        if node in erased or node not in alive or node.users or not _removable(gm, node):
             continue
         work.extend(node.all_input_nodes)
         gm.graph.erase_node(node)
         erased.add(node)
+
+
+def unread_nodes(gm: fx.GraphModule | None, node: fx.Node) -> list[fx.Node] | None:
+    """``node`` and every node that reads it, directly or through others, when erasing them all changes nothing the
+    graph computes: none is the output, each is known to write nothing (``erase_dead``'s rule) and none draws random
+    numbers (the draws after it would change). Else None. Dynamo keeps such nodes: its one clean-up of a traced
+    graph drops unused getitem, get_attr and size nodes only, so a view whose result the model discards
+    (``logits.view(-1, V)`` on a line of its own) stays in the graph with no user."""
+    seen, work = {node}, [node]
+    while work:  # (iterative: the readers of live logits may run long before the output is reached)
+        current = work.pop()
+        if not _removable(gm, current) or draws_random(gm, current):
+            return None
+        for user in current.users:
+            if user not in seen:
+                seen.add(user)
+                work.append(user)
+    return list(seen)
 
 
 def _removable(gm: fx.GraphModule, node: fx.Node) -> bool:

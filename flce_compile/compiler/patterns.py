@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..dtensor import is_dtensor
 from ..params import NO_IGNORED_CLASS
+from .mutations import unread_nodes
 from .spellings import dtensor_call, operator_of, transposed_attribute
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,15 +326,32 @@ class Site:
         return ([self.linear.node] if self.linear else []) + [s.node for s in self.steps]
 
     def escapes(self, ignore_output: bool = False) -> dict[fx.Node, list[fx.Node]]:
-        """Chain nodes used outside the chain (e.g. logits returned by the graph) -> those users."""
-        chain = self.chain
-        inside = set(chain) | {self.loss_node} | set(self.loss.inner if self.loss else ())
+        """Chain nodes used outside the chain (e.g. logits returned by the graph) -> those users. A use nothing
+        reads (``unread_uses``) is none: it would keep the logits of a site that is otherwise fused."""
+        unread = set(self.unread_uses())
         out: dict[fx.Node, list[fx.Node]] = {}
-        for n in chain:
-            users = [u for u in n.users if u not in inside and not (ignore_output and u.op == "output")]
+        for n, users in self._off_chain_users().items():
+            users = [u for u in users if u not in unread and not (ignore_output and u.op == "output")]
             if users:
                 out[n] = users
         return out
+
+    def unread_uses(self) -> list[fx.Node]:
+        """The nodes off the chain that read it and that can be erased, with everything that reads them, without
+        changing what the graph computes (``mutations.unread_nodes``): a view of the logits the model discards,
+        which Dynamo leaves in its graph. The rewrite erases them, and with them the last reads of the logits."""
+        gm = self.loss_node.graph.owning_module
+        found: dict[fx.Node, None] = {}  # (ordered: the rewrite's erasures stay deterministic)
+        for users in self._off_chain_users().values():
+            for user in users:
+                found.update(dict.fromkeys(unread_nodes(gm, user) or ()))
+        return list(found)
+
+    def _off_chain_users(self) -> dict[fx.Node, list[fx.Node]]:
+        """Each chain node -> its users outside the chain and the loss."""
+        chain = self.chain
+        inside = set(chain) | {self.loss_node} | set(self.loss.inner if self.loss else ())
+        return {n: [u for u in n.users if u not in inside] for n in chain}
 
 
 # ---------------------------------------------------------------------------------------------------------------

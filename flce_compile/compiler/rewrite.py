@@ -497,6 +497,9 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
     loss_val = meta_value(loss.node)
     out_dtype = loss_val.dtype if isinstance(loss_val, torch.Tensor) else torch.float32
     cfg = dict(config) if config else None
+    # Uses of the logits nothing reads did not count as escapes (``Site.unread_uses``): erased with the chain, they
+    # free the logits. Taken before the op's nodes join the chain's users.
+    unread = site.unread_uses()
     new = _NewNodes(gm.graph)
     if res.path == "fused_keep":
         # The target's computation, proven pure and unwritten, now comes first; a node another site on this head
@@ -561,7 +564,7 @@ def _rewrite(gm: fx.GraphModule, res: SiteResult, config: Optional[dict], fake_m
         raise
     # Commit: nothing below can fail halfway in a way that leaves a broken graph.
     copy_source_meta(loss.node, result)
-    maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes)
+    maybe_dead = list(loss.node.all_input_nodes) + site.chain + list(lin.node.all_input_nodes) + unread
     if res.dropped_outputs:  # first: the kept logits below take the lm_head's uses, its graph output's too
         dropped = set(res.dropped)
         out_node = output_node(gm.graph)
