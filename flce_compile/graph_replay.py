@@ -173,24 +173,41 @@ _CAN_COUNT_USES = _storage_uses is not None
 MAX_DIRECT_CAPTURES = 4
 
 _HAS_FP16_ACCUMULATION = hasattr(torch._C, "_get_cublas_allow_fp16_accumulation")
+# Getters of CUDA (and ROCm) builds only, or of a newer torch; where one is missing its feature does not exist, and
+# the stand-in (a C call, as cheap as the getter) answers the same constant on every call.
+_tunableop_enabled = getattr(torch._C, "_cuda_tunableop_is_enabled", bool)
+_tunableop_tuning = getattr(torch._C, "_cuda_tunableop_tuning_is_enabled", bool)
+_cublas_workspace = getattr(torch._C, "_cuda_getCublasWorkspaceSize", int)
+_cublaslt_workspace = getattr(torch._C, "_cuda_getCublasLtWorkspaceSize", int)
+_sm_carveout = getattr(torch._C, "_get_sm_carveout_experimental", type(None))
 
 
 def math_settings() -> tuple:
     """torch's global settings that decide which kernels the op's GEMMs and operators run, and so what a capture
-    fixes: TF32 for fp32 matmuls, fp16 accumulation, the preferred BLAS library, deterministic algorithms, and
-    cuBLAS's reduced-precision (split-K) reductions of bf16 and fp16 GEMMs. In every graph and shortcut key: after
-    a change a call takes the full path and gets a graph of its own, as the uncaptured op would follow the change.
-    (A one-chunk call runs under the user's reduction flags; a chunked loop turns them off while it runs, in every
-    thread: a capture then is keyed on the flags it ran under, so calls after the loop do not replay it.)"""
+    fixes: TF32 for fp32 matmuls, fp16 accumulation, the preferred BLAS library, deterministic algorithms (and,
+    when on, warn_only: a GEMM whose cuBLAS config is not deterministic raises without it, and warns with it),
+    cuBLAS's reduced-precision (split-K) reductions of bf16 and fp16 GEMMs, TunableOp (``torch.cuda.tunable``:
+    when on, a GEMM runs the solution it tuned or looked up, rocBLAS / hipBLASLt ones on ROCm, cuBLASLt ones on
+    CUDA, not cuBLAS's own; and, when on, whether it tunes shapes it has no result for), the cuBLAS and cuBLASLt
+    workspace sizes (``torch.backends.cuda.cublas_workspace_size``: the algorithms cuBLAS may pick) and the SM
+    carveout (cuBLASLt's SM count target). In every graph and shortcut key: after a change a call takes the full
+    path and gets a graph of its own, as the uncaptured op would follow the change. (A one-chunk call runs under
+    the user's reduction flags; a chunked loop turns them off while it runs, in every thread: a capture then is
+    keyed on the flags it ran under, so calls after the loop do not replay it.) Each flag that matters only when
+    another is on is read only then: the common state costs one C call per setting."""
     C = torch._C
     try:
         tf32 = C._get_cublas_allow_tf32()
     except RuntimeError:  # the legacy and new precision APIs were mixed, and torch refuses the legacy read
         tf32 = C._get_fp32_precision_getter("cuda", "matmul")
     fp16_accumulation = C._get_cublas_allow_fp16_accumulation() if _HAS_FP16_ACCUMULATION else None
-    return (tf32, fp16_accumulation, C._get_blas_preferred_backend(), C._get_deterministic_algorithms(),
+    deterministic = C._get_deterministic_algorithms()
+    tunable = _tunableop_enabled()
+    return (tf32, fp16_accumulation, C._get_blas_preferred_backend(), deterministic,
+            deterministic and C._get_deterministic_algorithms_warn_only(),
             C._get_cublas_allow_bf16_reduced_precision_reduction(),
-            C._get_cublas_allow_fp16_reduced_precision_reduction())
+            C._get_cublas_allow_fp16_reduced_precision_reduction(),
+            tunable, tunable and _tunableop_tuning(), _cublas_workspace(), _cublaslt_workspace(), _sm_carveout())
 
 
 def _python_refs(objects: tuple) -> tuple[int, ...]:

@@ -517,6 +517,26 @@ _MATH_CHANGES = {
     "fp16 reduced-precision reductions": lambda mp: setattr(
         torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction",
         not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+    # TunableOp (torch.cuda.tunable.enable) runs a GEMM's tuned solution (rocBLAS / hipBLASLt on ROCm, cuBLASLt on
+    # CUDA) instead of cuBLAS's own; it, the workspace sizes and the SM carveout were in no key, so after a change
+    # the graph of before kept replaying the kernels of before (an audit of 2026-12-06). The CPU build has no
+    # TunableOp or workspace getters: the key's own (``graph_replay._tunableop_enabled`` ...) stand in for them.
+    "TunableOp": lambda mp: mp.setattr(graph_replay, "_tunableop_enabled", lambda: True, raising=False),
+    "TunableOp tuning": lambda mp: mp.setattr(graph_replay, "_tunableop_tuning", lambda: True, raising=False),
+    "cuBLAS workspace size": lambda mp: mp.setattr(graph_replay, "_cublas_workspace", lambda: 1 << 20,
+                                                   raising=False),
+    "cuBLASLt workspace size": lambda mp: mp.setattr(graph_replay, "_cublaslt_workspace", lambda: 1 << 20,
+                                                     raising=False),
+    "SM carveout": lambda mp: torch._C._set_sm_carveout_experimental(8),
+    # with deterministic algorithms on, a GEMM under a cuBLAS config that is not deterministic warns (warn_only)
+    # or raises: a replay must not answer where the uncaptured op raises
+    "deterministic warn_only": lambda mp: torch.use_deterministic_algorithms(True),
+}
+#: The state before the change, where it is not torch's default.
+_MATH_BEFORE = {
+    "TunableOp tuning": lambda mp: (mp.setattr(graph_replay, "_tunableop_enabled", lambda: True, raising=False),
+                                    mp.setattr(graph_replay, "_tunableop_tuning", lambda: False, raising=False)),
+    "deterministic warn_only": lambda mp: torch.use_deterministic_algorithms(True, warn_only=True),
 }
 
 
@@ -551,21 +571,41 @@ def test_a_math_setting_change_gets_a_graph_of_its_own(cpu_graphs, eager_hits, m
         for _ in range(3):
             _op_call(body)
 
-    calls()
-    captures = len(cpu_graphs)
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
     flags = (torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
              torch._C._get_cublas_allow_fp16_reduced_precision_reduction())
+    carveout = torch._C._get_sm_carveout_experimental()
     try:
+        _MATH_BEFORE.get(change, lambda mp: None)(monkeypatch)
+        calls()
+        captures = len(cpu_graphs)
         _MATH_CHANGES[change](monkeypatch)
         calls()
     finally:
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         torch._C._set_cublas_allow_bf16_reduced_precision_reduction(*_as_pair(flags[0]))
         torch._C._set_cublas_allow_fp16_reduced_precision_reduction(*_as_pair(flags[1]))
+        torch._C._set_sm_carveout_experimental(carveout)
     # each: warm-up, capture (recorded), then the new graph's shortcut
     assert eager_hits == [False, False, True] and body_hits == [False, False, True]
     assert len(cpu_graphs) == captures + 2  # the eager calls' graph and the op body's (which asks for dX too)
+
+
+def test_the_math_settings_getters_are_torchs_own():
+    """The TunableOp and workspace getters the key reads exist only in CUDA (and ROCm) builds; elsewhere a stand-in
+    answers a constant. Their names must be those torch's own API calls, or a CUDA build would key on the
+    stand-ins' constants as well."""
+    import inspect
+
+    source = inspect.getsource(graph_replay)
+    for api, name in ((torch.cuda.tunable.is_enabled, "_cuda_tunableop_is_enabled"),
+                      (torch.cuda.tunable.tuning_is_enabled, "_cuda_tunableop_tuning_is_enabled"),
+                      (torch.backends.cuda.cublas_workspace_size, "_cuda_getCublasWorkspaceSize"),
+                      (torch.backends.cuda.cublaslt_workspace_size, "_cuda_getCublasLtWorkspaceSize")):
+        assert f"torch._C.{name}()" in inspect.getsource(api)
+        assert f'getattr(torch._C, "{name}", ' in source
+    assert graph_replay._sm_carveout is torch._C._get_sm_carveout_experimental
 
 
 @pytest.mark.parametrize("frozen", [0.0, False])
