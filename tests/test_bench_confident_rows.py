@@ -1,0 +1,42 @@
+"""benchmarks/confident_rows.py on the CPU: its inputs are sure of the class they say, and a small run's rows are
+within eager's error (the recompute backward forms the target's and the largest class's probabilities from the
+forward's z)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("confident_rows", REPO / "benchmarks" / "confident_rows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inputs_are_sure_of_the_class_they_say():
+    bench = _bench()
+    for sure_of in bench.SURE_OF:
+        x, w, t = bench.confident_inputs(64, 32, 100, 16.0, sure_of, "cpu")
+        top = (x @ w.t()).argmax(dim=1)
+        assert bool((top == t).all()) is (sure_of == "target"), sure_of
+        if sure_of != "target":
+            assert bool((top != t).all())
+    with pytest.raises(ValueError, match="sure_of='both'"):
+        bench.confident_inputs(4, 4, 8, 1.0, "both", "cpu")
+
+
+def test_a_small_run_is_within_eagers_error():
+    bench = _bench()
+    rows = bench.measure((128, 32, 200), [torch.float32], [16.0, 24.0], 48, 64, "cpu")
+    assert len(rows) == 2 * 2 * 2  # sure of, margins, variants
+    for r in rows:
+        assert r["dx"] <= 1.35 * r["eager_dx"] and r["dw"] <= 1.35 * r["eager_dw"], r
+    md = bench.table(rows)
+    assert md.count("\n") == len(rows) + 1 and "| float32 | another class | 24 | recompute |" in md
