@@ -563,6 +563,108 @@ def test_user_inplace_ops_survive_the_pass():
     assert not any(n.op == "call_function" and n.target is torch._C._nn.linear for n in nodes), graphs[0].code
 
 
+class DiscardedRead(nn.Module):
+    """A read of the logits whose result the model discards but which has an effect no schema shows: a batch
+    norm's running statistics, an embedding's rows renormalized under max_norm, or random draws (the loss then
+    adds a draw of its own, which a dropped draw before it would change)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.bn = nn.BatchNorm1d(V)
+        self.table = nn.Embedding(V, 4, max_norm=1.0)
+        with torch.no_grad():
+            self.table.weight.mul_(10.0)  # rows longer than max_norm: each row read is renormalized
+        self.kind = kind
+
+    def forward(self, idx, t):
+        logits = self.lm_head(torch.tanh(self.emb(idx)))
+        flat = logits.view(-1, V)
+        if self.kind == "batch_norm":
+            self.bn(flat)
+        elif self.kind == "F.batch_norm":
+            F.batch_norm(flat, self.bn.running_mean, self.bn.running_var, training=True)
+        elif self.kind == "embedding_max_norm":
+            self.table(logits.argmax(-1))
+        elif self.kind == "gumbel_softmax":
+            F.gumbel_softmax(flat)
+        elif self.kind == "fractional_max_pool2d":
+            F.fractional_max_pool2d(flat[None, None], 2, output_size=(3, 8))
+        return F.cross_entropy(flat, t.view(-1)) + torch.rand(())
+
+
+@pytest.mark.parametrize("kind", ["batch_norm", "F.batch_norm", "embedding_max_norm", "gumbel_softmax",
+                                  "fractional_max_pool2d"])
+def test_a_discarded_read_of_the_logits_with_an_effect_stays(kind):
+    """An unused read of the logits is erased with the chain only when erasing it changes nothing: a batch norm
+    in training (its running statistics), F.embedding with max_norm (the rows it renormalizes) and
+    F.gumbel_softmax or F.fractional_max_pool2d (their draws) are no such reads, though their ATen names or
+    schemas mark no write and no draw. They were erased: the running statistics and the table stayed as they
+    were, and the loss's own draw after them drew other numbers than eager's."""
+    torch.manual_seed(0)
+    ref_model = DiscardedRead(kind)
+    model = DiscardedRead(kind)
+    model.load_state_dict(ref_model.state_dict())
+    idx, t = _data()
+    t = t.clamp_min(0)
+    torch.manual_seed(1)
+    ref = ref_model(idx, t)
+    compiled, _ = _compile(model)
+    torch.manual_seed(1)
+    got = compiled(idx, t)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for (name, want), have in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(have, want, rtol=0, atol=0, msg=name)
+
+
+def test_a_discarded_batch_norm_module_call_stays():
+    """The same as a call_module node (a symbolic_trace graph): nn.BatchNorm1d in training updates its running
+    statistics, which no graph node shows; the pass erased the call with the unread view."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V)
+            self.bn = nn.BatchNorm1d(V)
+
+        def forward(self, x, t):
+            logits = self.lm_head(x)
+            self.bn(logits.view(-1, V))
+            return F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+    torch.manual_seed(0)
+    m = M()
+    gm = torch.fx.symbolic_trace(m)
+    x, t = torch.randn(2, 5, H), torch.randint(0, V, (2, 5))
+    ShapeProp(gm).propagate(x, t)
+    m.bn.reset_running_stats()
+    run_pass(gm, [x, t])
+    gm(x, t)
+    assert "bn" in [n.target for n in gm.graph.nodes if n.op == "call_module"], gm.code
+    assert m.bn.running_mean.abs().sum() > 0
+
+
+def test_a_weight_renormalized_between_the_lm_head_and_the_loss_is_seen():
+    """F.embedding with max_norm renormalizes, in place, the rows of its weight it reads: on the lm_head's own
+    (tied) weight between the lm_head and the loss, it is a write the fused op would see, as eager's logits did
+    not (the loss was fused with the renormalized weight)."""
+    def f(x, w, ids, t):
+        logits = x @ w.T
+        rows = F.embedding(ids, w, max_norm=0.5)
+        return F.cross_entropy(logits.view(-1, V), t.view(-1)), rows
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 4, H), torch.randn(V, H) * 3
+    ids, t = torch.randint(0, V, (5,)), torch.randint(0, V, (2, 4))
+    ref = f(x, w.clone(), ids, t)
+    compiled, _ = _compile(f)
+    got = compiled(x, w.clone(), ids, t)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+
+
 def test_inplace_ops_near_the_logits_keep_semantics():
     """In-place ops on the logits, or on the hidden states between lm_head and loss: never a wrong result."""
     torch.manual_seed(0)

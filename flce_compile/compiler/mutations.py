@@ -158,6 +158,9 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
         return Effect(outs, False)
     if node.op == "call_module":
         return _module_effect(gm, node, first, unknown)
+    hidden = _hidden_writes(node) if node.op == "call_function" else ()
+    if hidden:
+        return Effect(hidden, False)
     target, name = node.target, _name(node.target)
     if node.op == "call_method":
         if _writes_self(name):
@@ -193,7 +196,8 @@ def effect(gm: fx.GraphModule, node: fx.Node) -> Effect:
     if _inplace_flag(node):
         return Effect(first, False)
     if getattr(F, name, None) is target:
-        # torch.nn.functional writes only through inplace= or a trailing underscore (both checked above).
+        # torch.nn.functional writes only through inplace=, a trailing underscore and the running statistics or
+        # max_norm of ``_hidden_writes`` (all checked above).
         verdict = _aten_verdict(_ATEN_NAMES.get(name, name))
         return Effect((), bool(verdict and verdict[1]))
     return _by_aten_name(name, unknown)
@@ -211,6 +215,68 @@ def _module_effect(gm: fx.GraphModule, node: fx.Node, first: tuple[fx.Node, ...]
     # torch.nn modules write their inputs only through inplace=; their own buffers (BatchNorm's running
     # statistics) are not graph tensors here.
     return Effect((), False) if type(mod).__module__.startswith("torch.nn.") else unknown
+
+
+#: ATen ops, and the torch and torch.nn.functional functions of their name, that update the running statistics
+#: they are given though their schema marks no write (``Tensor? running_mean``), and the flag under which they do.
+_RUNNING_STATS = {"batch_norm": "training", "native_batch_norm": "training", "cudnn_batch_norm": "training",
+                  "miopen_batch_norm": "training", "_batch_norm_impl_index": "training",
+                  "instance_norm": "use_input_stats"}
+#: torch.nn.functional functions that renormalize, in place, the rows of their weight they read when given max_norm.
+_RENORMING = frozenset({"embedding", "embedding_bag"})
+
+
+def _hidden_writes(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The tensors a call writes that no schema says it does: the running statistics a batch norm in training (or
+    an instance norm on its input's statistics) updates, and the weight ``F.embedding`` / ``F.embedding_bag``
+    renormalize under max_norm. ``()`` for any other call."""
+    target = node.target
+    name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else _name(target)
+    if name not in _RUNNING_STATS and name not in _RENORMING:
+        return ()
+    args = _arguments(node, name)
+    if args is None:  # arguments that bind to no signature: any tensor given may be written
+        return _tensor_inputs(node)
+    if name in _RENORMING:
+        return _nodes_in(args.get("weight")) if args.get("max_norm") is not None else ()
+    if args.get(_RUNNING_STATS[name]) is False:
+        return ()
+    return _nodes_in(args.get("running_mean")) + _nodes_in(args.get("running_var"))
+
+
+def _arguments(node: fx.Node, name: str) -> dict[str, Any] | None:
+    """A call's arguments by parameter name, defaults included: by the Python signature of its target, else by the
+    schema of the ATen op (an OpOverload's own, or ``aten.<name>``'s first), else None."""
+    target, schema = node.target, getattr(node.target, "_schema", None)
+    if schema is None:
+        try:
+            bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+        except (TypeError, ValueError):  # a builtin (``torch.batch_norm``): its ATen op's schema
+            packet = getattr(torch.ops.aten, name, None)
+            overloads = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
+            schema = getattr(packet, overloads[0])._schema if overloads else None
+        else:
+            bound.apply_defaults()
+            return dict(bound.arguments)
+    if schema is None:
+        return None
+    args = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    args.update(zip((a.name for a in schema.arguments), node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _writes_own_state(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a call_module node's module, or one inside it, updates its own state, which no graph node shows:
+    a batch or instance norm's running statistics in training, an embedding's rows renormalized under max_norm."""
+    if node.op != "call_module":
+        return False
+    try:
+        mod = gm.get_submodule(node.target)
+    except AttributeError:
+        return True
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+               or isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None for m in mod.modules())
 
 
 def _writes_self(name: str) -> bool:
@@ -286,8 +352,16 @@ def nodes_between(start: fx.Node, stop: fx.Node) -> Iterator[fx.Node]:
         node = node.next
 
 
-#: torch.nn.functional's random functions whose names are no ATen op's (``F.dropout2d`` runs ``feature_dropout``).
-_RANDOM_FUNCTIONS = frozenset({"dropout1d", "dropout2d", "dropout3d"})
+#: torch.nn.functional's random functions whose names are no random ATen op's (``F.dropout2d`` runs
+#: ``feature_dropout``; ``F.gumbel_softmax`` draws with ``exponential_``, ``F.fractional_max_pool2d`` its samples with
+#: ``torch.rand``; ``F.multi_head_attention_forward`` drops out): Dynamo records each as one call.
+_RANDOM_FUNCTIONS = frozenset({"dropout1d", "dropout2d", "dropout3d", "gumbel_softmax", "fractional_max_pool2d",
+                               "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
+                               "fractional_max_pool3d_with_indices", "_fractional_max_pool2d", "_fractional_max_pool3d",
+                               "multi_head_attention_forward"})
+#: torch.nn modules that draw random numbers (a call_module node draws when its module holds one).
+_RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d,
+                   nn.MultiheadAttention)
 
 
 @functools.cache
@@ -307,7 +381,7 @@ def draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
             mod = gm.get_submodule(node.target)
         except AttributeError:
             return True
-        return isinstance(mod, (nn.modules.dropout._DropoutNd, nn.RReLU))
+        return any(isinstance(m, _RANDOM_MODULES) for m in mod.modules())
     if node.op not in ("call_function", "call_method"):
         return False
     if isinstance(node.target, torch._ops.OpOverload):
@@ -373,4 +447,4 @@ def unread_nodes(gm: fx.GraphModule | None, node: fx.Node) -> list[fx.Node] | No
 def _removable(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method", "call_module", "get_attr"):
         return False
-    return not effect(gm, node).writes and not node.is_impure()
+    return not effect(gm, node).writes and not node.is_impure() and not _writes_own_state(gm, node)
