@@ -40,7 +40,7 @@ ARCH = 90
 POINTERS = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "target_ptr": "*i64", "ce_weight_ptr": "*fp32",
             "weight_sum_ptr": "*fp32", "ce_scale_ptr": "*fp32", "z_scale_ptr": "*fp32", "loss_ptr": "*fp32",
             "lse_out_ptr": "*fp64", "lse_in_ptr": "*fp64", "target_z_out_ptr": "*fp32", "target_z_in_ptr": "*fp32",
-            "stats_ptr": "*fp64", "residual_ptr": "*fp32"}
+            "top_out_ptr": "*fp64", "top_in_ptr": "*fp64", "stats_ptr": "*fp64", "residual_ptr": "*fp32"}
 FLOATS = ("label_smoothing", "softcap", "logit_scale", "z_loss")
 
 #: Row layouts: the kernel's flags and the integer arguments of a representative launch (GPT-2's V padded to
@@ -52,16 +52,17 @@ LAYOUTS: dict[str, tuple[dict[str, bool], dict[str, int]]] = {
     "V % 16 == 0": ({}, {"vocab": 128256, "width": 128256, "stride_row": 128256}),
 }
 #: The other integer arguments, as a "mean" call over one chunk of 4096 rows launches them.
-OTHER_INTS = {"class_offset": 0, "ignore_index": -100, "scale_stride": 0, "stats_stride": 4096}
+OTHER_INTS = {"class_offset": 0, "ignore_index": -100, "scale_stride": 0, "stats_stride": 4096, "top_stride": 4096}
 CASES = {
     "loss + grad": {"WRITE_LOSS": True, "WRITE_GRAD": True},
     "smoothing + class weights": {"WRITE_LOSS": True, "WRITE_GRAD": True, "HAS_SMOOTHING": True,
                                   "HAS_CE_WEIGHT": True},
     "softcap + scale": {"WRITE_LOSS": True, "WRITE_GRAD": True, "HAS_SOFTCAP": True, "SCALED": True},
     "z-loss + residual": {"WRITE_LOSS": True, "WRITE_GRAD": True, "HAS_Z_LOSS": True, "WRITE_RESIDUAL": True},
-    "recompute backward": {"WRITE_GRAD": True, "HAS_LSE_IN": True, "HAS_TARGET_Z_IN": True},
+    "recompute backward": {"WRITE_GRAD": True, "HAS_LSE_IN": True, "HAS_TARGET_Z_IN": True, "HAS_TOP_IN": True},
     "forward only": {"WRITE_LOSS": True, "WRITE_LSE": True, "WRITE_TARGET_Z": True},
-    "vocab-parallel stats": {"WRITE_STATS": True},
+    "recompute forward": {"WRITE_LOSS": True, "WRITE_LSE": True, "WRITE_TARGET_Z": True, "WRITE_TOP": True},
+    "vocab-parallel stats": {"WRITE_STATS": True, "WRITE_TOP": True},
 }
 #: Pointer types a case launches otherwise: the residual comes with the "precise" policy's fp32 logits.
 CASE_POINTERS = {"z-loss + residual": {"logits_ptr": "*fp32"}}
@@ -184,8 +185,11 @@ def run(tiles: list[tuple[int, int]], against: str | None, layouts: list[str] | 
             ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps, ints, pointers)
             row = {"layout": layout, "case": case, "tile": f"{block_v}:{num_warps}", "registers": registers,
                    "spill_bytes": spills}
-            if theirs is not None:
-                row["same_ptx"] = compile_for_sm90(theirs, constexprs, num_warps, ints, pointers)[0] == ptx
+            if theirs is not None:  # (None: a flag this launch sets that the other kernel does not have)
+                known = set(theirs.arg_names)
+                row["same_ptx"] = None if any(on and name not in known for name, on in constexprs.items()) else (
+                    compile_for_sm90(theirs, {k: v for k, v in constexprs.items() if k in known}, num_warps, ints,
+                                     pointers)[0] == ptx)
             rows.append(row)
     return rows
 
@@ -196,7 +200,7 @@ def table(rows: list[dict[str, Any]], against: str | None) -> str:
     for r in rows:
         cells = [r["layout"], r["case"], r["tile"], str(r["registers"]), str(r["spill_bytes"])]
         if against:
-            cells.append("same" if r["same_ptx"] else "DIFFERENT")
+            cells.append({True: "same", False: "DIFFERENT", None: "new flag"}[r["same_ptx"]])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
