@@ -6,7 +6,8 @@ A fourth column, "liger-rule", runs our op with the default config but Liger-Ker
 chunk size buys from what the kernels buy. By default it is measured at the target shape only
 (``--liger-rule-shapes``).
 
-bf16, forward + backward (dX and dW), median ms from ``triton.testing.do_bench`` with at least 10 timed runs.
+bf16, forward + backward (dX and dW), median ms from ``triton.testing.do_bench`` with at least 10 timed runs, in
+``--turns`` rounds (default 2) that each time every variant of a shape once; a variant's ms is its rounds' median.
 Peak GB: ``torch.cuda.max_memory_allocated`` over one warm fwd+bwd with the op's CUDA-graph replay off, above the
 inputs and the returned dX and dW (the definition of the DB's ``peak_gb`` and of
 ``flce_compile.plan.memory.peak_bytes``), in 1e9 bytes: the working set that a replayed call's graph holds.
@@ -50,6 +51,7 @@ import json
 import math
 import platform
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -457,8 +459,34 @@ def _pyplot() -> Any:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def timed_in_turns(fns: dict[str, Callable[[], Any]], bench: Callable[[Callable[[], Any]], float], turns: int,
+                   after_error: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """``<name>_ms`` (the median of its rounds) and ``<name>_ms_rounds`` per variant, timed with ``bench`` in
+    ``turns`` rounds that each time every variant once, in order: one timing per variant left a ratio such as
+    ``vs_liger`` to the GPU's drift between two timings (0.3-1.2% at the closest shapes). A variant that raises
+    gets ``<name>_ms`` None and ``<name>_error``, and is left out of the later rounds (``after_error`` runs then:
+    the caller frees what it can)."""
+    rounds: dict[str, list[float]] = {name: [] for name in fns}
+    out: dict[str, Any] = {}
+    for _ in range(turns):
+        for name, fn in fns.items():
+            if f"{name}_error" in out:
+                continue
+            try:
+                rounds[name].append(bench(fn))
+            except Exception as exc:  # noqa: BLE001 - report, go on
+                out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                after_error()
+    for name, times in rounds.items():
+        failed = f"{name}_error" in out
+        out[f"{name}_ms"] = None if failed or not times else statistics.median(times)
+        if times and not failed:
+            out[f"{name}_ms_rounds"] = times
+    return out
+
+
 def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, liger_rule: bool,
-                   kind: str | None = None) -> dict[str, Any]:
+                   kind: str | None = None, turns: int = 2) -> dict[str, Any]:
     from flce_compile import fused_linear_cross_entropy  # noqa: PLC0415
     from flce_compile.plan.choose import heuristic_config  # noqa: PLC0415
 
@@ -490,13 +518,9 @@ def _measure_entry(e: Any, liger: Callable[..., Any] | None, rep_ms: float, lige
     try:
         with torch.no_grad():
             row["loss"] = {name: float(fn()) for name, fn in fns.items()}
+        row.update(timed_in_turns(fns, lambda fn: _bench(fn, [x, w], rep_ms), turns, torch.cuda.empty_cache))
         for name, fn in fns.items():
-            try:
-                row[f"{name}_ms"] = _bench(fn, [x, w], rep_ms)
-            except Exception as exc:  # noqa: BLE001 - report, go on
-                row[f"{name}_ms"] = None
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                torch.cuda.empty_cache()
+            if row.get(f"{name}_ms") is None:
                 continue
             try:
                 row[f"{name}_peak_gb"] = _peak_gb(fn, [x, w])
@@ -611,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the whole run: a shape is not started if the slowest one so far would not fit; "
                         "results are written after every shape either way")
     p.add_argument("--rep-ms", type=float, default=200.0, help="do_bench rep time per measurement (ms)")
+    p.add_argument("--turns", type=int, default=2, help="rounds per shape, each timing every variant once; a "
+                   "variant's time is the median of its rounds (default 2)")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--no-liger", action="store_true")
     p.add_argument("--resume", type=Path, metavar="JSON",
@@ -634,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-shapes must be >= 1, got {args.max_shapes}")
     if args.time_budget_s is not None and args.time_budget_s <= 0:
         p.error(f"--time-budget-s must be positive, got {args.time_budget_s}")
+    if args.turns < 1:
+        p.error(f"--turns must be >= 1, got {args.turns}")
     if args.plot_from is not None:
         print(f"wrote {plot_from(args.plot_from)}")
         return 0
@@ -665,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     meta = {"gpu": gpu, "gpu_kind": kind, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "date": stamp, "dtype": "bf16", "pass": "fwd+bwd",
-            "timing": "triton.testing.do_bench median, >= 10 timed runs", "rep_ms": args.rep_ms,
+            "timing": "triton.testing.do_bench median, >= 10 timed runs, the median of --turns rounds",
+            "rep_ms": args.rep_ms, "turns": args.turns,
             "peak": "max_memory_allocated above inputs and returned dX/dW, 1e9 bytes", "liger": bool(liger),
             "liger_rule_shapes": args.liger_rule_shapes, "shipped_only": args.shipped_only,
             "own_only": args.own_only}
@@ -690,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(e: Any) -> dict[str, Any]:
         liger_rule = args.liger_rule_shapes == "all" or (
             args.liger_rule_shapes == "target" and (e.vocab, e.hidden, e.tokens) == TARGET)
-        return _measure_entry(e, liger, args.rep_ms, liger_rule, kind)
+        return _measure_entry(e, liger, args.rep_ms, liger_rule, kind, args.turns)
 
     budget = None if args.time_budget_s is None else args.time_budget_s - (time.monotonic() - started)
     status = run_shapes(entries, measure, write, time_budget_s=budget)

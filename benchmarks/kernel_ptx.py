@@ -131,6 +131,7 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int, in
     ptx = compiled.asm["ptx"]
     code = ptx.split("\t.section\t.debug")[0]
     code = "\n".join(line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+    code = _by_parameter_name(code, [name for name in kernel.arg_names if signature[name] != "constexpr"])
     ptxas = get_ptxas(ARCH).path  # the one Triton itself assembles this arch's PTX with
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -143,6 +144,19 @@ def compile_for_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int, in
     registers = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = re.search(r"(\d+) bytes spill stores", text)
     return code, registers, int(spills.group(1)) if spills else 0
+
+
+def _by_parameter_name(code: str, runtime: list[str]) -> str:
+    """PTX with each kernel parameter read by its argument's name, not its position, and without the parameter
+    declarations: a kernel that gains an argument its launch leaves unused compiles to the same code, whose
+    parameters after the new one would otherwise all be renumbered (parameters past the arguments are Triton's
+    own scratch pointers)."""
+    def name(match: re.Match) -> str:
+        index = int(match.group(1))
+        return runtime[index] if index < len(runtime) else f"scratch_{index - len(runtime)}"
+
+    lines = [line for line in code.splitlines() if not line.strip().startswith(".param")]
+    return re.sub(r"\w+_param_(\d+)", name, "\n".join(lines))
 
 
 def launches(names: list[str], layouts: list[str] | None = None,

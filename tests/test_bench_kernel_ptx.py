@@ -103,3 +103,18 @@ def test_every_runtime_argument_has_a_type_or_a_value():
 def test_bad_tiles_are_a_usage_error():
     with pytest.raises(SystemExit):
         kernel_ptx.main(["--tiles", "4096"])
+
+
+def test_parameters_are_compared_by_name_not_position():
+    # A kernel that gains an argument its launch leaves unused: the parameters after it are renumbered in the PTX,
+    # the code is the same once each is read by its argument's name (and the declarations are left out).
+    old = (".entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n"
+           "\tld.param.u64 %rd1, [k_param_0];\n\tld.param.u64 %rd2, [k_param_1];")
+    new = (".entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1,\n\t.param .u64 k_param_2\n)\n"
+           "\tld.param.u64 %rd1, [k_param_0];\n\tld.param.u64 %rd2, [k_param_2];")
+    assert (kernel_ptx._by_parameter_name(old, ["logits_ptr", "loss_ptr"])
+            == kernel_ptx._by_parameter_name(new, ["logits_ptr", "top_ptr", "loss_ptr"]))
+    assert "[scratch_0]" in kernel_ptx._by_parameter_name(old, ["logits_ptr"])  # Triton's own, past the arguments
+    moved = new.replace("[k_param_2]", "[k_param_1]")  # reads another argument: a change
+    assert (kernel_ptx._by_parameter_name(old, ["logits_ptr", "loss_ptr"])
+            != kernel_ptx._by_parameter_name(moved, ["logits_ptr", "top_ptr", "loss_ptr"]))

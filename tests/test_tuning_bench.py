@@ -320,3 +320,28 @@ def test_an_entry_measured_below_its_bucket_is_judged_at_its_own_token_count(ben
     [e] = db.load_entries()
     assert e.measured_tokens == 6000
     assert bench.op_choice(e, torch.device("cuda")) == {"op_source": "tuning_db:user_exact", "op_runs_tuned": True}
+
+
+def test_variants_are_timed_in_turns_and_a_failing_one_drops_out(bench):
+    """``timed_in_turns``: each round times every variant once, in order; a variant's ms is its rounds' median;
+    one that raises gets None and its error, is not timed again, and the others keep their rounds."""
+    calls: list[str] = []
+    times = {"default": iter([3.0, 1.0, 2.0]), "liger": iter([5.0, 4.0, 6.0])}
+
+    def fake_bench(fn):
+        name = fn()
+        calls.append(name)
+        if name == "tuned" and calls.count("tuned") == 2:
+            raise RuntimeError("out of memory")
+        return next(times[name]) if name in times else 1.5
+
+    fns = {name: (lambda n=name: n) for name in ("default", "tuned", "liger")}
+    freed = []
+    out = bench.timed_in_turns(fns, fake_bench, 3, lambda: freed.append(True))
+    assert calls == ["default", "tuned", "liger", "default", "tuned", "liger", "default", "liger"]
+    assert out["default_ms"] == 2.0 and out["default_ms_rounds"] == [3.0, 1.0, 2.0]
+    assert out["liger_ms"] == 5.0
+    assert out["tuned_ms"] is None and out["tuned_error"] == "RuntimeError: out of memory" and freed == [True]
+    assert "tuned_ms_rounds" not in out
+    with pytest.raises(SystemExit):
+        bench.main(["--turns", "0"])
