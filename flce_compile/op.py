@@ -4,9 +4,9 @@
 grad_scale): for mean/sum the gradients are computed in the forward pass (three GEMMs in all), divided by
 grad_scale (1, or for an fp16 "mean" a power of two, 0 when fully masked: ``chunked._gradient_scales``), and
 backward only scales them by grad_scale * grad_output; for "none" the forward returns the per-token loss and
-"lse", (4, N): each token's lse, its target's z and its largest z with that class (``chunked.kept_rows``), and
-backward calls ``flce::fused_linear_cross_entropy_backward``, which recomputes the logits chunk by chunk (a fourth
-GEMM).
+"lse", (4, N): each token's lse, its target's z and, for the recompute loop only, its largest z with that class
+(``chunked.kept_rows``; class -1 otherwise), and backward calls ``flce::fused_linear_cross_entropy_backward``,
+which recomputes the logits chunk by chunk (a fourth GEMM).
 A compiled graph holds each as one opaque node; the execution config is picked inside, at run time, from
 the real token count, so a varying token count never recompiles. Through the dispatcher (compiled graphs),
 the CPU and CUDA kernels are the bodies themselves (``_KERNELS``). In eager mode ``call_fused`` runs the same
@@ -265,9 +265,12 @@ def _forward_result(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor 
     with op_context(input.device):
         cfg = _config(config, input, weight)
         grads = GradRequest() if later else GradRequest(compute_dx, compute_dw, compute_db, frozen_columns(p, weight))
+        # Each row's largest z and its class only for the recompute loop's backward (its other GEMMs): "none"'s
+        # chunked backward recomputes each chunk in this GEMM and reads them not (``fused_forward``'s keep_lse)
+        keep_top = later and registry.get(cfg.strategy).loop == "recompute"
 
         def run(o: Operands) -> ForwardResult:
-            return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=later)
+            return fused_forward(o, p, cfg, accum_dtype, grads, keep_lse=keep_top)
 
         def run_in_context(o: Operands) -> ForwardResult:  # graph_replay may capture it again from a shortcut
             with op_context(o.x.device):

@@ -166,6 +166,25 @@ def test_the_forward_keeps_each_rows_largest_z_and_its_class(reduction):
         assert torch.equal(chunked.lse[3], torch.full((50,), -1.0, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("strategy", ["torch", "triton", "recompute"])
+def test_the_op_tracks_the_largest_z_only_for_a_recomputing_backward(strategy):
+    """Through the op a "none" forward keeps its rows for backward whatever the strategy, but only the recompute
+    loop's backward reads the largest z and its class: the chunked loop's recomputes each chunk in the forward's
+    GEMM. Finding them there cost the CPU's "none" forward 40% (4096 x 64 x 32000, the torch step's max()) and
+    the kernel a select and a reduction a block, for rows its backward never read."""
+    from flce_compile.api import config_arg
+    from flce_compile.op import fused_linear_cross_entropy_op
+    from flce_compile.params import encode_params
+
+    g = torch.Generator().manual_seed(7)
+    x, w, t = torch.randn(12, 8, generator=g), torch.randn(30, 8, generator=g), torch.randint(0, 30, (12,), generator=g)
+    kept = fused_linear_cross_entropy_op(x, w, t, None, None, encode_params(LossParams(reduction="none")),
+                                         torch.float32, True, True, False, config_arg({"strategy": strategy}))[1]
+    assert kept.shape == (4, 12)
+    classes = (x @ w.t()).argmax(dim=1).double() if strategy == "recompute" else torch.full((12,), -1.0)
+    assert torch.equal(kept[3], classes.to(kept.dtype))
+
+
 def test_a_slice_needs_the_lse_and_has_no_loss():
     logits, target = torch.randn(3, 8), torch.randint(0, 16, (3,))
     args = _args(logits, target, None, None, None, offset=8, classes=16)
