@@ -992,7 +992,9 @@ def test_opcheck_backward_op_with_a_transposed_input():
     _, w, t = _inputs()
     x = torch.randn(16, 12).t()
     logits = (x @ w.T).double()
-    kept = torch.stack((torch.logsumexp(logits, dim=1), logits.gather(1, t[:, None]).squeeze(1)))  # kept_rows
+    top, top_class = logits.max(dim=1)
+    kept = torch.stack((torch.logsumexp(logits, dim=1), logits.gather(1, t[:, None]).squeeze(1), top,
+                        top_class.to(logits.dtype)))  # kept_rows
     args = (x, w, t, None, None, kept, torch.rand(12), encode_params(LossParams(reduction="none")), torch.float32,
             True, True, False, '{"chunk_tokens": 5}')
     torch.library.opcheck(torch.ops.flce.fused_linear_cross_entropy_backward.default, args,
