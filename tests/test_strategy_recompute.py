@@ -398,3 +398,39 @@ def test_class_weights_summing_to_zero_give_nan_gradients_as_eager(strategy, z_l
     eager_h = h.detach().clone().requires_grad_(True)
     torch.nn.functional.cross_entropy(eager_h @ w.detach().T, t, weight=class_weight).backward()
     assert eager_h.grad.isnan().all()
+
+
+@pytest.mark.parametrize("block", [16, 48])
+def test_recompute_backward_takes_the_kept_z_of_each_rows_largest_class(block):
+    """Through ``recompute_backward``, not only the CE step: backward's logits recomputed a few ulps apart at the
+    class each row is sure of (its weight row scaled by 1 + 2^-21 here: on the CPU the blocks' GEMMs round as the
+    forward's, on a GPU they need not) leave dX and dW as from the forward's own logits, since that class's
+    probability comes from the forward's z (``kept_rows`` rows 2-3, ``CEStepArgs.top_in``); with class -1 kept
+    there (nothing tracked) the recomputed z's ulps reach the gradient whole (here dX 13x, dW 500x further off).
+    No test through the op could fail on the CPU without that wiring."""
+    from flce_compile.strategies import GradRequest, Operands
+    from flce_compile.strategies.recompute import recompute_backward, recompute_forward
+
+    g = torch.Generator().manual_seed(11)
+    n, h, vocab, margin = 64, 16, 48, 16.0
+    w = torch.randn(vocab, h, generator=g)
+    w = w / w.norm(dim=1, keepdim=True)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    sure = (t + torch.randint(1, vocab, (n,), generator=g)) % vocab  # each row sure of another class than its target
+    x = w[sure] * margin + torch.randn(n, h, generator=g) * 0.1
+    p, cfg = LossParams(), FLCEConfig(strategy="recompute", chunk_tokens=16, vocab_block=block)
+    kept = recompute_forward(Operands(x, w, t, None, None), p, cfg, torch.float32).lse
+    assert torch.equal(kept[3], sure.double())
+    nudged = w.clone()
+    nudged[sure.unique()] *= 1 + 2.0 ** -21  # (a relative 2^-21: 8 ulps of z near 16)
+    one, request = torch.ones(()), GradRequest(True, True, False)
+
+    def grads(weight, rows):
+        return recompute_backward(Operands(x, weight, t, None, None), rows, one, p, cfg, torch.float32, request)[:2]
+
+    exact = grads(w, kept)
+    untracked = kept.clone()
+    untracked[3] = -1.0
+    for got, lost, ref in zip(grads(nudged, kept), grads(nudged, untracked), exact):
+        err, err_lost = float((got - ref).norm() / ref.norm()), float((lost - ref).norm() / ref.norm())
+        assert err < 1e-6 and err_lost > 5 * err, (err, err_lost)
