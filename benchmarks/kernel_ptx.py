@@ -2,8 +2,10 @@
 over the constexpr combinations the op launches, with each one's registers per thread and spilled bytes.
 
 With ``--against REV`` the kernel of git revision REV (or of a file) is compiled too and each PTX compared with it
-(the DWARF sections, which name the source file, left out): a refactor that claims to change nothing on the GPU can
-show it on a machine that has none; the exit status is 1 when any PTX differs. The register counts are ptxas's for
+(the DWARF sections, which name the source file, left out, and each kernel parameter read by its argument's name:
+an argument a launch leaves unused would renumber every later one): a refactor that claims to change nothing on the
+GPU can show it on a machine that has none; the exit status is 1 when any PTX differs. A launch that sets a flag
+the other kernel does not have is not compared ("new flag"). The register counts are ptxas's for
 the compile the GPU would run (checked against an H200's: 127 and 95 at 8192:8 and 16384:16 on padded GPT-2 rows,
 Triton 3.6). Registers decide how many programs an SM holds (the registry's per-thread bound,
 ``plan.registry.MAX_ELEMENTS_PER_THREAD``); a spill means local-memory traffic in a memory-bound kernel.

@@ -1,6 +1,7 @@
 """benchmarks/confident_rows.py on the CPU: its inputs are sure of the class they say, and a small run's rows are
-within eager's error (the recompute backward forms the target's and the largest class's probabilities from the
-forward's z)."""
+within eager's error. (The CPU's vocabulary blocks round as the forward's GEMM, so this run passes whether or not the
+recompute backward forms the target's and the largest class's probabilities from the forward's z; that is
+test_strategy_recompute.py's test_recompute_backward_takes_the_kept_z_of_each_rows_largest_class.)"""
 
 from __future__ import annotations
 
