@@ -687,7 +687,6 @@ class _StepRows:
     lse_in: torch.Tensor | None = None
     target_z_in: torch.Tensor | None = None
     top_rows: torch.Tensor | None = None
-    top_in: torch.Tensor | None = None
 
     def chunk(self, logits: torch.Tensor, rows: slice, *, write_grad: bool,
               grad_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
@@ -705,7 +704,6 @@ class _StepRows:
             target_z_out=_rows_of(self.target_z_rows, rows),
             target_z_in=_rows_of(self.target_z_in, rows),
             top_out=self.top_rows[:, rows] if self.top_rows is not None else None,
-            top_in=self.top_in[:, rows] if self.top_in is not None else None,
             write_grad=write_grad,
             grad_out=grad_out,
             residual_out=residual_out,
