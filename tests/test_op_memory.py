@@ -13,7 +13,9 @@ import torch
 
 from flce_compile import FLCEConfig, fused_linear_cross_entropy, peak_bytes, peak_bytes_expr
 from flce_compile.params import LossParams
+from flce_compile.plan import registry
 from flce_compile.plan.layout import padded_row_elements
+from flce_compile.plan.memory import SLACK_BYTES, TORCH_STEP_CLASS_BYTES, TORCH_STEP_ROW_BYTES
 from flce_compile.strategies.ce_common import CEStepArgs
 from flce_compile.strategies.ce_torch import ce_step_torch
 
@@ -342,6 +344,140 @@ def test_the_recompute_bound_counts_the_cpu_step():
     assert peak_bytes(*args, softcap=True, device="cpu") - peak_bytes(*args, device="cpu") == fp32_chunk
     fp64 = (config, 4096, 32000, 256, torch.float64)
     assert peak_bytes(*fp64, device="cpu") == peak_bytes(*fp64, device=torch.device("cuda"))
+
+
+def test_the_fp32_cpu_bound_counts_no_spare_fp32_chunk():
+    """fp32 inputs off CUDA: the torch step works in the loop's fp32 chunk of logits (``ce_torch._work_buffer``), so
+    the bound counts no chunk-sized temporaries besides it (one with a softcap: softcap * tanh(z)), and instead the
+    step's own vectors, ``TORCH_STEP_ROW_BYTES`` a chunk row and ``TORCH_STEP_CLASS_BYTES`` a class. It counted two
+    (three): 3.0-3.5x the measured peak of the "torch" strategy, up to 7.9x the recompute one's. On CUDA, and for
+    bf16, the counts stay."""
+    n, v, h, chunk = 4096, 32000, 256, 512
+    fp32_chunk, row_vectors = chunk * v * 4, chunk * TORCH_STEP_ROW_BYTES + v * TORCH_STEP_CLASS_BYTES
+    for softcap in (False, True):
+        torch_step = FLCEConfig(strategy="torch", chunk_tokens=chunk)
+        cuda = peak_bytes(torch_step, n, v, h, torch.float32, softcap=softcap)
+        assert cuda - peak_bytes(torch_step, n, v, h, torch.float32, softcap=softcap, device="cpu") == (
+            2 * fp32_chunk - row_vectors)
+        # the recompute strategy's backward block as wide as V: its CE step on the GPU is the kernel (no chunk)
+        recompute = FLCEConfig(strategy="recompute", chunk_tokens=chunk, vocab_block=v)
+        cuda = peak_bytes(recompute, n, v, h, torch.float32, softcap=softcap)
+        assert peak_bytes(recompute, n, v, h, torch.float32, softcap=softcap, device="cpu") - cuda == (
+            softcap * fp32_chunk + row_vectors)
+    for name in ("torch", "recompute"):
+        strategy = registry.get(name)
+        assert strategy.temporaries(False, "cpu", torch.float32) == 0
+        assert strategy.temporaries(True, "cpu", torch.float32) == 1
+        assert strategy.temporaries(False, "cpu", torch.bfloat16) == 2
+        assert strategy.temporaries(True, "cpu", torch.float64) == 3
+        assert strategy.temporaries(False, "cpu", torch.float32, torch.bfloat16) == 2  # (only peak_bytes takes it)
+    assert registry.get("torch").temporaries(False, "cuda", torch.float32) == 2
+    assert registry.get("triton").temporaries(False, "cpu", torch.float32) == 0
+
+
+#: fp32 CPU calls (n, v, h, chunk_tokens, reduction, dX wanted, dW wanted, softcap) of the torch step's strategies.
+#: Over 216 such calls (n 512-8192, V 4096-32000, H 64-1024, chunks 128-2048, both reductions, dX and dW each or
+#: both) the bound was 1.05-1.64 MiB above the measured peak, (bound - SLACK_BYTES) / peak at most 1.11: the
+#: 1 MiB of slack is most of what is left (1.3-7.9x the peak, 3.0-3.5x for "torch", with the two fp32 chunks it
+#: counted before).
+_FP32_CPU_CALLS = [
+    (2048, 8192, 64, 512, "mean", True, True, False),
+    (2048, 8192, 64, 512, "none", True, True, False),
+    (2048, 8192, 64, 512, "mean", False, True, True),
+    (1024, 16000, 256, 256, "mean", True, False, False),
+    (1024, 4096, 1024, 1024, "none", True, True, True),
+    (4096, 4096, 64, 4096, "mean", True, True, False),  # one chunk: dW straight
+]
+
+
+@pytest.mark.parametrize("strategy", ["torch", "recompute"])
+@pytest.mark.parametrize("n, v, h, chunk, reduction, dx, dw, softcap", _FP32_CPU_CALLS)
+def test_fp32_cpu_bound_is_tight(strategy, n, v, h, chunk, reduction, dx, dw, softcap):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).requires_grad_(dx)
+    w = (torch.randn(v, h, generator=g) / 8).requires_grad_(dw)
+    t = torch.randint(0, v, (n,), generator=g)
+    config = FLCEConfig(strategy=strategy, chunk_tokens=chunk, vocab_block=2048)
+    grad_output = torch.ones(n if reduction == "none" else ())
+
+    def step():
+        loss = fused_linear_cross_entropy(x, w, t, reduction=reduction, softcap=30.0 if softcap else None,
+                                          config=config)
+        loss.backward(grad_output)
+
+    step()
+    x.grad = w.grad = None
+    returned = (dx * n * h + dw * v * h + (n if reduction == "none" else 0)) * 4  # gradients, a "none" loss
+    measured = cpu_peak_bytes(step) - returned
+    bound = peak_bytes(config, n, v, h, torch.float32, need_dw=dw, need_dx=dx, softcap=softcap, device="cpu")
+    assert measured <= bound <= 1.2 * measured + SLACK_BYTES, (
+        f"measured {measured / 2**20:.2f} MiB above outputs, bound {bound / 2**20:.2f} MiB")
+
+
+#: What fills the torch step's row vectors most: every per-row option at once.
+_ALL_ROW_OPTIONS = dict(softcap=30.0, label_smoothing=0.1, z_loss=1e-4, logit_scale=0.5)
+
+
+@pytest.mark.parametrize("strategy", ["torch", "recompute"])
+@pytest.mark.parametrize("reduction, grad", [("mean", True), ("none", True), ("sum", False)])
+def test_fp32_cpu_bound_holds_the_torch_steps_row_vectors(strategy, reduction, grad):
+    """With no spare fp32 chunk in the fp32 CPU bound, a chunk of many rows over few classes is where the step's
+    own row vectors (masks, int64 indices, the fp64 lse and loss terms) show: at 2^17 rows of 64 classes they took
+    up to 31 bytes a row past the other terms (2.9 MiB over a bound that counted none), which
+    ``TORCH_STEP_ROW_BYTES`` holds."""
+    n, v, h = 2**17, 64, 1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).requires_grad_(grad)
+    w = (torch.randn(v, h, generator=g) / 8).requires_grad_(grad)
+    t = torch.randint(0, v, (n,), generator=g).int()  # int32: the int64 copy too
+    t[::3] = -100
+    ce_weight = torch.rand(v, generator=g) + 0.5
+    config = FLCEConfig(strategy=strategy, chunk_tokens=n, vocab_block=v)
+    grad_output = torch.ones(n if reduction == "none" else ())
+
+    def step():
+        with torch.set_grad_enabled(grad):
+            loss = fused_linear_cross_entropy(x, w, t, ce_weight=ce_weight, reduction=reduction, config=config,
+                                              **_ALL_ROW_OPTIONS)
+            if grad:
+                loss.backward(grad_output)
+
+    step()
+    x.grad = w.grad = None
+    returned = (grad * (n * h + v * h) + (n if reduction == "none" else 0)) * 4
+    measured = cpu_peak_bytes(step) - returned
+    bound = peak_bytes(config, n, v, h, torch.float32, need_dw=grad, need_dx=grad, softcap=True, device="cpu")
+    assert measured <= bound, f"measured {measured / 2**20:.2f} MiB above outputs > bound {bound / 2**20:.2f} MiB"
+
+
+@pytest.mark.parametrize("strategy", ["torch", "recompute"])
+@pytest.mark.parametrize("reduction, bias", [("mean", False), ("mean", True), ("none", True)])
+def test_fp32_cpu_bound_holds_the_torch_steps_class_vectors(strategy, reduction, bias):
+    """Few rows over many classes: label smoothing's class weights of ones and db's column sums are fp32 vectors
+    over the chunk's classes, which a bound without a spare fp32 chunk must count (``TORCH_STEP_CLASS_BYTES``): at
+    4 tokens x 2M classes the ones took 6.6 MiB past a bound that counted none, so did the recompute backward's db
+    sums of a block."""
+    n, v, h = 4, 2_000_000, 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 8).requires_grad_()
+    b = torch.randn(v, generator=g).requires_grad_() if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    config = FLCEConfig(strategy=strategy, chunk_tokens=n, vocab_block=v)
+    grad_output = torch.ones(n if reduction == "none" else ())
+
+    def step():
+        fused_linear_cross_entropy(x, w, t, b, label_smoothing=0.1, reduction=reduction, config=config).backward(
+            grad_output)
+
+    step()
+    x.grad = w.grad = None
+    if bias:
+        b.grad = None
+    returned = (n * h + v * h + bias * v + (n if reduction == "none" else 0)) * 4
+    measured = cpu_peak_bytes(step) - returned
+    bound = peak_bytes(config, n, v, h, torch.float32, need_db=bias, device="cpu")
+    assert measured <= bound, f"measured {measured / 2**20:.2f} MiB above outputs > bound {bound / 2**20:.2f} MiB"
 
 
 #: Cases where the measured CPU peak passed the bound (a bug hunt of 2026-12-06), n x v x h, MiB over it:

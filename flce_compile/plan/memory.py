@@ -25,7 +25,8 @@ S, ACC = sympy.symbols("s acc", integer=True, nonnegative=True)
 #: 0/1 switches: dW wanted, bias gradient wanted, dW via a temporary (dw_path "mm_add").
 NEED_DW, NEED_DB, DW_TMP = sympy.symbols("need_dw need_db dw_tmp", integer=True, nonnegative=True)
 #: fp32 temporaries of one chunk that the strategy's CE step holds at once (``Strategy.temporaries``: 2 or 3
-#: for the pure-PyTorch step, 0 for the Triton kernel).
+#: for the pure-PyTorch step, 0 or 1 where it works in the fp32 chunk itself (fp32 inputs off CUDA), 0 for the
+#: Triton kernel).
 K32 = sympy.symbols("k32", integer=True, nonnegative=True)
 #: Chunk buffers of logits alive at once: 2 with stream overlap (double buffering), else 1.
 BUFFERS = sympy.symbols("buffers", integer=True, positive=True)
@@ -44,6 +45,10 @@ UPCAST = sympy.symbols("upcast_operands", integer=True, nonnegative=True)
 #: 0/1: frozen weight columns with dW wanted: dW's own ``HW`` columns are padded to H at the end
 #: (``op._input_grads``), the unpadded dW alive beside the returned one.
 FROZEN = sympy.symbols("frozen_pad", integer=True, nonnegative=True)
+#: 0/1: the torch CE step works in the fp32 chunk itself (fp32 inputs off CUDA: ``Strategy.works_in_fp32_chunk``),
+#: so ``k32`` counts no spare chunk; its vectors over the chunk's rows and over its classes then count on their
+#: own (``TORCH_STEP_ROW_BYTES``, ``TORCH_STEP_CLASS_BYTES``).
+STEP_VECTORS = sympy.symbols("torch_step_vectors", integer=True, nonnegative=True)
 #: 0/1: fp64 inputs to the chunked loop: backward returns scaled copies of the forward's gradients and keeps the
 #: originals (``op._scaled_forward_grads``: backward may run again, as gradcheck runs it).
 F64 = sympy.symbols("fp64_copies", integer=True, nonnegative=True)
@@ -57,6 +62,16 @@ PER_TOKEN_BYTES = 44
 #: terms' slack, measured at 1M tokens). Counted for every reduction: the bound does not know it.
 RECOMPUTE_ROW_FACTOR_BYTES = 16
 PER_CHUNK_ROW_BYTES = 64
+#: The torch CE step's own per-row vectors of a chunk beyond ``PER_CHUNK_ROW_BYTES`` (bool masks, int64 indices,
+#: the fp64 lse and loss terms), counted where ``k32`` holds no fp32 chunk besides the step's to cover them
+#: (``STEP_VECTORS``). Measured on the CPU with fp32 inputs, at 2^17-row chunks of V <= 128 where nothing else
+#: dwarfs them: up to 31 bytes a row past the other terms (a softcap, label smoothing, class weights, z-loss,
+#: ignored rows and int32 targets at once), so 64 is twice that.
+TORCH_STEP_ROW_BYTES = 64
+#: The same for the torch step's fp32 vectors over a chunk's classes, bytes a class: label smoothing's class
+#: weights of ones (without ``ce_weight``) and the chunk's column sums for db. One at a time was measured (7.6 MiB
+#: past a bound without them at V = 2M, 6.6 past its slack), so 8 counts two.
+TORCH_STEP_CLASS_BYTES = 8
 #: Fixed slack for allocator rounding and small scalars.
 SLACK_BYTES = 1 << 20
 #: With stream overlap, cuBLAS allocates a workspace for the side stream on its first GEMM there (32 MiB on
@@ -103,13 +118,14 @@ def _chunked_terms() -> sympy.Expr:
         + NEED_DW * IN_PLACE * row_bytes * HW
     )
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
+    step_vectors = STEP_VECTORS * (rows * TORCH_STEP_ROW_BYTES + (V + PAD * pad_rows) * TORCH_STEP_CLASS_BYTES)
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
     wide = _fp32_logits_bytes(rows, V + PAD * pad_rows, row_bytes)
     upcast = UPCAST * NEED_DW * 4 * rows * (V + PAD * pad_rows + H)  # a chunk's gradient and hidden states, in fp32
     frozen_pad = FROZEN * NEED_DW * V * HW * S
     fp64_copies = F64 * (NEED_DX * BT * H * S + NEED_DW * V * HW * S + NEED_DB * V * S)
     return (logits_chunk + ce_temporaries + wide + dw_accumulator + db_accumulator + padding + per_token
-            + side_stream + upcast + frozen_pad + fp64_copies + SLACK_BYTES)
+            + step_vectors + side_stream + upcast + frozen_pad + fp64_copies + SLACK_BYTES)
 
 
 #: The recompute strategy: vocabulary rows per backward block, 0/1 for dX wanted, and the itemsize of its block
@@ -151,7 +167,10 @@ def _recompute_terms() -> sympy.Expr:
                 + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
                 + FP32L * V * 4 + upcast)  # FP32L * V * 4: the whole fp32 bias
     per_token = BT * (PER_TOKEN_BYTES + RECOMPUTE_ROW_FACTOR_BYTES) + rows * PER_CHUNK_ROW_BYTES
-    return sympy.Max(forward, backward) + FROZEN * NEED_DW * V * HW * S + per_token + SLACK_BYTES
+    # (over all V classes: forward's chunks have them, backward's blocks fewer)
+    step_vectors = STEP_VECTORS * (rows * TORCH_STEP_ROW_BYTES + V * TORCH_STEP_CLASS_BYTES)
+    return (sympy.Max(forward, backward) + FROZEN * NEED_DW * V * HW * S + per_token + step_vectors
+            + SLACK_BYTES)
 
 
 def peak_bytes(
@@ -171,7 +190,8 @@ def peak_bytes(
 ) -> int:
     """Evaluate ``peak_bytes_expr`` (or the recompute loop's) for one call of the op with ``config``; dW has
     ``hidden - frozen_columns`` columns. ``device``: where the call runs (a strategy's CE step can hold more fp32
-    copies of a chunk off the GPU: the recompute strategy's torch step on the CPU). Memoised: a sympy evaluation
+    copies of a chunk off the GPU: the recompute strategy's torch step on the CPU; or fewer: the torch step over
+    fp32 inputs off CUDA works in the chunk itself). Memoised: a sympy evaluation
     takes about a millisecond, and a memory budget asks for the same bounds on every call of the op and every
     proposal of the tuner."""
     if not isinstance(config, FLCEConfig):
@@ -196,7 +216,8 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
                 generation: int, frozen_columns: int,  # noqa: ARG001 - generation: misses the cache
                 device_type: str) -> int:
     strategy = registry.get(config.strategy)
-    k32 = strategy.temporaries(softcap, device_type, dtype)
+    k32 = strategy.temporaries(softcap, device_type, dtype, accum_dtype)
+    step_vectors_on = int(strategy.works_in_fp32_chunk(device_type, dtype, accum_dtype))
     off_cuda = device_type != "cuda"
     frozen_pad = int(frozen_columns > 0)
     if strategy.loop == "recompute":
@@ -205,7 +226,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
             VB: config.vocab_block,
             S: dtype.itemsize, ACC: accum_dtype.itemsize if accum_dtype != dtype else 0,
             ACC_BLOCK: accum_dtype.itemsize, NEED_DX: int(need_dx),
-            NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: k32,
+            NEED_DW: int(need_dw), NEED_DB: int(need_db), K32: k32, STEP_VECTORS: step_vectors_on,
             FP32L: int(fp32_logits_on(config.fp32_logits, dtype)),
             UPCAST: int(off_cuda and accum_dtype.itemsize > dtype.itemsize), FROZEN: frozen_pad,
             PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),
@@ -231,6 +252,7 @@ def _peak_bytes(config: FLCEConfig, num_tokens: int, vocab: int, hidden: int, dt
         NEED_DB: int(need_db),
         DW_TMP: int(separate_acc and config.dw_path == "mm_add"),
         K32: k32,
+        STEP_VECTORS: step_vectors_on,
         BUFFERS: 2 if config.streams and not single_chunk else 1,
         PAD: int(config.pad_vocab and vocab_needs_padding(vocab, dtype.itemsize)),  # else a no-op
         IN_PLACE: int(need_dw and not separate_acc and not (single_chunk and not wide)),

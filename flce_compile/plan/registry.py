@@ -63,6 +63,10 @@ class Strategy:
     #: the torch ops' chunk-sized fp32 buffers, given a softcap (``fp32_temporaries`` then counts the kernel's).
     #: None: the step is the same everywhere.
     fallback_fp32_temporaries: Callable[[bool], int] | None = None
+    #: For a CE step that is torch ops (``ce_torch``) off CUDA: its chunk-sized fp32 buffers there, given a
+    #: softcap, for fp32 inputs, whose logits already are the math dtype (the step works in the chunk itself).
+    #: None: counted as for any dtype. (On CUDA the bound keeps the general count: not measured there.)
+    fp32_input_temporaries: Callable[[bool], int] | None = None
 
     def runs_on(self, device_type: str) -> bool:
         """Whether the CE step can run on ``device_type``."""
@@ -76,9 +80,21 @@ class Strategy:
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype != torch.float64 or self.float64
 
-    def temporaries(self, softcap: bool, device_type: str, dtype: torch.dtype) -> int:
-        """The chunk-sized fp32 buffers its CE step holds on ``device_type`` with ``dtype`` inputs: the memory
-        bound's ``k32``."""
+    def works_in_fp32_chunk(self, device_type: str, dtype: torch.dtype,
+                            accum_dtype: torch.dtype = torch.float32) -> bool:
+        """Whether ``fp32_input_temporaries`` counts its CE step on ``device_type`` with ``dtype`` inputs: torch
+        ops (off CUDA no step is the kernel) over fp32 logits, with dW summed in fp32 (the only ``accum_dtype``
+        the op takes for fp32 weights: another one, which only a direct ``peak_bytes`` call names, would cast
+        each dW product's operands, counted as for other dtypes)."""
+        return (self.fp32_input_temporaries is not None and dtype == torch.float32 and device_type != "cuda"
+                and accum_dtype == torch.float32)
+
+    def temporaries(self, softcap: bool, device_type: str, dtype: torch.dtype,
+                    accum_dtype: torch.dtype = torch.float32) -> int:
+        """The chunk-sized fp32 buffers its CE step holds on ``device_type`` with ``dtype`` inputs (dW summed in
+        ``accum_dtype``): the memory bound's ``k32``."""
+        if self.works_in_fp32_chunk(device_type, dtype, accum_dtype):
+            return self.fp32_input_temporaries(softcap)
         if self.fallback_fp32_temporaries is not None and not kernel_step_runs(device_type, dtype):
             return self.fallback_fp32_temporaries(softcap)
         return self.fp32_temporaries(softcap)
@@ -103,8 +119,18 @@ def next_pow2(n: int) -> int:
 
 def _torch_fp32_temporaries(softcap: bool) -> int:
     """z (then p, then g) and, with a softcap, tanh(z) for the derivative; plus one for the weighted-sum or
-    upcast dW operand. A bound: on an fp32 chunk the step may overwrite, z is the chunk itself."""
+    upcast dW operand. A bound: on an fp32 chunk the step may overwrite, z is the chunk itself
+    (``_torch_fp32_input_temporaries``)."""
     return 3 if softcap else 2
+
+
+def _torch_fp32_input_temporaries(softcap: bool) -> int:
+    """The torch step over fp32 inputs' logits (``ce_torch._work_buffer``): z is the loop's own chunk buffer,
+    which the step overwrites with the gradient, or, where the loop has none (kept logits without gradients), the
+    one copy the bound counts as that buffer; with a softcap one more, softcap * tanh(z) beside tanh(z). No
+    upcast dW operand: fp32 inputs accumulate dW in fp32 (``precision.accum_dtype_for``). The general count (2,
+    or 3) put the CPU bound of fp32 calls at 2.0-3.5x their measured peak, the recompute strategy's up to 7.9x."""
+    return 1 if softcap else 0
 
 
 def _kernel_fp32_temporaries(softcap: bool) -> int:  # noqa: ARG001
@@ -188,6 +214,7 @@ register(Strategy(
     params=_CHUNK_FIELDS,
     ce_step="flce_compile.strategies.ce_torch:ce_step_torch",
     fp32_temporaries=_torch_fp32_temporaries,
+    fp32_input_temporaries=_torch_fp32_input_temporaries,
 ))
 register(Strategy(
     name="triton",
@@ -209,6 +236,7 @@ register(Strategy(
     # The Triton kernel on a GPU; the torch step on the CPU and for fp64 (``recompute.ce_step``).
     fp32_temporaries=_kernel_fp32_temporaries,
     fallback_fp32_temporaries=_torch_fp32_temporaries,
+    fp32_input_temporaries=_torch_fp32_input_temporaries,
     check=_kernel_launch_rules,
     devices=(),  # never the heuristic's default: a config or a memory budget asks for it
     loop="recompute",
