@@ -318,7 +318,7 @@ def plan_runs(variants: list[str], seqs: list[int], mask: str) -> list[tuple[str
     return runs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
@@ -334,7 +334,9 @@ def main() -> None:
     parser.add_argument("--objective", choices=OBJECTIVES, default="loss",
                         help="loss (default): the model's own loss; log-probs: per-token log-probs picked with "
                              "gather and weighted, as policy-gradient code writes it (see OBJECTIVES)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:  # (the first step compiles: it is never timed)
+        parser.error(f"--steps and --warmup must be >= 1, got {args.steps} and {args.warmup}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA GPU")
 

@@ -63,6 +63,14 @@ def test_rows_as_users_run_them_come_first():
     assert "| 8 | flce | ok | 7.25 | 4.75 | 433 (431-441) | 3.0000 |" in table
 
 
+def test_no_timed_step_and_a_timed_compile_are_refused(capsys):
+    bench = _bench()
+    for argv in (["--steps", "0"], ["--warmup", "0"]):  # no step timed, or the compile's step timed
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert "--steps and --warmup must be >= 1" in capsys.readouterr().err
+
+
 def test_gpt2_is_built_as_transformers_builds_it():
     """``--model gpt2``: GPT-2 small with as many positions as the longest run, its loss type unset (the case the
     backend keeps in one graph, ``hf_logging``), dropout off, checkpointed, in training mode; an unknown family is
