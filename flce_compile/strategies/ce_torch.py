@@ -50,23 +50,21 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     z_y = z.gather(1, col_index).squeeze(1) if wants_stats else None
     if args.target_z_out is not None:
         args.target_z_out.copy_(z_y)
+    peak = None
     if args.top_out is not None:  # the row's largest z and its class, for a recomputing backward (``CEStepArgs``)
-        top, top_col = z.max(dim=1)
-        args.top_out[0].copy_(top)
-        args.top_out[1].copy_(torch.where(top > float("-inf"), top_col + offset, -1))
+        peak, top_col = z.max(dim=1)
+        args.top_out[0].copy_(peak)
+        args.top_out[1].copy_(torch.where(peak > float("-inf"), top_col + offset, -1))
     if args.top_in is not None and args.lse_in is not None and args.write_grad:
         # The forward's largest z in its class's column, where that lies in this slice (as the target's, below)
         top_class = args.top_in[1].to(torch.int64)
         top_col = top_class - offset
         has_top = (top_class >= 0) & (top_col >= 0) & (top_col < columns)
-        top_index = torch.where(has_top, top_col, 0)[:, None]
-        kept_top = torch.where(has_top, args.top_in[0].to(z.dtype), z.gather(1, top_index).squeeze(1))
-        z.scatter_(1, top_index, kept_top[:, None])
+        _put_kept_z_(z, torch.where(has_top, top_col, 0)[:, None], has_top, args.top_in[0])
     if args.target_z_in is not None and args.lse_in is not None:
         # The forward's target z in the target's column, where the target lies in this slice: the probability
         # formed from it is the forward's, whatever rounding the recomputed logits got (``CEStepArgs``)
-        kept = torch.where(here, args.target_z_in.to(z.dtype), z.gather(1, col_index).squeeze(1))
-        z.scatter_(1, col_index, kept[:, None])
+        _put_kept_z_(z, col_index, here, args.target_z_in)
     wants_sum = bool(eps) and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
@@ -74,7 +72,7 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     if args.lse_in is None:
         # z is exp(z - max) from here on; with smoothing, rel_sum = sum_c w_c (z_c - max)
         sums, lse_full, shift, rel_sum = _exp_shifted_(
-            z, class_w, wants_sum and (args.loss_out is not None or args.stats_out is not None))
+            z, class_w, wants_sum and (args.loss_out is not None or args.stats_out is not None), peak)
     else:
         sums, lse_full, shift, rel_sum = None, args.lse_in, None, None
         if wants_sum and args.loss_out is not None:  # relative to the kept lse (the chunk loops never ask this)
@@ -137,7 +135,15 @@ def _work_buffer(args: CEStepArgs) -> torch.Tensor:
     return logits.to(dtype, copy=True)
 
 
-def _exp_shifted_(z: torch.Tensor, class_w: torch.Tensor | None = None, smoothing: bool = False
+def _put_kept_z_(z: torch.Tensor, index: torch.Tensor, here: torch.Tensor, kept_z: torch.Tensor) -> None:
+    """Each row's z at column ``index`` (rows, 1) replaced by the forward's ``kept_z`` where ``here``: recomputed
+    logits can round apart from the forward's (``CEStepArgs.target_z_in``, ``top_in``)."""
+    kept = torch.where(here, kept_z.to(z.dtype), z.gather(1, index).squeeze(1))
+    z.scatter_(1, index, kept[:, None])
+
+
+def _exp_shifted_(z: torch.Tensor, class_w: torch.Tensor | None = None, smoothing: bool = False,
+                  peak: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Turn ``z`` (rows x C) into exp(z - shift) in place, the shift being each row's max; return each row's sum
     of exp(z - shift), its lse in fp64 (max + log(sum) unrounded), the shift and, with ``smoothing``,
@@ -145,8 +151,8 @@ def _exp_shifted_(z: torch.Tensor, class_w: torch.Tensor | None = None, smoothin
     A row of -inf gets lse -inf. A row holding +inf has no softmax: its sum, and so its lse, loss and
     probabilities, is nan, as eager's log_softmax and the Triton kernel give it (torch.logsumexp's +inf gave
     this step a loss of inf there: the same call read inf on the CPU and nan on a GPU). Its shift is the largest
-    finite value, so finite z do not overflow."""
-    peak = z.amax(dim=1)
+    finite value, so finite z do not overflow. ``peak``: each row's max, when the caller has it already."""
+    peak = z.amax(dim=1) if peak is None else peak
     shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
     z.sub_(shift[:, None])
     rel_sum = _class_sum(z, class_w) if smoothing else None
