@@ -328,21 +328,23 @@ class Site:
     def escapes(self, ignore_output: bool = False) -> dict[fx.Node, list[fx.Node]]:
         """Chain nodes used outside the chain (e.g. logits returned by the graph) -> those users. A use nothing
         reads (``unread_uses``) is none: it would keep the logits of a site that is otherwise fused."""
-        unread = set(self.unread_uses())
+        off_chain = self._off_chain_users()
+        unread = set(self.unread_uses(off_chain))
         out: dict[fx.Node, list[fx.Node]] = {}
-        for n, users in self._off_chain_users().items():
+        for n, users in off_chain.items():
             users = [u for u in users if u not in unread and not (ignore_output and u.op == "output")]
             if users:
                 out[n] = users
         return out
 
-    def unread_uses(self) -> list[fx.Node]:
+    def unread_uses(self, off_chain: dict[fx.Node, list[fx.Node]] | None = None) -> list[fx.Node]:
         """The nodes off the chain that read it and that can be erased, with everything that reads them, without
         changing what the graph computes (``mutations.unread_nodes``): a view of the logits the model discards,
-        which Dynamo leaves in its graph. The rewrite erases them, and with them the last reads of the logits."""
+        which Dynamo leaves in its graph. The rewrite erases them, and with them the last reads of the logits.
+        ``off_chain``: ``_off_chain_users``, when the caller has it already."""
         gm = self.loss_node.graph.owning_module
         found: dict[fx.Node, None] = {}  # (ordered: the rewrite's erasures stay deterministic)
-        for users in self._off_chain_users().values():
+        for users in (off_chain if off_chain is not None else self._off_chain_users()).values():
             for user in users:
                 found.update(dict.fromkeys(unread_nodes(gm, user) or ()))
         return list(found)
