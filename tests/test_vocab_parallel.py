@@ -520,12 +520,9 @@ def _confident_inputs(margin: float, n: int = 256, h: int = 32, v: int = 64, dev
     """Unit-norm weight rows and hidden states ``margin`` along their target's row (as test_op_reliability's
     confident rows), drawn on ``device`` from a generator seeded with the margin; ``wrong``: along another
     class's row (confident and wrong)."""
-    g = torch.Generator(device=device).manual_seed(int(margin))
-    w = torch.randn(v, h, device=device, generator=g)
-    w = w / w.norm(dim=1, keepdim=True)
-    t = torch.randint(0, v, (n,), device=device, generator=g)
-    sure = (t + torch.randint(1, v, (n,), device=device, generator=g)) % v if wrong else t
-    return w[sure] * margin + torch.randn(n, h, device=device, generator=g) * 0.1, w, t
+    from benchmarks.confident_rows import confident_inputs
+
+    return confident_inputs(n, h, v, margin, "another class" if wrong else "target", device)
 
 
 def _run_confident(rank: int, world: int, group) -> dict:
