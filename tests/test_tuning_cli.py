@@ -3,6 +3,7 @@ and the tuning flow (fake GPU) in process, the shipped tuning_db/ directory, and
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
@@ -583,6 +584,24 @@ def test_tuning_without_optuna_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(["--vocab", "8", "--hidden", "8", "--tokens", "8", "--out", str(tmp_path / "db.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tuning needs Optuna" in err and "pip install optuna" in err
+
+
+def test_kept_studies_without_optuna_are_one_line(tmp_path, monkeypatch, capsys):
+    """--list-studies and --replot read Optuna journal files: without Optuna (a second environment sharing
+    ~/.cache) they ended in the traceback of ``import optuna``; now one line, exit 2, as tuning does."""
+    from flce_compile.tuning import cli
+
+    directory = studies.studies_dir(tmp_path / "private_user_db.json")
+    directory.mkdir()
+    (directory / (studies.new_study_name("h200", 8, 8, "bf16", 8) + studies.STUDY_SUFFIX)).write_text("")
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises, find_spec answers None
+    assert cli.main(["--list-studies"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs Optuna" in err and "pip install optuna" in err, err
+    if importlib.util.find_spec("matplotlib") is not None:  # --plot DIR checks matplotlib first
+        assert cli.main(["--plot", str(tmp_path / "plots"), "--replot"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--replot needs Optuna" in err, err
 
 
 def test_no_home_directory(tmp_path, monkeypatch, capsys):

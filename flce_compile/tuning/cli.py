@@ -398,6 +398,16 @@ def _draw(study: Any, args: argparse.Namespace) -> None:
     print(f"flce-tune: {len(written)} plots of {study.study_name} in {args.plot}", file=sys.stderr)
 
 
+def _optuna_missing(what: str) -> bool:
+    """Whether Optuna cannot be imported; if so, after saying that ``what`` needs it (one line, not the traceback
+    of the ``import optuna`` that tuning or reading a kept study would hit)."""
+    if importlib.util.find_spec("optuna") is not None:
+        return False
+    print(f"flce-tune: {what} needs Optuna, a dependency of flce-compile that this environment lacks: "
+          "pip install optuna", file=sys.stderr)
+    return True
+
+
 def cmd_list_studies(args: argparse.Namespace) -> int:
     """--list-studies: one line per kept study, oldest first: name, complete trials, best time."""
     from . import studies  # noqa: PLC0415
@@ -409,6 +419,8 @@ def cmd_list_studies(args: argparse.Namespace) -> int:
     if not kept:
         print(f"no kept studies in {directory}")
         return 0
+    if _optuna_missing("reading the kept studies"):  # (their journal files are Optuna's)
+        return 2
     rows = []
     for item in kept:
         try:
@@ -436,6 +448,8 @@ def cmd_replot(args: argparse.Namespace) -> int:
         print(f"flce-tune: no kept studies to redraw in {directory}; studies are kept while tuning "
               f"(--keep-studies N, default {DEFAULT_KEEP_STUDIES})", file=sys.stderr)
         return 1
+    if _optuna_missing("--replot"):
+        return 2
     try:
         loaded = [studies.load(directory, name) for name in names]
     except studies.StudyError as exc:
@@ -706,9 +720,7 @@ def cmd_tune(args: argparse.Namespace, started: float) -> int:
               file=sys.stderr)
         return 2
 
-    if importlib.util.find_spec("optuna") is None:  # the search's sampler, imported where it runs
-        print("flce-tune: tuning needs Optuna, a dependency of flce-compile that this environment lacks: "
-              "pip install optuna", file=sys.stderr)
+    if _optuna_missing("tuning"):  # the search's sampler, imported where it runs
         return 2
 
     from ..plan.choose import heuristic_config  # noqa: PLC0415
