@@ -236,9 +236,11 @@ def _fake_gpu(monkeypatch) -> None:
         index = device if isinstance(device, int) else torch.device(device).index
         if index is None:
             raise ValueError(f"Expected a cuda device with a specified index or an integer, but got: {device}")
-        assert index == 0
+        if index != 0:  # one GPU, as torch says it
+            raise RuntimeError("CUDA error: invalid device ordinal")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -571,6 +573,21 @@ def test_a_lock_file_that_cannot_be_made_is_said_at_once(tmp_path):
     with pytest.raises(OSError, match="cannot create the lock file /proc/flce_nowhere/db.json.lock"):
         with file_lock(Path("/proc/flce_nowhere/db.json"), timeout=2.0):
             pass
+
+
+@pytest.mark.parametrize("mode", [[], ["--retune-ce-tiles"]])
+def test_a_device_index_past_the_machines_gpus_is_one_line(tmp_path, monkeypatch, capsys, mode):
+    """--device cuda:1 on a one-GPU machine ended in set_device's "invalid device ordinal" traceback."""
+    from flce_compile.tuning import cli
+
+    _fake_gpu(monkeypatch)
+    out = tmp_path / "db.json"
+    if mode:
+        db.write_entries(out, [make_entry()])
+    argv = [*mode, "--device", "cuda:1", "--out", str(out)]
+    assert cli.main(argv + ([] if mode else ["--vocab", "8", "--hidden", "8", "--tokens", "8"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda:1: this machine has 1 CUDA device(s)" in err, err
 
 
 def test_tuning_without_optuna_is_one_line(tmp_path, monkeypatch, capsys):

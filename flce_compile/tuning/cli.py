@@ -582,6 +582,11 @@ def _cuda_device(args: argparse.Namespace) -> Any:
         return None
     if device.index is None:  # torch 2.11's set_device rejects a device without an index
         device = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if device.index >= count:  # set_device would raise "CUDA error: invalid device ordinal" as a traceback
+        print(f"flce-tune: --device {args.device}: this machine has {count} CUDA device(s), cuda:0 to "
+              f"cuda:{count - 1}; use e.g. --device cuda:0", file=sys.stderr)
+        return None
     torch.cuda.set_device(device)
     return device
 
