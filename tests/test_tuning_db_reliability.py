@@ -85,6 +85,19 @@ def test_bad_user_file_keeps_the_shipped_entries_and_is_parsed_once(dbs, clock, 
     assert find() == (entry(chunk=512).config, "tuning_db:user_exact")
 
 
+def test_a_user_file_saved_with_a_byte_order_mark_is_read(dbs):
+    """An editor that saves UTF-8 with a BOM: the file's entries answer (it was ignored and then set aside)."""
+    user, _ = dbs
+    db.write_entries(user, [entry(chunk=512)])
+    user.write_bytes(b"\xef\xbb\xbf" + user.read_bytes())
+    db.invalidate_cache()
+    assert db.read_file(user, strict=True) == [entry(chunk=512)]
+    assert find() == (entry(chunk=512).config, "tuning_db:user_exact")
+    db.write_entries(user, [entry(chunk=512), entry(tokens=4096)])  # rewritten in place, nothing set aside
+    assert not user.with_name(user.name + ".corrupt").exists()
+    assert len(db.read_file(user, strict=True)) == 2
+
+
 def test_an_overflowing_number_skips_only_its_entry(dbs):
     """1e400 is valid JSON (read as inf); int(inf) raises OverflowError, which must skip that entry only."""
     user, _ = dbs
