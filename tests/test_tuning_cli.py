@@ -590,6 +590,25 @@ def test_a_device_index_past_the_machines_gpus_is_one_line(tmp_path, monkeypatch
     assert err.count("\n") == 1 and "--device cuda:1: this machine has 1 CUDA device(s)" in err, err
 
 
+def test_retune_into_an_unwritable_file_refuses_before_timing(tmp_path, monkeypatch, capsys):
+    """--retune-ce-tiles timed every entry and then reported each one NOT WRITTEN; now it asks first, as tuning
+    does. (Root may write anywhere, so the directory's refusal is check_target's, as it raises for one.)"""
+    from flce_compile.tuning import cli, cli_retune
+
+    _fake_gpu(monkeypatch)
+    out = tmp_path / "db.json"
+    db.write_entries(out, [make_entry()])
+
+    def unwritable(path, *a, **k):
+        raise PermissionError(f"cannot write the tuning DB {path}: its directory is not writable")
+
+    monkeypatch.setattr(db, "check_target", unwritable)
+    monkeypatch.setattr(cli_retune, "retune_ce_tiles", lambda *a, **k: pytest.fail("timed before checking"))
+    assert cli.main(["--retune-ce-tiles", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write the results to" in err and "not writable" in err, err
+
+
 def test_tuning_without_optuna_is_one_line(tmp_path, monkeypatch, capsys):
     import importlib.util
 

@@ -920,6 +920,11 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
     if target is None:
         print(f"flce-tune: --retune-ce-tiles: {NO_USER_DB} (or --out FILE/DIR)", file=sys.stderr)
         return 2
+    try:  # asked before any timing, as tuning asks: an unwritable file would cost every entry's GPU time
+        db.check_target(target)
+    except (OSError, db.DBFileError) as exc:
+        print(f"flce-tune: --retune-ce-tiles: cannot write the results to {target}: {exc}", file=sys.stderr)
+        return 2
     _install_sigterm()
     status, rows, written = retune_ce_tiles(args, target, device, started)
     if rows:
