@@ -590,6 +590,17 @@ def test_a_device_index_past_the_machines_gpus_is_one_line(tmp_path, monkeypatch
     assert err.count("\n") == 1 and "--device cuda:1: this machine has 1 CUDA device(s)" in err, err
 
 
+def test_out_names_a_json_file_in_any_case(tmp_path):
+    """--out DB.JSON is a file (it was taken as a directory: the results went to DB.JSON/h200.json)."""
+    import argparse
+
+    from flce_compile.tuning import cli
+
+    for name in ("db.json", "DB.JSON", "db.Json"):
+        assert cli._output_file(argparse.Namespace(out=tmp_path / name), "h200") == tmp_path / name
+    assert cli._output_file(argparse.Namespace(out=tmp_path / "dir"), "h200") == tmp_path / "dir" / "h200.json"
+
+
 def test_retune_into_an_unwritable_file_refuses_before_timing(tmp_path, monkeypatch, capsys):
     """--retune-ce-tiles timed every entry and then reported each one NOT WRITTEN; now it asks first, as tuning
     does. (Root may write anywhere, so the directory's refusal is check_target's, as it raises for one.)"""

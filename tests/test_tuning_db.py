@@ -364,6 +364,9 @@ def test_export_layout(tmp_path):
     assert {e.device for e in db.read_file(tmp_path / "out" / "h100.json", strict=True)} == {"h100"}
     db.export_shipped(tmp_path / "out" / "h100.json", [entry(device="h100", tokens=8192)])  # same kind: merged
     assert len(db.read_file(tmp_path / "out" / "h100.json", strict=True)) == 3
+    # ".JSON" names a file too (it made a directory of that name, with h200.json in it)
+    assert db.export_shipped(tmp_path / "H200.JSON", [entry()]) == [tmp_path / "H200.JSON"]
+    assert (tmp_path / "H200.JSON").is_file()
 
 
 def test_a_shipped_dir_that_is_not_there_is_said_once(dbs, monkeypatch, caplog):

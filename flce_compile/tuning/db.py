@@ -228,7 +228,7 @@ def export_shipped(path: str | os.PathLike[str], entries: Sequence[Entry]) -> li
     by_device: dict[str, list[Entry]] = {}
     for e in entries:
         by_device.setdefault(e.device, []).append(e)
-    if p.suffix == ".json":
+    if p.suffix.lower() == ".json":  # (any case: "DB.JSON" made a directory of that name)
         if len(by_device) > 1:
             raise ValueError(
                 f"export path {p} is one file but the entries span GPU kinds {sorted(by_device)}; pass a "
