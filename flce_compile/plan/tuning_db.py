@@ -349,8 +349,8 @@ def _parse_json(path: Path, raw: bytes) -> Any:
     fix = "delete it or fix it (flce-tune moves a corrupt user DB aside on its next write)"
     try:
         # Python's json accepts NaN/Infinity; other tools do not, and an infinite time is no measurement. A
-        # leading byte-order mark (some editors save one) is dropped, as JSON allows: the file was set aside as
-        # corrupt.
+        # leading byte-order mark (some editors save one) is dropped, as JSON allows (such a file was once set
+        # aside as corrupt).
         return json.loads(raw.decode("utf-8-sig"), parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:
         raise DBCorruptError(f"tuning DB file {path} is not UTF-8 ({exc}); {fix}") from exc
