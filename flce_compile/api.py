@@ -58,8 +58,11 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
         )
     if input.dtype not in _FLOATS:
         raise TypeError(f"input dtype {input.dtype} is unsupported; use one of {_FLOATS}")
+    if weight.dtype not in _FLOATS:
+        raise TypeError(f"weight dtype {weight.dtype} is unsupported; use one of {_FLOATS} (e.g. weight.float())")
     if input.dtype != weight.dtype and not _autocast_casts_both(input, weight):
-        how = ("autocast leaves fp64 tensors as they are" if autocast_on(input.device.type)
+        # Autocast gives 16/32-bit tensors one dtype, never an fp64 one: suggest it only where it would help.
+        how = ("autocast leaves fp64 tensors as they are" if torch.float64 in (input.dtype, weight.dtype)
                else f"or run under torch.autocast for {input.device.type}")
         raise TypeError(f"input dtype {input.dtype} differs from weight dtype {weight.dtype}; cast one of them ({how})")
     if input.device != weight.device or target.device != input.device:

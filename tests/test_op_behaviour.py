@@ -306,6 +306,21 @@ def test_autocast_takes_16_bit_hidden_states_beside_an_fp32_head(hidden_dtype):
                                    F.cross_entropy(F.linear(h, w, b).float(), t))
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dtype_errors_suggest_only_a_fix_that_works(autocast):
+    """An fp64 input beside an fp32 weight was told to "run under torch.autocast", which leaves fp64 as it is
+    (and then refuses it), and an integer weight under autocast was told that "autocast leaves fp64 tensors as
+    they are": the weight's own dtype, unsupported, went unnamed."""
+    x, w, t = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(TypeError, match="autocast leaves fp64") as fp64:
+            fused_linear_cross_entropy(x.double(), w, t)
+        assert "run under torch.autocast" not in str(fp64.value)
+        for dtype in (torch.int64, torch.bool):
+            with pytest.raises(TypeError, match=f"weight dtype {dtype} is unsupported"):
+                fused_linear_cross_entropy(x, w.to(dtype), t)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", [CFG, {"strategy": "recompute", "chunk_tokens": 8, "vocab_block": 32}])
 def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
