@@ -56,6 +56,9 @@ def _validate(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None
             f"target must hold integer class ids, got dtype {target.dtype}; probabilities/soft targets are "
             "not supported (cast class ids with target.long())"
         )
+    if target.dtype == torch.uint64:  # (F.cross_entropy refuses it too)
+        raise TypeError("target dtype torch.uint64 is unsupported: the op reads class ids as int64, where ids past "
+                        "2**63 wrap to negative ones (2**64 - 100 to ignore_index -100); pass int64 class ids")
     if input.dtype not in _FLOATS:
         raise TypeError(f"input dtype {input.dtype} is unsupported; use one of {_FLOATS}")
     if weight.dtype not in _FLOATS:

@@ -321,6 +321,18 @@ def test_dtype_errors_suggest_only_a_fix_that_works(autocast):
                 fused_linear_cross_entropy(x, w.to(dtype), t)
 
 
+def test_uint64_targets_are_refused_not_wrapped():
+    """uint64 class ids were cast to int64, where 2**64 - 100 wraps to -100: an out-of-range id silently became
+    ignore_index (and 2**63 + 1 was reported as a negative id). F.cross_entropy refuses uint64 targets too."""
+    x, w, t = _inputs()
+    wrapped = t.to(torch.uint64)
+    wrapped[0] = torch.tensor(2**64 - 100, dtype=torch.uint64)
+    with pytest.raises(TypeError, match="target dtype torch.uint64 is unsupported"):
+        fused_linear_cross_entropy(x, w, wrapped)
+    for dtype in (torch.uint8, torch.int32):  # ids that convert exactly are still taken
+        torch.testing.assert_close(fused_linear_cross_entropy(x, w, t.to(dtype)), fused_linear_cross_entropy(x, w, t))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", [CFG, {"strategy": "recompute", "chunk_tokens": 8, "vocab_block": 32}])
 def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
