@@ -597,7 +597,10 @@ def _backward(ctx, grad_loss, *_other_outputs):
         input, weight, target, bias, ce_weight, lse, softcap_value = ctx.saved_tensors
         args = (input, weight, target, bias, ce_weight, lse, grad_loss, ctx.params, ctx.accum_dtype, need_x, need_w,
                 bool(need_b and ctx.has_bias), ctx.config, softcap_value)
-        direct = direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss, softcap_value)
+        # A grad_loss batched by autograd's own (legacy) vmap, of is_grads_batched=True and
+        # jacobian(vectorize=True), is no functorch wrapper: the registered op's vmap fallback takes it.
+        direct = (direct_call_ok(input, weight, target, bias, ce_weight, lse, grad_loss, softcap_value)
+                  and not _is_legacy_batched(grad_loss))
         dx, dw, db = _backward_body(*args) if direct else fused_linear_cross_entropy_backward_op(*args)
     else:
         dx, dw, db = _scaled_forward_grads(ctx, grad_loss)
@@ -753,6 +756,7 @@ _STRIDED = torch.strided
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 #: ``torch.jit.is_tracing`` without its Python frame (which only adds the TorchScript case, not eager's).

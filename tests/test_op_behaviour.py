@@ -333,6 +333,23 @@ def test_uint64_targets_are_refused_not_wrapped():
         torch.testing.assert_close(fused_linear_cross_entropy(x, w, t.to(dtype)), fused_linear_cross_entropy(x, w, t))
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("reduction, config", [("none", CFG), ("mean", {**CFG, "strategy": "recompute"})])
+def test_batched_grad_outputs_reach_the_backward_computed_in_backward(reduction, config):
+    """``is_grads_batched=True`` (and ``jacobian(vectorize=True)``) batch grad_output by autograd's own vmap, whose
+    tensors are no functorch wrappers: the direct backward ran on them and failed in ``mul_`` ("vmap: aten::mul_
+    ... is not possible") for a backward that recomputes the logits ("none", the recompute strategy)."""
+    x, w, t = _inputs()
+    x, w = x.double().requires_grad_(), w.double().requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t, reduction=reduction, config=config)
+    ref = F.cross_entropy(F.linear(x, w), t, reduction=reduction)
+    go = torch.randn(3, *ref.shape, dtype=torch.float64)
+    ours = torch.autograd.grad(loss, [x, w], go, is_grads_batched=True)
+    theirs = torch.autograd.grad(ref, [x, w], go, is_grads_batched=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", [CFG, {"strategy": "recompute", "chunk_tokens": 8, "vocab_block": 32}])
 def test_an_fp32_bias_beside_16_bit_weights_promotes_the_logits(dtype, config):
