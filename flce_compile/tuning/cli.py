@@ -699,8 +699,8 @@ def _output_file(args: argparse.Namespace, kind: str) -> Path | None:
 
 
 def _writable_target(args: argparse.Namespace, target: Path, kind: str) -> bool:
-    """Whether the results can go to ``target``; after saying why not, False. Asked before the first study, so
-    a run never spends device time on results it then cannot keep."""
+    """Whether the results can go to ``target``; after saying why not, False. Asked before the first study (or
+    re-timed entry), so a run never spends device time on results it then cannot keep."""
     from . import db  # noqa: PLC0415
 
     if args.out is not None and not _names_a_json_file(args.out) and args.out.is_file():
@@ -922,14 +922,12 @@ def cmd_retune_ce_tiles(p: argparse.ArgumentParser, args: argparse.Namespace, st
         return 2
     from . import db  # noqa: PLC0415
 
-    target = _output_file(args, db.normalize_device_name(torch.cuda.get_device_name(device)))
+    kind = db.normalize_device_name(torch.cuda.get_device_name(device))
+    target = _output_file(args, kind)
     if target is None:
         print(f"flce-tune: --retune-ce-tiles: {NO_USER_DB} (or --out FILE/DIR)", file=sys.stderr)
         return 2
-    try:  # asked before any timing, as tuning asks: an unwritable file would cost every entry's GPU time
-        db.check_target(target)
-    except (OSError, db.DBFileError) as exc:
-        print(f"flce-tune: --retune-ce-tiles: cannot write the results to {target}: {exc}", file=sys.stderr)
+    if not _writable_target(args, target, kind):  # before any timing: each entry costs GPU time
         return 2
     _install_sigterm()
     status, rows, written = retune_ce_tiles(args, target, device, started)
