@@ -684,18 +684,14 @@ def _drop_study(keep_dir: Path | None, name: str) -> None:
         studies.discard(keep_dir, name)
 
 
-def _names_a_json_file(path: Path) -> bool:
-    """Whether --out names a file (``.json`` in any case: ``DB.JSON`` made a directory of that name) rather than a
-    directory."""
-    return path.suffix.lower() == ".json"
-
-
 def _output_file(args: argparse.Namespace, kind: str) -> Path | None:
     """The DB file results go to: --out (a .json file, or <dir>/<GPU kind>.json), else the user DB; None when
     there is neither."""
+    from . import db  # noqa: PLC0415
+
     if args.out is None:
         return _user_path(args)
-    return args.out if _names_a_json_file(args.out) else args.out / f"{kind}.json"
+    return args.out if db.names_a_json_file(args.out) else args.out / f"{kind}.json"
 
 
 def _writable_target(args: argparse.Namespace, target: Path, kind: str) -> bool:
@@ -703,7 +699,7 @@ def _writable_target(args: argparse.Namespace, target: Path, kind: str) -> bool:
     re-timed entry), so a run never spends device time on results it then cannot keep."""
     from . import db  # noqa: PLC0415
 
-    if args.out is not None and not _names_a_json_file(args.out) and args.out.is_file():
+    if args.out is not None and not db.names_a_json_file(args.out) and args.out.is_file():
         print(f"flce-tune: --out {args.out} is a file but not a .json one; name a .json file or a directory (results "
               f"go to <dir>/<GPU kind>.json)", file=sys.stderr)
         return False

@@ -221,6 +221,12 @@ def write_entries(
     return p
 
 
+def names_a_json_file(path: Path) -> bool:
+    """Whether an output path names a DB file rather than a directory: a ``.json`` suffix in any case
+    (``DB.JSON`` made a directory of that name)."""
+    return path.suffix.lower() == ".json"
+
+
 def export_shipped(path: str | os.PathLike[str], entries: Sequence[Entry]) -> list[Path]:
     """Write entries in the shipped layout. ``path`` is a directory (one ``<gpu kind>.json`` per GPU kind,
     merged into existing files) or a ``.json`` file (then the entries must be of one GPU kind)."""
@@ -228,7 +234,7 @@ def export_shipped(path: str | os.PathLike[str], entries: Sequence[Entry]) -> li
     by_device: dict[str, list[Entry]] = {}
     for e in entries:
         by_device.setdefault(e.device, []).append(e)
-    if p.suffix.lower() == ".json":  # (any case: "DB.JSON" made a directory of that name)
+    if names_a_json_file(p):
         if len(by_device) > 1:
             raise ValueError(
                 f"export path {p} is one file but the entries span GPU kinds {sorted(by_device)}; pass a "
