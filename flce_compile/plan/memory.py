@@ -91,6 +91,12 @@ def _fp32_logits_bytes(rows: sympy.Expr, columns: sympy.Expr, row_bytes: sympy.E
     return FP32L * (rows * row_bytes / S * 4 + columns * 4 + upcast + true_class)
 
 
+def _step_vectors(rows: sympy.Expr, classes: sympy.Expr) -> sympy.Expr:
+    """The torch CE step's own vectors over a chunk's ``rows`` and ``classes``, where ``k32`` holds no spare
+    chunk to cover them (``STEP_VECTORS``)."""
+    return STEP_VECTORS * (rows * TORCH_STEP_ROW_BYTES + classes * TORCH_STEP_CLASS_BYTES)
+
+
 @functools.cache
 def peak_bytes_expr() -> sympy.Expr:
     """Bytes above inputs and outputs: one chunk of logits (two with stream overlap; + CE temporaries; + an
@@ -118,7 +124,7 @@ def _chunked_terms() -> sympy.Expr:
         + NEED_DW * IN_PLACE * row_bytes * HW
     )
     per_token = BT * PER_TOKEN_BYTES + rows * PER_CHUNK_ROW_BYTES
-    step_vectors = STEP_VECTORS * (rows * TORCH_STEP_ROW_BYTES + (V + PAD * pad_rows) * TORCH_STEP_CLASS_BYTES)
+    step_vectors = _step_vectors(rows, V + PAD * pad_rows)
     side_stream = (BUFFERS - 1) * SIDE_STREAM_WORKSPACE_BYTES
     wide = _fp32_logits_bytes(rows, V + PAD * pad_rows, row_bytes)
     upcast = UPCAST * NEED_DW * 4 * rows * (V + PAD * pad_rows + H)  # a chunk's gradient and hidden states, in fp32
@@ -167,8 +173,7 @@ def _recompute_terms() -> sympy.Expr:
                 + rows * block_bytes + K32 * rows * block * 4 + _fp32_logits_bytes(rows, block, block_bytes)
                 + FP32L * V * 4 + upcast)  # FP32L * V * 4: the whole fp32 bias
     per_token = BT * (PER_TOKEN_BYTES + RECOMPUTE_ROW_FACTOR_BYTES) + rows * PER_CHUNK_ROW_BYTES
-    # (over all V classes: forward's chunks have them, backward's blocks fewer)
-    step_vectors = STEP_VECTORS * (rows * TORCH_STEP_ROW_BYTES + V * TORCH_STEP_CLASS_BYTES)
+    step_vectors = _step_vectors(rows, V)  # (over all V classes: forward's chunks have them, backward's blocks fewer)
     return (sympy.Max(forward, backward) + FROZEN * NEED_DW * V * HW * S + per_token + step_vectors
             + SLACK_BYTES)
 
