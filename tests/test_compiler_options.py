@@ -157,6 +157,15 @@ def test_with_options_takes_the_prefixed_spelling_too():
 def test_with_options_validates_eagerly():
     with pytest.raises(ValueError, match="flce.logits"):
         fc.with_options(logits="nope")
+    # with Inductor inside, the mode and Inductor's own option names too, as torch.compile checks them for it
+    with pytest.raises(RuntimeError, match="mode=reduce_overhead"):
+        fc.with_options(mode="reduce_overhead")
+    with pytest.raises(RuntimeError, match="no_such_inductor_option"):
+        fc.with_options({"no_such_inductor_option": True}, logits="drop")
+    assert fc.with_options(mode="max-autotune", logits="drop").mode == "max-autotune"
+    assert fc.with_options({"max_autotune": True}).flce_options == {"max_autotune": True}
+    # another inner compiler's mode is that compiler's to read, when it compiles
+    assert fc.with_options(mode="whatever", inner="aot_eager").mode == "whatever"
 
 
 def test_precision_and_memory_budget_reach_the_op():

@@ -137,11 +137,14 @@ def with_options(options: Mapping[str, Any] | None = None, mode: str | None = No
     Use it when you need ``mode=`` and ``flce.*`` options together (``torch.compile`` rejects mode+options).
     Keyword arguments are shorthand for ``flce.*`` keys: ``with_options(logits="drop", inner="aot_eager")`` (the
     prefixed spelling, ``**{"flce.logits": "drop"}``, is taken too).
-    Options are validated here, so mistakes surface before compiling.
+    Options are validated here, so mistakes surface before compiling: ours, and with Inductor as the inner
+    compiler ``mode`` and Inductor's own options too, which ``torch.compile`` checks at its call for Inductor.
     """
     merged = dict(options or {})
     merged.update({k if k.startswith(PREFIX) else PREFIX + k: v for k, v in flce.items()})
-    split_options(merged)  # validate now
+    opts, inner_options = split_options(merged)  # validate now
+    if opts.inner == "inductor":  # building Inductor's wrapper checks the mode's name and its option names
+        inner_compiler(opts, mode, inner_options, {})
     return _BoundBackend(merged, mode)
 
 
