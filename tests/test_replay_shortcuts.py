@@ -523,10 +523,11 @@ _MATH_CHANGES = {
     # TunableOp or workspace getters: the key's own (``graph_replay._tunableop_enabled`` ...) stand in for them.
     "TunableOp": lambda mp: mp.setattr(graph_replay, "_tunableop_enabled", lambda: True, raising=False),
     "TunableOp tuning": lambda mp: mp.setattr(graph_replay, "_tunableop_tuning", lambda: True, raising=False),
-    "cuBLAS workspace size": lambda mp: mp.setattr(graph_replay, "_cublas_workspace", lambda: 1 << 20,
-                                                   raising=False),
-    "cuBLASLt workspace size": lambda mp: mp.setattr(graph_replay, "_cublaslt_workspace", lambda: 1 << 20,
-                                                     raising=False),
+    # a size other than the current one: a CUDA build's cuBLASLt getter answers 1 << 20 by default (torch 2.15)
+    "cuBLAS workspace size": lambda mp: mp.setattr(
+        graph_replay, "_cublas_workspace", lambda size=graph_replay._cublas_workspace() + (1 << 20): size),
+    "cuBLASLt workspace size": lambda mp: mp.setattr(
+        graph_replay, "_cublaslt_workspace", lambda size=graph_replay._cublaslt_workspace() + (1 << 20): size),
     "SM carveout": lambda mp: torch._C._set_sm_carveout_experimental(8),
     # with deterministic algorithms on, a GEMM under a cuBLAS config that is not deterministic warns (warn_only)
     # or raises: a replay must not answer where the uncaptured op raises
