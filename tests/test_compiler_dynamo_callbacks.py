@@ -44,7 +44,7 @@ def test_kept_across_a_reset_that_raises_mid_compile(monkeypatch):
     if pending is None:
         pytest.skip("this torch's handler counts no pending callbacks")
     monkeypatch.setattr(handler, pending, 1)
-    with pytest.raises(AssertionError, match="pending"):
+    with pytest.raises(AssertionError):  # (torch 2.11's is a bare assert; 2.13's names the pending callbacks)
         torch._dynamo.reset()
     monkeypatch.setattr(handler, pending, 0)
     assert dynamo_callbacks.registered(_start)
