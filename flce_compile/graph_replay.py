@@ -177,15 +177,9 @@ _HAS_FP16_ACCUMULATION = hasattr(torch._C, "_get_cublas_allow_fp16_accumulation"
 # the stand-in (a C call, as cheap as the getter) answers the same constant on every call.
 _tunableop_enabled = getattr(torch._C, "_cuda_tunableop_is_enabled", bool)
 _tunableop_tuning = getattr(torch._C, "_cuda_tunableop_tuning_is_enabled", bool)
-_cublas_workspace_size = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
+_cublas_workspace = getattr(torch._C, "_cuda_getCublasWorkspaceSize", int)
 _cublaslt_workspace = getattr(torch._C, "_cuda_getCublasLtWorkspaceSize", int)
 _sm_carveout = getattr(torch._C, "_get_sm_carveout_experimental", type(None))
-
-
-def _cublas_workspace() -> int:
-    """The cuBLAS workspace size, or 0 until CUDA is initialized (as it is for any CUDA call). Unless a size was set,
-    the getter asks the device: a CUDA build without a usable driver raises, on a GPU it would initialize CUDA."""
-    return _cublas_workspace_size() if _cublas_workspace_size is not None and torch.cuda.is_initialized() else 0
 
 
 def math_settings() -> tuple:

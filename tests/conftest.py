@@ -41,7 +41,18 @@ class _Rerun:
 
 
 @pytest.fixture
-def cpu_graphs(monkeypatch):
+def cuda_settings_stand_in(monkeypatch):
+    """For tests that replay graphs on the CPU, whose keys (outside tests, only CUDA calls are keyed) read torch's
+    CUDA settings: cuBLAS's workspace getter (CUDA builds of torch after 2.11) asks the device unless a size was
+    set, which raises on a CUDA build without a usable driver. It answers 0, as the key's stand-in does on CPU
+    builds."""
+    from flce_compile import graph_replay
+
+    monkeypatch.setattr(graph_replay, "_cublas_workspace", int)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch, cuda_settings_stand_in):
     """Graph replay on the CPU with the stand-in capture; lists each forward capture's weight address. The
     graphs and the eager shortcuts to them start and end empty."""
     from flce_compile import eager_shortcut, graph_replay, set_cuda_graphs

@@ -16,7 +16,7 @@ class _NoReplay:
 
 
 @pytest.fixture
-def cpu_stand_in(monkeypatch):
+def cpu_stand_in(monkeypatch, cuda_settings_stand_in):
     def captured(fn, device, stream, *, outputs=True, pool=None):
         result = fn() if outputs else None
         return _NoReplay(), result, 0

@@ -615,20 +615,6 @@ def test_the_math_settings_getters_are_torchs_own():
     assert graph_replay._sm_carveout is getattr(torch._C, "_get_sm_carveout_experimental", type(None))
 
 
-def test_the_cublas_workspace_is_read_only_once_cuda_is_initialized(monkeypatch):
-    """Unless a size was set, the cuBLAS workspace getter asks the device: on torch 2.15's CUDA build without a
-    usable driver it raised in every CPU call's key (and on a GPU it would initialize CUDA for one)."""
-    def asks_the_device():
-        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
-
-    monkeypatch.setattr(graph_replay, "_cublas_workspace_size", asks_the_device, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert graph_replay.math_settings() == graph_replay.math_settings()
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="insufficient"):  # a CUDA call's key reads the real size
-        graph_replay.math_settings()
-
-
 @pytest.mark.parametrize("frozen", [0.0, False])
 def test_frozen_weight_columns_of_another_type_is_refused_after_a_shortcut_too(cpu_graphs, eager_hits, frozen):
     """``frozen_weight_columns`` must be an int: 0.0 or False equal 0, so once a key was recorded the shortcut
