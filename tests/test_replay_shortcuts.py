@@ -180,9 +180,9 @@ def test_what_the_recent_call_shortcut_still_asks_each_call(cpu_graphs, shortcut
     instance = eager_shortcut._HOT[-1]()
     assert instance is not None
     with graph_replay._cache.lock:  # evicted (``_Cache.evict_beyond``) while something still holds it
-        for instances in graph_replay._cache.graphs.values():
-            if any(g is instance for g in instances):
-                instances.remove(instance)
+        for key_instances in graph_replay._cache.graphs.values():
+            if any(g is instance for g in key_instances):
+                key_instances.remove(instance)
     recent.clear()
     loss = fused_linear_cross_entropy(x, w, t)  # where the evicted instance reads its inputs
     loss.backward()
