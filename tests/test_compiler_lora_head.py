@@ -7,6 +7,8 @@ did and say why; and a real peft model, when peft is installed."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +197,7 @@ def _fused_calls(graphs):
             if n.op == "call_function" and n.target in (flce_fused_loss, flce_fused_loss_keep)]
 
 
+@functools.cache  # the installed torch's answer, asked once for both parametrizations
 def _dynamo_sees_unfreezing() -> bool:
     """Whether Dynamo compiles again once a module's frozen parameter requires grad. Torch 2.11's does not: it
     skips a parameter's tensor guard while its module's parameter dict is unchanged, and then every backend
