@@ -91,14 +91,20 @@ def measure(shape: tuple[int, int, int], dtypes: list[torch.dtype], margins: lis
     return rows
 
 
+def _ratio(ours: float, eager: float) -> str:
+    """ours / eager, two decimals, or two digits in e-notation below 0.01 (the torch step's confident rows)."""
+    r = ours / eager
+    return f"{r:.2f}" if r >= 0.01 else f"{r:.1e}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: each error and its ratio to eager's."""
     lines = ["| dtype | sure of | margin | variant | dX (x eager) | dW (x eager) | worst row dX (eager's) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['sure_of']} | {r['margin']:g} | {r['variant']} "
-                     f"| {r['dx']:.2e} ({r['dx'] / r['eager_dx']:.2f}x) "
-                     f"| {r['dw']:.2e} ({r['dw'] / r['eager_dw']:.2f}x) "
+                     f"| {r['dx']:.2e} ({_ratio(r['dx'], r['eager_dx'])}x) "
+                     f"| {r['dw']:.2e} ({_ratio(r['dw'], r['eager_dw'])}x) "
                      f"| {r['dx_worst_row']:.2e} ({r['eager_dx_worst_row']:.2e}) |")
     return "\n".join(lines)
 
@@ -124,6 +130,8 @@ def main() -> None:
                    args.device)
     name = torch.cuda.get_device_name() if gpu else "cpu"
     env = {"device": name, **versions(), "shape": "x".join(map(str, shape)), "vocab_block": block}
+    if not gpu:  # the CPU's vector width sets the order of eager's and the torch step's sums
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     md = (f"# Confident rows, errors vs fp64: {name}, {', '.join(f'{k} {v}' for k, v in env.items() if k != 'device')}"
           f"\n\n{table(rows)}\n")
     print(md)

@@ -775,9 +775,19 @@ def test_confident_rows_are_as_exact_as_eager(strategy, reduction):
         # The loss within four ulps of 1, the resolution of an fp32 softmax sum (eager's CPU kernel sums in
         # fp64, so its own error is no bound here): from the fp32 lse it was 1.1e-6 at a margin of 16.
         assert float((ours[0] - exact[0]).abs().max()) <= 4 * 2.0**-23, margin
+        torch_step = strategy != "triton"  # (recompute on the CPU runs the torch step too)
+        if torch_step:
+            # and the per-token losses to 1e-6 or so of each: lse = max + log1p(the other classes' sum), not
+            # max + log(sum), whose fp32 sum rounds at 1 (eager's losses 7e-5 .. 3e-4 off here at a margin of 16)
+            assert float((ours[0] - exact[0]).norm() / exact[0].norm()) <= 2e-5, margin
         for name, o, e, r in zip(("dX", "dW"), ours[1:], eager[1:], exact[1:]):
-            # (1.35: the torch strategy's row sums, in another order than eager's, read up to 1.29x here)
-            assert float((o - r).norm() / r.norm()) <= 1.35 * float((e - r).norm() / r.norm()), (margin, name)
+            err, eager_err = float((o - r).norm() / r.norm()), float((e - r).norm() / r.norm())
+            # (1.35: the Triton kernel's row sums, in another order than eager's, read up to 1.15x here)
+            assert err <= 1.35 * eager_err, (margin, name)
+            if torch_step:
+                # the torch step's target p - 1 is expm1(z_t - lse), not p's rounding at 1 (measured 0.10-0.15x
+                # eager's error at a margin of 10, 0.005x at 16; up to 1.29x before 2026-12-07)
+                assert err <= (0.5 if margin == 10.0 else 0.05) * eager_err, (margin, name)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

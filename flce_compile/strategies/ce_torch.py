@@ -9,7 +9,9 @@ the gradient in place; where the gradient overwrites logits already in the math 
 loop), ``z`` is the logits themselves, and where it goes to a gradient buffer in the math dtype (kept logits on
 the CPU), ``z`` is that buffer. No ``torch.logsumexp``, whose exp(z - max) is a temporary of the
 chunk's size; the probabilities are exp(z - max) / sum instead of exp(z - lse), which also spares them the
-rounding of a large lse.
+rounding of a large lse. The lse is max + log1p(the sum of the classes other than the max) and the target's
+gradient takes p - 1 as expm1(z_t - lse): a confident row's 1 - p is far below the rounding of p and of the
+sum at 1, which eager's softmax keeps (``_exp_shifted_``).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         args.target_z_out.copy_(z_y)
     peak = None
     if args.top_out is not None:  # the row's largest z and its class, for a recomputing backward (``CEStepArgs``)
-        peak, top_col = z.max(dim=1)
-        args.top_out[0].copy_(peak)
-        args.top_out[1].copy_(torch.where(peak > float("-inf"), top_col + offset, -1))
+        peak = z.max(dim=1)
+        top_col = peak.indices
+        args.top_out[0].copy_(peak.values)
+        args.top_out[1].copy_(torch.where(peak.values > float("-inf"), top_col + offset, -1))
     if args.top_in is not None and args.lse_in is not None and args.write_grad:
         # The forward's largest z in its class's column, where that lies in this slice (as the target's, below)
         top_class = args.top_in[1].to(torch.int64)
@@ -65,6 +68,8 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         # The forward's target z in the target's column, where the target lies in this slice: the probability
         # formed from it is the forward's, whatever rounding the recomputed logits got (``CEStepArgs``)
         _put_kept_z_(z, col_index, here, args.target_z_in)
+    # The target's z as the probabilities read it, for its 1 - p (below)
+    z_t = z.gather(1, col_index).squeeze(1) if args.write_grad else None
     wants_sum = bool(eps) and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
     # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
@@ -97,13 +102,22 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     # d loss_i / d z_ic = coef_i * p_ic - a_i (1-eps) w_y [c == y] - a_i (eps/V) w_c, with a_i the CE scale.
     # Over a slice of the classes, the true-class term falls on the rows whose target lies in the slice.
     g = z.div_(sums[:, None]) if sums is not None else _probabilities_from_lse_(z, lse_full)
+    p_t = g.gather(1, col_index).squeeze(1)
+    # coef = true + rest: the true-class weight a_i (1-eps) w_y, and the smoothing and z-loss parts
     # (the class-weight sum only with smoothing: 0 * an inf weight of a class no target has made every gradient nan)
     coef = ce_scale * ((1.0 - eps) * w_y + (eps / vocab) * args.weight_sum if eps else w_y)
+    rest = ce_scale * ((eps / vocab) * args.weight_sum) if eps else torch.zeros_like(lse)
     if p.z_loss:
-        coef = coef + z_scale * (2.0 * p.z_loss) * lse
+        z_term = z_scale * (2.0 * p.z_loss) * lse
+        coef, rest = coef + z_term, rest + z_term
     g.mul_(coef[:, None])
-    true_class = -(ce_scale * (1.0 - eps) * w_y).expand_as(lse)
-    g.scatter_add_(1, col_index, torch.where(here, true_class, 0.0)[:, None].contiguous())
+    true_class = (ce_scale * (1.0 - eps) * w_y).expand_as(lse)
+    # The target's coef p - true as rest p + true (p - 1), with p - 1 = expm1(z_t - lse) from the fp64 lse: a
+    # confident row's p rounds within an ulp of 1, and coef p - true kept that rounding alone (dX and dW of rows
+    # sure of their target at a margin of 24: 1e-3 from fp64, as eager's; 2-5e-6 this way)
+    p_minus_1 = torch.expm1(z_t.to(lse_full.dtype) - lse_full).to(g.dtype)
+    g_t = rest * p_t + true_class * p_minus_1
+    g.scatter_(1, col_index, torch.where(here, g_t, g.gather(1, col_index).squeeze(1))[:, None])
     if eps:
         if class_w is None:
             class_w = torch.ones(columns, dtype=g.dtype, device=g.device)
@@ -143,22 +157,34 @@ def _put_kept_z_(z: torch.Tensor, index: torch.Tensor, here: torch.Tensor, kept_
 
 
 def _exp_shifted_(z: torch.Tensor, class_w: torch.Tensor | None = None, smoothing: bool = False,
-                  peak: torch.Tensor | None = None
+                  peak: torch.return_types.max | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Turn ``z`` (rows x C) into exp(z - shift) in place, the shift being each row's max; return each row's sum
     of exp(z - shift), its lse in fp64 (max + log(sum) unrounded), the shift and, with ``smoothing``,
     sum_c w_c (z_c - shift) (``class_w``: w, None for ones).
+    The lse is max + log1p(the sum without the max's own 1): summed with the 1, a confident row's lse - max
+    (about 1e-6 when the other classes lie 14 and more below the max) is a few ulps of 1 (1.2e-7), and it is
+    that row's loss and its target's 1 - p.
     A row of -inf gets lse -inf. A row holding +inf has no softmax: its sum, and so its lse, loss and
     probabilities, is nan, as eager's log_softmax and the Triton kernel give it (torch.logsumexp's +inf gave
     this step a loss of inf there: the same call read inf on the CPU and nan on a GPU). Its shift is the largest
-    finite value, so finite z do not overflow. ``peak``: each row's max, when the caller has it already."""
-    peak = z.amax(dim=1) if peak is None else peak
-    shift = torch.where(peak == float("-inf"), 0.0, peak.clamp(max=torch.finfo(z.dtype).max))
+    finite value, so finite z do not overflow. ``peak``: each row's max and its column (``z.max(dim=1)``), when
+    the caller has them already."""
+    peak_z, peak_col = z.max(dim=1) if peak is None else peak
+    shift = torch.where(peak_z == float("-inf"), 0.0, peak_z.clamp(max=torch.finfo(z.dtype).max))
     z.sub_(shift[:, None])
     rel_sum = _class_sum(z, class_w) if smoothing else None
-    sums = z.exp_().sum(dim=1)
-    sums.masked_fill_(peak == float("inf"), float("nan"))
-    return sums, sums.log().double().add_(shift.double()), shift, rel_sum
+    z.exp_()
+    # the max's own term (1; 0 for a row of -inf, inf or nan for a row holding +inf or nan), summed apart
+    peak_col = peak_col[:, None]
+    own = z.gather(1, peak_col)
+    others = z.scatter_(1, peak_col, 0.0).sum(dim=1)
+    z.scatter_(1, peak_col, own)
+    own = own.squeeze(1)
+    sums = others + own
+    sums.masked_fill_(peak_z == float("inf"), float("nan"))
+    log_sum = torch.where(own == 1.0, torch.log1p(others.double()), sums.double().log())
+    return sums, log_sum.add_(shift.double()), shift, rel_sum
 
 
 def _class_sum(z: torch.Tensor, class_w: torch.Tensor | None) -> torch.Tensor:
