@@ -72,8 +72,8 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
     z_t = z.gather(1, col_index).squeeze(1) if args.write_grad else None
     wants_sum = bool(eps) and wants_stats
     class_w = args.ce_weight[offset:offset + columns] if args.ce_weight is not None else None
-    # lse_full: max + log(sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y of a confident
-    # row is far below lse's rounding at the logits' magnitude), the kept lse and, from it, backward's p
+    # lse_full: max + log1p(the others' sum) unrounded, in fp64 (``chunked.LSE_DTYPE``), for the loss (lse - z_y
+    # of a confident row is far below lse's rounding at the logits' magnitude), the kept lse and backward's p
     if args.lse_in is None:
         # z is exp(z - max) from here on; with smoothing, rel_sum = sum_c w_c (z_c - max)
         sums, lse_full, shift, rel_sum = _exp_shifted_(
