@@ -111,13 +111,13 @@ def ce_step_torch(args: CEStepArgs, p: LossParams, config: FLCEConfig | None = N
         z_term = z_scale * (2.0 * p.z_loss) * lse
         coef, rest = coef + z_term, rest + z_term
     g.mul_(coef[:, None])
-    true_class = (ce_scale * (1.0 - eps) * w_y).expand_as(lse)
+    true_class = ce_scale * (1.0 - eps) * w_y
     # The target's coef p - true as rest p + true (p - 1), with p - 1 = expm1(z_t - lse) from the fp64 lse: a
     # confident row's p rounds within an ulp of 1, and coef p - true kept that rounding alone (dX and dW of rows
     # sure of their target at a margin of 24: 1e-3 from fp64, as eager's; 2-5e-6 this way)
     p_minus_1 = torch.expm1(z_t.to(lse_full.dtype) - lse_full).to(g.dtype)
     g_t = rest * p_t + true_class * p_minus_1
-    g.scatter_(1, col_index, torch.where(here, g_t, g.gather(1, col_index).squeeze(1))[:, None])
+    g.scatter_(1, col_index, torch.where(here, g_t, coef * p_t)[:, None])  # (elsewhere: the value g holds)
     if eps:
         if class_w is None:
             class_w = torch.ones(columns, dtype=g.dtype, device=g.device)
