@@ -85,14 +85,6 @@ def variants(selected: list[str], native_from: str | None = None) -> dict[str, C
     return out
 
 
-def floor_fn(x, w, t):
-    """The three GEMMs an exact FLCE must run, on a logits-sized buffer the caller owns."""
-    logits = x @ w.T
-    dx = logits @ w
-    dw = logits.T @ x
-    return dx, dw
-
-
 def time_fwd_bwd(fn, x, w, t) -> tuple[float, float]:
     """(median ms, peak GB above inputs and their gradients) of forward + backward."""
     xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -136,17 +128,23 @@ def time_host(fns: dict[str, Callable], shape: str, calls: int = 200) -> dict[st
     return out
 
 
-def time_floor(x, w, t) -> float:
+FLOOR_OPERANDS = ("gradient", "logits")
+
+
+def time_floor(x, w, t, operand: str = "gradient") -> float:
     """The three GEMMs at V rounded up to 128 bytes (zero rows change no result, so an exact FLCE may run
     them; at an odd V the unpadded GEMMs get misaligned operands and run 3-4x slower): the logits, then dX and dW
     from the loss's own logit gradient (``logit_gradient``), the operand an exact FLCE's dX and dW GEMMs read.
-    Until 2026-12-06 they read the logits instead (about N(0, 1) values where the gradient's are small, positive
-    and sparse): the op's own GEMM kernels summed to 0.92-0.95x that floor in a profile on the H200, so a GPU
-    at its power cap ran the floor's GEMMs slower than the op's."""
+    Until 2026-12-06 they read the logits instead (``operand="logits"``, kept for ``floor_operand.py``'s A/B:
+    about N(0, 1) values where the gradient's are small, positive and sparse): the op's own GEMM kernels summed
+    to 0.92-0.95x that floor in a profile on the H200, so a GPU at its power cap ran the floor's GEMMs slower than
+    the op's."""
+    if operand not in FLOOR_OPERANDS:
+        raise ValueError(f"operand={operand!r}: expected one of {FLOOR_OPERANDS}")
     v_padded = padded_row_elements(w.shape[0], x.element_size())
     w_padded = F.pad(w, (0, 0, 0, v_padded - w.shape[0]))  # zero rows appended
     logits = torch.empty(x.shape[0], v_padded, device="cuda", dtype=x.dtype)
-    grad = logit_gradient(x, w, t, v_padded)
+    grad = logit_gradient(x, w, t, v_padded) if operand == "gradient" else logits
 
     def gemms():
         torch.mm(x, w_padded.T, out=logits)
