@@ -43,6 +43,7 @@ def time_shape(shape: str, rounds: int) -> dict[str, Any]:
 
 
 def table(env: dict[str, str], rounds: int, rows: list[dict[str, Any]]) -> str:
+    """The markdown the run prints and saves: a heading with the GPU and versions, then a row per shape."""
     lines = [f"# floor_operand: {env['gpu']}, torch {env['torch']}, {env['date']}", "",
              f"The three GEMMs at V padded to 128 bytes, bf16, dX and dW on the logits or on the loss's own logit "
              f"gradient; {rounds} rounds, alternating; ms = the median of the rounds' do_bench medians.", "",
