@@ -1,12 +1,14 @@
-"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py) and the memory
+"""Helpers shared by the benchmark scripts (bench_flce.py, plot_curves.py, host_overhead.py, ...) and the memory
 tests: the inputs, the eager reference, the peers (Liger, CCE, PyTorch's native chunked loss), the package versions,
-the CPU peak-memory measurement and the median timing of a step.
+the CPU peak-memory measurement, the median timing of a step and the command line of the benchmarks that time
+their steps in turns.
 
 Importing this module imports torch only; the peers and triton are imported when asked for.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -233,3 +235,23 @@ def save_results(out_dir: Path | str, stem: str, md: str, data: Any, indent: int
     for folder in output_dirs(out_dir):
         (folder / f"{stem}.md").write_text(md)
         (folder / f"{stem}.json").write_text(json.dumps(data, indent=indent))
+
+
+def parse_turns_args(doc: str, shapes: list[str], needs_gpu: str,
+                     add_arguments: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """The command line of a benchmark that times its steps in turns at each shape: ``--shapes``, ``--rounds``
+    (at least 1), ``--tag`` (appended to the result files' names), ``--out`` and whatever ``add_arguments`` adds.
+    Refuses to run without CUDA, saying ``needs_gpu`` (why the benchmark needs the GPU)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=shapes)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tag", default="", help="appended to the result files' names")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error(f"needs a CUDA GPU: {needs_gpu}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
+    return args

@@ -12,7 +12,6 @@ JSON with the GPU name and versions, under ``--out`` (benchmarks/results/ by def
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -21,10 +20,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import make_inputs, save_results  # noqa: E402
+from benchmarks._common import make_inputs, parse_turns_args, save_results  # noqa: E402
 from benchmarks.bench_flce import FLOOR_OPERANDS, SHAPES, environment, time_floor  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def time_shape(shape: str, rounds: int) -> dict[str, Any]:
@@ -56,16 +53,7 @@ def table(env: dict[str, str], rounds: int, rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=SHAPES)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tag", default="", help="appended to the result files' names")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU: the floor is cuBLAS GEMMs timed with CUDA events")
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: must be at least 1")
+    args = parse_turns_args(__doc__, SHAPES, "the floor is cuBLAS GEMMs timed with CUDA events")
     env = environment()
     rows = []
     for shape in args.shapes:

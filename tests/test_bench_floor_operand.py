@@ -1,5 +1,6 @@
 """benchmarks/floor_operand.py: the floor on each dX/dW operand, in turns (CPU: the GPU timer is replaced by a
-scripted one), and bench_flce's floor refusing an operand it does not know."""
+scripted one), and bench_flce's floor refusing an operand it does not know; the command line that floor_operand.py
+and floor_gap.py share (``_common.parse_turns_args``) refusing bad arguments by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("triton")  # bench_flce times with triton.testing (_common.do_bench_ms)
 
 import benchmarks.bench_flce as bench  # noqa: E402
+import benchmarks.floor_gap as floor_gap  # noqa: E402
 import benchmarks.floor_operand as floor_operand  # noqa: E402
 
 
@@ -40,16 +42,17 @@ def test_the_operands_alternate_and_the_ratio_is_of_their_medians(tmp_path, monk
     assert "| 8x4x16 | 11.00 | 9.50 | 0.864 |" in md
 
 
-def test_zero_rounds_and_no_gpu_are_refused_by_name(monkeypatch, capsys):
+@pytest.mark.parametrize("module", [floor_operand, floor_gap], ids=["floor_operand", "floor_gap"])
+def test_zero_rounds_and_no_gpu_are_refused_by_name(module, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sys, "argv", ["floor_operand.py", "--rounds", "0"])
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--rounds", "0"])
     with pytest.raises(SystemExit):
-        floor_operand.main()
+        module.main()
     assert "--rounds 0" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["floor_operand.py"])
+    monkeypatch.setattr(sys, "argv", ["bench.py"])
     with pytest.raises(SystemExit):
-        floor_operand.main()
+        module.main()
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
