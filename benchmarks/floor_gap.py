@@ -62,8 +62,8 @@ class GemmSteps:
         longest = max((stop - start for start, stop in self.plan), default=0)
         self.logits = torch.empty(longest, weight.shape[0], dtype=x.dtype, device=x.device)
         self.dx = torch.empty_like(x)
-        straight = len(self.plan) <= 1
-        self.dw = torch.empty(weight.shape, dtype=x.dtype if straight else torch.float32, device=x.device)
+        self.straight = len(self.plan) <= 1  # one chunk: dW in the weight dtype, no fp32 sums
+        self.dw = torch.empty(weight.shape, dtype=x.dtype if self.straight else torch.float32, device=x.device)
 
     def gemms(self) -> None:
         """Per chunk: logits, dX and dW (summed in fp32 over chunks, or written straight by one chunk)."""
@@ -71,7 +71,7 @@ class GemmSteps:
         for index, (start, stop) in enumerate(self.plan):
             torch.mm(x[start:stop], w.t(), out=self.logits[: stop - start])
             torch.mm(grad[start:stop], w, out=self.dx[start:stop])
-            if len(self.plan) == 1:
+            if self.straight:
                 torch.mm(grad.t(), x, out=self.dw)
             else:
                 add_product(self.dw, grad[start:stop].t(), x[start:stop], overwrite=index == 0)
