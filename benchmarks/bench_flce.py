@@ -145,13 +145,19 @@ def time_floor(x, w, t, operand: str = "gradient") -> float:
     w_padded = F.pad(w, (0, 0, 0, v_padded - w.shape[0]))  # zero rows appended
     logits = torch.empty(x.shape[0], v_padded, device="cuda", dtype=x.dtype)
     grad = logit_gradient(x, w, t, v_padded) if operand == "gradient" else logits
+    return do_bench_ms(floor_gemms(x, w_padded, grad, logits), warmup_ms=200, rep_ms=1000)
 
-    def gemms():
+
+def floor_gemms(x: torch.Tensor, w_padded: torch.Tensor, operand: torch.Tensor,
+                logits: torch.Tensor) -> Callable[[], None]:
+    """The floor's three GEMMs as one step: the logits into ``logits``, then dX and dW on ``operand`` (N, Vp)."""
+
+    def gemms() -> None:
         torch.mm(x, w_padded.T, out=logits)
-        torch.mm(grad, w_padded)
-        torch.mm(grad.T, x)
+        torch.mm(operand, w_padded)
+        torch.mm(operand.T, x)
 
-    return do_bench_ms(gemms, warmup_ms=200, rep_ms=1000)
+    return gemms
 
 
 def logit_gradient(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, v_padded: int,

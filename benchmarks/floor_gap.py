@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import do_bench_ms, make_inputs, parse_turns_args, save_results  # noqa: E402
-from benchmarks.bench_flce import environment, logit_gradient  # noqa: E402
+from benchmarks.bench_flce import environment, floor_gemms, logit_gradient  # noqa: E402
 from flce_compile import choose_config, fused_linear_cross_entropy  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 from flce_compile.strategies.chunked import add_product  # noqa: E402
@@ -105,17 +105,12 @@ def _time_steps(shape: str, rounds: int) -> tuple[dict[str, list[float]], int, s
     steps = GemmSteps(x, w_padded, grad, v, chunk)
     xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
 
-    def floor() -> None:
-        torch.mm(x, w_padded.t(), out=floor_logits)
-        torch.mm(grad, w_padded)
-        torch.mm(grad.t(), x)
-
     def op() -> None:
         xg.grad = wg.grad = None
         fused_linear_cross_entropy(xg, wg, t).backward()
 
-    fns: dict[str, Callable[[], object]] = {"floor": floor, "gemms": steps.gemms, "rounding": steps.rounding,
-                                            "op": op}
+    fns: dict[str, Callable[[], object]] = {"floor": floor_gemms(x, w_padded, grad, floor_logits),
+                                            "gemms": steps.gemms, "rounding": steps.rounding, "op": op}
     times: dict[str, list[float]] = {step: [] for step in STEPS}
     for _ in range(rounds):
         for step in STEPS:
