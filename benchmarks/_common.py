@@ -230,6 +230,23 @@ def output_dirs(out_dir: Path | str) -> list[Path]:
     return dirs
 
 
+def shape_table(heading: list[str], shapes: list[str],
+                run_shape: Callable[[str], tuple[list[str], Any]]) -> tuple[str, list[Any]]:
+    """A table built shape by shape: ``heading`` (title and header lines) printed first, then each shape's rows
+    as ``run_shape`` returns them (with its data), printed as they come. Returns the markdown and the data."""
+    lines = list(heading)
+    for line in lines:
+        print(line, flush=True)
+    rows = []
+    for shape in shapes:
+        shape_lines, data = run_shape(shape)
+        lines += shape_lines
+        rows.append(data)
+        for line in shape_lines:
+            print(line, flush=True)
+    return "\n".join(lines) + "\n", rows
+
+
 def save_results(out_dir: Path | str, stem: str, md: str, data: Any, indent: int = 1) -> None:
     """``<stem>.md`` (the table as printed) and ``<stem>.json`` (``data``) in ``out_dir`` and $OUT."""
     for folder in output_dirs(out_dir):

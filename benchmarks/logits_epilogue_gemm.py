@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import median_ms, save_results, versions  # noqa: E402
+from benchmarks._common import median_ms, save_results, shape_table, versions  # noqa: E402
+from flce_compile.kernels.tile_order import grouped_tile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the usual Hopper tiles of Triton's matmul.
@@ -45,18 +46,6 @@ TMA_CONFIGS = tuple((bm, bn, bk, 8, warps, stages, ws) for bm, bn, bk, warps, st
                     for ws in (False, True))
 #: rows x H x V -> the CE tile the shipped H200 entries carry at that V (block_v, num_warps).
 SHAPES = {"4096x768x50257": (4096, 8), "4096x4096x128256": (8192, 8)}
-
-
-@triton.jit
-def _tile_position(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of the ``tile``-th output tile: GROUP_M row tiles walk the N tiles together, so W's
-    tiles stay in L2 while they are read."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + ((tile % in_group) % size_m), (tile % in_group) // size_m
 
 
 @triton.jit
@@ -76,7 +65,7 @@ def logits_gemm_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, stri
                        STATS: tl.constexpr):
     """out = x @ w^T (x: M x K, w: N x K, K a multiple of BLOCK_K), one program a tile, pointer loads; with STATS
     the tile's statistics (``_tile_statistics``)."""
-    pid_m, pid_n = _tile_position(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -111,7 +100,7 @@ def logits_gemm_tma_kernel(x_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, M, N, K, V, 
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_position(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
@@ -259,14 +248,7 @@ def main() -> None:
     lines = [f"# logits_epilogue_gemm: {gpu}, torch {env['torch']}, triton {env.get('triton')}, {env['date']}", "",
              "One chunk, bf16, V padded to 128 bytes; median ms by CUDA events; x = against cuBLAS.", "",
              "| chunk | variant | ms | x | note |", "|---|---|---|---|---|"]
-    rows = []
-    for shape in args.shapes:
-        shape_lines, data = run_shape(shape, SHAPES.get(shape, (4096, 8)))
-        lines += shape_lines
-        rows.append(data)
-        for line in shape_lines:
-            print(line, flush=True)
-    md = "\n".join(lines) + "\n"
+    md, rows = shape_table(lines, args.shapes, lambda shape: run_shape(shape, SHAPES.get(shape, (4096, 8))))
     save_results(RESULTS, f"logits_epilogue_gemm_{gpu.replace(' ', '_')}", md, {"env": env, "rows": rows})
 
 

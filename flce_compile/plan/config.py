@@ -19,8 +19,10 @@ from . import registry
 Forced = tuple[tuple[str, Any], ...]
 
 #: How dW is accumulated over chunks. "addmm": one GEMM per chunk that adds into the accumulator
-#: (fp32 output from bf16/fp16 operands where torch offers it). "mm_add": a GEMM into a temporary, then an add.
-DW_PATHS = ("addmm", "mm_add")
+#: (fp32 output from bf16/fp16 operands where torch offers it), the last chunk's GEMM finishing dW where the kernel
+#: runs (``strategies.dw_final``: sm_90+ GPUs); "addmm_round": the same, with cuBLAS for the last chunk too and
+#: the fp32 sums then rounded by a copy; "mm_add": a GEMM into a temporary, then an add.
+DW_PATHS = ("addmm", "addmm_round", "mm_add")
 #: 1024 threads, the most a GPU thread block holds.
 MAX_NUM_WARPS = 32
 

@@ -122,9 +122,10 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, path: str =
     the CPU the operands are upcast (no mixed-dtype GEMM there).
     """
     beta = 0 if overwrite else 1
-    if path == "addmm" and fp32_gemms.addmm_into(acc, a, b, beta):
+    into = path != "mm_add"  # "addmm", and "addmm_round" (which differs only in how the last chunk's sums end)
+    if into and fp32_gemms.addmm_into(acc, a, b, beta):
         return
-    if path == "addmm" and acc.device.type != "cuda":
+    if into and acc.device.type != "cuda":
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
     else:
         _store(acc, torch.mm(a, b), overwrite)
@@ -154,10 +155,16 @@ class _DwAccumulator:
     out of it, and its 77 MB (``pad_vocab_gemms_NVIDIA_H200.md``).
 
     ``columns``: dW's columns (the weight's but frozen ones, ``GradRequest.dw_from``; default all).
+
+    ``finish_rows``: V, when the last chunk's GEMM may finish dW (``dw_final``: dw_path "addmm" over several chunks
+    in fp32, where the kernel runs): it adds its product to the fp32 sums and stores the V rows of dW rounded, in
+    one kernel, instead of cuBLAS writing the sums and a copy rounding them (that copy reads V x H fp32 and writes
+    dW: about 1% of the floor at H = 4096). None: the copy (dw_path "addmm_round").
     """
 
     def __init__(self, weight: torch.Tensor, accum_dtype: torch.dtype, dw_path: str,
-                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None) -> None:
+                 single_chunk: bool = False, rows: int | None = None, columns: int | None = None,
+                 finish_rows: int | None = None) -> None:
         self.dtype = weight.dtype
         self.separate = accum_dtype != weight.dtype and not single_chunk
         shape = (weight.shape[0], weight.shape[1] if columns is None else columns)
@@ -171,9 +178,19 @@ class _DwAccumulator:
         self.acc = torch.empty(shape, dtype=accum_dtype if self.separate else weight.dtype, device=weight.device)
         self.written = False
         self.dw_path = dw_path
+        self.finish_rows = finish_rows if self.separate else None
+        self.final: torch.Tensor | None = None  # dW, when the last chunk's GEMM wrote it
 
-    def add(self, grad_t: torch.Tensor, x: torch.Tensor) -> None:
+    def add(self, grad_t: torch.Tensor, x: torch.Tensor, last: bool = False) -> None:
         first, self.written = not self.written, True
+        if last and not first and self.finish_rows is not None:
+            from . import dw_final  # (imports triton: only where a loop may use it)
+
+            out = torch.empty((self.finish_rows, self.acc.shape[1]), dtype=self.dtype, device=self.acc.device)
+            if dw_final.can_run(grad_t, x, self.acc, out):
+                dw_final.run(grad_t, x, self.acc, out)
+                self.final = out
+                return
         if self.split is not None:  # one chunk, one call: the V rows of a padded weight, aligned head and odd tail
             head, rows = self.split
             torch.mm(grad_t[:head], x, out=self.acc[:head])
@@ -198,6 +215,8 @@ class _DwAccumulator:
         GEMMs keep the padded rows: with only V rows, GPT-2's odd V = 50257 sent the dW GEMM to a slower cuBLAS
         kernel, GEMMs 1.42 against 1.20 ms per call on an H200, more than the 0.08 ms of copies it saved:
         ``kernel_breakdown_NVIDIA_H200_dw_rows.md``. A single chunk splits its GEMM instead: ``split``.)"""
+        if self.final is not None and rows == self.final.shape[0]:
+            return self.final
         acc = self.summed()
         if self.separate:
             return acc[:rows].to(self.dtype)
@@ -537,9 +556,14 @@ def _run_chunks(
     residuals = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in buffers] if wide and grads.any else []
     # Contiguous whatever x's strides, as the fake implementation promises.
     dx = torch.empty(x.shape, dtype=x.dtype, device=device) if grads.dx else None
+    # The last chunk's GEMM may finish dW (``_DwAccumulator``): not when the sums take more after it (fp32 logits'
+    # true-class correction, ``raw_sums``' fitting) or run on the side stream (its output would belong there); on
+    # the CPU only for a Triton strategy under the interpreter (the tests).
+    finish = (config.dw_path == "addmm" and not wide and not raw_sums and overlap is None
+              and (device.type == "cuda" or registry.get(config.strategy).triton_only))
     dw_acc = _DwAccumulator(weight, torch.float32 if raw_sums else accum_dtype, config.dw_path,
                             single_chunk=dw_straight, rows=vocab if gemm_vocab != vocab else None,
-                            columns=hidden - grads.dw_from) if grads.dw else None
+                            columns=hidden - grads.dw_from, finish_rows=vocab if finish else None) if grads.dw else None
     # dW's GEMMs read the columns of x that are not frozen (a strided view: cuBLAS takes its row stride)
     x_dw = x[:, grads.dw_from:] if grads.dw_from else x
     db_acc = (
@@ -590,7 +614,7 @@ def _run_chunks(
                 elif dx is not None:
                     torch.mm(grad, weight, out=_take(dx, start, stop))
                 with overlap.on_side(slot) if overlap is not None else contextlib.nullcontext():
-                    _accumulate_weight_grads(dw_acc, db_acc, grad, x_dw_c)
+                    _accumulate_weight_grads(dw_acc, db_acc, grad, x_dw_c, last=stop >= n)
                     if residual is not None:
                         true_class.add_to_weight_grads(dw_acc.acc if dw_acc is not None else None, db_acc,
                                                        true_class.target_rows(target[rows], 0, vocab), residual,
@@ -713,10 +737,11 @@ class _StepRows:
 
 
 def _accumulate_weight_grads(
-    dw_acc: _DwAccumulator | None, db_acc: torch.Tensor | None, grad: torch.Tensor, x_c: torch.Tensor
+    dw_acc: _DwAccumulator | None, db_acc: torch.Tensor | None, grad: torch.Tensor, x_c: torch.Tensor,
+    last: bool = False,
 ) -> None:
     if dw_acc is not None:
-        dw_acc.add(grad.t(), x_c)
+        dw_acc.add(grad.t(), x_c, last)
     if db_acc is not None:
         db_acc.add_(grad.sum(dim=0, dtype=db_acc.dtype))
 

@@ -76,7 +76,7 @@ class SearchSpace:
     vocab_block: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)  # the recompute strategy's backward blocks
     num_warps: tuple[int, ...] = (4, 8, 16, 32)
     num_stages: tuple[int, ...] = (1, 2, 3)
-    dw_path: tuple[str, ...] = ("addmm", "mm_add")
+    dw_path: tuple[str, ...] = ("addmm", "addmm_round", "mm_add")
     streams: tuple[bool, ...] = (False, True)
     pad_vocab: tuple[bool, ...] = (False, True)  # only sampled where V needs padding (see ``choices``)
     base: FLCEConfig = FLCEConfig()
