@@ -165,3 +165,36 @@ def test_gpu_dw_matches_the_copy_at_a_real_shape():
     e_ours, e_copy = (ours - exact).norm(), (copied - exact).norm()
     assert e_ours <= e_copy * 1.01, (e_ours, e_copy)
     assert torch.all((ours - copied).abs() <= 2 * _half_ulp(torch.maximum(ours.abs(), copied.abs()), torch.bfloat16))
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_once(monkeypatch, caplog):
+    """A first launch that fails (here: a stand-in compiler error) leaves dW to cuBLAS and the copy, with one
+    warning, and the kernel is not tried again in the process; running out of memory is raised instead."""
+    monkeypatch.setattr(dw_final, "_launched", {})
+    tries = []
+
+    def broken(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("stand-in: PTX assembly failed")
+
+    monkeypatch.setattr(dw_final, "run", broken)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 32, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(120, 32, generator=g) / 32**0.5).to(DEVICE, torch.bfloat16)
+    t = torch.randint(0, 120, (40,), generator=g).to(DEVICE)
+    base = dict(strategy="triton", chunk_tokens=16, block_v=64, num_warps=2)
+    with caplog.at_level("WARNING", logger="flce_compile"):
+        fell_back = _loss_and_grads(x, w, t, FLCEConfig(**base))
+        again = _loss_and_grads(x, w, t, FLCEConfig(**base))
+    copied = _loss_and_grads(x, w, t, FLCEConfig(**base, dw_path="addmm_round"))
+    assert len(tries) == 1 and sum("failed to run" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(fell_back[2], copied[2]) and torch.equal(again[2], copied[2])
+
+    monkeypatch.setattr(dw_final, "_launched", {})
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("stand-in")
+
+    monkeypatch.setattr(dw_final, "run", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _loss_and_grads(x, w, t, FLCEConfig(**base))

@@ -187,8 +187,7 @@ class _DwAccumulator:
             from . import dw_final  # (imports triton: only where a loop may use it)
 
             out = torch.empty((self.finish_rows, self.acc.shape[1]), dtype=self.dtype, device=self.acc.device)
-            if dw_final.can_run(grad_t, x, self.acc, out):
-                dw_final.run(grad_t, x, self.acc, out)
+            if dw_final.finish(grad_t, x, self.acc, out):
                 self.final = out
                 return
         if self.split is not None:  # one chunk, one call: the V rows of a padded weight, aligned head and odd tail

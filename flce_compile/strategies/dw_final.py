@@ -4,8 +4,13 @@ With several chunks, dW's fp32 sums are rounded to the weight's dtype once the c
 V x H fp32 and writes V x H, after the last chunk's cuBLAS GEMM has written those sums. The kernel folds both into
 the last chunk's GEMM (see its module). It needs what its TMA descriptors need: a Hopper-or-newer GPU (sm_90+) or
 Triton's interpreter, bf16/fp16 operands with unit column stride, 16-byte aligned bases and row strides, and a
-Triton with host tensor descriptors (3.4+). ``can_run`` says whether a call qualifies; the chunk loop falls back to
-cuBLAS and the copy otherwise.
+Triton with host tensor descriptors (3.4+). ``can_run`` says whether a call qualifies; ``finish`` runs the kernel
+where it does, and the chunk loop falls back to cuBLAS and the copy where it returns False.
+
+A Triton or GPU that cannot compile the kernel (a newer architecture, an older Triton) must not break a backward
+that cuBLAS can do: its first launch per (GPU architecture, dtype) is tried, and a failure there turns the kernel
+off for that pair in this process, with one warning (running out of memory is raised). After a first launch ran,
+errors are raised as any kernel's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
+
+from ..log import logger
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -80,6 +87,35 @@ def can_run(grad_t: torch.Tensor, x: torch.Tensor, sums: torch.Tensor, out: torc
     if sums.shape[1] != columns or sums.stride(1) != 1 or out.stride(1) != 1 or x.shape[0] == 0:
         return False
     return _tma_ready(grad_t.t()) and _tma_ready(x)
+
+
+#: Per (compute capability or "cpu", dtype): True once the kernel ran, False once its first launch failed.
+_launched: dict[tuple[object, torch.dtype], bool] = {}
+
+
+def finish(grad_t: torch.Tensor, x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> bool:
+    """``run`` where ``can_run`` holds and the kernel has not failed here before (see the module); False, with
+    ``out`` not written, where the caller must add the product and round the sums itself."""
+    if not can_run(grad_t, x, sums, out):
+        return False
+    key = (torch.cuda.get_device_capability(x.device) if x.is_cuda else "cpu", x.dtype)
+    state = _launched.get(key)
+    if state is False:
+        return False
+    if state is None:
+        try:
+            run(grad_t, x, sums, out)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # whatever the compiler raises: cuBLAS can still do the work
+            _launched[key] = False
+            logger.warning("dW's last-chunk kernel failed to run on %s for %s (%s: %s); dW is summed by cuBLAS "
+                           "and rounded by a copy instead", key[0], x.dtype, type(exc).__name__, exc)
+            return False
+        _launched[key] = True
+        return True
+    run(grad_t, x, sums, out)
+    return True
 
 
 def run(grad_t: torch.Tensor, x: torch.Tensor, sums: torch.Tensor, out: torch.Tensor,
