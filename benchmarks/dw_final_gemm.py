@@ -45,6 +45,10 @@ TILES = (
     DwGemmTile(block_n=128, num_stages=4, subtiles=1, warp_specialize=True),
     DwGemmTile(block_n=128, num_warps=4, num_stages=4, subtiles=1),
     DwGemmTile(block_m=256, block_n=128),
+    DwGemmTile(group_m=4),
+    DwGemmTile(group_m=32),
+    DwGemmTile(block_k=128, num_stages=2),
+    DwGemmTile(num_stages=4),
 )
 
 
