@@ -335,6 +335,20 @@ def test_space_rules():
         run_search(cost, small_space(), default=DEFAULT, n_trials=0)
 
 
+def test_the_rounding_dw_path_only_searched_where_it_differs():
+    """dw_path "addmm_round" runs as "addmm" unless the last chunk's GEMM can finish dW (bf16 with fp32 sums): only
+    there is it sampled; elsewhere it is canonicalised to "addmm"."""
+    bf16 = SearchSpace(tokens=4096, vocab=128256, hidden=768)
+    assert bf16.dw_finish_possible() and bf16.choices("dw_path") == ("addmm", "addmm_round", "mm_add")
+    rounding = FLCEConfig(strategy="triton", chunk_tokens=1024, dw_path="addmm_round")
+    assert bf16.canonical(rounding).dw_path == "addmm_round"
+    for other in (SearchSpace(tokens=4096, vocab=128256, hidden=768, dtype=torch.float16),
+                  SearchSpace(tokens=4096, vocab=128256, hidden=768, dtype=torch.float32),
+                  SearchSpace(tokens=4096, vocab=128256, hidden=768, accum_dtype=torch.bfloat16)):
+        assert not other.dw_finish_possible() and other.choices("dw_path") == ("addmm", "mm_add")
+        assert other.canonical(rounding).dw_path == "addmm"
+
+
 def test_pad_vocab_only_searched_where_v_needs_it():
     """GPT-2's V (rows of 100514 bytes) can be padded; 128256 (a multiple of 128 bytes) cannot, so there the
     switch is not sampled and canonicalised away (both values run identically)."""

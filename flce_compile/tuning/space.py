@@ -56,6 +56,11 @@ def predicted_peak_bytes(
         return None
 
 
+def _same_dw_path(path: str) -> str:
+    """The dw_path that runs as ``path`` where the last chunk's GEMM cannot finish dW: "addmm" for "addmm_round"."""
+    return "addmm" if path == "addmm_round" else path
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Candidate values per parameter for one problem (tokens, V, H, dtype), plus pruning.
@@ -115,6 +120,8 @@ class SearchSpace:
             return self.legal_chunks()
         if name == "pad_vocab" and not self.vocab_needs_padding():
             return (False,)  # padding is a no-op for this V: sampling it would only duplicate trials
+        if name == "dw_path" and not self.dw_finish_possible():
+            return tuple(dict.fromkeys(_same_dw_path(v) for v in self.dw_path))
         values = getattr(self, name)
         if name in ("dw_path", "streams", "pad_vocab"):
             return tuple(dict.fromkeys(values))
@@ -139,6 +146,12 @@ class SearchSpace:
         return dataclasses.replace(self, **changes) if changes else self
 
     # -- configs <-> Optuna params ---------------------------------------------------------------------
+    def dw_finish_possible(self) -> bool:
+        """Whether dw_path "addmm" can differ from "addmm_round" for this problem: only bf16 calls that sum dW in
+        fp32 finish it in the last chunk's GEMM (``strategies.dw_final``; fp16 sums are fitted into its range first,
+        fp32 and fp64 take cuBLAS, bf16 sums need no rounding), so elsewhere the two run identically."""
+        return self.dtype == torch.bfloat16 and self.accum_dtype == torch.float32
+
     def canonical(self, config: FLCEConfig) -> FLCEConfig:
         """The config with the fields its strategy ignores set to the base config's values."""
         used = registry.get(config.strategy).params
@@ -148,6 +161,8 @@ class SearchSpace:
                 values[name] = getattr(self.base, name)
         if not self.vocab_needs_padding():
             values["pad_vocab"] = False  # runs identically either way
+        if not self.dw_finish_possible():
+            values["dw_path"] = _same_dw_path(values["dw_path"])  # likewise
         return FLCEConfig(**values)
 
     def to_params(self, config: FLCEConfig) -> dict[str, Any]:
