@@ -2,7 +2,7 @@
 
 Over several chunks dW is summed in fp32 (``chunked._DwAccumulator``): each chunk's cuBLAS GEMM adds G_c^T X_c to
 the sums, and a copy then rounds them to the weight's dtype. That copy reads the V x H fp32 sums and writes dW
-(3.2 GB at V = 128256, H = 4096: about 0.7 ms of an H200, nearly 1% of the floor). Here the last chunk's GEMM
+(3.2 GB at V = 128256, H = 4096: 1.0 ms on an H100, 1.4% of the floor at 16384 tokens). Here the last chunk's GEMM
 reads the sums in its epilogue instead, adds its own product in fp32 and stores dW rounded once: the same sum and
 the same single rounding, without the sums' last write and read back.
 
