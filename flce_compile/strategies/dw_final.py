@@ -57,9 +57,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
-def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -77,7 +81,7 @@ def can_run(grad_t: torch.Tensor, x: torch.Tensor, sums: torch.Tensor, out: torc
     if grad_t.dtype != x.dtype or out.dtype != x.dtype or sums.dtype != torch.float32:
         return False
     if x.device.type == "cuda":
-        if not _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        if _capability(_index(x.device)) < (9, 0):  # TMA and wgmma: Hopper or newer
             return False
     elif not _interpreted():
         return False
@@ -98,7 +102,7 @@ def finish(grad_t: torch.Tensor, x: torch.Tensor, sums: torch.Tensor, out: torch
     ``out`` not written, where the caller must add the product and round the sums itself."""
     if not can_run(grad_t, x, sums, out):
         return False
-    key = (torch.cuda.get_device_capability(x.device) if x.is_cuda else "cpu", x.dtype)
+    key = (_capability(_index(x.device)) if x.is_cuda else "cpu", x.dtype)
     state = _launched.get(key)
     if state is False:
         return False
@@ -141,7 +145,7 @@ def _programs(device: torch.device) -> int:
     """One program an SM (the kernel is persistent); a few under the interpreter, which runs them one by one."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
