@@ -61,7 +61,7 @@ import torch
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import do_bench_ms  # noqa: E402
+from benchmarks._common import do_bench_ms, output_dirs  # noqa: E402
 from flce_compile.plan.tuning_db import family_kinds  # noqa: E402
 
 TARGET = (256000, 2304, 8192)  # (V, H, tokens) of the 1.5x target
@@ -365,12 +365,12 @@ def write_results(base: Path, meta: dict[str, Any], rows: Sequence[dict[str, Any
            f"- tuned never slower than default: {never_slower}",
            f"- default (the tuned entry) never slower than Liger: {never_slower_than_liger(rows)}",
            f"- a call without options runs the entry timed: {op_runs_entries(rows)}", ""]
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(payload, indent=1) + "\n"), (".md", "\n".join(md))):
-        path = base.with_suffix(suffix)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    for folder in output_dirs(base.parent):  # and $OUT, the GPU machine's way back, as every benchmark writes
+        for suffix, text in ((".json", json.dumps(payload, indent=1) + "\n"), (".md", "\n".join(md))):
+            path = folder / (base.name + suffix)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
 
 
 def plot_speedups(rows: Sequence[dict[str, Any]], path: Path, heading: str = "") -> Path | None:

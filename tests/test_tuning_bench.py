@@ -107,6 +107,16 @@ def test_results_are_written_after_every_shape(bench, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_results_also_land_in_out_where_the_gpu_machine_reads_them_back(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    bench.write_results(tmp_path / "res" / "bench_tuning_h100_x", META, [fake_row(ENTRIES[0])], ENTRIES[1:], False)
+    for folder in (tmp_path / "res", out):
+        assert json.loads((folder / "bench_tuning_h100_x.json").read_text())["rows"][0]["vocab"] == 32064
+        assert "**Partial**: 1 shapes measured" in (folder / "bench_tuning_h100_x.md").read_text()
+        assert not list(folder.glob("*.tmp"))
+
+
 def test_time_budget_stops_before_a_shape_that_does_not_fit(bench, tmp_path):
     now = {"t": 0.0}
     durations = iter([30.0, 40.0, 10.0, 10.0])
