@@ -13,6 +13,7 @@ Triton 3.6). Registers decide how many programs an SM holds (the registry's per-
     python benchmarks/kernel_ptx.py                           # registers and spills, tiles 4096:8 and 16384:32
     python benchmarks/kernel_ptx.py --against HEAD --tiles 4096:8 --layout padded
     python benchmarks/kernel_ptx.py --out benchmarks/results --tag rev4
+    python benchmarks/kernel_ptx.py --lane-pass --against HEAD    # pass 1 lane-wise (ce_triton.LANE_PASS)
 
 Prints a table; with ``--out`` writes ``kernel_ptx_sm90_<tag>.{md,json}``. Needs triton with its NVIDIA backend (the
 PyPI wheel carries the ptxas Triton assembles with), not a GPU, and a process without TRITON_INTERPRET=1.
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._common import save_results  # noqa: E402
 from benchmarks.ce_kernel_tiles import parse_tile  # noqa: E402
+from flce_compile.strategies.ce_triton import lanes  # noqa: E402
 KERNEL = "flce_compile/kernels/ce_chunk.py"
 ARCH = 90
 
@@ -191,11 +193,14 @@ def run(tiles: list[tuple[int, int]], against: str | None, layouts: list[str] | 
                 theirs = load_kernel(path, "ce_chunk_" + re.sub(r"\W", "_", against))
             finally:
                 path.unlink()
-    names = [ours.arg_names[i] for i in ours.constexprs if ours.arg_names[i] != "BLOCK_V"]  # the kernel's flags
+    sizes = ("BLOCK_V", "LANES")  # the tile's, set per tile as ``ce_step_triton`` sets them
+    names = [ours.arg_names[i] for i in ours.constexprs if ours.arg_names[i] not in sizes]  # the kernel's flags
     rows = []
     for layout, case, flags in launches(names, layouts, cases):
         for block_v, num_warps in tiles:
             constexprs = {**flags, "BLOCK_V": block_v}
+            if "LANES" in ours.arg_names:
+                constexprs["LANES"] = lanes(block_v, num_warps)
             ints = int_arguments(layout, block_v)
             pointers = CASE_POINTERS.get(case)
             ptx, registers, spills = compile_for_sm90(ours, constexprs, num_warps, ints, pointers)
@@ -231,14 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", choices=list(CASES), help="only this case (repeatable)")
     parser.add_argument("--out", type=Path, help="write kernel_ptx_sm90_<tag>.{md,json} here")
     parser.add_argument("--tag", default=datetime.date.today().isoformat())
+    parser.add_argument("--lane-pass", action="store_true", help="launch pass 1 lane-wise where the op may "
+                        "(ce_triton.LANE_PASS on, as benchmarks/ce_lane_pass.py does)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's own library would be the interpreter's
         raise SystemExit("kernel_ptx compiles for the GPU: run it without TRITON_INTERPRET=1")
     import triton
 
-    rows = run(args.tiles, args.against, args.layout, args.case)
+    from flce_compile.strategies import ce_triton
+    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, args.lane_pass or ce_triton.LANE_PASS
+    try:
+        rows = run(args.tiles, args.against, args.layout, args.case)
+    finally:
+        ce_triton.LANE_PASS = saved
     md = (f"# ce_chunk_kernel compiled for sm_{ARCH} (no GPU), triton {triton.__version__}, "
-          f"{datetime.date.today().isoformat()}\n\n" + table(rows, args.against) + "\n")
+          f"{datetime.date.today().isoformat()}{', pass 1 lane-wise' if args.lane_pass else ''}\n\n"
+          + table(rows, args.against) + "\n")
     print(md)
     if args.out is not None:
         save_results(args.out, f"kernel_ptx_sm{ARCH}_{args.tag}", md,

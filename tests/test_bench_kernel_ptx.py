@@ -71,11 +71,12 @@ def test_under_the_interpreter_it_says_to_run_without_it(monkeypatch):
 
 
 def _kernel_parameters() -> tuple[list[str], list[str]]:
-    """(constexpr flags but BLOCK_V, runtime arguments) of ce_chunk_kernel, read from its source."""
+    """(constexpr flags but the tile's sizes, BLOCK_V and LANES; runtime arguments) of ce_chunk_kernel, read from
+    its source."""
     source = (kernel_ptx.REPO / kernel_ptx.KERNEL).read_text()
     signature = source[source.index("def ce_chunk_kernel("):source.index("):", source.index("def ce_chunk_kernel("))]
     names = [line.strip().rstrip(",") for line in signature.splitlines()[1:] if line.strip()]
-    flags = [n.split(":")[0] for n in names if "tl.constexpr" in n and not n.startswith("BLOCK_V")]
+    flags = [n.split(":")[0] for n in names if "tl.constexpr" in n and not n.startswith(("BLOCK_V", "LANES"))]
     return flags, [n for n in names if ":" not in n]
 
 

@@ -2,15 +2,18 @@
 
 Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse, and the
 weighted sum of logits that label smoothing needs (taken relative to the running max: ``_softmax_block``). The
-row's loss follows. Pass 2, when a gradient is wanted, re-reads each block, from the row's end back (the blocks
-pass 1 read last are the likeliest to be in L2 still), and writes dloss/dlogits to the gradient rows: the logits
-themselves (in place, the usual case) or a separate buffer when the logits must stay intact (they are returned to
-the caller). All math is fp32; the true-class term is formed
-in fp32 before the single rounding to the gradient's dtype. The logits may be fp32 while the gradient rows are in
-the compute dtype (``FLCEConfig.fp32_logits``, the "precise" policy): every load is converted to fp32 and the store
-is the one rounding, so nothing here depends on it. With ``WRITE_RESIDUAL`` (that policy too) each row also writes
-what that rounding took from its true-class entry, g_y - round(g_y) in fp32 (0 when another slice holds the target),
-for the loop to add back.
+row's loss follows. Without smoothing or the max's column to find (the chunk loop's plain forward), pass 1 can run
+lane-wise (``_lane_pass``, when the launch gives LANES > 0; ``ce_triton.LANE_PASS``, off until a GPU shows it
+pays): each thread keeps its own running max and sum, and the threads are combined once a row, so the loop holds
+no warp shuffles and no barrier between the warps. Pass 2, when a gradient is
+wanted, re-reads each block, from the row's end back (the blocks pass 1 read last are the likeliest to be in L2
+still), and writes dloss/dlogits to the gradient rows: the logits themselves (in place, the usual case) or a
+separate buffer when the logits must stay intact (they are returned to the caller). All math is fp32; the
+true-class term is formed in fp32 before the single rounding to the gradient's dtype. The logits may be fp32
+while the gradient rows are in the compute dtype (``FLCEConfig.fp32_logits``, the "precise" policy): every load is
+converted to fp32 and the store is the one rounding, so nothing here depends on it. With ``WRITE_RESIDUAL`` (that
+policy too) each row also writes what that rounding took from its true-class entry, g_y - round(g_y) in fp32 (0
+when another slice holds the target), for the loop to add back.
 
 An ignored row (target == ignore_index) has loss 0 and gradient 0: unless its lse or statistics are outputs,
 neither pass reads its logits, and its gradient row is written as zeros (padding and prompt tokens can be a large
@@ -229,6 +232,58 @@ def _softmax_pass(row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, log
 
 
 @triton.jit
+def _lane_block(row_ptr, offs, vocab, width, lane_max, lane_sum, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                MASKED: tl.constexpr, SCALED: tl.constexpr, PADDED: tl.constexpr):
+    """One block of the lane-wise pass 1 (``_lane_pass``): each lane's running max and sum updated with its own
+    logits at ``offs`` (a [rows, LANES, VEC] tile, a lane's elements in one thread), with no exchange between
+    lanes. MASKED, ``width`` and PADDED as in ``_softmax_block``."""
+    if MASKED and not PADDED and not HAS_SOFTCAP and not SCALED:
+        z = tl.load(row_ptr + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
+    else:
+        raw = _load_block(row_ptr, offs, width, MASKED)
+        z, _t = _transform(raw, logit_scale, softcap, HAS_SOFTCAP, SCALED)
+        if MASKED:
+            z = tl.where(offs < vocab, z, -float("inf"))
+    new_max = tl.maximum(lane_max, tl.max(tl.max(z, axis=2), axis=0))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a lane of -inf so far: 0, as _softmax_block
+    block_sum = tl.sum(tl.sum(tl.exp(z - shift[None, :, None]), axis=2), axis=0)
+    return new_max, lane_sum * tl.exp(lane_max - shift) + block_sum
+
+
+@triton.jit
+def _lane_pass(row_ptr, vocab, vocab_full, width, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+               UNMASKED_BLOCKS: tl.constexpr, PADDED: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr,
+               LANES: tl.constexpr, VEC: tl.constexpr):
+    """Pass 1 without smoothing or the max's column: (max, sum) of the row, as ``_softmax_pass`` returns them.
+
+    ``_softmax_pass`` reduces each block over the whole program (a max and a sum: two rounds of warp shuffles and
+    shared-memory barriers a block), so every warp waits for the slowest one's loads before it may issue its next.
+    Here each of LANES lanes (LANES threads x VEC contiguous elements, one thread's 16-byte loads) keeps its own
+    running max and sum over the row, and the lanes are combined once, at the row's end: the loop holds no barrier.
+    One more exp a lane a block (its sum's rescale), against VEC x rows exps of the block's logits."""
+    ROWS: tl.constexpr = BLOCK_V // (LANES * VEC)
+    tile = (tl.arange(0, ROWS)[:, None, None] * (LANES * VEC) + tl.arange(0, LANES)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :])
+    lane_max = tl.full([LANES], -float("inf"), tl.float32)
+    lane_sum = tl.zeros([LANES], tl.float32)
+    if UNMASKED_BLOCKS:
+        for start in range(0, vocab_full, BLOCK_V):
+            lane_max, lane_sum = _lane_block(row_ptr, start + tile, vocab, width, lane_max, lane_sum, logit_scale,
+                                             softcap, HAS_SOFTCAP, MASKED=False, SCALED=SCALED, PADDED=False)
+        if vocab_full < vocab:
+            lane_max, lane_sum = _lane_block(row_ptr, vocab_full + tile, vocab, width, lane_max, lane_sum,
+                                             logit_scale, softcap, HAS_SOFTCAP, MASKED=True, SCALED=SCALED,
+                                             PADDED=False)
+    else:
+        for start in range(0, width, BLOCK_V):
+            lane_max, lane_sum = _lane_block(row_ptr, start + tile, vocab, width, lane_max, lane_sum, logit_scale,
+                                             softcap, HAS_SOFTCAP, MASKED=True, SCALED=SCALED, PADDED=PADDED)
+    running_max = tl.max(lane_max, axis=0)
+    shift = tl.where(running_max == -float("inf"), 0.0, running_max)
+    return running_max, tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
+
+
+@triton.jit
 def _gradient_pass(row_ptr, grad_row_ptr, class_weight_ptr, cols, vocab, vocab_full, width, target_col, z_target,
                    top_col, z_top, shift, inv_sum, coef, true_class, ce_scale, smooth_per_class, logit_scale, softcap,
                    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_CE_WEIGHT: tl.constexpr,
@@ -312,6 +367,7 @@ def ce_chunk_kernel(
     PADDED: tl.constexpr,
     SCALED: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -349,9 +405,15 @@ def ce_chunk_kernel(
             seen = 0.0
             top_col = -1
             if ignored == 0:
-                running_max, running_sum, smooth_sum, seen, top_col = _softmax_pass(
-                    row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale, softcap,
-                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, False, BLOCK_V)
+                if LANES > 0 and not HAS_SMOOTHING:
+                    running_max, running_sum = _lane_pass(
+                        row_ptr, vocab, vocab_full, width, logit_scale, softcap, HAS_SOFTCAP, UNMASKED_BLOCKS,
+                        PADDED, SCALED, BLOCK_V, LANES, 8)
+                else:
+                    running_max, running_sum, smooth_sum, seen, top_col = _softmax_pass(
+                        row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale,
+                        softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_CE_WEIGHT, UNMASKED_BLOCKS, PADDED, SCALED, False,
+                        BLOCK_V)
         log_sum = tl.log(running_sum)
         lse = running_max + log_sum
         shift, inv_sum = running_max, 1.0 / running_sum

@@ -14,6 +14,16 @@ from .ce_common import CEStepArgs
 
 #: A masked loop vectorizes its loads and stores when its bound is a multiple of this (elements).
 _VECTOR = 16
+#: Whether pass 1 may run lane-wise (``ce_chunk._lane_pass``: no barrier in its loop, where the block-wise pass has
+#: four a block). Off until a GPU shows it pays: ``benchmarks/ce_lane_pass.py`` times both (it switches this, as
+#: the interpreter tests do, which hold the two passes to the same numbers). Not an option.
+LANE_PASS = False
+
+
+def lanes(block_v: int, num_warps: int) -> int:
+    """The kernel's LANES: one a thread, each 8 contiguous elements wide, as many as a block holds (0: the
+    block-wise pass 1)."""
+    return min(32 * num_warps, block_v // 8) if LANE_PASS else 0
 
 
 def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
@@ -87,6 +97,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         PADDED=padded,
         SCALED=p.logit_scale != 1.0,
         BLOCK_V=block_v,
+        LANES=lanes(block_v, config.num_warps),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,0 +1,90 @@
+"""The CE kernel's lane-wise pass 1 (``ce_chunk._lane_pass``) against its block-wise one, through Triton's
+interpreter: the same loss and gradient up to the sum's order of additions, both against fp64, on every kind of
+loop the kernel has (padded rows, odd V unpadded with a masked tail, V a multiple of 16), tiles of one and of
+several elements a lane, rows of -inf and ignored rows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flce_compile.params import LossParams
+from flce_compile.plan.config import FLCEConfig
+from flce_compile.strategies import ce_triton
+from flce_compile.strategies.ce_common import CEStepArgs
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+ROWS = 12
+
+
+def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCEConfig, padded: bool,
+          lane_wise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient) of one chunk's CE step ("sum": a factor of 1) with the lane-wise pass on or off."""
+    buf = logits.clone()
+    args = CEStepArgs(logits=buf[:, :vocab], target=target, ce_weight=None, weight_sum=torch.tensor(float(vocab)),
+                      ce_scale=torch.tensor(1.0), z_scale=torch.tensor(1.0), loss_out=torch.empty(ROWS),
+                      lse_out=None, lse_in=None, write_grad=True, padded=padded)
+    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, lane_wise
+    try:
+        ce_triton.ce_step_triton(args, LossParams(), config)
+    finally:
+        ce_triton.LANE_PASS = saved
+    return args.loss_out, buf[:, :vocab].float()
+
+
+@pytest.mark.parametrize("vocab,stride,padded", [(1203, 1216, True), (1203, 1203, False), (1280, 1280, False)],
+                         ids=["padded", "odd V", "V % 16 == 0"])
+@pytest.mark.parametrize("block_v,num_warps", [(64, 2), (512, 1)], ids=["8 a lane", "16 a lane"])
+def test_lane_wise_matches_block_wise_and_fp64(vocab, stride, padded, block_v, num_warps, monkeypatch):
+    monkeypatch.setattr(ce_triton, "LANE_PASS", True)
+    assert block_v // ce_triton.lanes(block_v, num_warps) == (8 if block_v == 64 else 16)  # a lane's logits a block
+    gen = torch.Generator().manual_seed(vocab + block_v)
+    logits = (torch.randn(ROWS, stride, generator=gen) * 3).to(torch.bfloat16)
+    logits[:, vocab:] = 1e4  # padding holds anything: never a class
+    logits[2, : vocab // 2] = -float("inf")  # masked classes in the first half
+    logits[3, 17] = 60.0  # one confident row
+    target = torch.randint(0, vocab, (ROWS,), generator=gen)
+    target[5] = -100
+    target[2] = vocab - 1
+    config = FLCEConfig(strategy="triton", block_v=block_v, num_warps=num_warps)
+    loss_l, grad_l = _step(logits, target, vocab, config, padded, lane_wise=True)
+    loss_b, grad_b = _step(logits, target, vocab, config, padded, lane_wise=False)
+
+    z = logits[:, :vocab].double()
+    kept = target != -100
+    exact_loss = torch.where(kept, torch.logsumexp(z, 1) - z.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+    exact_grad = torch.softmax(z, 1)
+    exact_grad[kept.nonzero()[:, 0], target[kept]] -= 1
+    exact_grad[~kept] = 0
+    for loss in (loss_l, loss_b):
+        assert torch.allclose(loss.double(), exact_loss, rtol=2e-6, atol=2e-6)
+    assert torch.allclose(loss_l, loss_b, rtol=1e-6, atol=1e-6)
+    err_l = ((grad_l.double() - exact_grad).norm() / exact_grad.norm()).item()
+    err_b = ((grad_b.double() - exact_grad).norm() / exact_grad.norm()).item()
+    assert err_l < 2.0**-8 and err_l <= err_b * 1.05 + 1e-12
+    # at most one bf16 step apart wherever they differ; the ignored row 0 and the masked classes 0 both ways
+    assert torch.all((grad_l - grad_b).abs() <= 2.0**-7 * grad_b.abs() + 1e-30)
+    assert torch.all(grad_l[5] == 0) and torch.all(grad_l[2, : vocab // 2] == 0)
+
+
+def test_a_row_of_minus_inf_is_as_block_wise():
+    # every class -inf: the lanes' max stays -inf, their sums 0 (no -inf - -inf), and the row ends as eager's
+    vocab, config = 320, FLCEConfig(strategy="triton", block_v=64, num_warps=2)
+    logits = torch.randn(ROWS, vocab).to(torch.bfloat16)
+    logits[4] = -float("inf")
+    target = torch.zeros(ROWS, dtype=torch.long)
+    loss_l, grad_l = _step(logits, target, vocab, config, False, lane_wise=True)
+    loss_b, grad_b = _step(logits, target, vocab, config, False, lane_wise=False)
+    assert torch.equal(loss_l.isnan(), loss_b.isnan()) and torch.equal(loss_l.isinf(), loss_b.isinf())
+    assert torch.equal(grad_l.isnan(), grad_b.isnan())
+    assert torch.allclose(loss_l[5:], loss_b[5:], rtol=1e-6)
+
+
+def test_lanes_follow_the_tile(monkeypatch):
+    assert ce_triton.lanes(4096, 8) == 0  # off by default: the block-wise pass (until a GPU A/B says otherwise)
+    monkeypatch.setattr(ce_triton, "LANE_PASS", True)
+    assert ce_triton.lanes(4096, 8) == 256  # a thread a lane: 2 x 8 elements each per block
+    assert ce_triton.lanes(1024, 8) == 128  # fewer lanes than threads when the block is small
