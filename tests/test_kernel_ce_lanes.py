@@ -1,7 +1,7 @@
 """The CE kernel's lane-wise pass 1 (``ce_chunk._lane_pass``) against its block-wise one, through Triton's
 interpreter: the same loss and gradient up to the sum's order of additions, both against fp64, on every kind of
 loop the kernel has (padded rows, odd V unpadded with a masked tail, V a multiple of 16), tiles of one and of
-several elements a lane, rows of -inf and ignored rows."""
+several elements a lane, rows of -inf and ignored rows; on a GPU, at the tiles and widths the op runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from flce_compile.plan.config import FLCEConfig
 from flce_compile.strategies import ce_triton
 from flce_compile.strategies.ce_common import CEStepArgs
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 ROWS = 12
 
@@ -23,9 +23,10 @@ ROWS = 12
 def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCEConfig, padded: bool,
           lane_wise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, gradient) of one chunk's CE step ("sum": a factor of 1) with the lane-wise pass on or off."""
-    buf = logits.clone()
-    args = CEStepArgs(logits=buf[:, :vocab], target=target, ce_weight=None, weight_sum=torch.tensor(float(vocab)),
-                      ce_scale=torch.tensor(1.0), z_scale=torch.tensor(1.0), loss_out=torch.empty(ROWS),
+    buf, dev = logits.clone(), logits.device
+    args = CEStepArgs(logits=buf[:, :vocab], target=target, ce_weight=None,
+                      weight_sum=torch.tensor(float(vocab), device=dev), ce_scale=torch.tensor(1.0, device=dev),
+                      z_scale=torch.tensor(1.0, device=dev), loss_out=torch.empty(len(target), device=dev),
                       lse_out=None, lse_in=None, write_grad=True, padded=padded)
     saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, lane_wise
     try:
@@ -35,6 +36,7 @@ def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCECo
     return args.loss_out, buf[:, :vocab].float()
 
 
+@interpreted
 @pytest.mark.parametrize("vocab,stride,padded", [(1203, 1216, True), (1203, 1203, False), (1280, 1280, False)],
                          ids=["padded", "odd V", "V % 16 == 0"])
 @pytest.mark.parametrize("block_v,num_warps", [(64, 2), (512, 1)], ids=["8 a lane", "16 a lane"])
@@ -70,6 +72,7 @@ def test_lane_wise_matches_block_wise_and_fp64(vocab, stride, padded, block_v, n
     assert torch.all(grad_l[5] == 0) and torch.all(grad_l[2, : vocab // 2] == 0)
 
 
+@interpreted
 def test_a_row_of_minus_inf_is_as_block_wise():
     # every class -inf: the lanes' max stays -inf, their sums 0 (no -inf - -inf), and the row ends as eager's
     vocab, config = 320, FLCEConfig(strategy="triton", block_v=64, num_warps=2)
@@ -88,3 +91,30 @@ def test_lanes_follow_the_tile(monkeypatch):
     monkeypatch.setattr(ce_triton, "LANE_PASS", True)
     assert ce_triton.lanes(4096, 8) == 256  # a thread a lane: 2 x 8 elements each per block
     assert ce_triton.lanes(1024, 8) == 128  # fewer lanes than threads when the block is small
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,stride", [(128256, 128256), (50257, 50304)], ids=["Llama 3", "GPT-2 padded"])
+@pytest.mark.parametrize("block_v,num_warps", [(4096, 8), (8192, 8), (16384, 32)])
+def test_on_the_gpu_lane_wise_is_as_exact_as_block_wise(vocab, stride, block_v, num_warps):
+    gen = torch.Generator(device="cuda").manual_seed(block_v)
+    rows = 64
+    logits = (torch.randn(rows, stride, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    logits[0, 5] = 40.0  # a confident row
+    target = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    target[1] = -100
+    config = FLCEConfig(strategy="triton", block_v=block_v, num_warps=num_warps)
+    padded = stride != vocab
+    loss_l, grad_l = _step(logits, target, vocab, config, padded, lane_wise=True)
+    loss_b, grad_b = _step(logits, target, vocab, config, padded, lane_wise=False)
+    z = logits[:, :vocab].double()
+    kept = target != -100
+    exact_loss = torch.where(kept, torch.logsumexp(z, 1) - z.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+    exact_grad = torch.softmax(z, 1)
+    exact_grad[kept.nonzero()[:, 0], target[kept]] -= 1
+    exact_grad[~kept] = 0
+    err = {name: ((g.double() - exact_grad).norm() / exact_grad.norm()).item()
+           for name, g in (("lanes", grad_l), ("blocks", grad_b))}
+    assert err["lanes"] <= err["blocks"] * 1.05 + 1e-12, err
+    assert (loss_l.double() - exact_loss).abs().max() <= 2 * (loss_b.double() - exact_loss).abs().max() + 1e-6
+    assert torch.all((grad_l - grad_b).abs() <= 2.0**-7 * grad_b.abs() + 1e-30)
