@@ -16,7 +16,8 @@ from .ce_common import CEStepArgs
 _VECTOR = 16
 #: Whether pass 1 may run lane-wise (``ce_chunk._lane_pass``: no barrier in its loop, where the block-wise pass has
 #: four a block). Off until a GPU shows it pays: ``benchmarks/ce_lane_pass.py`` times both (it switches this, as
-#: the interpreter tests do, which hold the two passes to the same numbers). Not an option.
+#: the interpreter tests do, which hold the two passes to the same numbers). Not an option. Turning it on by default
+#: is a new kernel revision (``kernels.CE_CHUNK_REVISION``): the fastest CE tile may move.
 LANE_PASS = False
 
 
