@@ -12,6 +12,7 @@ kernel from below.
 
     python benchmarks/ce_kernel_tiles.py                      # rows 4096; V 50304, 128256, 151936, 256000
     python benchmarks/ce_kernel_tiles.py --vocabs 128256 --tiles 4096:8 4096:16
+    python benchmarks/ce_kernel_tiles.py --lane-pass --tag _lanes   # pass 1 lane-wise (ce_triton.LANE_PASS on)
 
 On the CPU (what tests/test_bench_ce_tiles.py runs, Triton's interpreter at tiny shapes):
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median_ms, save_results, versions  # noqa: E402
 from flce_compile.plan import registry  # noqa: E402
 from flce_compile.plan.choose import heuristic_config  # noqa: E402
+from flce_compile.strategies import ce_triton  # noqa: E402
 from flce_compile.tuning.ce_tiles import ce_step_timer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,7 +64,7 @@ def time_tiles(rows: int, vocab: int, tiles: list[tuple[int, int]], device: str,
     base = heuristic_config(rows, vocab, 1, torch.bfloat16, torch.device(device))
     base = dataclasses.replace(base, strategy="triton")
     out: dict[str, Any] = {"vocab": vocab, "rows": rows, "gb": chunk.source.numel() * chunk.source.element_size() / 1e9,
-                           "default_tile": f"{base.block_v}:{base.num_warps}", "ms": {}, "loss_err": {}}
+                           "default_tile": f"{base.block_v}:{base.num_warps}", "ms": {}, "loss_err": {}, "lanes": {}}
     scratch = torch.empty_like(chunk.source)
     out["copy_ms"] = median_ms(lambda: scratch.copy_(chunk.source), reps, device)
     for block_v, num_warps in tiles:
@@ -72,6 +74,7 @@ def time_tiles(rows: int, vocab: int, tiles: list[tuple[int, int]], device: str,
             out["ms"][name] = None
             continue
         out["ms"][name] = timer(rows, vocab, torch.bfloat16, (block_v, num_warps, base.num_stages))
+        out["lanes"][name] = ce_triton.lanes(block_v, num_warps)  # 0: pass 1 block-wise
         # The last run's loss rows; ce_scale = 1/rows is undone.
         out["loss_err"][name] = float((chunk.args.loss_out * rows - reference).abs().max())
     timed = {k: v for k, v in out["ms"].items() if v is not None}
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=None, help="folder of the .md / .json (default: results/)")
+    parser.add_argument("--lane-pass", action="store_true",
+                        help="time the CE kernel with its pass 1 lane-wise (ce_triton.LANE_PASS on, restored after)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ce_kernel_tiles.py: no CUDA GPU (use --device cpu with TRITON_INTERPRET=1)")
@@ -109,12 +114,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit("ce_kernel_tiles.py --device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
     if args.rows < 1 or args.reps < 1:
         parser.error("--rows and --reps must be >= 1")
-    results = [time_tiles(args.rows, v, args.tiles, args.device, args.reps) for v in args.vocabs]
+    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, args.lane_pass or ce_triton.LANE_PASS
+    try:
+        lane_pass = ce_triton.LANE_PASS
+        results = [time_tiles(args.rows, v, args.tiles, args.device, args.reps) for v in args.vocabs]
+    finally:
+        ce_triton.LANE_PASS = saved
     names = [f"{b}:{w}" for b, w in args.tiles]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    env = {"device": gpu, "date": datetime.date.today().isoformat(), **versions()}
+    env = {"device": gpu, "date": datetime.date.today().isoformat(), "lane_pass": lane_pass, **versions()}
     md = (f"# ce_kernel_tiles: {gpu}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n"
-          "The CE step alone on one bf16 chunk (loss + in-place gradient; rows at the chunk loop's padded stride), ms per tile BLOCK_V:NUM_WARPS (median of "
+          f"Pass 1 {'lane-wise (ce_triton.LANE_PASS on)' if lane_pass else 'block-wise'}. "
+          "The CE step alone on one bf16 chunk (loss + in-place gradient; rows at the chunk loop's padded stride), "
+          "ms per tile BLOCK_V:NUM_WARPS (median of "
           f"{args.reps}, each on freshly refilled logits); '-' = a tile the registry rejects for that V. copy = one read "
           "and one write of the chunk; the kernel's three passes at that bandwidth take 1.5x it. default = "
           "heuristic_config's tile; max loss err: the largest |loss - fp32 torch| over the tiles.\n\n" + table(results, names) + "\n")

@@ -31,3 +31,18 @@ def test_tiles_are_timed_checked_and_rejected_where_invalid(tmp_path):
 def test_bad_tile_is_a_clear_error():
     with pytest.raises(SystemExit):
         ce_kernel_tiles.main(["--device", "cpu", "--tiles", "4096"])
+
+
+def test_lane_pass_flag_times_the_lane_wise_kernel_and_restores_the_switch(tmp_path):
+    from flce_compile.strategies import ce_triton
+
+    before = ce_triton.LANE_PASS
+    results = ce_kernel_tiles.main(["--device", "cpu", "--rows", "3", "--vocabs", "300", "--tiles", "128:4", "--reps",
+                                    "1", "--lane-pass", "--tag", "_lanes", "--out", str(tmp_path)])
+    assert ce_triton.LANE_PASS is before
+    (row,) = results
+    assert row["lanes"] == {"128:4": 16}  # 128 logits a block, 8 a lane
+    assert row["loss_err"]["128:4"] < 1e-4
+    saved = json.loads((tmp_path / "ce_kernel_tiles_cpu_lanes.json").read_text())
+    assert saved["env"]["lane_pass"] is True
+    assert "Pass 1 lane-wise" in (tmp_path / "ce_kernel_tiles_cpu_lanes.md").read_text()
