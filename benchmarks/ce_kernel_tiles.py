@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     md = (f"# ce_kernel_tiles: {gpu}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n"
           f"Pass 1 {'lane-wise (ce_triton.LANE_PASS on)' if lane_pass else 'block-wise'}. "
           "The CE step alone on one bf16 chunk (loss + in-place gradient; rows at the chunk loop's padded stride), "
-          "ms per tile BLOCK_V:NUM_WARPS (median of "
-          f"{args.reps}, each on freshly refilled logits); '-' = a tile the registry rejects for that V. copy = one read "
-          "and one write of the chunk; the kernel's three passes at that bandwidth take 1.5x it. default = "
-          "heuristic_config's tile; max loss err: the largest |loss - fp32 torch| over the tiles.\n\n" + table(results, names) + "\n")
+          f"ms per tile BLOCK_V:NUM_WARPS (median of {args.reps}, each on freshly refilled logits); '-' = a tile the "
+          "registry rejects for that V. copy = one read and one write of the chunk; the kernel's three passes at that "
+          "bandwidth take 1.5x it. default = heuristic_config's tile; max loss err: the largest |loss - fp32 torch| "
+          "over the tiles.\n\n" + table(results, names) + "\n")
     print(md)
     stem = f"ce_kernel_tiles_{gpu.replace(' ', '_')}{args.tag}"
     save_results(args.out or RESULTS, stem, md, {"env": env, "results": results})
