@@ -114,12 +114,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit("ce_kernel_tiles.py --device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
     if args.rows < 1 or args.reps < 1:
         parser.error("--rows and --reps must be >= 1")
-    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, args.lane_pass or ce_triton.LANE_PASS
-    try:
-        lane_pass = ce_triton.LANE_PASS
+    lane_pass = args.lane_pass or ce_triton.LANE_PASS
+    with ce_triton.lane_pass(lane_pass):
         results = [time_tiles(args.rows, v, args.tiles, args.device, args.reps) for v in args.vocabs]
-    finally:
-        ce_triton.LANE_PASS = saved
     names = [f"{b}:{w}" for b, w in args.tiles]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     env = {"device": gpu, "date": datetime.date.today().isoformat(), "lane_pass": lane_pass, **versions()}

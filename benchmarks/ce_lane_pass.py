@@ -43,11 +43,8 @@ SHAPES = ("16384x4096x128256", "16384x4096x151936", "65536x4096x128256", "8192x2
 
 def lane_wise(on: bool, fn: Callable[[], Any]) -> Any:
     """``fn()`` with the lane-wise pass 1 switched on or off (restored after)."""
-    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, on
-    try:
+    with ce_triton.lane_pass(on):
         return fn()
-    finally:
-        ce_triton.LANE_PASS = saved
 
 
 def chunk_gradients(rows: int, vocab: int, config, device: str = "cuda", seed: int = 0) -> dict[str, Any]:

@@ -244,13 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from flce_compile.strategies import ce_triton
-    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, args.lane_pass or ce_triton.LANE_PASS
-    try:
+    lane_wise = args.lane_pass or ce_triton.LANE_PASS
+    with ce_triton.lane_pass(lane_wise):
         rows = run(args.tiles, args.against, args.layout, args.case)
-    finally:
-        ce_triton.LANE_PASS = saved
     md = (f"# ce_chunk_kernel compiled for sm_{ARCH} (no GPU), triton {triton.__version__}, "
-          f"{datetime.date.today().isoformat()}{', pass 1 lane-wise' if args.lane_pass else ''}\n\n"
+          f"{datetime.date.today().isoformat()}{', pass 1 lane-wise' if lane_wise else ''}\n\n"
           + table(rows, args.against) + "\n")
     print(md)
     if args.out is not None:

@@ -28,11 +28,8 @@ def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCECo
                       weight_sum=torch.tensor(float(vocab), device=dev), ce_scale=torch.tensor(1.0, device=dev),
                       z_scale=torch.tensor(1.0, device=dev), loss_out=torch.empty(len(target), device=dev),
                       lse_out=None, lse_in=None, write_grad=True, padded=padded)
-    saved, ce_triton.LANE_PASS = ce_triton.LANE_PASS, lane_wise
-    try:
+    with ce_triton.lane_pass(lane_wise):
         ce_triton.ce_step_triton(args, LossParams(), config)
-    finally:
-        ce_triton.LANE_PASS = saved
     return args.loss_out, buf[:, :vocab].float()
 
 

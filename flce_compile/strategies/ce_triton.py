@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import triton
@@ -19,6 +21,17 @@ _VECTOR = 16
 #: the interpreter tests do, which hold the two passes to the same numbers). Not an option. Turning it on by default
 #: is a new kernel revision (``kernels.CE_CHUNK_REVISION``): the fastest CE tile may move.
 LANE_PASS = False
+
+
+@contextlib.contextmanager
+def lane_pass(on: bool) -> Iterator[None]:
+    """``LANE_PASS`` set to ``on`` inside the block and restored after (the A/B benchmarks and tests switch it)."""
+    global LANE_PASS
+    saved, LANE_PASS = LANE_PASS, on
+    try:
+        yield
+    finally:
+        LANE_PASS = saved
 
 
 def lanes(block_v: int, num_warps: int) -> int:
