@@ -17,9 +17,11 @@ from .ce_common import CEStepArgs
 #: A masked loop vectorizes its loads and stores when its bound is a multiple of this (elements).
 _VECTOR = 16
 #: Whether pass 1 may run lane-wise (``ce_chunk._lane_pass``: no barrier in its loop, where the block-wise pass has
-#: four a block). Off until a GPU shows it pays: ``benchmarks/ce_lane_pass.py`` times both (it switches this, as
-#: the interpreter tests do, which hold the two passes to the same numbers). Not an option. Turning it on by default
-#: is a new kernel revision (``kernels.CE_CHUNK_REVISION``): the fastest CE tile may move.
+#: four a block). Off: at the tuned tiles it did not pay on an H100 (2026-12-07: the CE step 1-4% slower at four of
+#: the benchmark shapes, the op 0.3% faster to 1.5% slower); with its tiles re-picked it is untimed (docs/testing.md).
+#: ``benchmarks/ce_lane_pass.py`` times both (it switches this, as the interpreter tests do, which hold the two passes
+#: to the same numbers). Not an option.
+#: Turning it on by default is a new kernel revision (``kernels.CE_CHUNK_REVISION``): the fastest CE tile may move.
 LANE_PASS = False
 
 
