@@ -73,9 +73,10 @@ CASE_POINTERS = {"z-loss + residual": {"logits_ptr": "*fp32"}}
 
 
 def load_kernel(path: Path, name: str) -> Any:
-    """``ce_chunk_kernel`` of the file at ``path``."""
+    """``ce_chunk_kernel`` of the file at ``path``, its relative imports resolved in ``flce_compile.kernels``."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "flce_compile.kernels"
     spec.loader.exec_module(module)
     return module.ce_chunk_kernel
 

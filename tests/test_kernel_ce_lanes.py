@@ -33,6 +33,17 @@ def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCECo
     return args.loss_out, buf[:, :vocab].float()
 
 
+def _exact(logits: torch.Tensor, target: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient) in fp64 of the chunk's first ``vocab`` columns ("sum"; ignored rows 0)."""
+    z = logits[:, :vocab].double()
+    kept = target != -100
+    loss = torch.where(kept, torch.logsumexp(z, 1) - z.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+    grad = torch.softmax(z, 1)
+    grad[kept.nonzero()[:, 0], target[kept]] -= 1
+    grad[~kept] = 0
+    return loss, grad
+
+
 @interpreted
 @pytest.mark.parametrize("vocab,stride,padded", [(1203, 1216, True), (1203, 1203, False), (1280, 1280, False)],
                          ids=["padded", "odd V", "V % 16 == 0"])
@@ -52,12 +63,7 @@ def test_lane_wise_matches_block_wise_and_fp64(vocab, stride, padded, block_v, n
     loss_l, grad_l = _step(logits, target, vocab, config, padded, lane_wise=True)
     loss_b, grad_b = _step(logits, target, vocab, config, padded, lane_wise=False)
 
-    z = logits[:, :vocab].double()
-    kept = target != -100
-    exact_loss = torch.where(kept, torch.logsumexp(z, 1) - z.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
-    exact_grad = torch.softmax(z, 1)
-    exact_grad[kept.nonzero()[:, 0], target[kept]] -= 1
-    exact_grad[~kept] = 0
+    exact_loss, exact_grad = _exact(logits, target, vocab)
     for loss in (loss_l, loss_b):
         assert torch.allclose(loss.double(), exact_loss, rtol=2e-6, atol=2e-6)
     assert torch.allclose(loss_l, loss_b, rtol=1e-6, atol=1e-6)
@@ -104,12 +110,7 @@ def test_on_the_gpu_lane_wise_is_as_exact_as_block_wise(vocab, stride, block_v, 
     padded = stride != vocab
     loss_l, grad_l = _step(logits, target, vocab, config, padded, lane_wise=True)
     loss_b, grad_b = _step(logits, target, vocab, config, padded, lane_wise=False)
-    z = logits[:, :vocab].double()
-    kept = target != -100
-    exact_loss = torch.where(kept, torch.logsumexp(z, 1) - z.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
-    exact_grad = torch.softmax(z, 1)
-    exact_grad[kept.nonzero()[:, 0], target[kept]] -= 1
-    exact_grad[~kept] = 0
+    exact_loss, exact_grad = _exact(logits, target, vocab)
     err = {name: ((g.double() - exact_grad).norm() / exact_grad.norm()).item()
            for name, g in (("lanes", grad_l), ("blocks", grad_b))}
     assert err["lanes"] <= err["blocks"] * 1.05 + 1e-12, err

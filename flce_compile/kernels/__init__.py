@@ -1,6 +1,7 @@
 """Triton kernels, one a file.
 
-``CE_CHUNK_REVISION`` is importable without triton: the tuner records it with each CE tile it picks.
+``CE_CHUNK_REVISION`` and ``LANE_WIDTH`` are importable without triton: the tuner records the revision with each
+CE tile it picks, and ``strategies.ce_triton`` counts a launch's lanes with the width.
 """
 
 #: Revision of ``ce_chunk.ce_chunk_kernel``, bumped when a change to it can change which tile is fastest (2: the
@@ -8,3 +9,6 @@
 #: instead of a select, later that day; 4: pass 2 walks each row backwards, 2026-12-04).
 #: ``flce-tune --retune-ce-tiles --skip-existing`` re-picks the entries whose tile was picked for another revision.
 CE_CHUNK_REVISION = 4
+#: Elements a lane holds in each block of the CE kernel's lane-wise pass 1 (``ce_chunk._lane_pass``): one
+#: thread's 16-byte load of bf16. ``ce_triton.lanes`` sizes a launch's LANES by it; the kernel lays its tile out by it.
+LANE_WIDTH = 8

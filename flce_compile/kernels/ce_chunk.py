@@ -41,6 +41,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import LANE_WIDTH
+
+#: ``LANE_WIDTH`` as the kernel reads it (a global a kernel reads must be a constexpr).
+_LANE_WIDTH = tl.constexpr(LANE_WIDTH)
+
 
 @triton.jit
 def _transform(raw, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, SCALED: tl.constexpr):
@@ -85,8 +90,10 @@ def _load_block(ptr, offs, vocab, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _smoothing_shift(running_max):
-    """The shift the smoothing sum ends relative to: the row's max, or 0 for a row of -inf (``_softmax_block``)."""
+def _finite_shift(running_max):
+    """The shift the sums are taken relative to: the running max, or 0 while it is -inf. While every logit so far is
+    -inf (classes masked through the bias) the max is -inf too, and -inf - -inf would make the sum nan; exact either
+    way, since the sum is 0 until a finite logit. The smoothing sum ends relative to it too."""
     return tl.where(running_max == -float("inf"), 0.0, running_max)
 
 
@@ -126,6 +133,8 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
     new_max = tl.maximum(running_max, block_max)
     # While every logit so far is -inf (classes masked through the bias) the max is -inf too: shift by 0
     # then, since -inf - -inf would make the sum nan. Exact either way: the sum is 0 until a finite logit.
+    # (``_finite_shift`` spelled out: called here it compiled to other instructions and register counts at 20 of
+    # kernel_ptx's 144 launches, Triton 3.9, 2026-12-07; its other calls compile as the expression did.)
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
     if HAS_SMOOTHING:
@@ -135,7 +144,7 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
             term = term * w
         if MASKED:  # past V z may be anything (padding): select
             term = tl.where(offs < vocab, term, 0.0)
-        old_shift = _smoothing_shift(running_max)
+        old_shift = _finite_shift(running_max)
         # (only where the shift moved: an inf weight seen times a shift that stayed would be nan)
         smooth_sum += tl.where(old_shift != shift, seen * (old_shift - shift), 0.0) + tl.sum(term, axis=0)
         if HAS_CE_WEIGHT:
@@ -245,7 +254,7 @@ def _lane_block(row_ptr, offs, vocab, width, lane_max, lane_sum, logit_scale, so
         if MASKED:
             z = tl.where(offs < vocab, z, -float("inf"))
     new_max = tl.maximum(lane_max, tl.max(tl.max(z, axis=2), axis=0))
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a lane of -inf so far: 0, as _softmax_block
+    shift = _finite_shift(new_max)  # a lane of -inf so far: 0
     block_sum = tl.sum(tl.sum(tl.exp(z - shift[None, :, None]), axis=2), axis=0)
     return new_max, lane_sum * tl.exp(lane_max - shift) + block_sum
 
@@ -279,7 +288,7 @@ def _lane_pass(row_ptr, vocab, vocab_full, width, logit_scale, softcap, HAS_SOFT
             lane_max, lane_sum = _lane_block(row_ptr, start + tile, vocab, width, lane_max, lane_sum, logit_scale,
                                              softcap, HAS_SOFTCAP, MASKED=True, SCALED=SCALED, PADDED=PADDED)
     running_max = tl.max(lane_max, axis=0)
-    shift = tl.where(running_max == -float("inf"), 0.0, running_max)
+    shift = _finite_shift(running_max)
     return running_max, tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
 
 
@@ -408,7 +417,7 @@ def ce_chunk_kernel(
                 if LANES > 0 and not HAS_SMOOTHING:
                     running_max, running_sum = _lane_pass(
                         row_ptr, vocab, vocab_full, width, logit_scale, softcap, HAS_SOFTCAP, UNMASKED_BLOCKS,
-                        PADDED, SCALED, BLOCK_V, LANES, 8)
+                        PADDED, SCALED, BLOCK_V, LANES, _LANE_WIDTH)
                 else:
                     running_max, running_sum, smooth_sum, seen, top_col = _softmax_pass(
                         row_ptr, ce_weight_ptr + class_offset, cols, vocab, vocab_full, width, logit_scale,
@@ -443,7 +452,7 @@ def ce_chunk_kernel(
             if HAS_LSE_IN:  # no pass 1, so no smoothing sum (0): the chunk loops never ask for this loss
                 lse_rel = lse
             else:
-                lse_rel = (running_max - _smoothing_shift(running_max)) + log_sum
+                lse_rel = (running_max - _finite_shift(running_max)) + log_sum
             ce += smooth_per_class * (weight_sum * lse_rel - smooth_sum)
         loss = ce * ce_scale
         if HAS_Z_LOSS:

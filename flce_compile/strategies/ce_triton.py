@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 import triton
 
+from ..kernels import LANE_WIDTH
 from ..params import LossParams
 from ..plan.config import FLCEConfig
 from .ce_common import CEStepArgs
@@ -37,9 +38,9 @@ def lane_pass(on: bool) -> Iterator[None]:
 
 
 def lanes(block_v: int, num_warps: int) -> int:
-    """The kernel's LANES: one a thread, each 8 contiguous elements wide, as many as a block holds (0: the
-    block-wise pass 1)."""
-    return min(32 * num_warps, block_v // 8) if LANE_PASS else 0
+    """The kernel's LANES: one a thread, each ``kernels.LANE_WIDTH`` contiguous elements wide, as many as a block
+    holds (0: the block-wise pass 1)."""
+    return min(32 * num_warps, block_v // LANE_WIDTH) if LANE_PASS else 0
 
 
 def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
