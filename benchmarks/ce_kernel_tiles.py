@@ -12,7 +12,7 @@ kernel from below.
 
     python benchmarks/ce_kernel_tiles.py                      # rows 4096; V 50304, 128256, 151936, 256000
     python benchmarks/ce_kernel_tiles.py --vocabs 128256 --tiles 4096:8 4096:16
-    python benchmarks/ce_kernel_tiles.py --lane-pass --tag _lanes   # pass 1 lane-wise (ce_triton.LANE_PASS on)
+    python benchmarks/ce_kernel_tiles.py --lane-pass --tag _lanes   # pass 1 lane-wise (forced: ce_triton.LANE_PASS)
 
 On the CPU (what tests/test_bench_ce_tiles.py runs, Triton's interpreter at tiny shapes):
 
@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit("ce_kernel_tiles.py --device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
     if args.rows < 1 or args.reps < 1:
         parser.error("--rows and --reps must be >= 1")
-    lane_pass = args.lane_pass or ce_triton.LANE_PASS
+    lane_pass = bool(args.lane_pass)  # forced either way: the timer's configs are block-wise
     with ce_triton.lane_pass(lane_pass):
         results = [time_tiles(args.rows, v, args.tiles, args.device, args.reps) for v in args.vocabs]
     names = [f"{b}:{w}" for b, w in args.tiles]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     env = {"device": gpu, "date": datetime.date.today().isoformat(), "lane_pass": lane_pass, **versions()}
     md = (f"# ce_kernel_tiles: {gpu}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n"
-          f"Pass 1 {'lane-wise (ce_triton.LANE_PASS on)' if lane_pass else 'block-wise'}. "
+          f"Pass 1 {'lane-wise (forced: ce_triton.LANE_PASS)' if lane_pass else 'block-wise'}. "
           "The CE step alone on one bf16 chunk (loss + in-place gradient; rows at the chunk loop's padded stride), "
           f"ms per tile BLOCK_V:NUM_WARPS (median of {args.reps}, each on freshly refilled logits); '-' = a tile the "
           "registry rejects for that V. copy = one read and one write of the chunk; the kernel's three passes at that "

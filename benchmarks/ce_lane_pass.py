@@ -2,8 +2,9 @@
 
 ``ce_chunk._lane_pass`` keeps a running max and sum per lane (a thread's 8 contiguous logits) and combines the lanes
 once a row, where the block-wise ``_softmax_pass`` reduces every block over the whole program (warp shuffles and
-shared-memory barriers a block). ``ce_triton.LANE_PASS`` (off by default until this benchmark shows it pays) decides
-whether the chunk loop's plain forward takes it; this A/B sets it each way. Per shape:
+shared-memory barriers a block). A config's ``lane_pass`` decides whether the chunk loop's plain forward takes it
+(``flce-tune --retune-ce-tiles`` picks it per entry, with the tile); this A/B forces it each way
+(``ce_triton.LANE_PASS``), whatever the shape's config says. Per shape:
 
 * the CE step alone on one chunk (the shape's config: its chunk rows and CE tile), lane-wise and not, alternating
   ``--rounds`` times: median ms, DRAM passes of time (a copy of the chunk = 2), and how the two gradients differ
@@ -45,7 +46,7 @@ from flce_compile.plan.config import FLCEConfig  # noqa: E402
 from flce_compile.plan.layout import padded_row_elements  # noqa: E402
 from flce_compile.strategies import ce_triton  # noqa: E402
 from flce_compile.strategies.ce_common import CEStepArgs  # noqa: E402
-from flce_compile.tuning.ce_tiles import ce_step_timer, tile_name, with_tile  # noqa: E402
+from flce_compile.tuning.ce_tiles import Tile, ce_step_timer, tile_name, with_tile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ("16384x4096x128256", "16384x4096x151936", "65536x4096x128256", "8192x2304x256000", "4096x768x50257")
@@ -107,17 +108,17 @@ def own_tiles(rows: int, vocab: int, config: FLCEConfig, tiles: list[tuple[int, 
     chosen: dict[bool, FLCEConfig] = {}
     timed: dict[str, dict[str, float]] = {}
     for on, way in ((True, "lanes"), (False, "blocks")):
-        ms: dict[tuple[int, int, int], float] = {}
+        ms: dict[Tile, float] = {}
         with ce_triton.lane_pass(on):
             for block_v, num_warps in candidates:
-                tile = (block_v, num_warps, config.num_stages)
+                tile = Tile(block_v, num_warps, config.num_stages, on)
                 if rules(with_tile(config, tile), vocab) is None:
                     ms[tile] = timer(rows, vocab, torch.bfloat16, tile)
         if not ms:
             raise SystemExit(f"ce_lane_pass.py --own-tiles: no tile of {sorted(candidates)} runs V={vocab} {way}; "
                              "pass --tiles with some that do")
         chosen[on] = with_tile(config, min(ms, key=ms.get))
-        timed[way] = {tile_name(tile): t for tile, t in ms.items()}
+        timed[way] = {tile_name(tile[:3]): t for tile, t in ms.items()}  # the pass is the dict's
     return chosen, timed
 
 

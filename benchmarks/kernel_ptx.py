@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from flce_compile.strategies import ce_triton
-    lane_wise = args.lane_pass or ce_triton.LANE_PASS
+    lane_wise = bool(args.lane_pass)  # forced either way, as the launches' configs may not say
     with ce_triton.lane_pass(lane_wise):
         rows = run(args.tiles, args.against, args.layout, args.case)
     md = (f"# ce_chunk_kernel compiled for sm_{ARCH} (no GPU), triton {triton.__version__}, "

@@ -53,7 +53,8 @@ def test_own_tiles_picks_each_pass_fastest_legal_tile(monkeypatch):
         def __call__(self, rows, vocab, dtype, tile):
             timed.append((tile, ce_triton.LANE_PASS))
             fast = (128, 4, 1) if ce_triton.LANE_PASS else (64, 2, 1)
-            return 1.0 if tile == fast else 2.0 + tile[0] / 1e4
+            assert tile[3] is ce_triton.LANE_PASS  # the tile says the pass the switch forces
+            return 1.0 if tile[:3] == fast else 2.0 + tile[0] / 1e4
 
     monkeypatch.setattr(ce_lane_pass, "ce_step_timer", lambda device, reps, warmup: Timer())
     before = ce_triton.LANE_PASS
@@ -63,6 +64,7 @@ def test_own_tiles_picks_each_pass_fastest_legal_tile(monkeypatch):
     assert (chosen[True].block_v, chosen[True].num_warps) == (128, 4)
     assert (chosen[False].block_v, chosen[False].num_warps) == (64, 2)
     assert chosen[True].chunk_tokens == config.chunk_tokens  # only the tile moves
+    assert chosen[True].lane_pass and not chosen[False].lane_pass  # each config says its pass
     # 4096 is past V's next power of two (the launch rules reject it); the config's own tile is timed too
     assert set(ms["lanes"]) == set(ms["blocks"]) == {"64:2:1", "128:4:1", "256:4:1"}
     assert sorted(on for _tile, on in timed) == [False] * 3 + [True] * 3

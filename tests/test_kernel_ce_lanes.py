@@ -5,6 +5,7 @@ several elements a lane, rows of -inf and ignored rows; on a GPU, at the tiles a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -22,14 +23,13 @@ ROWS = 12
 
 def _step(logits: torch.Tensor, target: torch.Tensor, vocab: int, config: FLCEConfig, padded: bool,
           lane_wise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, gradient) of one chunk's CE step ("sum": a factor of 1) with the lane-wise pass on or off."""
+    """(loss, gradient) of one chunk's CE step ("sum": a factor of 1), the config's pass 1 lane-wise or not."""
     buf, dev = logits.clone(), logits.device
     args = CEStepArgs(logits=buf[:, :vocab], target=target, ce_weight=None,
                       weight_sum=torch.tensor(float(vocab), device=dev), ce_scale=torch.tensor(1.0, device=dev),
                       z_scale=torch.tensor(1.0, device=dev), loss_out=torch.empty(len(target), device=dev),
                       lse_out=None, lse_in=None, write_grad=True, padded=padded)
-    with ce_triton.lane_pass(lane_wise):
-        ce_triton.ce_step_triton(args, LossParams(), config)
+    ce_triton.ce_step_triton(args, LossParams(), dataclasses.replace(config, lane_pass=lane_wise))
     return args.loss_out, buf[:, :vocab].float()
 
 
@@ -48,9 +48,8 @@ def _exact(logits: torch.Tensor, target: torch.Tensor, vocab: int) -> tuple[torc
 @pytest.mark.parametrize("vocab,stride,padded", [(1203, 1216, True), (1203, 1203, False), (1280, 1280, False)],
                          ids=["padded", "odd V", "V % 16 == 0"])
 @pytest.mark.parametrize("block_v,num_warps", [(64, 2), (512, 1)], ids=["8 a lane", "16 a lane"])
-def test_lane_wise_matches_block_wise_and_fp64(vocab, stride, padded, block_v, num_warps, monkeypatch):
-    monkeypatch.setattr(ce_triton, "LANE_PASS", True)
-    assert block_v // ce_triton.lanes(block_v, num_warps) == (8 if block_v == 64 else 16)  # a lane's logits a block
+def test_lane_wise_matches_block_wise_and_fp64(vocab, stride, padded, block_v, num_warps):
+    assert block_v // ce_triton.lanes(block_v, num_warps, True) == (8 if block_v == 64 else 16)  # a lane's logits
     gen = torch.Generator().manual_seed(vocab + block_v)
     logits = (torch.randn(ROWS, stride, generator=gen) * 3).to(torch.bfloat16)
     logits[:, vocab:] = 1e4  # padding holds anything: never a class
@@ -89,11 +88,40 @@ def test_a_row_of_minus_inf_is_as_block_wise():
     assert torch.allclose(loss_l[5:], loss_b[5:], rtol=1e-6)
 
 
-def test_lanes_follow_the_tile(monkeypatch):
-    assert ce_triton.lanes(4096, 8) == 0  # off by default: the block-wise pass (until a GPU A/B says otherwise)
-    monkeypatch.setattr(ce_triton, "LANE_PASS", True)
-    assert ce_triton.lanes(4096, 8) == 256  # a thread a lane: 2 x 8 elements each per block
-    assert ce_triton.lanes(1024, 8) == 128  # fewer lanes than threads when the block is small
+def test_lanes_follow_the_config_and_the_tile(monkeypatch):
+    assert ce_triton.lanes(4096, 8) == 0  # a config without lane_pass: the block-wise pass
+    assert ce_triton.lanes(4096, 8, True) == 256  # a thread a lane: 2 x 8 elements each per block
+    assert ce_triton.lanes(1024, 8, True) == 128  # fewer lanes than threads when the block is small
+    monkeypatch.setattr(ce_triton, "LANE_PASS", False)  # forced (the A/B benchmarks): the config is overruled
+    assert ce_triton.lanes(4096, 8, True) == 0
+    with ce_triton.lane_pass(True):
+        assert ce_triton.lanes(4096, 8) == 256
+    assert ce_triton.LANE_PASS is False
+
+
+@interpreted
+def test_the_op_runs_pass_1_as_its_config_says(monkeypatch):
+    """``FLCEConfig.lane_pass`` reaches the kernel from the op's config argument (a tuning entry's config takes the
+    same path), and the op's loss and gradients match the block-wise pass's."""
+    from flce_compile import fused_linear_cross_entropy
+
+    launched = []
+    real = ce_triton.lanes
+    monkeypatch.setattr(ce_triton, "lanes", lambda *a: launched.append(real(*a)) or launched[-1])
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(24, 16, generator=g), torch.randn(300, 16, generator=g) / 4
+    t = torch.randint(0, 300, (24,), generator=g)
+    out = {}
+    for lane_wise in (False, True):
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xo, wo, t, config={"strategy": "triton", "block_v": 64, "num_warps": 2,
+                                                              "chunk_tokens": 8, "lane_pass": lane_wise})
+        loss.backward()
+        out[lane_wise] = (loss.detach(), xo.grad, wo.grad)
+        assert launched and all((n > 0) == lane_wise for n in launched)
+        launched.clear()
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -3,9 +3,9 @@
 Pass 1 walks the row's logits in blocks of BLOCK_V with an online softmax (running max and sum) to get lse, and the
 weighted sum of logits that label smoothing needs (taken relative to the running max: ``_softmax_block``). The
 row's loss follows. Without smoothing or the max's column to find (the chunk loop's plain forward), pass 1 can run
-lane-wise (``_lane_pass``, when the launch gives LANES > 0; ``ce_triton.LANE_PASS``, off until a GPU shows it
-pays): each thread keeps its own running max and sum, and the threads are combined once a row, so the loop holds
-no warp shuffles and no barrier between the warps. Pass 2, when a gradient is
+lane-wise (``_lane_pass``, when the launch gives LANES > 0: a config with ``lane_pass``, which the CE tile re-pick
+chooses where it is faster): each thread keeps its own running max and sum, and the threads are combined once a
+row, so the loop holds no warp shuffles and no barrier between the warps. Pass 2, when a gradient is
 wanted, re-reads each block, from the row's end back (the blocks pass 1 read last are the likeliest to be in L2
 still), and writes dloss/dlogits to the gradient rows: the logits themselves (in place, the usual case) or a
 separate buffer when the logits must stay intact (they are returned to the caller). All math is fp32; the

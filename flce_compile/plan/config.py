@@ -48,6 +48,11 @@ class FLCEConfig:
     #: what ``precision="precise"`` runs (see ``plan.precision``). A no-op for fp32/fp64 inputs. Never tuned:
     #: it is part of the precision the user chose, not of the speed.
     fp32_logits: bool = False
+    #: The CE kernel's pass 1 lane-wise (``kernels.ce_chunk._lane_pass``: a running max and sum per thread, combined
+    #: once a row, so its loop holds no barrier) instead of block-wise. Part of the CE tile: ``flce-tune
+    #: --retune-ce-tiles`` times every tile both ways and keeps the faster (on an H100, 2026-12-07, lane-wise ran
+    #: GPT-2's 4096 x 50257 chunk 9% faster at its best tile, and lost or tied at the H = 4096 shapes).
+    lane_pass: bool = False
 
     def __post_init__(self) -> None:
         if not registry.is_registered(self.strategy):
@@ -67,7 +72,7 @@ class FLCEConfig:
         if self.num_warps > MAX_NUM_WARPS:  # the launch would fail with Triton's "out of resource: threads"
             raise ValueError(f"config.num_warps={self.num_warps} must be at most {MAX_NUM_WARPS} (a GPU thread block "
                              f"holds at most {32 * MAX_NUM_WARPS} threads)")
-        for name in ("streams", "pad_vocab", "fp32_logits"):
+        for name in ("streams", "pad_vocab", "fp32_logits", "lane_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}={getattr(self, name)!r} must be True or False")
 

@@ -17,17 +17,15 @@ from .ce_common import CEStepArgs
 
 #: A masked loop vectorizes its loads and stores when its bound is a multiple of this (elements).
 _VECTOR = 16
-#: Whether pass 1 may run lane-wise (``ce_chunk._lane_pass``: no barrier in its loop, where the block-wise pass has
-#: four a block). Off: at the tuned tiles it did not pay on an H100 (2026-12-07: the CE step 1-4% slower at four of
-#: the benchmark shapes, the op 0.3% faster to 1.5% slower); with its tiles re-picked it is untimed (docs/testing.md).
-#: ``benchmarks/ce_lane_pass.py`` times both (it switches this, as the interpreter tests do, which hold the two passes
-#: to the same numbers). Not an option.
-#: Turning it on by default is a new kernel revision (``kernels.CE_CHUNK_REVISION``): the fastest CE tile may move.
-LANE_PASS = False
+#: Forces pass 1 lane-wise (True) or block-wise (False) at every launch; None (the default): each launch as its
+#: config's ``lane_pass`` says, which ``flce-tune --retune-ce-tiles`` picks per tuning entry with the rest of the CE
+#: tile. Forcing it is for the A/B benchmarks (``benchmarks/ce_lane_pass.py``, ``ce_kernel_tiles.py --lane-pass``)
+#: and the interpreter tests, which hold the two passes to the same numbers. Not an option: set the config's field.
+LANE_PASS: bool | None = None
 
 
 @contextlib.contextmanager
-def lane_pass(on: bool) -> Iterator[None]:
+def lane_pass(on: bool | None) -> Iterator[None]:
     """``LANE_PASS`` set to ``on`` inside the block and restored after (the A/B benchmarks and tests switch it)."""
     global LANE_PASS
     saved, LANE_PASS = LANE_PASS, on
@@ -37,10 +35,12 @@ def lane_pass(on: bool) -> Iterator[None]:
         LANE_PASS = saved
 
 
-def lanes(block_v: int, num_warps: int) -> int:
-    """The kernel's LANES: one a thread, each ``kernels.LANE_WIDTH`` contiguous elements wide, as many as a block
-    holds (0: the block-wise pass 1)."""
-    return min(32 * num_warps, block_v // LANE_WIDTH) if LANE_PASS else 0
+def lanes(block_v: int, num_warps: int, lane_wise: bool = False) -> int:
+    """The kernel's LANES for a launch whose config says ``lane_wise`` (``LANE_PASS`` overrides it when set): one
+    a thread, each ``kernels.LANE_WIDTH`` contiguous elements wide, as many as a block holds (0: the block-wise
+    pass 1)."""
+    on = lane_wise if LANE_PASS is None else LANE_PASS
+    return min(32 * num_warps, block_v // LANE_WIDTH) if on else 0
 
 
 def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
@@ -114,7 +114,7 @@ def ce_step_triton(args: CEStepArgs, p: LossParams, config: FLCEConfig) -> None:
         PADDED=padded,
         SCALED=p.logit_scale != 1.0,
         BLOCK_V=block_v,
-        LANES=lanes(block_v, config.num_warps),
+        LANES=lanes(block_v, config.num_warps, config.lane_pass),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,5 +1,5 @@
-"""Re-pick the CE kernel's launch tile (block_v, num_warps, num_stages) of stored tuning entries, timing the CE
-step alone (``flce-tune --retune-ce-tiles``).
+"""Re-pick the CE kernel's launch tile (block_v, num_warps, num_stages, and pass 1 lane-wise or block-wise) of
+stored tuning entries, timing the CE step alone (``flce-tune --retune-ce-tiles``).
 
 Why alone: the CE step is a few percent of a call (4.9 of 80 ms at 16384 x 4096 x 128256 on an H200), so the
 tile barely moves a whole call at the tuner's noise, and whole-call trials could not tell tiles apart: until
@@ -48,32 +48,58 @@ DEFAULT_WINS_BY = 0.01
 #: The strategy whose entries are re-picked (its CE step runs on the chunk rows, see the module docstring).
 STRATEGY = "triton"
 
-Tile = tuple[int, int, int]
+
+
+class Tile(NamedTuple):
+    """The CE kernel's launch: block, warps, stages, and whether pass 1 runs lane-wise (``FLCEConfig.lane_pass``)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int
+    lane_pass: bool = False
+
+
+#: How a lane-wise tile's name ends ('8192:32:1:lanes'); a block-wise tile's name has three numbers, as before.
+_LANES = "lanes"
 
 
 def tile_of(config: FLCEConfig) -> Tile:
-    return (config.block_v, config.num_warps, config.num_stages)
+    return Tile(config.block_v, config.num_warps, config.num_stages, config.lane_pass)
 
 
 def with_tile(config: FLCEConfig, tile: Tile) -> FLCEConfig:
-    """``config`` launching its CE kernel with ``tile``."""
-    block_v, num_warps, num_stages = tile
-    return dataclasses.replace(config, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+    """``config`` launching its CE kernel with ``tile`` (a (block_v, num_warps, num_stages) triple: block-wise)."""
+    tile = Tile(*tile)
+    return dataclasses.replace(config, block_v=tile.block_v, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                               lane_pass=tile.lane_pass)
 
 
 def tile_name(tile: Tile) -> str:
-    """'block_v:num_warps:num_stages', as the records and the CLI print it."""
-    return ":".join(map(str, tile))
+    """'block_v:num_warps:num_stages', with ':lanes' for a lane-wise pass 1, as the records and the CLI print it."""
+    tile = Tile(*tile)  # a (block_v, num_warps, num_stages) triple is block-wise
+    numbers = ":".join(map(str, tile[:3]))
+    return f"{numbers}:{_LANES}" if tile.lane_pass else numbers
+
+
+def parse_tile(name: str) -> Tile:
+    """The tile ``tile_name`` printed as ``name``."""
+    *numbers, last = name.split(":")
+    lane_wise = last == _LANES
+    if not lane_wise:
+        numbers.append(last)
+    block_v, num_warps, num_stages = (int(v) for v in numbers)
+    return Tile(block_v, num_warps, num_stages, lane_wise)
 
 
 def legal_tiles(vocab: int) -> list[Tile]:
-    """The tiles the triton strategy's launch rules accept for ``vocab``, in a stable order."""
+    """The tiles the triton strategy's launch rules accept for ``vocab``, each block-wise and lane-wise, in a stable
+    order (the two passes differ by a few percent either way, by shape and GPU: ``FLCEConfig.lane_pass``)."""
     rules = registry.get(STRATEGY).check
     out = []
-    for block_v, num_warps, num_stages in itertools.product(BLOCK_V, NUM_WARPS, NUM_STAGES):
+    for block_v, num_warps, num_stages, lane_wise in itertools.product(BLOCK_V, NUM_WARPS, NUM_STAGES, (False, True)):
         config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
         if rules(config, vocab) is None:
-            out.append((block_v, num_warps, num_stages))
+            out.append(Tile(block_v, num_warps, num_stages, lane_wise))
     return out
 
 
@@ -147,8 +173,7 @@ class CEStepTimer:
         from ..strategies.ce_triton import ce_step_triton  # noqa: PLC0415
 
         source, logits, args = self.chunk(rows, vocab, dtype)
-        block_v, num_warps, num_stages = tile
-        config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
+        config = with_tile(FLCEConfig(strategy=STRATEGY), Tile(*tile))
         times = []
         for run in range(self.reps + self.warmup):
             logits.copy_(source)
@@ -190,7 +215,7 @@ class TilePick:
 
     def record(self) -> dict[str, Any]:
         """What the entry stores about the pick (its ``extra["ce_tile_retune"]``): the two tiles and their CE
-        step times, not all of them (60 tiles a chunk would be most of the shipped file)."""
+        step times, not all of them (120 tiles a chunk would be most of the shipped file)."""
         own, chosen = self.ms.get(tile_name(self.current)), self.ms.get(tile_name(self.chosen))
         return {"rows": self.rows, "from": tile_name(self.current), "to": tile_name(self.chosen),
                 "from_ms": None if own is None else round(own, 4),
@@ -204,6 +229,7 @@ def pick_tile(timer: CETimer, rows: int, vocab: int, dtype: torch.dtype, current
     """Time every legal tile on a (rows, V) chunk (memoised in ``timings`` across entries that share it) and
     choose the fastest, unless it beats ``current`` by less than ``min_gain`` (or ``current`` could not be
     timed and nothing could)."""
+    current = Tile(*current)
     key = (rows, vocab, dtype)
     if timings is not None and key in timings:
         ms, failed = timings[key]
@@ -220,10 +246,9 @@ def pick_tile(timer: CETimer, rows: int, vocab: int, dtype: torch.dtype, current
     chosen = current
     if ms:
         best_name = min(ms, key=ms.get)
-        best = tuple(int(v) for v in best_name.split(":"))
         own = ms.get(tile_name(current))
         if own is None or ms[best_name] < own * (1 - min_gain):
-            chosen = best  # type: ignore[assignment]
+            chosen = parse_tile(best_name)
     return TilePick(rows=rows, vocab=vocab, current=current, chosen=chosen, ms=ms, failed=failed)
 
 

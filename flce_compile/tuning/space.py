@@ -161,6 +161,8 @@ class SearchSpace:
                 values[name] = getattr(self.base, name)
         if not self.vocab_needs_padding():
             values["pad_vocab"] = False  # runs identically either way
+        if "block_v" not in used:
+            values["lane_pass"] = False  # no CE kernel; with one, the CE tile re-pick chooses it (not sampled)
         if not self.dw_finish_possible():
             values["dw_path"] = _same_dw_path(values["dw_path"])  # likewise
         return FLCEConfig(**values)
