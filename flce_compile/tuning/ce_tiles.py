@@ -49,7 +49,6 @@ DEFAULT_WINS_BY = 0.01
 STRATEGY = "triton"
 
 
-
 class Tile(NamedTuple):
     """The CE kernel's launch: block, warps, stages, and whether pass 1 runs lane-wise (``FLCEConfig.lane_pass``)."""
 
