@@ -172,7 +172,7 @@ class CEStepTimer:
         from ..strategies.ce_triton import ce_step_triton  # noqa: PLC0415
 
         source, logits, args = self.chunk(rows, vocab, dtype)
-        config = with_tile(FLCEConfig(strategy=STRATEGY), Tile(*tile))
+        config = with_tile(FLCEConfig(strategy=STRATEGY), tile)
         times = []
         for run in range(self.reps + self.warmup):
             logits.copy_(source)
