@@ -103,6 +103,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     gradient's placements and which graphs were fused."""
     import torch.distributed as dist
 
+    # The ranks share the host's cores (two on CI, with another test worker): one intra-op thread each, so that
+    # neither rank's thread pool takes the core that the other rank, which it waits for in each collective, needs.
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
