@@ -131,10 +131,9 @@ def _softmax_block(row_ptr, class_weight_ptr, offs, vocab, width, running_max, r
         first = tl.min(tl.where(z_max == block_max, offs, 2147483647), axis=0)
         top_col = tl.where(block_max > running_max, first, top_col)
     new_max = tl.maximum(running_max, block_max)
-    # While every logit so far is -inf (classes masked through the bias) the max is -inf too: shift by 0
-    # then, since -inf - -inf would make the sum nan. Exact either way: the sum is 0 until a finite logit.
-    # (``_finite_shift`` spelled out: called here it compiled to other instructions and register counts at 20 of
-    # kernel_ptx's 144 launches, Triton 3.9, 2026-12-07; its other calls compile as the expression did.)
+    # ``_finite_shift(new_max)`` (0 while every logit so far is -inf), spelled out: called here it compiled to other
+    # instructions and register counts at 20 of kernel_ptx's 144 launches, Triton 3.9, 2026-12-07; its other calls
+    # compile as the expression did.
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z_max - shift), axis=0)
     if HAS_SMOOTHING:
