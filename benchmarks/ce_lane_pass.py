@@ -109,11 +109,10 @@ def own_tiles(rows: int, vocab: int, config: FLCEConfig, tiles: list[tuple[int, 
     timed: dict[str, dict[str, float]] = {}
     for on, way in ((True, "lanes"), (False, "blocks")):
         ms: dict[Tile, float] = {}
-        with ce_triton.lane_pass(on):
-            for block_v, num_warps in candidates:
-                tile = Tile(block_v, num_warps, config.num_stages, on)
-                if rules(with_tile(config, tile), vocab) is None:
-                    ms[tile] = timer(rows, vocab, torch.bfloat16, tile)
+        for block_v, num_warps in candidates:  # the tile carries the pass: no switch to force
+            tile = Tile(block_v, num_warps, config.num_stages, on)
+            if rules(with_tile(config, tile), vocab) is None:
+                ms[tile] = timer(rows, vocab, torch.bfloat16, tile)
         if not ms:
             raise SystemExit(f"ce_lane_pass.py --own-tiles: no tile of {sorted(candidates)} runs V={vocab} {way}; "
                              "pass --tiles with some that do")

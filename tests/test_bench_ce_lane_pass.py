@@ -51,9 +51,9 @@ def test_own_tiles_picks_each_pass_fastest_legal_tile(monkeypatch):
 
     class Timer:  # a fixed time a (tile, pass): the lane-wise pass fastest at 128:4, the block-wise at 64:2
         def __call__(self, rows, vocab, dtype, tile):
-            timed.append((tile, ce_triton.LANE_PASS))
-            fast = (128, 4, 1) if ce_triton.LANE_PASS else (64, 2, 1)
-            assert tile[3] is ce_triton.LANE_PASS  # the tile says the pass the switch forces
+            assert ce_triton.LANE_PASS is None  # not forced: the tile's pass is the one its config runs
+            timed.append((tile, tile.lane_pass))
+            fast = (128, 4, 1) if tile.lane_pass else (64, 2, 1)
             return 1.0 if tile[:3] == fast else 2.0 + tile[0] / 1e4
 
     monkeypatch.setattr(ce_lane_pass, "ce_step_timer", lambda device, reps, warmup: Timer())
