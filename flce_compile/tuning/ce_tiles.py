@@ -95,10 +95,10 @@ def legal_tiles(vocab: int) -> list[Tile]:
     order (the two passes differ by a few percent either way, by shape and GPU: ``FLCEConfig.lane_pass``)."""
     rules = registry.get(STRATEGY).check
     out = []
-    for block_v, num_warps, num_stages, lane_wise in itertools.product(BLOCK_V, NUM_WARPS, NUM_STAGES, (False, True)):
+    for block_v, num_warps, num_stages in itertools.product(BLOCK_V, NUM_WARPS, NUM_STAGES):
         config = FLCEConfig(strategy=STRATEGY, block_v=block_v, num_warps=num_warps, num_stages=num_stages)
-        if rules(config, vocab) is None:
-            out.append(Tile(block_v, num_warps, num_stages, lane_wise))
+        if rules(config, vocab) is None:  # the rules do not look at the pass: one check serves both
+            out += [Tile(block_v, num_warps, num_stages, lane_wise) for lane_wise in (False, True)]
     return out
 
 
