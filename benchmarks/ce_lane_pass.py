@@ -105,17 +105,18 @@ def own_tiles(rows: int, vocab: int, config: FLCEConfig, tiles: list[tuple[int, 
     timer = ce_step_timer(torch.device(device), reps=reps, warmup=2)
     candidates = dict.fromkeys([*tiles, (config.block_v, config.num_warps)])
     rules = registry.get("triton").check
+    # The launch rules do not look at the pass (as in ce_tiles.legal_tiles): one check serves both ways.
+    legal = [pair for pair in candidates
+             if rules(with_tile(config, Tile(*pair, config.num_stages, False)), vocab) is None]
+    if not legal:
+        raise SystemExit(f"ce_lane_pass.py --own-tiles: no tile of {sorted(candidates)} runs V={vocab}; "
+                         "pass --tiles with some that do")
     chosen: dict[bool, FLCEConfig] = {}
     timed: dict[str, dict[str, float]] = {}
     for on, way in ((True, "lanes"), (False, "blocks")):
-        ms: dict[Tile, float] = {}
-        for block_v, num_warps in candidates:  # the tile carries the pass: no switch to force
-            tile = Tile(block_v, num_warps, config.num_stages, on)
-            if rules(with_tile(config, tile), vocab) is None:
-                ms[tile] = timer(rows, vocab, torch.bfloat16, tile)
-        if not ms:
-            raise SystemExit(f"ce_lane_pass.py --own-tiles: no tile of {sorted(candidates)} runs V={vocab} {way}; "
-                             "pass --tiles with some that do")
+        # The tile carries the pass: no switch to force.
+        ms = {tile: timer(rows, vocab, torch.bfloat16, tile)
+              for tile in (Tile(block_v, num_warps, config.num_stages, on) for block_v, num_warps in legal)}
         chosen[on] = with_tile(config, min(ms, key=ms.get))
         timed[way] = {tile_name(tile[:3]): t for tile, t in ms.items()}  # the pass is the dict's
     return chosen, timed
