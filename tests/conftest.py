@@ -12,6 +12,19 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _share_the_cores_among_xdist_workers() -> None:
+    """Each pytest-xdist worker would start one torch thread per core, so the README's test command on CI's 2
+    cores ran 2 workers x 2 threads, which wait on each other's spinning threads: test_op_memory and
+    test_op_numerics took 189 s that way and 148 s with one thread a worker. Give each worker its share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
+
+
+_share_the_cores_among_xdist_workers()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
